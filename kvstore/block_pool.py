@@ -1,0 +1,258 @@
+"""BlockPool: every KV block of one node, with ref counts, an LRU free queue and a hash index."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+from kvstore.block import FreeKVCacheBlockQueue, KVCacheBlock
+from kvstore.hashing import BlockHash
+
+
+class BlockStored(NamedTuple):
+    """Blocks whose KV is complete and now findable by these hashes (in chain order)."""
+
+    block_hashes: list[BlockHash]
+
+
+class BlockRemoved(NamedTuple):
+    """Hashes no longer held by this pool (their blocks were evicted for reuse)."""
+
+    block_hashes: list[BlockHash]
+
+
+KVCacheEvent = BlockStored | BlockRemoved
+
+
+class Adoption(NamedTuple):
+    """Result of :meth:`BlockPool.adopt_blocks`: one block per hash, and which ones need data."""
+
+    blocks: list[KVCacheBlock]
+    is_new: list[bool]
+
+
+class BlockPool:
+    """All KV blocks of one node.
+
+    A block is *in use* while ``ref_cnt > 0`` and *free* otherwise. A free block may still hold a
+    cached prefix (its hash stays registered) until it is evicted: ``get_new_blocks`` takes the
+    least recently freed blocks first and drops their hash. Block 0 is the null block: it pads
+    block tables, is never handed out and is never free.
+
+    Invariants (checked by ``check_invariants`` in tests):
+    ``num_free_blocks + in-use blocks == num_blocks - 1``; a block is in the free queue iff its
+    ``ref_cnt == 0``; ref counts are never negative; a hash maps to at most one block and a
+    block's ``block_hash`` is set iff it is that hash's entry.
+    """
+
+    def __init__(self, num_blocks: int, enable_events: bool = False) -> None:
+        if num_blocks < 2:
+            raise ValueError(
+                f"a BlockPool needs at least 2 blocks (one is the null block), got {num_blocks}"
+            )
+        self.num_blocks = num_blocks
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.null_block.is_null = True
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
+        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        self.enable_events = enable_events
+        self._events: list[KVCacheEvent] = []
+
+    # ---------------------------------------------------------------- queries
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached_block_hash_to_block)
+
+    def get_usage(self) -> float:
+        """Fraction of the usable blocks (null block excluded) held by running requests."""
+        return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    # ---------------------------------------------------------------- allocation
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take ``num_blocks`` free blocks (ref_cnt 1), evicting cached ones LRU-first."""
+        num_free = self.free_block_queue.num_free_blocks
+        if num_blocks < 0 or num_blocks > num_free:
+            raise ValueError(
+                f"cannot allocate {num_blocks} blocks: {num_free} of {self.num_blocks - 1} "
+                "usable blocks are free; free some requests or start the node with more KV blocks"
+            )
+        blocks = self.free_block_queue.popleft_n(num_blocks)
+        cached = self.cached_block_hash_to_block
+        evicted: list[BlockHash] | None = None
+        for block in blocks:
+            block_hash = block.block_hash
+            if block_hash is not None:
+                # NOTE: a free block with a hash is a cached prefix; reusing it is the eviction.
+                del cached[block_hash]
+                block.block_hash = None
+                if evicted is None:
+                    evicted = []
+                evicted.append(block_hash)
+            block.ref_cnt = 1
+        if evicted is not None and self.enable_events:
+            self._events.append(BlockRemoved(evicted))
+        return blocks
+
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Take one more reference on each block (a cache hit); free ones leave the free queue."""
+        for block in blocks:
+            self._check_owned(block)
+        queue = self.free_block_queue
+        for block in blocks:
+            if block.ref_cnt == 0:
+                queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference on each block. Blocks reaching 0 join the back of the free queue in
+        the given order, so the caller passes the blocks to evict first first (a request frees its
+        blocks tail-first so that the shared prefix heads are evicted last)."""
+        blocks = ordered_blocks if isinstance(ordered_blocks, list) else list(ordered_blocks)
+        now_free = []
+        for i, block in enumerate(blocks):
+            ref_cnt = block.ref_cnt
+            if ref_cnt <= 0:
+                # Undo the decrements already made so the pool is unchanged, then complain.
+                for done in blocks[:i]:
+                    done.ref_cnt += 1
+                what = "the null block" if block.is_null else f"block {block.block_id}"
+                raise ValueError(f"cannot free {what}: it is not in use (double free?)")
+            block.ref_cnt = ref_cnt - 1
+            if ref_cnt == 1:
+                now_free.append(block)
+        self.free_block_queue.append_n(now_free)
+
+    # ---------------------------------------------------------------- prefix caching
+
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[BlockHash],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+    ) -> None:
+        """Register ``blocks[num_cached_blocks:num_full_blocks]`` under the matching hashes.
+
+        Call it only once the blocks' KV is written: from then on other requests may reuse them.
+        A hash already held by another block keeps that block (the new one stays unhashed and is
+        recycled normally), so a hash never maps to two blocks.
+        """
+        if num_full_blocks > len(block_hashes) or num_full_blocks > len(blocks):
+            raise ValueError(
+                f"cannot cache {num_full_blocks} full blocks with {len(blocks)} blocks and "
+                f"{len(block_hashes)} hashes"
+            )
+        cached = self.cached_block_hash_to_block
+        stored = []
+        for i in range(num_cached_blocks, num_full_blocks):
+            block, block_hash = blocks[i], block_hashes[i]
+            if block.block_hash is not None:
+                assert block.block_hash == block_hash, f"{block} re-cached under another hash"
+                continue
+            if block_hash in cached:
+                continue
+            block.block_hash = block_hash
+            cached[block_hash] = block
+            stored.append(block_hash)
+        if stored and self.enable_events:
+            self._events.append(BlockStored(stored))
+
+    def adopt_blocks(self, block_hashes: Sequence[BlockHash]) -> Adoption:
+        """Take one reference per hash for blocks shipped from another node.
+
+        A hash this pool already caches is touched (never stored twice); for any other a new block
+        is allocated and registered at once, so the caller must write its KV before anything else
+        may look the hash up. All or nothing: when the pool is short, ``ValueError`` and no change.
+        """
+        cached = self.cached_block_hash_to_block
+        need, seen = 0, set()
+        for block_hash in block_hashes:
+            if block_hash in seen:
+                continue
+            seen.add(block_hash)
+            hit = cached.get(block_hash)
+            # A hit on a free block leaves the free queue just like a fresh allocation does.
+            if hit is None or hit.ref_cnt == 0:
+                need += 1
+        if need > self.num_free_blocks:
+            raise ValueError(
+                f"cannot adopt {len(seen)} blocks: {need} free blocks needed, "
+                f"{self.num_free_blocks} free"
+            )
+        # Touch every hit before allocating, so an allocation never evicts a block this very
+        # adoption is about to reuse.
+        blocks: list[KVCacheBlock | None] = []
+        missing: dict[BlockHash, int] = {}
+        for block_hash in block_hashes:
+            hit = cached.get(block_hash)
+            if hit is not None:
+                self.touch((hit,))
+            elif block_hash in missing:
+                missing[block_hash] += 1
+            else:
+                missing[block_hash] = 1
+            blocks.append(hit)
+        new_blocks = dict(zip(missing, self.get_new_blocks(len(missing)), strict=True))
+        stored = []
+        for block_hash, block in new_blocks.items():
+            block.block_hash = block_hash
+            cached[block_hash] = block
+            stored.append(block_hash)
+            block.ref_cnt = missing[block_hash]
+        is_new, out = [], []
+        for block_hash, hit in zip(block_hashes, blocks, strict=True):
+            if hit is None:
+                hit = new_blocks[block_hash]
+                # Only the first occurrence of a repeated hash needs its data written.
+                is_new.append(missing.pop(block_hash, None) is not None)
+            else:
+                is_new.append(False)
+            out.append(hit)
+        if stored and self.enable_events:
+            self._events.append(BlockStored(stored))
+        return Adoption(out, is_new)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Return and clear the stored/removed events collected since the last call."""
+        events, self._events = self._events, []
+        return events
+
+    # ---------------------------------------------------------------- checks
+
+    def _check_owned(self, block: KVCacheBlock) -> None:
+        bid = block.block_id
+        if not (0 <= bid < self.num_blocks and self.blocks[bid] is block):
+            raise ValueError(f"{block} does not belong to this BlockPool")
+        if block.is_null:
+            raise ValueError("the null block cannot be touched: it pads block tables only")
+
+    def check_invariants(self) -> None:
+        """Assert every documented invariant; O(num_blocks), for tests and debugging."""
+        free_ids = [b.block_id for b in self.free_block_queue]
+        assert len(free_ids) == self.num_free_blocks
+        assert len(set(free_ids)) == len(free_ids), "a block is in the free queue twice"
+        assert 0 not in free_ids, "the null block is in the free queue"
+        free = set(free_ids)
+        in_use = 0
+        for block in self.blocks[1:]:
+            assert block.ref_cnt >= 0, f"{block} has a negative ref count"
+            assert (block.ref_cnt == 0) == (block.block_id in free), (
+                f"{block}: in free queue={block.block_id in free}"
+            )
+            in_use += block.ref_cnt > 0
+            if block.block_hash is not None:
+                assert self.cached_block_hash_to_block.get(block.block_hash) is block
+        assert self.num_free_blocks + in_use == self.num_blocks - 1
+        for block_hash, block in self.cached_block_hash_to_block.items():
+            assert block.block_hash == block_hash, f"{block} indexed under a stale hash"
+        assert self.null_block.block_hash is None

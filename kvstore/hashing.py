@@ -1,0 +1,160 @@
+"""Chained, content-addressed block hashes.
+
+``h_i = SHA-256(msgpack([h_{i-1}, token ids of block i, extra keys of block i]))``
+
+with the parent as 32 raw bytes, the token ids as one ``bin`` of little-endian uint32 (fixed width,
+so the bytes are the same on every platform) and the extra keys as a msgpack array or nil.
+
+Only full blocks have a hash. The chain starts at a root derived from the model's identity, so two
+models (or one model with another dtype, block size or KV layout) never share a block, and a
+request's ``cache_salt`` enters the first block's extra keys, so two tenants never share a chain.
+
+Everything here is plain Python (msgpack + hashlib): the router imports it without torch, and the
+same bytes come out on every process and host. Python's ``hash()`` is never used: it is salted per
+process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NewType
+
+import msgpack
+
+# 32 raw bytes of SHA-256. Bytes (not hex) keep dict lookups and wire messages small.
+BlockHash = NewType("BlockHash", bytes)
+
+HASH_SCHEME = "splitserve-block-hash/v1"
+"""Bumped whenever the hash input format changes, so old indexes can never match new hashes."""
+
+_packb = msgpack.Packer(use_bin_type=True, autoreset=True).pack
+_sha256 = hashlib.sha256
+
+
+@dataclass(frozen=True, slots=True)
+class ModelIdentity:
+    """What makes KV bytes of one model incompatible with another's.
+
+    Every process that computes hashes for a cluster (router, prefill and decode nodes) must build
+    the same identity; :attr:`root_hash` is what they compare at start-up.
+    """
+
+    name: str
+    revision: str = "main"
+    dtype: str = "float32"
+    block_size: int = 16
+    kv_layout: str = "block-major/v1"
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("ModelIdentity.name must be a non-empty model name or path")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+
+    @property
+    def root_hash(self) -> BlockHash:
+        """The parent hash of every request's first block."""
+        return BlockHash(
+            _sha256(
+                _packb(
+                    [
+                        HASH_SCHEME,
+                        self.name,
+                        self.revision,
+                        self.dtype,
+                        self.block_size,
+                        self.kv_layout,
+                    ]
+                )
+            ).digest()
+        )
+
+
+def _bin_header(length: int) -> bytes:
+    """msgpack's header for a ``bin`` field of ``length`` bytes."""
+    return _packb(bytes(length))[:-length]
+
+
+_TOKEN_BYTES = 4
+_BIG_ENDIAN = sys.byteorder == "big"
+_ARRAY3 = b"\x93"  # msgpack: an array of 3 elements
+_PARENT_HEADER = _bin_header(32)
+_NIL = b"\xc0"
+assert array("I").itemsize == _TOKEN_BYTES
+
+
+def encode_token_ids(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian uint32 bytes, the form in which they enter block hashes.
+
+    Raises ``ValueError`` for anything that is not an int in ``[0, 2**32)`` (a negative id, a float,
+    a string), so that two token lists hash alike iff they are equal.
+    """
+    try:
+        arr = array("I", token_ids)
+    except OverflowError:
+        ids = list(token_ids)
+        bad = min(ids) if min(ids) < 0 else max(ids)
+        raise ValueError(
+            f"token ids must be in [0, 2**32), found {bad} at position {ids.index(bad)}"
+        ) from None
+    except TypeError as exc:
+        raise ValueError(f"token ids must be integers: {exc}") from None
+    if _BIG_ENDIAN:
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def hash_block_tokens(
+    parent_hash: bytes, token_ids: Sequence[int], extra_keys: tuple | None = None
+) -> BlockHash:
+    """Hash one full block given its parent's hash (the reference form of one chain step)."""
+    data = _packb([parent_hash, encode_token_ids(token_ids), extra_keys])
+    return BlockHash(_sha256(data).digest())
+
+
+def extend_block_hashes(
+    block_hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    block_size: int,
+    root_hash: bytes,
+    cache_salt: str | None = None,
+) -> list[BlockHash]:
+    """Append to ``block_hashes`` the hashes of the full blocks of ``token_ids`` it lacks.
+
+    ``block_hashes`` must already hold the hashes of the first ``len(block_hashes)`` blocks of the
+    same token list (that is how a growing request is hashed incrementally). Returns the list.
+    Equal to chaining :func:`hash_block_tokens`, only faster: the msgpack encoding of
+    ``[parent, tokens, extra]`` is assembled from precomputed headers instead of packed per block.
+    Every token id is validated, also those of a partial tail block.
+    """
+    start = len(block_hashes)
+    num_full = len(token_ids) // block_size
+    buf = encode_token_ids(token_ids)
+    nbytes = block_size * _TOKEN_BYTES
+    head = _bin_header(nbytes)
+    parent = block_hashes[-1] if block_hashes else root_hash
+    join, append = b"".join, block_hashes.append
+    for i in range(start, num_full):
+        # NOTE: the salt is an extra key of block 0 only; the chain carries it to every later
+        # block, so repeating it would only cost bytes.
+        extra = _packb((cache_salt,)) if i == 0 and cache_salt is not None else _NIL
+        off = i * nbytes
+        parent = _sha256(
+            join((_ARRAY3, _PARENT_HEADER, parent, head, buf[off : off + nbytes], extra))
+        ).digest()
+        append(parent)
+    return block_hashes
+
+
+def hash_request_tokens(
+    token_ids: Sequence[int],
+    block_size: int,
+    root_hash: bytes,
+    cache_salt: str | None = None,
+) -> list[BlockHash]:
+    """The chained hashes of the full blocks of ``token_ids`` (a partial tail block has none)."""
+    return extend_block_hashes([], token_ids, block_size, root_hash, cache_salt)

@@ -1,0 +1,179 @@
+"""KVCacheManager: the blocks of each request on top of one BlockPool."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from kvstore.block import KVCacheBlock
+from kvstore.block_pool import BlockPool
+from kvstore.hashing import BlockHash
+
+
+class ComputedBlocks(NamedTuple):
+    """The longest cached prefix of a request: full blocks only."""
+
+    blocks: list[KVCacheBlock]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Counters since start: lookups, and tokens asked for vs. found in the local cache."""
+
+    requests: int = 0
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+class KVCacheManager:
+    """Per-request block tables over a :class:`BlockPool`.
+
+    The life of a request: ``get_computed_blocks`` (prefix-cache lookup) → ``allocate_slots`` (the
+    cached prefix plus new blocks for the tokens to compute; all or nothing) → the model writes KV →
+    ``cache_blocks`` (newly full blocks become reusable) → more ``allocate_slots`` as it decodes →
+    ``free``. Lookup and allocation must happen in the same scheduling step: blocks found free in
+    the cache may be evicted by any allocation in between.
+    """
+
+    def __init__(self, block_pool: BlockPool, block_size: int, enable_caching: bool = True):
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_pool = block_pool
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}
+        self.stats = PrefixCacheStats()
+
+    # ---------------------------------------------------------------- lookup
+
+    def get_computed_blocks(
+        self, block_hashes: Sequence[BlockHash], num_tokens: int
+    ) -> ComputedBlocks:
+        """Longest run of leading blocks of a request of ``num_tokens`` tokens found in the cache.
+
+        NOTE: at most ``(num_tokens - 1) // block_size`` blocks, so at least one prompt token is
+        left to compute: the first output token needs its logits.
+        """
+        if not self.enable_caching or num_tokens <= 0:
+            return ComputedBlocks([], 0)
+        max_blocks = min(len(block_hashes), (num_tokens - 1) // self.block_size)
+        lookup = self.block_pool.cached_block_hash_to_block.get
+        blocks = []
+        for block_hash in block_hashes[:max_blocks]:
+            block = lookup(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        num_computed = len(blocks) * self.block_size
+        self.stats.requests += 1
+        self.stats.queried_tokens += num_tokens
+        self.stats.hit_tokens += num_computed
+        return ComputedBlocks(blocks, num_computed)
+
+    # ---------------------------------------------------------------- allocation
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        num_tokens: int,
+        computed_blocks: ComputedBlocks | None = None,
+    ) -> list[KVCacheBlock] | None:
+        """Make the request's blocks cover ``num_tokens`` tokens in all (cached + computed + new).
+
+        ``computed_blocks`` (from ``get_computed_blocks``) are only accepted for a request that has
+        no blocks yet. Returns the newly allocated blocks, or ``None`` when the pool is short, in
+        which case nothing changed (no partial allocation, no reference taken).
+        """
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be non-negative, got {num_tokens}")
+        blocks = self.req_to_blocks.get(request_id)
+        prefix = computed_blocks.blocks if computed_blocks is not None else []
+        if prefix and blocks:
+            raise ValueError(
+                f"request {request_id!r} already has blocks; cached prefix blocks can only be "
+                "given on its first allocation"
+            )
+        num_held = (len(blocks) if blocks else 0) + len(prefix)
+        num_new = -(-num_tokens // self.block_size) - num_held
+        pool = self.block_pool
+        # NOTE: a cached prefix block that is free sits in the free queue, so touching it uses up
+        # free capacity just as a new block does.
+        num_free_needed = max(num_new, 0) + sum(1 for b in prefix if b.ref_cnt == 0)
+        if num_free_needed > pool.num_free_blocks:
+            return None
+        if blocks is None:
+            blocks = self.req_to_blocks[request_id] = []
+            self.num_cached_blocks[request_id] = 0
+        if prefix:
+            pool.touch(prefix)
+            blocks.extend(prefix)
+            self.num_cached_blocks[request_id] = len(prefix)
+        if num_new <= 0:
+            return []
+        new_blocks = pool.get_new_blocks(num_new)
+        blocks.extend(new_blocks)
+        return new_blocks
+
+    def adopt_blocks(
+        self, request_id: str, block_hashes: Sequence[BlockHash]
+    ) -> list[KVCacheBlock] | None:
+        """Start a request from full blocks shipped by another node, addressed by hash.
+
+        Hashes this node caches are touched; the others get new blocks, registered at once. Returns
+        the blocks whose KV the caller must now write (in hash order), or ``None`` when the pool is
+        short (nothing changed).
+        """
+        if self.req_to_blocks.get(request_id):
+            raise ValueError(f"request {request_id!r} already has blocks; adopt before allocating")
+        try:
+            adoption = self.block_pool.adopt_blocks(block_hashes)
+        except ValueError:
+            return None
+        self.req_to_blocks[request_id] = adoption.blocks
+        self.num_cached_blocks[request_id] = len(adoption.blocks)
+        return [b for b, new in zip(adoption.blocks, adoption.is_new, strict=True) if new]
+
+    # ---------------------------------------------------------------- caching / freeing
+
+    def cache_blocks(
+        self, request_id: str, block_hashes: Sequence[BlockHash], num_computed_tokens: int
+    ) -> None:
+        """Register the request's blocks made full by its first ``num_computed_tokens`` tokens.
+
+        Call after their KV is written. ``block_hashes`` are the request's chained block hashes.
+        """
+        if not self.enable_caching:
+            return
+        blocks = self.req_to_blocks[request_id]
+        num_cached = self.num_cached_blocks[request_id]
+        num_full = min(num_computed_tokens // self.block_size, len(block_hashes))
+        if num_full <= num_cached:
+            return
+        self.block_pool.cache_full_blocks(blocks, block_hashes, num_cached, num_full)
+        self.num_cached_blocks[request_id] = num_full
+
+    def free(self, request_id: str) -> None:
+        """Release a finished, aborted or preempted request's blocks (unknown ids are ignored).
+
+        Tail blocks are freed first, so they are evicted before the prefix blocks that more
+        requests are likely to share.
+        """
+        blocks = self.req_to_blocks.pop(request_id, None)
+        self.num_cached_blocks.pop(request_id, None)
+        if blocks:
+            blocks.reverse()
+            self.block_pool.free_blocks(blocks)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.req_to_blocks)
