@@ -86,22 +86,32 @@ class BlockPool:
                 f"cannot allocate {num_blocks} blocks: {num_free} of {self.num_blocks - 1} "
                 "usable blocks are free; free some requests or start the node with more KV blocks"
             )
-        blocks = self.free_block_queue.popleft_n(num_blocks)
+        # NOTE: popleft_n, eviction and ref counting fused into one pass: this is the hot path
+        # of every allocation.
+        queue = self.free_block_queue
+        head = queue.head
         cached = self.cached_block_hash_to_block
-        evicted: list[BlockHash] | None = None
-        for block in blocks:
+        evicted: list[BlockHash] = []
+        blocks = [None] * num_blocks
+        block = head.next_free
+        for i in range(num_blocks):
+            blocks[i] = block
             block_hash = block.block_hash
             if block_hash is not None:
-                # NOTE: a free block with a hash is a cached prefix; reusing it is the eviction.
+                # A free block with a hash is a cached prefix; reusing it is the eviction.
                 del cached[block_hash]
                 block.block_hash = None
-                if evicted is None:
-                    evicted = []
                 evicted.append(block_hash)
             block.ref_cnt = 1
-        if evicted is not None and self.enable_events:
+            nxt = block.next_free
+            block.prev_free = block.next_free = None
+            block = nxt
+        head.next_free = block
+        block.prev_free = head
+        queue.num_free_blocks = num_free - num_blocks
+        if evicted and self.enable_events:
             self._events.append(BlockRemoved(evicted))
-        return blocks
+        return blocks  # type: ignore[return-value]
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Take one more reference on each block (a cache hit); free ones leave the free queue."""
@@ -117,20 +127,39 @@ class BlockPool:
         """Drop one reference on each block. Blocks reaching 0 join the back of the free queue in
         the given order, so the caller passes the blocks to evict first first (a request frees its
         blocks tail-first so that the shared prefix heads are evicted last)."""
-        blocks = ordered_blocks if isinstance(ordered_blocks, list) else list(ordered_blocks)
-        now_free = []
+        blocks = ordered_blocks if type(ordered_blocks) is list else list(ordered_blocks)
+        # NOTE: one pass drops the references and links newly free blocks at the back of the
+        # queue; a block that is not in use is rare, so it is handled by undoing afterwards.
+        queue = self.free_block_queue
+        tail = queue.tail
+        last = tail.prev_free
+        num_freed = 0
         for i, block in enumerate(blocks):
             ref_cnt = block.ref_cnt
-            if ref_cnt <= 0:
-                # Undo the decrements already made so the pool is unchanged, then complain.
-                for done in blocks[:i]:
-                    done.ref_cnt += 1
+            if ref_cnt == 1:
+                block.ref_cnt = 0
+                block.prev_free = last
+                last.next_free = block
+                last = block
+                num_freed += 1
+            elif ref_cnt > 1:
+                block.ref_cnt = ref_cnt - 1
+            else:
+                last.next_free = tail
+                tail.prev_free = last
+                queue.num_free_blocks += num_freed
+                self._undo_free(blocks[:i])
                 what = "the null block" if block.is_null else f"block {block.block_id}"
                 raise ValueError(f"cannot free {what}: it is not in use (double free?)")
-            block.ref_cnt = ref_cnt - 1
-            if ref_cnt == 1:
-                now_free.append(block)
-        self.free_block_queue.append_n(now_free)
+        last.next_free = tail
+        tail.prev_free = last
+        queue.num_free_blocks += num_freed
+
+    def _undo_free(self, blocks: list[KVCacheBlock]) -> None:
+        for block in reversed(blocks):
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
 
     # ---------------------------------------------------------------- prefix caching
 
@@ -154,16 +183,17 @@ class BlockPool:
             )
         cached = self.cached_block_hash_to_block
         stored = []
-        for i in range(num_cached_blocks, num_full_blocks):
-            block, block_hash = blocks[i], block_hashes[i]
+        for block, block_hash in zip(
+            blocks[num_cached_blocks:num_full_blocks],
+            block_hashes[num_cached_blocks:num_full_blocks],
+            strict=True,
+        ):
             if block.block_hash is not None:
                 assert block.block_hash == block_hash, f"{block} re-cached under another hash"
-                continue
-            if block_hash in cached:
-                continue
-            block.block_hash = block_hash
-            cached[block_hash] = block
-            stored.append(block_hash)
+            elif cached.setdefault(block_hash, block) is block:
+                block.block_hash = block_hash
+                stored.append(block_hash)
+            # else: another block already holds this content; this one stays unhashed.
         if stored and self.enable_events:
             self._events.append(BlockStored(stored))
 

@@ -69,7 +69,7 @@ def test_incremental_extension_equals_full_hash():
     root = ModelIdentity("m").root_hash
     tokens = _tokens(10 * BS + 3)
     hashes = []
-    for end in sorted(random.sample(range(1, len(tokens) + 1), 6)) + [len(tokens)]:
+    for end in [*sorted(random.sample(range(1, len(tokens) + 1), 6)), len(tokens)]:
         extend_block_hashes(hashes, tokens[:end], BS, root, cache_salt="s")
     assert hashes == hash_request_tokens(tokens, BS, root, cache_salt="s")
 
@@ -89,9 +89,10 @@ def test_root_seeded_by_every_identity_field(field, value):
     other = ModelIdentity(**{**_fields(base), field: value})
     assert base.root_hash != other.root_hash
     tokens = _tokens(2 * 32)
-    assert hash_request_tokens(tokens, 16, base.root_hash)[0] != hash_request_tokens(
-        tokens, 16, other.root_hash
-    )[0]
+    assert (
+        hash_request_tokens(tokens, 16, base.root_hash)[0]
+        != hash_request_tokens(tokens, 16, other.root_hash)[0]
+    )
 
 
 def _fields(identity):
@@ -108,9 +109,7 @@ def test_cache_salt_separates_tenants():
     assert not set(a) & set(b) and not set(a) & set(plain)
 
 
-@pytest.mark.parametrize(
-    "bad", [[1, 2, -3, 4], [1, 2.0, 3], ["7"], [2**32], [None]], ids=repr
-)
+@pytest.mark.parametrize("bad", [[1, 2, -3, 4], [1, 2.0, 3], ["7"], [2**32], [None]], ids=repr)
 def test_bad_token_ids_raise(bad):
     root = ModelIdentity("m").root_hash
     tokens = _tokens(BS) + bad

@@ -129,7 +129,7 @@ def test_adopt_shipped_blocks_then_decode():
     pool = BlockPool(16, enable_events=True)
     mgr = KVCacheManager(pool, BS)
     tokens = _prompt(5 * BS + 2)
-    hashes, _ = _run_prefill(mgr, "local", tokens[: 2 * BS + 1])
+    _hashes, _ = _run_prefill(mgr, "local", tokens[: 2 * BS + 1])
     pool.take_events()
     shipped = hash_request_tokens(tokens, BS, ROOT)
     to_write = mgr.adopt_blocks("remote", shipped)

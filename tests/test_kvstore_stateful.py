@@ -32,8 +32,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.next_id += 1
         return f"r{self.next_id}"
 
-    @rule(prefix=st.sampled_from(range(len(SYSTEM_PROMPTS) + 1)), suffix=tokens_st,
-          salt=st.sampled_from([None, None, "t1"]))
+    @rule(
+        prefix=st.sampled_from(range(len(SYSTEM_PROMPTS) + 1)),
+        suffix=tokens_st,
+        salt=st.sampled_from([None, None, "t1"]),
+    )
     def new_request(self, prefix, suffix, salt):
         tokens = (SYSTEM_PROMPTS[prefix] if prefix < len(SYSTEM_PROMPTS) else []) + suffix
         if not tokens:
