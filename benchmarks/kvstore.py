@@ -2,11 +2,10 @@
 
     python benchmarks/kvstore.py [--blocks-per-request 128] [--repeat 7]
 
-Prints a table: the median and the best of ``--repeat`` timed rounds (shared virtual machines
-vary by up to 2x between rounds; the best round is the least disturbed one). Two CPython baselines
-run beside the real code on the same machine, so that figures from machines of different speed
-can be compared: a bare doubly linked free list (pop + append, no bookkeeping) and the textbook
-hash step ``sha256(msgpack.packb([parent, token_list, extra]))``.
+Prints a table: the median of ``--repeat`` timed rounds, all benches interleaved round by round.
+Two CPython baselines run beside the real code on the same machine, so that figures from machines
+of different speed can be compared: a bare doubly linked free list (pop + append, no
+bookkeeping) and the textbook hash step ``sha256(msgpack.packb([parent, token_list, extra]))``.
 """
 
 from __future__ import annotations
@@ -16,28 +15,40 @@ import hashlib
 import platform
 import random
 import statistics
+import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import msgpack
 
-from kvstore import BlockPool, KVCacheManager, ModelIdentity, hash_request_tokens
+# NOTE: this file's name shadows the kvstore package when run as a script; drop its folder from
+# the import path so that `import kvstore` finds the package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+from kvstore import BlockPool, KVCacheManager, ModelIdentity, hash_request_tokens  # noqa: E402
+
+Bench = tuple[Callable[[], None], int]  # (one timed round, units of work it does)
 
 
-def _median_rate(fn, work: int, repeat: int) -> tuple[float, float]:
-    """(median, best) rate over ``repeat`` timed rounds after one warm-up round."""
-    fn()
-    times = []
+def measure(benches: dict[str, Bench], repeat: int) -> dict[str, list[float]]:
+    """Rates of every bench over ``repeat`` rounds, interleaved so that all of them see the same
+    machine (shared virtual machines drift by up to 2x over seconds)."""
+    for run, _ in benches.values():
+        run()  # warm-up
+    rates: dict[str, list[float]] = {name: [] for name in benches}
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return work / statistics.median(times), work / min(times)
+        for name, (run, work) in benches.items():
+            t0 = time.perf_counter()
+            run()
+            rates[name].append(work / (time.perf_counter() - t0))
+    return rates
 
 
-def bench_pool(n: int, rounds: int, repeat: int) -> tuple[float, float]:
+def bench_pool(n: int, rounds: int, events: bool = False) -> Bench:
     """get_new_blocks(n) + cache_full_blocks + free_blocks(tail first): every allocated block was a
     cached prefix, so every allocation also evicts (hash map delete) and every free re-queues."""
-    pool = BlockPool(8 * n + 1)
+    pool = BlockPool(8 * n + 1, enable_events=events)
     root = ModelIdentity("bench").root_hash
     hash_sets = [
         hash_request_tokens([random.randrange(128_000) for _ in range(n * 16)], 16, root)
@@ -50,11 +61,13 @@ def bench_pool(n: int, rounds: int, repeat: int) -> tuple[float, float]:
             pool.cache_full_blocks(blocks, hash_sets[r % 16], 0, n)
             blocks.reverse()
             pool.free_blocks(blocks)
+            if events:
+                pool.take_events()
 
-    return _median_rate(run, n * rounds, repeat)
+    return run, n * rounds
 
 
-def bench_manager(n: int, rounds: int, repeat: int) -> tuple[float, float]:
+def bench_manager(n: int, rounds: int) -> Bench:
     """A request's whole life in the manager: lookup (miss), allocate_slots, cache_blocks, free."""
     mgr = KVCacheManager(BlockPool(8 * n + 1), 16)
     root = ModelIdentity("bench").root_hash
@@ -71,10 +84,10 @@ def bench_manager(n: int, rounds: int, repeat: int) -> tuple[float, float]:
             mgr.cache_blocks("r", hashes, n * 16)
             mgr.free("r")
 
-    return _median_rate(run, n * rounds, repeat)
+    return run, n * rounds
 
 
-def bench_bare_list(n: int, rounds: int, repeat: int) -> tuple[float, float]:
+def bench_bare_list(n: int, rounds: int) -> Bench:
     """Baseline: a bare doubly linked list of slotted nodes, popleft n then append n."""
 
     class Node:
@@ -103,10 +116,10 @@ def bench_bare_list(n: int, rounds: int, repeat: int) -> tuple[float, float]:
                 last = node
             last.next, tail.prev = tail, last
 
-    return _median_rate(run, n * rounds, repeat)
+    return run, n * rounds
 
 
-def bench_hash(n: int, rounds: int, repeat: int) -> tuple[float, float]:
+def bench_hash(n: int, rounds: int) -> Bench:
     root = ModelIdentity("bench").root_hash
     prompts = [[random.randrange(128_000) for _ in range(n * 16)] for _ in range(8)]
 
@@ -114,10 +127,10 @@ def bench_hash(n: int, rounds: int, repeat: int) -> tuple[float, float]:
         for r in range(rounds):
             hash_request_tokens(prompts[r % 8], 16, root, cache_salt="tenant")
 
-    return _median_rate(run, n * 16 * rounds, repeat)
+    return run, n * 16 * rounds
 
 
-def bench_hash_textbook(n: int, rounds: int, repeat: int) -> tuple[float, float]:
+def bench_hash_textbook(n: int, rounds: int) -> Bench:
     """Baseline: sha256(msgpack.packb([parent, list of 16 ints, extra])) per block."""
     root = ModelIdentity("bench").root_hash
     prompts = [[random.randrange(128_000) for _ in range(n * 16)] for _ in range(8)]
@@ -129,7 +142,7 @@ def bench_hash_textbook(n: int, rounds: int, repeat: int) -> tuple[float, float]
             for i in range(n):
                 parent = sha256(packb([parent, tokens[i * 16 : (i + 1) * 16], None])).digest()
 
-    return _median_rate(run, n * 16 * rounds, repeat)
+    return run, n * 16 * rounds
 
 
 def main() -> None:
@@ -140,42 +153,34 @@ def main() -> None:
     args = ap.parse_args()
     n, rounds, repeat = args.blocks_per_request, args.rounds, args.repeat
 
+    benches = {
+        "pool": bench_pool(n, rounds),
+        "pool+events": bench_pool(n, rounds, events=True),
+        "manager": bench_manager(n, rounds),
+        "bare": bench_bare_list(n, rounds),
+        "hash": bench_hash(n, rounds // 4),
+        "textbook": bench_hash_textbook(n, rounds // 4),
+    }
+    rates = {name: statistics.median(r) for name, r in measure(benches, repeat).items()}
     rows = [
-        (
-            "BlockPool alloc+cache+free (evicting)",
-            "blocks/s",
-            bench_pool(n, rounds, repeat),
-            2_000_000,
-        ),
-        (
-            "KVCacheManager request life cycle",
-            "blocks/s",
-            bench_manager(n, rounds, repeat),
-            2_000_000,
-        ),
-        (
-            "baseline: bare linked list pop+append",
-            "blocks/s",
-            bench_bare_list(n, rounds, repeat),
-            None,
-        ),
-        ("hash_request_tokens (salted)", "tokens/s", bench_hash(n, rounds // 4, repeat), 8_000_000),
-        (
-            "baseline: sha256(msgpack(list)) per block",
-            "tokens/s",
-            bench_hash_textbook(n, rounds // 4, repeat),
-            None,
-        ),
+        ("BlockPool alloc+cache+free (evicting)", "pool", "blocks/s", 2_000_000, "bare"),
+        ("  same, stored/removed events on", "pool+events", "blocks/s", None, "bare"),
+        ("KVCacheManager request life cycle", "manager", "blocks/s", 2_000_000, "bare"),
+        ("baseline: bare linked list pop+append", "bare", "blocks/s", None, None),
+        ("hash_request_tokens (salted)", "hash", "tokens/s", 8_000_000, "textbook"),
+        ("baseline: sha256(msgpack(list)) per block", "textbook", "tokens/s", None, None),
     ]
     print(
         f"# kvstore, {n} blocks (block_size 16) per request; python {platform.python_version()}"
-        f" on {platform.machine()}, one thread"
+        f" on {platform.machine()}, one thread; median of {repeat} interleaved rounds"
     )
-    print(f"{'what':44s} {'median':>12s} {'best':>12s} {'unit':9s} {'target':>10s}  median met")
-    for what, unit, (median, best), target in rows:
+    print(f"{'what':42s} {'rate':>12s} {'unit':9s} {'vs baseline':>11s} {'target':>10s}  met")
+    for what, key, unit, target, base in rows:
+        rate = rates[key]
+        ratio = f"{rate / rates[base]:.2f}x" if base else "-"
         tgt = f"{target:,}" if target else "-"
-        met = "-" if target is None else ("yes" if median >= target else "NO")
-        print(f"{what:44s} {median:12,.0f} {best:12,.0f} {unit:9s} {tgt:>10s}  {met}")
+        met = "-" if target is None else ("yes" if rate >= target else "NO")
+        print(f"{what:42s} {rate:12,.0f} {unit:9s} {ratio:>11s} {tgt:>10s}  {met}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ class KVCacheBlock:
 
     Invariants kept by :class:`~kvstore.block_pool.BlockPool`: the block is linked in the free
     queue iff ``ref_cnt == 0`` (the null block excepted); ``block_hash`` is set iff the block is
-    registered in the pool's hash map.
+    registered in the pool's hash map. ``prev_free``/``next_free`` mean something only while the
+    block is free (the pool does not clear them when it hands a block out).
     """
 
     block_id: int
@@ -63,9 +64,8 @@ class FreeKVCacheBlockQueue:
         return out  # type: ignore[return-value]
 
     def remove(self, block: KVCacheBlock) -> None:
-        """Unlink ``block`` from wherever it sits in the queue."""
+        """Unlink ``block``, which must be in the queue, from wherever it sits."""
         prev, nxt = block.prev_free, block.next_free
-        assert prev is not None and nxt is not None, f"{block} is not in the free queue"
         prev.next_free = nxt
         nxt.prev_free = prev
         block.prev_free = block.next_free = None

@@ -105,7 +105,9 @@ class KVCacheManager:
         pool = self.block_pool
         # NOTE: a cached prefix block that is free sits in the free queue, so touching it uses up
         # free capacity just as a new block does.
-        num_free_needed = max(num_new, 0) + sum(1 for b in prefix if b.ref_cnt == 0)
+        num_free_needed = max(num_new, 0)
+        if prefix:
+            num_free_needed += sum(1 for b in prefix if b.ref_cnt == 0)
         if num_free_needed > pool.num_free_blocks:
             return None
         if blocks is None:

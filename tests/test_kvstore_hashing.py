@@ -35,8 +35,9 @@ def test_chain_matches_reference_step_and_spec():
     for i in range(5):
         block = tokens[i * BS : (i + 1) * BS]
         extra = ("tenant-a",) if i == 0 else None
-        by_spec = hashlib.sha256(
-            msgpack.packb([parent, b"".join(t.to_bytes(4, "little") for t in block), extra])
+        by_spec = hashlib.blake2b(
+            msgpack.packb([parent, b"".join(t.to_bytes(4, "little") for t in block), extra]),
+            digest_size=32,
         ).digest()
         parent = hash_block_tokens(parent, block, extra)
         assert parent == by_spec

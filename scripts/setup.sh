@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Sets up everything splitserve needs on a CPU machine, idempotently:
+#   .venv/ with the CPU build of torch, the project (editable) and its test tools,
+#   and a redis-server binary (from the distribution's packages) for the tests.
+# A second run finds the stamp of the first and takes seconds.
+#
+# Environment: PYTHON (default python3, must be >= 3.11);
+#              SPLITSERVE_TORCH (default "torch==2.13.0": the CPU build where a local wheel
+#              is configured; on a CUDA host, e.g. "torch==2.11.0" from your usual index).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PYTHON=${PYTHON:-python3}
+TORCH_SPEC=${SPLITSERVE_TORCH:-torch==2.13.0}
+STAMP=.venv/.splitserve-setup
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    log "splitserve needs Python >= 3.11; set PYTHON=/path/to/python3.11"
+    exit 1
+fi
+
+if [ ! -x .venv/bin/python ]; then
+    log "creating .venv"
+    "$PYTHON" -m venv .venv || {
+        log "could not create a virtualenv; on Debian/Ubuntu: apt-get install python3-venv"
+        exit 1
+    }
+fi
+
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16) $TORCH_SPEC"
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
+    # NOTE: torch goes first and pinned, so the project's torch range is already satisfied and
+    # pip never swaps in another (multi-GB CUDA) build.
+    log "installing $TORCH_SPEC"
+    .venv/bin/python -m pip install -q --disable-pip-version-check "$TORCH_SPEC"
+    log "installing splitserve and its test tools"
+    .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
+    echo "$want" > "$STAMP"
+fi
+
+if ! command -v redis-server >/dev/null 2>&1; then
+    log "installing redis-server"
+    if [ "$(id -u)" = 0 ]; then SUDO=(); elif command -v sudo >/dev/null; then SUDO=(sudo); else
+        log "redis-server is missing and this user cannot install packages: install it and rerun"
+        exit 1
+    fi
+    "${SUDO[@]}" apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive "${SUDO[@]}" apt-get install -y -qq redis-server >/dev/null
+fi
+log "ready: $(.venv/bin/python -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'), $(redis-server --version | cut -d' ' -f1-3)"

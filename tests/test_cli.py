@@ -1,0 +1,42 @@
+"""The `splitserve` console script, run as a user would."""
+
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from kvstore import ModelIdentity, hash_request_tokens
+
+EXE = shutil.which("splitserve", path=str(Path(sys.executable).parent))
+
+
+def _run(*args):
+    return subprocess.run([EXE, *args], capture_output=True, text=True, timeout=60)
+
+
+def test_hash_prints_the_same_hashes_as_the_library():
+    tokens = [random.randrange(1000) for _ in range(3 * 16 + 5)]
+    proc = _run("hash", "--model", "org/m", "--salt", "t", ",".join(map(str, tokens)))
+    assert proc.returncode == 0, proc.stderr
+    identity = ModelIdentity("org/m")
+    expected = hash_request_tokens(tokens, 16, identity.root_hash, "t")
+    printed = [line.split()[-1] for line in proc.stdout.splitlines() if line.startswith("block")]
+    assert printed == [h.hex() for h in expected]
+    assert "5 tokens in the partial tail block" in proc.stdout
+
+
+def test_hash_rejects_negative_token_ids_with_a_clear_message():
+    proc = _run("hash", "1,2,-3")
+    assert proc.returncode == 2
+    assert "non-negative" in proc.stderr or "[0, 2**32)" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_kv_demo_runs_and_reports_prefix_hits():
+    proc = _run("kv-demo", "--requests", "200", "--num-blocks", "512")
+    assert proc.returncode == 0, proc.stderr
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert summary.startswith("200 lookups")
+    hit, queried = summary.split(",")[1].split()[0].split("/")
+    assert 0 < int(hit) < int(queried)
