@@ -1,0 +1,348 @@
+"""Benchmark of the paged KV kernels on one CUDA GPU against torch SDPA on contiguous KV.
+
+    python benchmarks/kernels.py [--json] [--sweep {decode,prefill,splits} ...]
+
+Llama-3-8B attention shapes (32 query heads, 8 KV heads, head_dim 128), bf16, block_size 16,
+KV in a 2-layer block-major pool (strided per-layer views) with shuffled block tables.
+Decode: KV bytes read per second, ratio to SDPA (enable_gqa) on the same KV laid out
+contiguously. Prefill (causal, one sequence, no cached prefix): TFLOP/s counting
+4 * L^2 * heads * head_dim / 2, ratio to SDPA causal. Our kernels are timed as CUDA graph
+replays (the launchers' table checks need a host sync and are skipped during capture, as in a
+serving step); `eager` also shows a plain call including those checks, `eag-nv` one with
+validate=False (launch overhead only). `default` rows use the
+launchers' own choices (split count, prefill tiling by length). Times are medians of
+triton.testing.do_bench, which flushes L2 before each run. Every shape also checks our output
+against SDPA's (relative L2 error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import layout
+from kernels.decode_attention import DecodeConfig, paged_decode_attention
+from kernels.prefill_attention import PrefillConfig, paged_prefill_attention
+
+HQ, HKV, D, BS = 32, 8, 128, 16
+SCALE = D**-0.5
+DTYPE = torch.bfloat16
+DECODE_SHAPES = [(1, 32768), (16, 4096), (64, 4096), (256, 1024), (64, 16384)]
+PREFILL_LENS = [2048, 8192]
+# Measured 2026-11-29 on the same H200 (/work/shared/anchors): SDPA, contiguous KV.
+ANCHOR_DECODE_TBPS = {
+    (1, 32768): 2.31,
+    (16, 4096): 2.89,
+    (64, 4096): 3.84,
+    (256, 1024): 3.63,
+    (64, 16384): 4.34,
+}
+ANCHOR_PREFILL_TFLOPS = {2048: 302.0, 8192: 549.0}
+DECODE_VARIANTS = {
+    "n128": DecodeConfig(block_n=128),
+    "n32_s4": DecodeConfig(block_n=32, num_stages=4),
+    "n64_s2": DecodeConfig(block_n=64, num_stages=2),
+    "n64_s4": DecodeConfig(block_n=64, num_stages=4),
+}
+PREFILL_VARIANTS = {
+    "m128_n128_w8_s3": PrefillConfig(128, 128, 8, 3),
+    "m64_n64_w4_s3": PrefillConfig(64, 64, 4, 3),
+    "m256_n64_w8_s3": PrefillConfig(256, 64, 8, 3),
+    "m256_n64_w8_s4": PrefillConfig(256, 64, 8, 4),
+    "m256_n128_w8_s2": PrefillConfig(256, 128, 8, 2),
+    "m256_n64_w16_s3": PrefillConfig(256, 64, 16, 3),
+    "m128_n64_w4_s4": PrefillConfig(128, 64, 4, 4),
+}
+# `--sweep splits` times explicit split counts with the default tiling on these shapes.
+SPLIT_SWEEP_SHAPES = [*DECODE_SHAPES, (4, 8192), (8, 2048), (32, 2048), (2, 131072), (128, 512)]
+SPLIT_SWEEP = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64]
+
+
+def bench(fn) -> float:
+    """Median milliseconds."""
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def graphed(fn):
+    """Capture `fn` (already warmed up) in a CUDA graph; returns its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+def paged_copy(batch: int, ctx: int, contiguous: bool = True):
+    """A 2-layer pool holding `batch` sequences of `ctx` random tokens in shuffled blocks, and
+    the same K/V contiguous as SDPA wants them ([B, Hkv, ctx, D])."""
+    per_seq = ctx // BS
+    num_blocks = 1 + batch * per_seq
+    pool = layout.allocate_kv_pool(num_blocks, 2, BS, HKV, D, DTYPE, "cuda")
+    pool.normal_()
+    key_cache, value_cache = layout.layer_kv_views(pool, 1)
+    ids = torch.randperm(num_blocks - 1, device="cuda") + 1
+    block_table = ids.view(batch, per_seq).to(torch.int32)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+
+    def to_sdpa(cache):
+        return cache[block_table.long()].reshape(batch, ctx, HKV, D).transpose(1, 2).contiguous()
+
+    if not contiguous:
+        return pool, key_cache, value_cache, block_table, seq_lens, None, None
+    sdpa_k, sdpa_v = to_sdpa(key_cache), to_sdpa(value_cache)
+    return pool, key_cache, value_cache, block_table, seq_lens, sdpa_k, sdpa_v
+
+
+def run_decode(variants: dict[str, DecodeConfig | None], eager: bool, emit) -> None:
+    for batch, ctx in DECODE_SHAPES:
+        pool, kc, vc, table, seq_lens, k, v = paged_copy(batch, ctx)
+        q = torch.randn(batch, HQ, D, dtype=DTYPE, device="cuda")
+        kv_bytes = 2 * batch * ctx * HKV * D * DTYPE.itemsize
+        want = F.scaled_dot_product_attention(q[:, :, None], k, v, scale=SCALE, enable_gqa=True)[
+            :, :, 0
+        ]
+        sdpa_ms = bench(
+            lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
+                q[:, :, None], k, v, scale=SCALE, enable_gqa=True
+            )
+        )
+        del k, v
+        sdpa = kv_bytes / sdpa_ms / 1e9
+        for name, config in variants.items():
+            out = torch.empty_like(q)
+
+            def call(config=config, out=out, q=q, kc=kc, vc=vc, table=table, seq_lens=seq_lens):
+                kwargs = {} if config is None else {"config": config}
+                paged_decode_attention(q, kc, vc, table, seq_lens, SCALE, out=out, **kwargs)
+
+            call()
+            err = rel_err(out, want)
+            ms = bench(graphed(call))
+            eager_ms = bench(call) if eager and config is None else float("nan")
+
+            def call_nv(out=out, q=q, kc=kc, vc=vc, table=table, seq_lens=seq_lens):
+                paged_decode_attention(q, kc, vc, table, seq_lens, SCALE, out=out, validate=False)
+
+            eager_nv_ms = bench(call_nv) if eager and config is None else float("nan")
+            tbps = kv_bytes / ms / 1e9
+            emit(
+                kind="decode",
+                variant=name,
+                batch=batch,
+                ctx=ctx,
+                ms=ms,
+                TBps=tbps,
+                sdpa_TBps=sdpa,
+                ratio=tbps / sdpa,
+                anchor_ratio=tbps / ANCHOR_DECODE_TBPS[(batch, ctx)],
+                eager_TBps=kv_bytes / eager_ms / 1e9,
+                eager_novalidate_TBps=kv_bytes / eager_nv_ms / 1e9,
+                rel_err=err,
+            )
+        del pool, kc, vc
+        torch.cuda.empty_cache()
+
+
+def run_split_sweep(emit) -> None:
+    for batch, ctx in SPLIT_SWEEP_SHAPES:
+        pool, kc, vc, table, seq_lens, _, _ = paged_copy(batch, ctx, contiguous=False)
+        q = torch.randn(batch, HQ, D, dtype=DTYPE, device="cuda")
+        out = torch.empty_like(q)
+        kv_bytes = 2 * batch * ctx * HKV * D * DTYPE.itemsize
+        for splits in SPLIT_SWEEP:
+
+            def call(splits=splits, out=out, q=q, kc=kc, vc=vc, table=table, seq_lens=seq_lens):
+                paged_decode_attention(
+                    q, kc, vc, table, seq_lens, SCALE, out=out, num_splits=splits
+                )
+
+            call()
+            ms = bench(graphed(call))
+            emit(
+                kind="splits", batch=batch, ctx=ctx, splits=splits, ms=ms, TBps=kv_bytes / ms / 1e9
+            )
+        del pool, kc, vc
+        torch.cuda.empty_cache()
+
+
+def run_prefill(variants: dict[str, PrefillConfig | None], emit) -> None:
+    for length in PREFILL_LENS:
+        pool, kc, vc, table, seq_lens, k, v = paged_copy(1, length)
+        q = torch.randn(length, HQ, D, dtype=DTYPE, device="cuda")
+        cu = torch.tensor([0, length], dtype=torch.int32, device="cuda")
+        flops = 4 * length * length * HQ * D / 2
+        qs = q.transpose(0, 1)[None]
+        want = F.scaled_dot_product_attention(
+            qs, k, v, is_causal=True, scale=SCALE, enable_gqa=True
+        )[0].transpose(0, 1)
+        sdpa_ms = bench(
+            lambda qs=qs, k=k, v=v: F.scaled_dot_product_attention(
+                qs, k, v, is_causal=True, scale=SCALE, enable_gqa=True
+            )
+        )
+        sdpa = flops / sdpa_ms / 1e9
+        for name, config in variants.items():
+            out = torch.empty_like(q)
+
+            def call(
+                config=config,
+                out=out,
+                q=q,
+                kc=kc,
+                vc=vc,
+                table=table,
+                cu=cu,
+                seq_lens=seq_lens,
+                length=length,
+            ):
+                paged_prefill_attention(
+                    q,
+                    kc,
+                    vc,
+                    table,
+                    cu,
+                    seq_lens,
+                    SCALE,
+                    out=out,
+                    max_query_len=length,
+                    config=config,
+                )
+
+            try:
+                call()
+            except Exception as ex:  # a config that does not fit (shared memory) on this GPU
+                emit(kind="prefill", variant=name, L=length, error=repr(ex)[:200])
+                continue
+            err = rel_err(out, want)
+            ms = bench(graphed(call))
+            tflops = flops / ms / 1e9
+            emit(
+                kind="prefill",
+                variant=name,
+                L=length,
+                ms=ms,
+                TFLOPs=tflops,
+                sdpa_TFLOPs=sdpa,
+                ratio=tflops / sdpa,
+                anchor_ratio=tflops / ANCHOR_PREFILL_TFLOPS[length],
+                rel_err=err,
+            )
+        del pool, kc, vc, k, v
+        torch.cuda.empty_cache()
+
+
+def run_once() -> None:
+    pool, kc, vc, table, seq_lens, _, _ = paged_copy(64, 4096, contiguous=False)
+    q = torch.randn(64, HQ, D, dtype=DTYPE, device="cuda")
+    paged_decode_attention(q, kc, vc, table, seq_lens, SCALE)
+    del pool, kc, vc
+    _pool, kc, vc, table, seq_lens, _, _ = paged_copy(1, 8192, contiguous=False)
+    q = torch.randn(8192, HQ, D, dtype=DTYPE, device="cuda")
+    cu = torch.tensor([0, 8192], dtype=torch.int32, device="cuda")
+    paged_prefill_attention(q, kc, vc, table, cu, seq_lens, SCALE)
+    torch.cuda.synchronize()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="also print one JSON line per row")
+    parser.add_argument(
+        "--sweep",
+        nargs="*",
+        default=[],
+        choices=["decode", "prefill", "splits"],
+        help="also time the tiling variants / explicit split counts",
+    )
+    parser.add_argument(
+        "--once",
+        action="store_true",
+        help="run decode (64, 4096) and prefill 8192 once each, untimed "
+        "(for a profiler: ncu --clock-control none ... --once)",
+    )
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/kernels.py needs a CUDA GPU")
+    if args.once:
+        run_once()
+        return
+    rows: list[dict] = []
+
+    def emit(**row):
+        rows.append(row)
+        if args.json:
+            print(json.dumps(row), flush=True)
+
+    props = torch.cuda.get_device_properties(0)
+    emit(
+        kind="env",
+        gpu=props.name,
+        sms=props.multi_processor_count,
+        torch=torch.__version__,
+        triton=triton.__version__,
+    )
+    decode = {"default": None}
+    prefill = {"default": None}
+    if "decode" in args.sweep:
+        decode.update(DECODE_VARIANTS)
+    if "prefill" in args.sweep:
+        prefill.update(PREFILL_VARIANTS)
+    run_decode(decode, eager=True, emit=emit)
+    run_prefill(prefill, emit)
+    if "splits" in args.sweep:
+        run_split_sweep(emit)
+
+    env = rows[0]
+    print(f"\n{env['gpu']} ({env['sms']} SMs), torch {env['torch']}, triton {env['triton']}")
+    print(
+        f"{'decode':<16}{'B':>5}{'ctx':>7}{'us':>9}{'TB/s':>7}{'SDPA':>7}{'ratio':>7}"
+        f"{'vs anchor':>10}{'eager':>7}{'eag-nv':>7}{'relerr':>9}"
+    )
+    for r in rows:
+        if r["kind"] == "decode":
+            print(
+                f"{r['variant']:<16}{r['batch']:>5}{r['ctx']:>7}{r['ms'] * 1e3:>9.1f}"
+                f"{r['TBps']:>7.2f}{r['sdpa_TBps']:>7.2f}{r['ratio']:>7.2f}"
+                f"{r['anchor_ratio']:>10.2f}{r['eager_TBps']:>7.2f}"
+                f"{r['eager_novalidate_TBps']:>7.2f}{r['rel_err']:>9.1e}"
+            )
+    print(
+        f"{'prefill':<18}{'L':>6}{'us':>9}{'TFLOP/s':>9}{'SDPA':>7}{'ratio':>7}"
+        f"{'vs anchor':>10}{'relerr':>9}"
+    )
+    for r in rows:
+        if r["kind"] == "prefill" and "error" not in r:
+            print(
+                f"{r['variant']:<18}{r['L']:>6}{r['ms'] * 1e3:>9.1f}{r['TFLOPs']:>9.0f}"
+                f"{r['sdpa_TFLOPs']:>7.0f}{r['ratio']:>7.2f}{r['anchor_ratio']:>10.2f}"
+                f"{r['rel_err']:>9.1e}"
+            )
+        elif r["kind"] == "prefill":
+            print(f"{r['variant']:<18}{r['L']:>6}  failed: {r['error']}")
+    sweep = [r for r in rows if r["kind"] == "splits"]
+    if sweep:
+        print("decode TB/s by explicit num_splits (default tiling)")
+        print(f"{'B':>5}{'ctx':>7}" + "".join(f"{s:>6}" for s in SPLIT_SWEEP))
+        for batch, ctx in SPLIT_SWEEP_SHAPES:
+            tb = [r["TBps"] for r in sweep if (r["batch"], r["ctx"]) == (batch, ctx)]
+            print(f"{batch:>5}{ctx:>7}" + "".join(f"{t:>6.2f}" for t in tb))
+
+
+if __name__ == "__main__":
+    main()

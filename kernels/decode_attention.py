@@ -1,0 +1,286 @@
+"""Triton kernels: paged decode attention (one query token per sequence), split-KV.
+
+Grid `(batch, num_kv_heads, num_splits)`. A program owns one sequence, one KV head with the
+`GROUP = Hq // Hkv` query heads that share it (GQA: the K/V tiles are read once for the whole
+group, the group padded to 16 rows for `tl.dot`), and one contiguous range of
+`tokens_per_split` context tokens. It walks that range `BLOCK_N` tokens at a time, gathering
+each token's K/V row through the block table, with an online softmax (float32 running max,
+sum and accumulator, base-2 exponentials). With one split it writes the output directly;
+otherwise it writes a normalised partial output and its log-sum-exp, and a second kernel
+(grid `(batch, Hq)`) combines the splits of each sequence (flash-decoding).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.checks import check_decode
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 64
+"""Cap on splits per sequence (the reduce kernel holds all of a head's partials at once)."""
+
+
+class DecodeConfig(NamedTuple):
+    block_n: int = 64  # context tokens per inner step (a multiple of block_size)
+    num_warps: int = 4
+    num_stages: int = 3
+    # Programs one SM runs at once with this tiling: num_splits fills at most one such wave.
+    programs_per_sm: int = 4
+    min_tokens_per_split: int = 256
+
+
+DEFAULT_CONFIG = DecodeConfig()
+
+
+@triton.jit
+def _decode_kernel(
+    query,
+    key_cache,
+    value_cache,
+    block_table,
+    seq_lens,
+    out,
+    part_out,
+    part_lse,
+    qk_scale,
+    tokens_per_split,
+    num_splits,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_ob,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens + b)
+    start = split * tokens_per_split
+    if start >= seq_len:  # nothing here: the reduce kernel reads only splits with tokens
+        return
+    end = tl.minimum(start + tokens_per_split, seq_len)
+
+    h = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + h
+    h_mask = h < GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q = tl.load(
+        query + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+        mask=h_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    bt_row = block_table + b.to(tl.int64) * stride_bt
+    k_base = key_cache + kv_head * stride_kh + d[None, :]
+    v_base = value_cache + kv_head * stride_vh + d[None, :]
+    for n0 in range(start, end, BLOCK_N):
+        tok = n0 + tl.arange(0, BLOCK_N)
+        t_mask = tok < end
+        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        off = tok % BLOCK_SIZE
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            k_base + blk[:, None] * stride_kb + off[:, None] * stride_ks, mask=kv_mask, other=0.0
+        )
+        v = tl.load(
+            v_base + blk[:, None] * stride_vb + off[:, None] * stride_vs, mask=kv_mask, other=0.0
+        )
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+
+    o_mask = h_mask[:, None] & d_mask[None, :]
+    if SINGLE_SPLIT:
+        o = acc / l_i[:, None]
+        tl.store(
+            out + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+            o.to(out.dtype.element_ty),
+            mask=o_mask,
+        )
+    else:
+        row = (b * NUM_HEADS + heads) * num_splits + split
+        tl.store(part_out + row[:, None] * HEAD_DIM + d[None, :], acc / l_i[:, None], mask=o_mask)
+        tl.store(part_lse + row, m_i + tl.log2(l_i), mask=h_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out,
+    part_lse,
+    seq_lens,
+    out,
+    tokens_per_split,
+    num_splits,
+    stride_ob,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens + b)
+    num_valid = tl.cdiv(seq_len, tokens_per_split)
+    s = tl.arange(0, BLOCK_S)
+    s_mask = s < num_valid
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    row = (b * NUM_HEADS + head) * num_splits + s
+    lse = tl.load(part_lse + row, mask=s_mask, other=float("-inf"))
+    w = tl.where(s_mask, tl.exp2(lse - tl.max(lse, 0)), 0.0)
+    o = tl.load(
+        part_out + row[:, None] * HEAD_DIM + d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    res = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out + b * stride_ob + head * stride_oh + d, res.to(out.dtype.element_ty), mask=d_mask)
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # interpreter runs: pretend to be an H100/H200 so the split path is exercised
+
+
+def choose_num_splits(
+    batch: int, num_kv_heads: int, max_context: int, sms: int, config: DecodeConfig
+) -> int:
+    """Splits per sequence: the most that keep `batch * num_kv_heads * splits` programs within
+    one wave of `config.programs_per_sm` programs per SM, each split at least
+    `min_tokens_per_split` tokens long; 1 when the batch alone fills the wave.
+
+    NOTE: floor, not ceil. On the H200 (docs/kernels.md) a partial second wave costs more than
+    the parallelism it adds: B=16, ctx 4k ran 3.33 TB/s with 512 programs, 2.75 with 640.
+    `max_context` is an upper bound known without a device sync (block_table columns *
+    block_size); shorter sequences simply leave their trailing splits empty."""
+    base = batch * num_kv_heads
+    want = config.programs_per_sm * sms // base
+    most = math.ceil(max_context / config.min_tokens_per_split)
+    return max(1, min(want, most, MAX_SPLITS))
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    validate: bool = True,
+    num_splits: int | None = None,
+    config: DecodeConfig = DEFAULT_CONFIG,
+) -> torch.Tensor:
+    """Triton version of `kernels.ops.paged_decode_attention` (see there for shapes).
+
+    `num_splits` overrides `choose_num_splits` (tests and benchmarks); `config` the tiling."""
+    group = check_decode(query, key_cache, value_cache, block_table, seq_lens, scale, out, validate)
+    out = torch.empty_like(query) if out is None else out
+    batch, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    if batch == 0:
+        return out
+    block_n = max(config.block_n, block_size)
+    if block_n % block_size:
+        raise ValueError(f"config.block_n {block_n} must be a multiple of block_size {block_size}")
+    max_context = block_table.shape[1] * block_size
+    if num_splits is None:
+        num_splits = choose_num_splits(
+            batch, num_kv_heads, max_context, num_sms(query.device), config
+        )
+    num_splits = max(1, min(num_splits, MAX_SPLITS))
+    tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(max_context, tokens_per_split)
+    if num_splits > 1:
+        part_out = torch.empty(
+            (batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
+        )
+        part_lse = torch.empty(
+            (batch, num_heads, num_splits), dtype=torch.float32, device=query.device
+        )
+    else:
+        part_out = part_lse = out  # unused
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        out,
+        part_out,
+        part_lse,
+        scale * LOG2E,
+        tokens_per_split,
+        num_splits,
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        NUM_HEADS=num_heads,
+        GROUP=group,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        SINGLE_SPLIT=num_splits == 1,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(batch, num_heads)](
+            part_out,
+            part_lse,
+            seq_lens,
+            out,
+            tokens_per_split,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
+    return out

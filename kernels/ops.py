@@ -1,0 +1,130 @@
+"""Public paged-KV ops. Model code calls only these.
+
+Each op runs the Triton kernel on CUDA tensors and the plain-torch reference (`kernels.reference`,
+same signature) on CPU tensors. Launchers check shapes, strides and dtypes (ValueError) before
+anything runs. With `validate=True` (default) they also check table contents (block ids inside
+the pool, seq_lens that fit the block table, slots): one host sync, skipped during CUDA graph
+capture; pass `validate=False` for the other layers of a step once one layer has checked them
+(see `kernels.checks`).
+
+NOTE: the Triton modules are imported on first CUDA use, so CPU-only processes never load Triton.
+
+Shapes (`T` tokens of this step, `B` sequences, `Hq` query heads, `Hkv` KV heads, `D` head_dim):
+- `key_cache` / `value_cache`: one layer's views of the pool, `(num_blocks, block_size, Hkv, D)`,
+  from `kernels.layout.layer_kv_views`; any block/token/head strides, innermost dim contiguous.
+- `block_table`: `[B, max_blocks]` int32 (int64 accepted), physical block ids of each sequence in
+  order, padded with the null block 0.
+- `seq_lens`: `[B]` int32, context length of each sequence counting every token whose K/V is in the
+  cache (for decode: including the current token, already cached by `reshape_and_cache`).
+- dtypes: float16/bfloat16 on CUDA; float32 (also 16-bit) on CPU. Query, caches and out share one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import reference
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    validate: bool = True,
+) -> None:
+    """Write this step's K/V into the cache.
+
+    key, value: `[T, Hkv, D]`. slot_mapping: `[T]` int32/int64, slot of token t =
+    `block_id * block_size + offset`; slots < 0 are padding and skipped. Slots must be distinct
+    and outside the null block 0.
+    """
+    if key.is_cuda:
+        from kernels.cache_write import reshape_and_cache as triton_op
+
+        triton_op(key, value, key_cache, value_cache, slot_mapping, validate=validate)
+    else:
+        reference.reshape_and_cache(
+            key, value, key_cache, value_cache, slot_mapping, validate=validate
+        )
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Attention of one new query token per sequence over its whole cached context.
+
+    query: `[B, Hq, D]`, the token at position `seq_lens[b] - 1` (its K/V already cached).
+    block_table: `[B, max_blocks]`; seq_lens: `[B]`, each >= 1. Query head h reads KV head
+    `h // (Hq // Hkv)`. Returns (or fills `out`) `[B, Hq, D]`, dtype of query.
+    """
+    if query.is_cuda:
+        from kernels.decode_attention import paged_decode_attention as triton_op
+
+        return triton_op(
+            query, key_cache, value_cache, block_table, seq_lens, scale, out, validate=validate
+        )
+    return reference.paged_decode_attention(
+        query, key_cache, value_cache, block_table, seq_lens, scale, out, validate=validate
+    )
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+    *,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Causal attention of the new tokens of a batch of sequences over cached prefix + themselves.
+
+    query: `[T, Hq, D]`, sequence b's new tokens at rows `cu_seqlens_q[b]:cu_seqlens_q[b+1]`
+    (`cu_seqlens_q`: `[B+1]` int32, from 0 to T). seq_lens: `[B]`, whole context including the
+    new tokens, whose K/V `reshape_and_cache` has already written. New token i of sequence b sits
+    at position `seq_lens[b] - q_len_b + i` and sees positions `0..` itself.
+    max_query_len: the largest q_len_b if the caller knows it (saves a host sync; required during
+    CUDA graph capture). Returns (or fills `out`) `[T, Hq, D]`, dtype of query.
+    """
+    if query.is_cuda:
+        from kernels.prefill_attention import paged_prefill_attention as triton_op
+
+        return triton_op(
+            query,
+            key_cache,
+            value_cache,
+            block_table,
+            cu_seqlens_q,
+            seq_lens,
+            scale,
+            out,
+            max_query_len,
+            validate=validate,
+        )
+    return reference.paged_prefill_attention(
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        cu_seqlens_q,
+        seq_lens,
+        scale,
+        out,
+        max_query_len,
+        validate=validate,
+    )

@@ -1,0 +1,283 @@
+"""Triton kernel: paged causal prefill attention over variable-length sequences.
+
+Grid `(num_heads, cdiv(max_query_len, BLOCK_M), batch)`. A program owns `BLOCK_M` new query
+tokens of one sequence and one query head (the heads sharing a KV head run side by side, so
+their K/V tiles come from L2). Query tile rows sit at positions `seq_len - q_len + i`; keys are
+the whole context `[0, seq_len)` - the cached prefix and the new tokens, already written into
+the cache - gathered `BLOCK_N` tokens at a time through the block table. The key loop has two
+parts: tiles every row of the query tile fully sees (no mask), then the diagonal tiles with the
+causal mask. Query tiles are launched last-first, so the longest programs start first.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.checks import check_prefill
+
+LOG2E = 1.4426950408889634
+
+
+class PrefillConfig(NamedTuple):
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    warp_specialize: bool = False  # Triton's automatic warp specialization of the key loop
+
+
+def choose_config(max_query_len: int) -> PrefillConfig:
+    """Tiling by the longest new-token run: big query tiles for long prompts (H200, head_dim
+    128: 403 TFLOP/s at 8192 tokens with 256x64 against 383 with 128x128, see docs/kernels.md),
+    small ones so that short chunks do not waste a mostly masked 256-row tile."""
+    if max_query_len >= 1024:
+        return PrefillConfig(block_m=256, block_n=64, num_warps=8, num_stages=3)
+    if max_query_len >= 128:
+        return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
+    return PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+
+
+@triton.jit
+def _prefill_tile(
+    acc,
+    l_i,
+    m_i,
+    q,
+    q_pos,
+    n0,
+    k_base,
+    v_base,
+    bt_row,
+    context_len,
+    qk_scale,
+    stride_kb,
+    stride_ks,
+    stride_vb,
+    stride_vs,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
+    tok = n0 + tl.arange(0, BLOCK_N)
+    d_mask = tl.arange(0, BLOCK_D)[None, :] < HEAD_DIM
+    if CAUSAL:
+        t_mask = tok < context_len
+        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+    else:  # every token of this tile lies inside the context
+        blk = tl.load(bt_row + tok // BLOCK_SIZE).to(tl.int64)
+    off = tok % BLOCK_SIZE
+    k_ptrs = k_base + blk[:, None] * stride_kb + off[:, None] * stride_ks
+    v_ptrs = v_base + blk[:, None] * stride_vb + off[:, None] * stride_vs
+    if CAUSAL:
+        # NOTE: slots past the context (rest of the last block, null block 0) hold garbage,
+        # possibly NaN; masking the scores is not enough for V since 0 * NaN = NaN.
+        k = tl.load(k_ptrs, mask=t_mask[:, None] & d_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=t_mask[:, None] & d_mask, other=0.0)
+    elif HEAD_DIM == BLOCK_D:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=d_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=d_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k))
+    if CAUSAL:
+        s = tl.where((tok[None, :] <= q_pos[:, None]) & t_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s * qk_scale - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _prefill_kernel(
+    query,
+    key_cache,
+    value_cache,
+    block_table,
+    cu_seqlens_q,
+    seq_lens,
+    out,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+):
+    head = tl.program_id(0)
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)
+    b = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q + b)
+    q_len = tl.load(cu_seqlens_q + b + 1) - q_start
+    m0 = tile * BLOCK_M
+    if m0 >= q_len:
+        return
+    context_len = tl.load(seq_lens + b)
+    prefix = context_len - q_len
+    kv_head = head // GROUP
+
+    rows = m0 + tl.arange(0, BLOCK_M)
+    r_mask = rows < q_len
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q_rows = (q_start + rows).to(tl.int64)
+    q = tl.load(
+        query + q_rows[:, None] * stride_qt + head * stride_qh + d[None, :],
+        mask=r_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    q_pos = prefix + rows
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = block_table + b.to(tl.int64) * stride_bt
+    k_base = key_cache + kv_head * stride_kh + d[None, :]
+    v_base = value_cache + kv_head * stride_vh + d[None, :]
+    # Keys < prefix + m0 + 1 are visible to every row of the tile.
+    full_end = (prefix + m0 + 1) // BLOCK_N * BLOCK_N
+    causal_end = tl.minimum(context_len, prefix + m0 + BLOCK_M)
+    for n0 in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        acc, l_i, m_i = _prefill_tile(
+            acc,
+            l_i,
+            m_i,
+            q,
+            q_pos,
+            n0,
+            k_base,
+            v_base,
+            bt_row,
+            context_len,
+            qk_scale,
+            stride_kb,
+            stride_ks,
+            stride_vb,
+            stride_vs,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_SIZE,
+            BLOCK_N,
+            False,
+        )
+    for n0 in range(full_end, causal_end, BLOCK_N):
+        acc, l_i, m_i = _prefill_tile(
+            acc,
+            l_i,
+            m_i,
+            q,
+            q_pos,
+            n0,
+            k_base,
+            v_base,
+            bt_row,
+            context_len,
+            qk_scale,
+            stride_kb,
+            stride_ks,
+            stride_vb,
+            stride_vs,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_SIZE,
+            BLOCK_N,
+            True,
+        )
+    o = acc / l_i[:, None]
+    tl.store(
+        out + q_rows[:, None] * stride_ot + head * stride_oh + d[None, :],
+        o.to(out.dtype.element_ty),
+        mask=r_mask[:, None] & d_mask[None, :],
+    )
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+    *,
+    validate: bool = True,
+    config: PrefillConfig | None = None,
+) -> torch.Tensor:
+    """Triton version of `kernels.ops.paged_prefill_attention` (see there for shapes).
+
+    `config` overrides the tiling `choose_config` picks (tests and benchmarks)."""
+    group = check_prefill(
+        query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale, out, validate
+    )
+    out = torch.empty_like(query) if out is None else out
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, _, _ = key_cache.shape
+    batch = block_table.shape[0]
+    if num_tokens == 0 or batch == 0:
+        return out
+    if max_query_len is None:
+        if query.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise ValueError("pass max_query_len when capturing a CUDA graph (no host sync)")
+        max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    if max_query_len <= 0:
+        return out
+    if config is None:
+        config = choose_config(max_query_len)
+    block_n = config.block_n
+    if block_n % 16 or config.block_m % 16:
+        raise ValueError(f"config block sizes must be multiples of 16, got {config}")
+    grid = (num_heads, triton.cdiv(max_query_len, config.block_m), batch)
+    _prefill_kernel[grid](
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        cu_seqlens_q,
+        seq_lens,
+        out,
+        scale * LOG2E,
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=config.block_m,
+        BLOCK_N=block_n,
+        WARP_SPECIALIZE=config.warp_specialize,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out

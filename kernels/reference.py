@@ -1,0 +1,104 @@
+"""Plain-torch references of the paged KV kernels: same signatures as the Triton launchers.
+
+They are what CPU runs use (through `kernels.ops`) and what the Triton kernels are tested
+against. Written for clarity, not speed: a Python loop over sequences, math in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import checks
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    validate: bool = True,
+) -> None:
+    """Write `key`/`value` [T, Hkv, D] into the caches at `slot_mapping` [T] (slot = block_id *
+    block_size + offset; slots < 0 are padding and skipped). See `kernels.ops`."""
+    checks.check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, validate)
+    block_size = key_cache.shape[1]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    key_cache[slots // block_size, slots % block_size] = key[valid]
+    value_cache[slots // block_size, slots % block_size] = value[valid]
+
+
+def _gather_sequence(cache: torch.Tensor, block_row: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first `seq_len` tokens of one sequence's K or V, [seq_len, Hkv, D]."""
+    block_size = cache.shape[1]
+    num_used = -(-seq_len // block_size)
+    blocks = cache[block_row[:num_used].long()]  # [n, block_size, Hkv, D]
+    return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_pos: torch.Tensor
+) -> torch.Tensor:
+    """q [M, Hq, D], k/v [N, Hkv, D], query m sees keys 0..q_pos[m]; float32 math."""
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("mhd,nhd->hmn", q.float(), k) * scale
+    visible = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    return torch.einsum("hmn,nhd->mhd", torch.softmax(scores, dim=-1), v)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Reference of `kernels.ops.paged_decode_attention` (see there for shapes)."""
+    checks.check_decode(query, key_cache, value_cache, block_table, seq_lens, scale, out, validate)
+    out = torch.empty_like(query) if out is None else out
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        k = _gather_sequence(key_cache, block_table[b], seq_len)
+        v = _gather_sequence(value_cache, block_table[b], seq_len)
+        pos = torch.tensor([seq_len - 1], device=query.device)
+        out[b] = _attend(query[b : b + 1], k, v, scale, pos)[0].to(out.dtype)
+    return out
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+    *,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Reference of `kernels.ops.paged_prefill_attention` (see there for shapes)."""
+    del max_query_len  # only the Triton launcher needs it (grid size)
+    checks.check_prefill(
+        query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale, out, validate
+    )
+    out = torch.empty_like(query) if out is None else out
+    cu = cu_seqlens_q.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        start, end = cu[b], cu[b + 1]
+        if start == end:
+            continue
+        k = _gather_sequence(key_cache, block_table[b], seq_len)
+        v = _gather_sequence(value_cache, block_table[b], seq_len)
+        pos = torch.arange(seq_len - (end - start), seq_len, device=query.device)
+        out[start:end] = _attend(query[start:end], k, v, scale, pos).to(out.dtype)
+    return out

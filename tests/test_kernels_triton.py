@@ -1,0 +1,242 @@
+"""The Triton kernels themselves, under TRITON_INTERPRET=1 on CPU tensors, against the
+references. Small shapes; every output poisoned with NaN first; caches poisoned with NaN
+everywhere no real token sits (see kernels.testing)."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from kernels import reference
+from kernels.cache_write import reshape_and_cache
+from kernels.decode_attention import DecodeConfig, choose_num_splits, paged_decode_attention
+from kernels.prefill_attention import PrefillConfig, paged_prefill_attention
+from kernels.testing import make_paged_kv
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs TRITON_INTERPRET=1 before triton is imported (tests/conftest.py sets it when "
+    "unset); the compiled kernels are tested in tests/gpu/",
+)
+
+# Tolerances, kernel vs reference (reference: float32 math, output rounded to the input dtype).
+# float32: only summation order differs. float16: the kernel also rounds the softmax
+# probabilities to float16 before the P·V product, about one float16 ulp of the output.
+TOLERANCES = {
+    torch.float32: {"atol": 2e-5, "rtol": 2e-5},
+    torch.float16: {"atol": 4e-3, "rtol": 1e-2},
+}
+# NOTE: bfloat16 is not run here: Triton's interpreter has no bfloat16 dot (numpy has no such
+# type); bfloat16 is covered on the GPU (tests/gpu/).
+DTYPES = list(TOLERANCES)
+BS = 16
+EDGE_LENS = [1, BS - 1, BS, BS + 1]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_numpy_fix():
+    """Triton 3.6's interpreter calls int() on 1-element arrays, which numpy >= 2.4 refuses
+    (triton-lang/triton#9171, fixed after 3.6.0): loops bounded by loaded values then fail.
+    Apply the upstream one-line fix for the duration of this module."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(
+            tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0])
+        )
+
+    interpreter._patch_lang_tensor = patched
+    yield
+    interpreter._patch_lang_tensor = original
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    seed = random.SystemRandom().randrange(2**31)
+    print(f"seed={seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+def _lens(gen: torch.Generator, extra: int) -> list[int]:
+    """The edge lengths plus `extra` random ones, shuffled."""
+    lens = EDGE_LENS + torch.randint(1, 4 * BS, (extra,), generator=gen).tolist()
+    return [lens[i] for i in torch.randperm(len(lens), generator=gen).tolist()]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reshape_and_cache_kernel(gen, dtype):
+    kv = make_paged_kv([BS + 2, 3], 2, 64, BS, dtype, "cpu", gen, spare_blocks=2)
+    num_slots = kv.key_cache.shape[0] * BS
+    free = [
+        s
+        for s in range(BS, num_slots)
+        if torch.isnan(kv.key_cache.reshape(num_slots, -1)[s].float()).all()
+    ]
+    pick = torch.randperm(len(free), generator=gen)[:9].tolist()
+    slots = torch.tensor([free[i] for i in pick] + [-1, -1, -5])
+    slots = slots[torch.randperm(len(slots), generator=gen)]
+    key = torch.randn(len(slots), 2, 64, generator=gen).to(dtype)
+    value = torch.randn(len(slots), 2, 64, generator=gen).to(dtype)
+    want = kv.kv_pool.clone()
+    want_k, want_v = want[:, 1, 0], want[:, 1, 1]
+    reference.reshape_and_cache(key, value, want_k, want_v, slots)
+    reshape_and_cache(key, value, kv.key_cache, kv.value_cache, slots)
+    # byte-exact over the whole pool: written slots equal, NaN poison elsewhere untouched
+    assert torch.equal(kv.kv_pool.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "heads", "num_splits"),
+    [
+        (torch.float32, (8, 2, 64), None),  # GQA group 4, split count from the heuristic
+        (torch.float32, (8, 2, 64), 1),  # single split writes the output directly
+        (torch.float16, (8, 2, 64), 3),  # uneven splits, some empty for short sequences
+        (torch.float32, (6, 2, 32), 2),  # group 3 (padded to 16 rows), small head_dim
+        (torch.float16, (4, 4, 128), None),  # MHA, head_dim 128
+    ],
+)
+def test_decode_kernel(gen, dtype, heads, num_splits):
+    hq, hkv, d = heads
+    lens = _lens(gen, 2)
+    kv = make_paged_kv(lens, hkv, d, BS, dtype, "cpu", gen)
+    q = torch.randn(len(lens), hq, d, generator=gen).to(dtype)
+    scale = d**-0.5
+    want = reference.paged_decode_attention(
+        q, kv.key_cache, kv.value_cache, kv.block_table, kv.seq_lens, scale
+    )
+    out = torch.full_like(q, float("nan"))
+    got = paged_decode_attention(
+        q,
+        kv.key_cache,
+        kv.value_cache,
+        kv.block_table,
+        kv.seq_lens,
+        scale,
+        out=out,
+        num_splits=num_splits,
+        config=DecodeConfig(block_n=32),
+    )
+    assert got is out
+    torch.testing.assert_close(got, want, **TOLERANCES[dtype])
+
+
+def test_decode_kernel_block_size_32(gen):
+    lens = [1, 31, 32, 33, 70]
+    kv = make_paged_kv(lens, 2, 64, 32, torch.float32, "cpu", gen)
+    q = torch.randn(len(lens), 4, 64, generator=gen)
+    want = reference.paged_decode_attention(
+        q, kv.key_cache, kv.value_cache, kv.block_table, kv.seq_lens, 0.125
+    )
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(
+        q, kv.key_cache, kv.value_cache, kv.block_table, kv.seq_lens, 0.125, out=out, num_splits=2
+    )
+    torch.testing.assert_close(out, want, **TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize(
+    ("batch", "context", "splits"),
+    # 132 SMs x 4 programs = 528: fill one wave, never start a partial second one.
+    [(1, 32768, 64), (16, 4096, 4), (64, 4096, 1), (4, 8192, 16), (8, 2048, 8), (1, 100, 1)],
+)
+def test_split_heuristic(batch, context, splits):
+    assert choose_num_splits(batch, 8, context, 132, DecodeConfig()) == splits
+
+
+def _prefill_case(gen, shapes, heads, dtype, block_size=BS):
+    """shapes: (context length, new tokens) per sequence."""
+    hq, hkv, d = heads
+    kv = make_paged_kv([c for c, _ in shapes], hkv, d, block_size, dtype, "cpu", gen)
+    cu = torch.tensor([0, *np.cumsum([n for _, n in shapes]).tolist()], dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), hq, d, generator=gen).to(dtype)
+    return kv, cu, q
+
+
+@pytest.mark.parametrize(
+    ("dtype", "heads", "config"),
+    [
+        (torch.float32, (8, 2, 64), PrefillConfig(block_m=16, block_n=16)),
+        (torch.float16, (8, 2, 64), PrefillConfig(block_m=32, block_n=16)),
+        (torch.float32, (6, 3, 32), PrefillConfig(block_m=16, block_n=32)),
+        (torch.float32, (4, 2, 64), None),  # the launcher's own choice (64x64 tiles here)
+    ],
+)
+def test_prefill_kernel(gen, dtype, heads, config):
+    # Fresh prompts of the edge lengths, prompts with a cached prefix (prefix-cache hit or a
+    # later prefill chunk), a sequence with no new tokens, and one random shape.
+    ctx = int(torch.randint(2, 3 * BS, (1,), generator=gen))
+    new = int(torch.randint(1, ctx + 1, (1,), generator=gen))
+    shapes = [(n, n) for n in EDGE_LENS] + [(2 * BS + 3, BS + 1), (BS + 7, 1), (BS, 0), (ctx, new)]
+    shapes = [shapes[i] for i in torch.randperm(len(shapes), generator=gen).tolist()]
+    kv, cu, q = _prefill_case(gen, shapes, heads, dtype)
+    scale = heads[2] ** -0.5
+    want = reference.paged_prefill_attention(
+        q, kv.key_cache, kv.value_cache, kv.block_table, cu, kv.seq_lens, scale
+    )
+    out = torch.full_like(q, float("nan"))
+    got = paged_prefill_attention(
+        q,
+        kv.key_cache,
+        kv.value_cache,
+        kv.block_table,
+        cu,
+        kv.seq_lens,
+        scale,
+        out=out,
+        config=config,
+    )
+    assert got is out
+    torch.testing.assert_close(got, want, **TOLERANCES[dtype])
+
+
+def test_prefill_kernel_block_size_32_given_max_query_len(gen):
+    shapes = [(33, 33), (64, 20), (31, 31)]
+    kv, cu, q = _prefill_case(gen, shapes, (4, 2, 64), torch.float32, block_size=32)
+    want = reference.paged_prefill_attention(
+        q, kv.key_cache, kv.value_cache, kv.block_table, cu, kv.seq_lens, 0.125
+    )
+    out = torch.full_like(q, float("nan"))
+    paged_prefill_attention(
+        q,
+        kv.key_cache,
+        kv.value_cache,
+        kv.block_table,
+        cu,
+        kv.seq_lens,
+        0.125,
+        out=out,
+        max_query_len=33,
+        config=PrefillConfig(block_m=16, block_n=16),
+    )
+    torch.testing.assert_close(out, want, **TOLERANCES[torch.float32])
+
+
+def test_launchers_refuse_bad_input_before_running(gen):
+    kv = make_paged_kv([5, 20], 2, 64, BS, torch.float32, "cpu", gen)
+    q = torch.randn(2, 4, 64, generator=gen)
+    out = torch.full_like(q, float("nan"))
+    bad = kv.block_table.clone()
+    bad[0, 0] = -3
+    caches = (kv.key_cache, kv.value_cache)
+    with pytest.raises(ValueError, match="outside the pool"):
+        paged_decode_attention(q, *caches, bad, kv.seq_lens, 0.125, out=out)
+    with pytest.raises(ValueError, match="too short"):
+        paged_decode_attention(q, *caches, kv.block_table[:, :1], kv.seq_lens, 0.125, out=out)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        paged_decode_attention(torch.randn(2, 3, 64), *caches, kv.block_table, kv.seq_lens, 0.1)
+    assert out.isnan().all()  # nothing ran
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match="dtype"):
+        paged_prefill_attention(q.half(), *caches, kv.block_table, cu, kv.seq_lens, 0.125)
+    with pytest.raises(ValueError, match="outside the pool"):
+        paged_prefill_attention(q, *caches, bad, cu, kv.seq_lens, 0.125, out=out)
+    assert out.isnan().all()
+    with pytest.raises(ValueError, match="slots >="):
+        reshape_and_cache(q[:, :2], q[:, 2:], *caches, torch.tensor([10**5, 20]))
