@@ -133,11 +133,12 @@ def extend_block_hashes(
     same token list (that is how a growing request is hashed incrementally). Returns the list.
     Equal to chaining :func:`hash_block_tokens`, only faster: the msgpack encoding of
     ``[parent, tokens, extra]`` is assembled from precomputed headers instead of packed per block.
-    Every token id is validated, also those of a partial tail block.
+    Every token id not yet hashed is validated, also those of a partial tail block.
     """
     start = len(block_hashes)
     num_full = len(token_ids) // block_size
-    buf = encode_token_ids(token_ids)
+    # Tokens of blocks already hashed are neither re-encoded nor re-validated.
+    buf = encode_token_ids(token_ids[start * block_size :] if start else token_ids)
     nbytes = block_size * _TOKEN_BYTES
     head = _bin_header(nbytes)
     parent = block_hashes[-1] if block_hashes else root_hash
@@ -146,7 +147,7 @@ def extend_block_hashes(
         # NOTE: the salt is an extra key of block 0 only; the chain carries it to every later
         # block, so repeating it would only cost bytes.
         extra = _packb((cache_salt,)) if i == 0 and cache_salt is not None else _NIL
-        off = i * nbytes
+        off = (i - start) * nbytes
         parent = _blake2b(
             join((_PREFIX, parent, head, buf[off : off + nbytes], extra)), digest_size=_DIGEST
         ).digest()
