@@ -1,0 +1,147 @@
+"""What the model runner needs to know about a checkpoint, read through transformers' AutoConfig."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Architecture → bias layout. Qwen2 has q/k/v biases; Llama may have them through
+# `attention_bias` (then o_proj has one too) and `mlp_bias`.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; use float32, float16 or bfloat16")
+        return dtype
+    try:
+        return _DTYPES[str(dtype).removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype!r}; use float32, float16 or bfloat16") from None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder, independent of where its weights come from."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    max_model_len: int
+    checkpoint_dtype: torch.dtype
+    eos_token_ids: tuple[int, ...]
+    hf_config: Any  # transformers PreTrainedConfig, for the rotary parameters
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return 2 * self.num_layers * self.kv_size * dtype.itemsize
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> ModelConfig:
+        archs = list(getattr(hf_config, "architectures", None) or [])
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or hf_config.model_type!r}; splitserve runs "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+        rope_type = rope.get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r}; Llama-family models use 'silu'")
+        num_heads = hf_config.num_attention_heads
+        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads {num_heads} is not a multiple of "
+                f"num_key_value_heads {num_kv_heads}"
+            )
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        max_len = hf_config.max_position_embeddings
+        window = getattr(hf_config, "sliding_window", None)
+        uses_window = window is not None and (
+            arch == "MistralForCausalLM" or getattr(hf_config, "use_sliding_window", False)
+        )
+        if uses_window and window < max_len:
+            # NOTE: sliding-window attention is not implemented; below the window it is plain
+            # causal attention, so capping the context keeps outputs exact.
+            logger.warning(
+                "sliding_window=%d < max_position_embeddings=%d: context capped at %d",
+                window,
+                max_len,
+                window,
+            )
+            max_len = window
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        eos = getattr(hf_config, "eos_token_id", None)
+        eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
+        ckpt_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        return cls(
+            architecture=arch,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
+            o_bias=attention_bias and arch != "Qwen2ForCausalLM",
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            max_model_len=max_len,
+            checkpoint_dtype=parse_dtype(ckpt_dtype) if ckpt_dtype else torch.float32,
+            eos_token_ids=eos_ids,
+            hf_config=hf_config,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        """Read ``config.json`` of a local checkpoint folder (never a hub download)."""
+        from transformers import AutoConfig
+
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} is not a model folder: it has no config.json")
+        return cls.from_hf_config(AutoConfig.from_pretrained(path, local_files_only=True))

@@ -1,0 +1,63 @@
+"""Llama-family decoder (Llama, Qwen2, Mistral) reading and writing K/V only via the paged pool."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.layout import layer_kv_views
+from models.config import ModelConfig
+from models.layers import AttentionMetadata, GatedMLP, PagedAttention, RMSNorm, RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = PagedAttention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+
+    def forward(self, hidden, positions, rotary, kv_cache, meta):
+        residual = hidden
+        hidden = self.self_attn(self.input_layernorm(hidden), positions, rotary, kv_cache, meta)
+        hidden = residual + hidden
+        residual = hidden
+        return residual + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    """One forward serves prefill, cached-prefix prefill, chunked prefill and decode alike.
+
+    ``forward(input_ids [T], positions [T], kv_pool, meta)`` returns the final hidden states
+    ``[T, hidden]``; ``compute_logits`` turns selected rows into float32 logits.
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(
+            config.hf_config, config.head_dim, config.max_model_len, dtype
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_pool: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, positions, self.rotary, layer_kv_views(kv_pool, i), meta)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return nn.functional.linear(hidden, weight).float()

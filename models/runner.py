@@ -1,0 +1,229 @@
+"""ModelRunner: turns a scheduled batch of sequences into one paged forward and its logits."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kernels.layout import allocate_kv_pool
+from models.config import ModelConfig
+from models.layers import AttentionMetadata
+from models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+@dataclass(slots=True)
+class SequenceInput:
+    """One sequence's share of a forward.
+
+    ``token_ids``: the tokens whose K/V this step computes (a whole prompt, a chunk of it, or
+    the one token of a decode step); ``start_pos``: how many tokens of the sequence are already
+    in the KV cache; ``block_ids``: its block table, covering ``start_pos + len(token_ids)``.
+    """
+
+    token_ids: Sequence[int]
+    start_pos: int
+    block_ids: Sequence[int]
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerConfig:
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    gpu_memory_utilization: float = 0.9
+    kv_cache_bytes: int | None = None  # CPU, or to override the GPU's measured budget
+    use_cuda_graph: bool = True
+    graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.block_size < 16 or self.block_size % 16:
+            raise ValueError(f"block_size must be a multiple of 16, got {self.block_size}")
+
+
+class ModelRunner:
+    def __init__(
+        self, config: ModelConfig, model: LlamaForCausalLM, runner_config: RunnerConfig
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.rc = runner_config
+        self.device = model.embed_tokens.weight.device
+        self.dtype = model.embed_tokens.weight.dtype
+        self.block_size = runner_config.block_size
+        self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
+        self.num_blocks = self._count_kv_blocks()
+        self.kv_pool = allocate_kv_pool(
+            self.num_blocks,
+            config.num_layers,
+            self.block_size,
+            config.num_kv_heads,
+            config.head_dim,
+            self.dtype,
+            self.device,
+        )
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GB, %d tokens)",
+            self.num_blocks,
+            self.block_size,
+            self.kv_pool.numel() * self.kv_pool.element_size() / 1e9,
+            (self.num_blocks - 1) * self.block_size,
+        )
+        self.graphs = None
+        if self.device.type == "cuda" and runner_config.use_cuda_graph:
+            from models.cuda_graph import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self, runner_config.graph_batch_sizes)
+
+    # ------------------------------------------------------------------ KV pool sizing
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_size * self.config.kv_bytes_per_token(self.dtype)
+
+    def _count_kv_blocks(self) -> int:
+        budget = self.rc.kv_cache_bytes
+        if budget is None:
+            if self.device.type != "cuda":
+                raise ValueError("on CPU the KV cache size must be given (kv_cache_bytes)")
+            budget = self._measure_gpu_kv_budget()
+        num_blocks = int(budget // self.block_bytes)
+        if num_blocks < 2:
+            raise ValueError(
+                f"KV cache budget {budget / 1e9:.3f} GB holds fewer than 2 blocks of "
+                f"{self.block_bytes} bytes; raise gpu_memory_utilization or kv_cache_bytes"
+            )
+        return num_blocks
+
+    def _measure_gpu_kv_budget(self) -> int:
+        """Free memory after the weights and one forward of ``max_num_batched_tokens`` tokens
+        (the activation peak), under ``gpu_memory_utilization`` of the device."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        tokens = self.rc.max_num_batched_tokens
+        scratch = allocate_kv_pool(
+            2,
+            self.config.num_layers,
+            self.block_size,
+            self.config.num_kv_heads,
+            self.config.head_dim,
+            self.dtype,
+            self.device,
+        )
+        # One long sequence whose writes all go to padding slots: only activations count.
+        ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((tokens,), -1, dtype=torch.long, device=self.device),
+            block_table=torch.zeros(
+                (1, -(-tokens // self.block_size)), dtype=torch.int32, device=self.device
+            ),
+            seq_lens=torch.tensor([tokens], dtype=torch.int32, device=self.device),
+            cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32, device=self.device),
+            max_query_len=tokens,
+            is_decode=False,
+        )
+        with torch.inference_mode():
+            hidden = self.model(ids, torch.arange(tokens, device=self.device), scratch, meta)
+            self.model.compute_logits(hidden[-self.rc.max_num_seqs :])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del scratch, hidden
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        in_use_elsewhere = total - free - torch.cuda.memory_reserved(self.device)
+        budget = total * self.rc.gpu_memory_utilization - peak - in_use_elsewhere
+        logger.info(
+            "GPU memory: %.1f GB total, peak %.1f GB with weights and activations, "
+            "%.1f GB for the KV cache",
+            total / 1e9,
+            peak / 1e9,
+            budget / 1e9,
+        )
+        return max(int(budget), 0)
+
+    # ------------------------------------------------------------------ forward
+
+    def prepare(
+        self, seqs: Sequence[SequenceInput]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, bool]:
+        """Flat input ids, positions and attention metadata for ``seqs``, on the device.
+
+        Validates the block tables here, once per step, so the kernels need not."""
+        bs = self.block_size
+        num_seqs = len(seqs)
+        if num_seqs == 0:
+            raise ValueError("empty batch")
+        q_lens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=num_seqs)
+        starts = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=num_seqs)
+        if (q_lens < 1).any() or (starts < 0).any():
+            raise ValueError("every sequence needs >= 1 new token and a start_pos >= 0")
+        seq_lens = starts + q_lens
+        if seq_lens.max() > self.config.max_model_len:
+            raise ValueError(
+                f"a sequence of {int(seq_lens.max())} tokens exceeds max_model_len "
+                f"{self.config.max_model_len}"
+            )
+        width = int(-(-seq_lens.max() // bs))
+        block_table = np.zeros((num_seqs, width), dtype=np.int32)
+        for i, s in enumerate(seqs):
+            need = -(-int(seq_lens[i]) // bs)
+            if len(s.block_ids) < need:
+                raise ValueError(
+                    f"sequence {i} has {len(s.block_ids)} blocks for "
+                    f"{int(seq_lens[i])} tokens ({need} needed)"
+                )
+            block_table[i, :need] = s.block_ids[:need]
+        if block_table.max() >= self.num_blocks or block_table.min() < 0:
+            raise ValueError(f"block ids must be in [0, {self.num_blocks})")
+        cu = np.zeros(num_seqs + 1, dtype=np.int32)
+        np.cumsum(q_lens, out=cu[1:])
+        seq_idx = np.repeat(np.arange(num_seqs), q_lens)
+        positions = (
+            np.arange(int(cu[-1]), dtype=np.int64)
+            - np.repeat(cu[:-1], q_lens)
+            + np.repeat(starts, q_lens)
+        )
+        slots = block_table[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
+        input_ids = np.fromiter(
+            (t for s in seqs for t in s.token_ids), dtype=np.int64, count=int(cu[-1])
+        )
+        if input_ids.min() < 0 or input_ids.max() >= self.config.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.config.vocab_size})")
+        is_decode = bool((q_lens == 1).all())
+        dev = self.device
+
+        def put(a: np.ndarray) -> torch.Tensor:
+            t = torch.from_numpy(a)
+            return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
+
+        meta = AttentionMetadata(
+            slot_mapping=put(slots),
+            block_table=put(block_table),
+            seq_lens=put(seq_lens.astype(np.int32)),
+            cu_seqlens_q=put(cu),
+            max_query_len=int(q_lens.max()),
+            is_decode=is_decode,
+        )
+        return put(input_ids), put(positions), meta, is_decode
+
+    @torch.inference_mode()
+    def execute(self, seqs: Sequence[SequenceInput]) -> torch.Tensor:
+        """Run one forward; returns float32 logits ``[len(seqs), vocab]`` of each sequence's last
+        new token (for a prompt chunk that is not the last, the caller ignores them)."""
+        input_ids, positions, meta, is_decode = self.prepare(seqs)
+        if is_decode and self.graphs is not None and self.graphs.can_run(len(seqs)):
+            return self.graphs.run(input_ids, positions, meta)
+        hidden = self.model(input_ids, positions, self.kv_pool, meta)
+        last = meta.cu_seqlens_q[1:].long() - 1
+        return self.model.compute_logits(hidden[last])

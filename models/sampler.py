@@ -1,0 +1,321 @@
+"""Token sampler of the model runner: penalties, stop-token masking, greedy/top-k/top-p/min-p draws.
+
+Plain torch on ``[B, V]`` float32 logits (CPU or CUDA). Python loops run per row at most (to
+build index lists and to draw seeded rows from their own generators), never per vocabulary entry.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from itertools import chain
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+
+def _real(name: str, value: object, ok: Callable[[float], bool], valid: str) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or not ok(float(value))
+    ):
+        raise ValueError(f"SamplingParams.{name} must be {valid}, got {value!r}")
+    return float(value)
+
+
+def _int(name: str, value: object, ok: Callable[[int], bool], valid: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not ok(int(value)):
+        raise ValueError(f"SamplingParams.{name} must be {valid}, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick the tokens of one request. Validated on construction (``ValueError``).
+
+    Penalties follow HF (``repetition_penalty`` over prompt and output tokens: positive logits
+    divided, negative multiplied) and OpenAI (``presence_penalty``/``frequency_penalty`` over
+    output tokens only: ``logit -= presence * (count > 0) + frequency * count``), applied in that
+    order. ``logprobs`` asks for the log-probability of each chosen token under the logits after
+    penalties and stop-token masking but BEFORE temperature/top-k/top-p/min-p (vLLM's default).
+    """
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        # NOTE: numbers are normalised to plain float/int (numpy scalars arrive from clients);
+        # min_tokens comes after max_tokens because its range depends on it.
+        checks = (
+            ("temperature", _real, lambda v: v >= 0, "a finite number >= 0 (0 means greedy)"),
+            ("top_k", _int, lambda v: v >= -1, "-1 or 0 (disabled) or an int >= 1"),
+            ("top_p", _real, lambda v: 0 < v <= 1, "in (0, 1]"),
+            ("min_p", _real, lambda v: 0 <= v <= 1, "in [0, 1]"),
+            ("seed", _int, lambda v: -(2**63) <= v < 2**64, "None or an int in [-2**63, 2**64)"),
+            ("repetition_penalty", _real, lambda v: v > 0, "a finite number > 0 (1 is off)"),
+            ("presence_penalty", _real, lambda v: -2 <= v <= 2, "in [-2, 2]"),
+            ("frequency_penalty", _real, lambda v: -2 <= v <= 2, "in [-2, 2]"),
+            ("max_tokens", _int, lambda v: v >= 1, "an int >= 1"),
+            ("min_tokens", _int, lambda v: 0 <= v <= self.max_tokens,
+             f"an int in [0, max_tokens={self.max_tokens}]"),
+        )  # fmt: skip
+        for name, check, ok, valid in checks:
+            value = getattr(self, name)
+            if not (name == "seed" and value is None):
+                object.__setattr__(self, name, check(name, value, ok, valid))
+        for name in ("ignore_eos", "logprobs"):
+            if not isinstance(value := getattr(self, name), bool):
+                raise ValueError(f"SamplingParams.{name} must be true or false, got {value!r}")
+        ids = self.stop_token_ids
+        if (
+            isinstance(ids, str | bytes)
+            or not isinstance(ids, Sequence)
+            or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids)
+            or any(t < 0 for t in ids)
+        ):
+            raise ValueError(
+                f"SamplingParams.stop_token_ids must be a list of ints >= 0, got {ids!r}"
+            )
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+
+    @property
+    def greedy(self) -> bool:
+        """True when the argmax is the only possible token (temperature 0 or top_k 1)."""
+        return self.temperature == 0 or self.top_k == 1
+
+
+class SamplerOutput(NamedTuple):
+    """One token per row; ``logprobs`` is None unless some row asked (then None for the rest)."""
+
+    token_ids: list[int]
+    logprobs: list[float | None] | None
+
+
+def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
+    """The request's own RNG, created once per request and passed to every ``sample`` call.
+
+    None when ``params.seed`` is None (the row then draws from the global RNG).
+    """
+    if params.seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(params.seed)
+
+
+def check_stop(
+    params: SamplingParams, token_id: int, num_output_tokens: int, eos_token_id: int | None
+) -> str | None:
+    """Why the request finishes after ``token_id``: "stop", "length" or None (go on).
+
+    ``num_output_tokens`` counts ``token_id``. "stop" (eos unless ``ignore_eos``, or one of
+    ``stop_token_ids``) counts only once ``num_output_tokens >= min_tokens`` and wins over
+    "length" when both hold: the model did end its answer on the last allowed token.
+    """
+    if num_output_tokens >= params.min_tokens and (
+        (token_id == eos_token_id and not params.ignore_eos) or token_id in params.stop_token_ids
+    ):
+        return "stop"
+    if num_output_tokens >= params.max_tokens:
+        return "length"
+    return None
+
+
+def _token_counts(
+    token_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device
+) -> Tensor:
+    """``[len(token_lists), V]`` float32 occurrence counts (one scatter_add over all rows)."""
+    counts = torch.zeros(len(token_lists), vocab_size, dtype=torch.float32, device=device)
+    flat = list(chain.from_iterable(token_lists))
+    if not flat:
+        return counts
+    if min(flat) < 0 or max(flat) >= vocab_size:
+        raise ValueError(f"token ids must be in [0, {vocab_size}), got {min(flat)}..{max(flat)}")
+    lengths = torch.tensor([len(t) for t in token_lists], device=device)
+    rows = torch.repeat_interleave(torch.arange(len(token_lists), device=device), lengths)
+    flat_index = rows * vocab_size + torch.tensor(flat, dtype=torch.long, device=device)
+    counts.view(-1).scatter_add_(0, flat_index, torch.ones_like(flat_index, dtype=torch.float32))
+    return counts
+
+
+def apply_penalties(
+    logits: Tensor,
+    params: Sequence[SamplingParams],
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+) -> Tensor:
+    """Repetition, then presence and frequency penalties (see :class:`SamplingParams`).
+
+    Returns ``logits`` itself when no row has a penalty, else a new tensor in which rows without
+    penalties are bit-identical to the input. Never writes to ``logits``.
+    """
+    idx = [
+        i
+        for i, p in enumerate(params)
+        if p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
+    ]
+    if not idx:
+        return logits
+    device, vocab_size = logits.device, logits.shape[1]
+    row_params = [params[i] for i in idx]
+    rows = logits[idx]  # advanced indexing copies
+    out_counts = _token_counts([output_token_ids[i] for i in idx], vocab_size, device)
+    rep = [p.repetition_penalty for p in row_params]
+    if any(r != 1 for r in rep):
+        seen = _token_counts([prompt_token_ids[i] for i in idx], vocab_size, device) > 0
+        seen |= out_counts > 0
+        rep_t = torch.tensor(rep, device=device).unsqueeze(1)
+        penalised = torch.where(rows < 0, rows * rep_t, rows / rep_t)
+        rows = torch.where(seen, penalised, rows)
+    presence = torch.tensor([p.presence_penalty for p in row_params], device=device).unsqueeze(1)
+    frequency = torch.tensor([p.frequency_penalty for p in row_params], device=device).unsqueeze(1)
+    rows = rows - (frequency * out_counts + presence * (out_counts > 0))
+    out = logits.clone()
+    out[idx] = rows
+    return out
+
+
+def _mask_stop_tokens(
+    logits: Tensor,
+    params: Sequence[SamplingParams],
+    output_token_ids: Sequence[Sequence[int]],
+    eos_token_id: int | None,
+    owned: bool,
+) -> Tensor:
+    """Set eos (unless ignore_eos) and stop tokens to -inf in rows still short of min_tokens."""
+    rows: list[int] = []
+    cols: list[int] = []
+    vocab_size = logits.shape[1]
+    for i, p in enumerate(params):
+        if len(output_token_ids[i]) >= p.min_tokens:
+            continue
+        ids = p.stop_token_ids
+        if eos_token_id is not None and not p.ignore_eos:
+            ids = (*ids, eos_token_id)
+        ids = [t for t in ids if t < vocab_size]  # a token past the logits can't be drawn anyway
+        rows += [i] * len(ids)
+        cols += ids
+    if not rows:
+        return logits
+    if not owned:
+        logits = logits.clone()
+    logits[rows, cols] = -math.inf
+    return logits
+
+
+def _top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Mask (to -inf) tokens outside the top ``top_k[r]`` and outside the nucleus ``top_p[r]``.
+
+    Ties with the k-th logit are all kept. The nucleus is the shortest prefix (by probability,
+    descending) whose mass reaches ``top_p``; it always holds the most likely token.
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    kth = sorted_logits.gather(1, (top_k - 1).unsqueeze(1))
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, -math.inf)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    # NOTE: top_p == 1 must keep everything, but a float32 cumsum can pass 1 before the tail.
+    top_p = torch.where(top_p >= 1, 2.0, top_p)
+    sorted_logits.masked_fill_(mass_before >= top_p.unsqueeze(1), -math.inf)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _draw(
+    logits: Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+) -> Tensor:
+    """Temperature, top-k, top-p, min-p, then one token per row (none of the rows is greedy)."""
+    device, (num_rows, vocab_size) = logits.device, logits.shape
+    temperature = torch.tensor([p.temperature for p in params], device=device)
+    logits = logits / temperature.unsqueeze(1)
+    top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+    top_p = [p.top_p for p in params]
+    if any(k < vocab_size for k in top_k) or any(p < 1 for p in top_p):
+        logits = _top_k_top_p(
+            logits, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device)
+        )
+    probs = logits.softmax(dim=-1)
+    min_p = [p.min_p for p in params]
+    if any(m > 0 for m in min_p):
+        min_p_t = torch.tensor(min_p, device=device).unsqueeze(1)
+        threshold = min_p_t * probs.amax(dim=-1, keepdim=True)
+        probs = logits.masked_fill(probs < threshold, -math.inf).softmax(dim=-1)
+    # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) draws i with probability p_i.
+    noise = torch.empty_like(probs)
+    seeded = [r for r, g in enumerate(generators) if g is not None]
+    if len(seeded) < num_rows:
+        noise.exponential_()
+    for r in seeded:
+        # NOTE: a fresh [V] draw per row, so a seeded row's tokens don't depend on the batch.
+        noise[r] = torch.empty(vocab_size, device=device).exponential_(generator=generators[r])
+    # An Exp(1) draw can round to 0; clamping keeps masked tokens (p = 0) at 0 instead of NaN.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return probs.div_(noise).argmax(dim=-1)
+
+
+class Sampler:
+    """Picks the next token of each row of a batch. Stateless; one instance per model runner."""
+
+    def sample(
+        self,
+        logits: Tensor,
+        params: Sequence[SamplingParams],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
+        generators: Sequence[torch.Generator | None],
+        eos_token_id: int | None,
+    ) -> SamplerOutput:
+        """One token per row of ``logits`` (``[B, V]`` float32, left unchanged).
+
+        Every sequence argument has B entries; ``generators[r]`` is ``make_generator(params[r])``
+        of row r's request, on the logits' device. Order: penalties, masking of eos/stop tokens
+        while ``len(output_token_ids[r]) < min_tokens``, then greedy rows take the argmax (lowest
+        index on ties, as ``torch.argmax``; a row without penalties or masking sees the logits
+        untouched, so it matches HF greedy generate) and the others go through temperature, top-k,
+        top-p, min-p and a random draw. A seeded row's tokens depend only on its own logits and
+        generator, not on the rest of the batch.
+        """
+        assert logits.dim() == 2 and logits.dtype == torch.float32, (logits.shape, logits.dtype)
+        num_rows = logits.shape[0]
+        assert (
+            len(params) == len(prompt_token_ids) == len(output_token_ids) == len(generators)
+        ) and len(params) == num_rows, "every per-row argument needs one entry per logits row"
+        processed = apply_penalties(logits, params, prompt_token_ids, output_token_ids)
+        processed = _mask_stop_tokens(
+            processed, params, output_token_ids, eos_token_id, owned=processed is not logits
+        )
+
+        greedy = [r for r, p in enumerate(params) if p.greedy]
+        if len(greedy) == num_rows:
+            token_ids = processed.argmax(dim=-1)
+        else:
+            token_ids = torch.empty(num_rows, dtype=torch.long, device=logits.device)
+            if greedy:
+                token_ids[greedy] = processed[greedy].argmax(dim=-1)
+            drawn = [r for r, p in enumerate(params) if not p.greedy]
+            token_ids[drawn] = _draw(
+                processed[drawn], [params[r] for r in drawn], [generators[r] for r in drawn]
+            )
+
+        wants_logprobs = [r for r, p in enumerate(params) if p.logprobs]
+        if not wants_logprobs:
+            return SamplerOutput(token_ids.tolist(), None)
+        chosen = token_ids[wants_logprobs].unsqueeze(1)
+        values = processed[wants_logprobs].log_softmax(dim=-1).gather(1, chosen).squeeze(1)
+        logprobs: list[float | None] = [None] * num_rows
+        for r, value in zip(wants_logprobs, values.tolist(), strict=True):
+            logprobs[r] = value
+        return SamplerOutput(token_ids.tolist(), logprobs)

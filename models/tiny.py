@@ -1,0 +1,125 @@
+"""Small random-weight checkpoints written with transformers' ``save_pretrained``.
+
+``ensure_tiny_model()`` gives the embedded default model: a deterministic two-layer Llama with a
+byte-level tokenizer built locally (no download), created on first use and cached on disk.
+``write_random_checkpoint`` makes the same kind of folder for any supported architecture; tests
+use it to compare against transformers on real checkpoint files.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+TINY_MODEL_NAME = "splitserve-tiny-llama-v1"
+BYTE_VOCAB = 256
+BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
+
+
+def default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "splitserve"
+
+
+def build_byte_tokenizer():
+    """A byte-level tokenizer: one token per byte (ids 0..255), then BOS=256 and EOS=257."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    assert len(alphabet) == BYTE_VOCAB
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([BOS, EOS])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS)
+
+
+_ARCH_CONFIGS = {
+    "LlamaForCausalLM": "LlamaConfig",
+    "Qwen2ForCausalLM": "Qwen2Config",
+    "MistralForCausalLM": "MistralConfig",
+}
+
+
+def write_random_checkpoint(
+    path: str | Path,
+    architecture: str = "LlamaForCausalLM",
+    seed: int = 0,
+    dtype: str = "float32",
+    max_shard_size: str | None = None,
+    with_tokenizer: bool = False,
+    **config: Any,
+) -> Path:
+    """Save a random-weight model of ``architecture`` to ``path`` (safetensors).
+
+    ``config`` overrides the small defaults (hidden 128, 2 layers, 4 heads, 2 KV heads,
+    head_dim 32, vocab 320). ``max_shard_size`` (e.g. "200KB") writes a sharded checkpoint.
+    """
+    import torch
+    import transformers
+
+    defaults = dict(
+        vocab_size=320,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=1024,
+        bos_token_id=BYTE_VOCAB,
+        eos_token_id=BYTE_VOCAB + 1,
+        tie_word_embeddings=False,
+        # NOTE: a wider init than the usual 0.02 gives peaked logits, so greedy decoding rarely
+        # meets near-ties that rounding could flip.
+        initializer_range=0.1,
+    )
+    if architecture == "MistralForCausalLM":
+        defaults["sliding_window"] = None
+    cfg_cls = getattr(transformers, _ARCH_CONFIGS[architecture])
+    cfg = cfg_cls(**{**defaults, **config})
+    cfg.architectures = [architecture]
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(cfg).to(getattr(torch, dtype))
+    path = Path(path)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, safe_serialization=True, **kwargs)
+    if with_tokenizer:
+        build_byte_tokenizer().save_pretrained(path)
+    return path
+
+
+def ensure_tiny_model(cache_dir: str | Path | None = None) -> Path:
+    """The default model's folder, written on first use (atomically: concurrent first uses are
+    safe) and reused afterwards."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = root / TINY_MODEL_NAME
+    if (target / "config.json").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{TINY_MODEL_NAME}-", dir=root))
+    try:
+        write_random_checkpoint(
+            tmp,
+            "LlamaForCausalLM",
+            seed=1234,
+            with_tokenizer=True,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            max_position_embeddings=4096,
+        )
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # lost the race only if it is complete
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
