@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -47,12 +47,17 @@ def load_model(
     config = ModelConfig.from_pretrained(path)
     dtype = config.checkpoint_dtype if dtype is None else parse_dtype(dtype)
     device = torch.device(device)
-    with torch.device(device):
-        model = LlamaForCausalLM(config, dtype).to(dtype)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # build the parameters in their final dtype, not fp32 first
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config, dtype)
+    finally:
+        torch.set_default_dtype(previous)
     if load_format == "dummy":
         _init_dummy(model, seed)
     else:
-        _load_safetensors(model, Path(path), dtype, device)
+        _load_safetensors(model, Path(path), device)
     model.eval().requires_grad_(False)
     logger.info(
         "loaded %s (%s, %d layers, %.2f GB) on %s as %s",
@@ -110,9 +115,19 @@ def _target(model: LlamaForCausalLM, name: str) -> tuple[str, int | None] | None
     return f"layers.{layer}.{module}.{kind}", None
 
 
-def _load_safetensors(
-    model: LlamaForCausalLM, path: Path, dtype: torch.dtype, device: torch.device
+def _load_safetensors(model: LlamaForCausalLM, path: Path, device: torch.device) -> None:
+    load_weights(model, _iter_checkpoint(_weight_files(path), device), source=str(path))
+
+
+@torch.no_grad()
+def load_weights(
+    model: LlamaForCausalLM,
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    source: str = "checkpoint",
 ) -> None:
+    """Copy tensors named as in a Hugging Face checkpoint (``model.layers.0.self_attn.q_proj.
+    weight`` ...) into ``model``, fusing q/k/v and gate/up, converting to the model's dtype.
+    Every parameter must be filled exactly once; raises ``ValueError`` naming what is wrong."""
     params = dict(model.named_parameters())
     cfg = model.config
     shard_sizes = {
@@ -121,7 +136,7 @@ def _load_safetensors(
     }
     loaded: set[tuple[str, int | None]] = set()
     unexpected = []
-    for name, tensor in _iter_checkpoint(_weight_files(path), device):
+    for name, tensor in named_tensors:
         target = _target(model, name)
         if target is None or target[0] not in params:
             if target and target[0] == "__tied__":
@@ -130,23 +145,20 @@ def _load_safetensors(
                 unexpected.append(name)
             continue
         pname, shard = target
-        param = params[pname]
-        dest = param.data
+        dest = params[pname].data
         if shard is not None:
-            fused = next(k for k in shard_sizes if k in pname)
-            sizes = shard_sizes[fused]
+            sizes = shard_sizes[next(k for k in shard_sizes if k in pname)]
             dest = dest.narrow(0, sum(sizes[:shard]), sizes[shard])
         if tuple(tensor.shape) != tuple(dest.shape):
             raise ValueError(
-                f"{path}: tensor {name} has shape {tuple(tensor.shape)}, the config implies "
+                f"{source}: tensor {name} has shape {tuple(tensor.shape)}, the config implies "
                 f"{tuple(dest.shape)}"
             )
-        dest.copy_(tensor.to(dtype))
+        dest.copy_(tensor)
         loaded.add((pname, shard))
     if unexpected:
         raise ValueError(
-            f"{path}: unexpected tensors for {cfg.architecture}: {unexpected[:8]}"
-            + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else "")
+            f"{source}: unexpected tensors for {cfg.architecture}: {_first(unexpected)}"
         )
     missing = []
     for pname in params:
@@ -156,10 +168,12 @@ def _load_safetensors(
             f"{pname}[{s}]" if s is not None else pname for s in shards if (pname, s) not in loaded
         ]
     if missing:
-        raise ValueError(
-            f"{path}: tensors missing from the checkpoint for: {missing[:8]}"
-            + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        )
+        raise ValueError(f"{source}: tensors missing for: {_first(missing)}")
+
+
+def _first(names: list[str], n: int = 8) -> str:
+    more = f" and {len(names) - n} more" if len(names) > n else ""
+    return ", ".join(names[:n]) + more
 
 
 @torch.no_grad()

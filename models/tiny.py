@@ -24,17 +24,33 @@ def default_cache_dir() -> Path:
 
 
 def build_byte_tokenizer():
-    """A byte-level tokenizer: one token per byte (ids 0..255), then BOS=256 and EOS=257."""
+    """A byte-level tokenizer: token id = byte value (0..255), then BOS=256 and EOS=257."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    assert len(alphabet) == BYTE_VOCAB
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    vocab = {char: byte for byte, char in enumerate(_byte_level_chars())}
+    assert set(vocab) == set(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([BOS, EOS])
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS)
+
+
+def _byte_level_chars() -> list[str]:
+    """The printable character that byte-level pre-tokenizers use for each byte 0..255: the
+    byte's own character when printable, else one from U+0100 upward, in byte order."""
+    printable = (
+        set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
+    )
+    chars, extra = [], 0
+    for byte in range(BYTE_VOCAB):
+        if byte in printable:
+            chars.append(chr(byte))
+        else:
+            chars.append(chr(0x100 + extra))
+            extra += 1
+    return chars
 
 
 _ARCH_CONFIGS = {

@@ -1,0 +1,123 @@
+"""Checkpoint loading: what is accepted, and the clear errors for what is not."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from models.config import ModelConfig
+from models.loader import load_model, load_weights
+from models.runner import ModelRunner, RunnerConfig
+from models.tiny import build_byte_tokenizer, ensure_tiny_model, write_random_checkpoint
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    return write_random_checkpoint(tmp_path / "m", "LlamaForCausalLM", seed=1)
+
+
+def _rewrite(path, mutate):
+    tensors = load_file(path / "model.safetensors")
+    mutate(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_missing_tensor_is_named(ckpt):
+    _rewrite(ckpt, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ValueError, match=r"missing.*layers\.1\.mlp\.gate_up_proj\.weight\[1\]"):
+        load_model(ckpt)
+
+
+def test_unexpected_tensor_is_named(ckpt):
+    _rewrite(ckpt, lambda t: t.__setitem__("model.layers.0.extra.weight", torch.zeros(2)))
+    with pytest.raises(ValueError, match=r"unexpected tensors.*model\.layers\.0\.extra\.weight"):
+        load_model(ckpt)
+
+
+def test_misshapen_tensor_is_named(ckpt):
+    def shrink(t):
+        t["model.layers.0.self_attn.k_proj.weight"] = t["model.layers.0.self_attn.k_proj.weight"][
+            :-1
+        ].clone()
+
+    _rewrite(ckpt, shrink)
+    with pytest.raises(ValueError, match=r"k_proj\.weight has shape \(63, 128\)"):
+        load_model(ckpt)
+
+
+def test_unsupported_architecture_and_missing_files(tmp_path, ckpt):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    cfg["model_type"] = "llama"
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported architecture.*GPT2LMHeadModel"):
+        load_model(ckpt)
+    with pytest.raises(ValueError, match="no config.json"):
+        load_model(tmp_path / "nowhere")
+    empty = tmp_path / "config-only"
+    write_random_checkpoint(empty, "LlamaForCausalLM")
+    (empty / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="no model.safetensors"):
+        load_model(empty)
+
+
+def test_dtype_choice_dummy_format_and_bad_format(ckpt):
+    config, model = load_model(ckpt, dtype="bfloat16")
+    assert model.embed_tokens.weight.dtype == torch.bfloat16
+    assert config.checkpoint_dtype == torch.float32
+    _, dummy = load_model(ckpt, load_format="dummy", seed=5)
+    _, again = load_model(ckpt, load_format="dummy", seed=5)
+    w = dummy.layers[0].self_attn.qkv_proj.weight
+    assert torch.equal(w, again.layers[0].self_attn.qkv_proj.weight)
+    assert 0.015 < w.std().item() < 0.025 and torch.all(dummy.norm.weight == 1)
+    with pytest.raises(ValueError, match="load_format"):
+        load_model(ckpt, load_format="pickle")
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        load_model(ckpt, dtype="int8")
+
+
+def test_state_dict_loading_fuses_like_the_file_loader(ckpt):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    _, from_file = load_model(ckpt)
+    _, from_dict = load_model(ckpt, load_format="dummy")
+    load_weights(from_dict, hf.state_dict().items())
+    for (name, a), (_, b) in zip(
+        from_file.state_dict().items(), from_dict.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name
+    q = hf.model.layers[1].self_attn.q_proj.weight
+    assert torch.equal(from_file.layers[1].self_attn.qkv_proj.weight[: q.shape[0]], q)
+
+
+def test_kv_pool_size_is_reported_and_bounded(ckpt):
+    config, model = load_model(ckpt)
+    per_block = 16 * config.kv_bytes_per_token(torch.float32)
+    runner = ModelRunner(config, model, RunnerConfig(kv_cache_bytes=10 * per_block + 5))
+    assert runner.num_blocks == 10
+    assert tuple(runner.kv_pool.shape) == (10, 2, 2, 16, 2, 32)
+    with pytest.raises(ValueError, match="fewer than 2 blocks"):
+        ModelRunner(config, model, RunnerConfig(kv_cache_bytes=per_block))
+    with pytest.raises(ValueError, match="must be given"):
+        ModelRunner(config, model, RunnerConfig())
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        RunnerConfig(gpu_memory_utilization=1.5)
+
+
+def test_embedded_tiny_model_is_created_once_and_loads(tmp_path):
+    path = ensure_tiny_model(tmp_path)
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    assert ensure_tiny_model(tmp_path) == path
+    assert (path / "model.safetensors").stat().st_mtime_ns == stamp
+    config = ModelConfig.from_pretrained(path)
+    assert config.architecture == "LlamaForCausalLM" and config.head_dim == 64
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    text = "héllo, wörld ✓"
+    ids = tok(text, add_special_tokens=False).input_ids
+    assert ids == list(text.encode()) and tok.decode(ids) == text
+    assert tok.eos_token_id == config.eos_token_ids[0] == 257
+    assert len(build_byte_tokenizer()) == 258  # 256 bytes + BOS + EOS
