@@ -51,14 +51,14 @@ def test_unsupported_architecture_and_missing_files(tmp_path, ckpt):
     cfg["architectures"] = ["GPT2LMHeadModel"]
     cfg["model_type"] = "llama"
     (ckpt / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="unsupported architecture.*GPT2LMHeadModel"):
+    with pytest.raises(ValueError, match=r"unsupported architecture.*GPT2LMHeadModel"):
         load_model(ckpt)
-    with pytest.raises(ValueError, match="no config.json"):
+    with pytest.raises(ValueError, match=r"no config\.json"):
         load_model(tmp_path / "nowhere")
     empty = tmp_path / "config-only"
     write_random_checkpoint(empty, "LlamaForCausalLM")
     (empty / "model.safetensors").unlink()
-    with pytest.raises(ValueError, match="no model.safetensors"):
+    with pytest.raises(ValueError, match=r"no model\.safetensors"):
         load_model(empty)
 
 
