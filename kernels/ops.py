@@ -128,3 +128,40 @@ def paged_prefill_attention(
         max_query_len,
         validate=validate,
     )
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RMSNorm of ``x [T, N]`` times ``weight [N]``. With ``residual``, ``x + residual`` is written
+    into ``residual`` first and normalised (the pre-norm decoder's residual stream)."""
+    if x.is_cuda:
+        from kernels.elementwise import rms_norm as triton_op
+
+        return triton_op(x, weight, eps, residual)
+    return reference.rms_norm(x, weight, eps, residual)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> None:
+    """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` in place by ``cos/sin[positions]``."""
+    if q.is_cuda:
+        from kernels.elementwise import rotary_embedding as triton_op
+
+        triton_op(positions, q, k, cos, sin)
+    else:
+        reference.rotary_embedding(positions, q, k, cos, sin)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up [T, 2N]`` → ``[T, N]``."""
+    if gate_up.is_cuda:
+        from kernels.elementwise import silu_and_mul as triton_op
+
+        return triton_op(gate_up)
+    return reference.silu_and_mul(gate_up)

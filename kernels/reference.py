@@ -102,3 +102,39 @@ def paged_prefill_attention(
         pos = torch.arange(seq_len - (end - start), seq_len, device=query.device)
         out[start:end] = _attend(query[start:end], k, v, scale, pos).to(out.dtype)
     return out
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """See `kernels.elementwise.rms_norm`. The same operations in the same order as
+    transformers' LlamaRMSNorm (and its residual add), so float32 results are bitwise equal."""
+    if residual is not None:
+        residual.add_(x)
+        x = residual
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> None:
+    """See `kernels.elementwise.rotary_embedding` (in place); transformers' arithmetic."""
+    c = cos[positions].unsqueeze(1)
+    s = sin[positions].unsqueeze(1)
+    for x in (q, k):
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        x.copy_(x * c + rotated * s)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """See `kernels.elementwise.silu_and_mul`."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

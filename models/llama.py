@@ -18,12 +18,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
-    def forward(self, hidden, positions, rotary, kv_cache, meta):
-        residual = hidden
-        hidden = self.self_attn(self.input_layernorm(hidden), positions, rotary, kv_cache, meta)
-        hidden = residual + hidden
-        residual = hidden
-        return residual + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden, residual, positions, rotary, kv_cache, meta):
+        """Pre-norm block. ``residual`` is the running sum of the sub-layer outputs (None before
+        the first layer); the next norm adds ``hidden`` into it, fused with the normalisation."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, positions, rotary, kv_cache, meta)
+        hidden = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -53,10 +58,12 @@ class LlamaForCausalLM(nn.Module):
         kv_pool: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, positions, self.rotary, layer_kv_views(kv_pool, i), meta)
-        return self.norm(hidden)
+            hidden, residual = layer(
+                hidden, residual, positions, self.rotary, layer_kv_views(kv_pool, i), meta
+            )
+        return self.norm(hidden, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

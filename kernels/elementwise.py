@@ -1,0 +1,208 @@
+"""Triton kernels for the per-token work between matmuls: RMSNorm with a fused residual add,
+rotary embedding (in place on q and k) and SiLU-and-multiply.
+
+Unfused, these are ~35 small torch kernels per decoder layer; in a decode step of an 8B model
+their launch gaps cost as much as reading the weights (docs/benchmarks.md). Each kernel here does
+one row (one token) per program and rounds to the activation dtype at the same points as the
+torch reference in `kernels.reference`, which CPU runs use.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x,
+    residual,
+    weight,
+    out,
+    stride_x,
+    stride_r,
+    stride_o,
+    eps,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    h = tl.load(x + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        h = (
+            h.to(tl.float32)
+            + tl.load(residual + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        ).to(h.dtype)
+        tl.store(residual + row * stride_r + cols, h, mask=mask)  # the new residual stream
+    hf = h.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / N + eps)
+    normed = (hf * inv).to(h.dtype).to(tl.float32)
+    w = tl.load(weight + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out + row * stride_o + cols, (w * normed).to(h.dtype), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``weight * normalize(x [+ residual])`` over the last dim of ``x [T, N]``.
+
+    With ``residual`` (same shape), ``x + residual`` is first written back into ``residual`` (the
+    residual stream of the next sub-layer) and normalised. Returns a new ``[T, N]`` tensor."""
+    if x.dim() != 2 or x.stride(-1) != 1 or weight.shape != (x.shape[1],):
+        raise ValueError(
+            f"rms_norm expects x [T, N] with a contiguous last dim and weight [N]; "
+            f"got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
+    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
+        raise ValueError(f"residual must match x {tuple(x.shape)}, got {tuple(residual.shape)}")
+    out = torch.empty_like(x)
+    if x.shape[0] == 0:
+        return out
+    n = x.shape[1]
+    block = triton.next_power_of_2(n)
+    res = residual if residual is not None else x
+    _rms_norm_kernel[(x.shape[0],)](
+        x,
+        res,
+        weight,
+        out,
+        x.stride(0),
+        res.stride(0),
+        out.stride(0),
+        eps,
+        N=n,
+        BLOCK=block,
+        HAS_RESIDUAL=residual is not None,
+        num_warps=min(16, max(1, block // 256)),
+    )
+    return out
+
+
+@triton.jit
+def _rotate_heads(
+    base,
+    token,
+    stride_t,
+    stride_h,
+    c,
+    s,
+    NUM_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    d = tl.arange(0, BLOCK_HALF)
+    heads = tl.arange(0, BLOCK_H)
+    for h0 in tl.static_range(0, NUM_HEADS, BLOCK_H):
+        m = ((h0 + heads) < NUM_HEADS)[:, None] & (d < HALF)[None, :]
+        ptr = base + token * stride_t + (h0 + heads)[:, None] * stride_h + d[None, :]
+        x1 = tl.load(ptr, mask=m, other=0.0)
+        x2 = tl.load(ptr + HALF, mask=m, other=0.0)
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        tl.store(ptr, (a * c[None, :] - b * s[None, :]).to(x1.dtype), mask=m)
+        tl.store(ptr + HALF, (b * c[None, :] + a * s[None, :]).to(x1.dtype), mask=m)
+
+
+@triton.jit
+def _rotary_kernel(
+    q,
+    k,
+    positions,
+    cos,
+    sin,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cos,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_K_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions + token).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)
+    c = tl.load(cos + pos * stride_cos + d, mask=d < HALF, other=0.0).to(tl.float32)
+    s = tl.load(sin + pos * stride_cos + d, mask=d < HALF, other=0.0).to(tl.float32)
+    _rotate_heads(q, token, stride_qt, stride_qh, c, s, NUM_Q_HEADS, HALF, BLOCK_H, BLOCK_HALF)
+    _rotate_heads(k, token, stride_kt, stride_kh, c, s, NUM_K_HEADS, HALF, BLOCK_H, BLOCK_HALF)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> None:
+    """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` in place (rotate-half / NeoX layout).
+
+    ``cos``/``sin``: ``[max_positions, D]`` tables whose two halves are equal (as built by
+    `models.layers.RotaryEmbedding`); ``positions [T]``. q and k may be strided views (of a
+    fused qkv projection); their last dim must be contiguous."""
+    t, hq, d = q.shape
+    if k.shape[0] != t or k.shape[2] != d or q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError(
+            f"rotary_embedding expects q [T, Hq, D], k [T, Hkv, D] with contiguous "
+            f"last dims; got {tuple(q.shape)} and {tuple(k.shape)}"
+        )
+    if cos.shape[1] != d or cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        raise ValueError(f"cos/sin tables must be [max_positions, {d}], contiguous rows")
+    if t == 0:
+        return
+    half = d // 2
+    _rotary_kernel[(t,)](
+        q,
+        k,
+        positions,
+        cos,
+        sin,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos.stride(0),
+        NUM_Q_HEADS=hq,
+        NUM_K_HEADS=k.shape[1],
+        HALF=half,
+        BLOCK_H=min(16, triton.next_power_of_2(max(hq, k.shape[1]))),
+        BLOCK_HALF=triton.next_power_of_2(half),
+        num_warps=4,
+    )
+
+
+@triton.jit
+def _silu_and_mul_kernel(gate_up, out, stride_in, stride_out, N: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = col < N
+    g = tl.load(gate_up + row * stride_in + col, mask=mask, other=0.0)
+    u = tl.load(gate_up + row * stride_in + N + col, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+    tl.store(
+        out + row * stride_out + col, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask
+    )
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up [T, 2N]`` (gate first) → ``[T, N]``."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(-1) != 1:
+        raise ValueError(
+            f"silu_and_mul expects [T, 2N] with a contiguous last dim, got {tuple(gate_up.shape)}"
+        )
+    t, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((t, n), dtype=gate_up.dtype, device=gate_up.device)
+    if t == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(n))
+    _silu_and_mul_kernel[(t, triton.cdiv(n, block))](
+        gate_up, out, gate_up.stride(0), out.stride(0), N=n, BLOCK=block, num_warps=4
+    )
+    return out
