@@ -89,6 +89,7 @@ def main() -> None:
     ap.add_argument("--hf", action="store_true", help="also time transformers generate")
     ap.add_argument("--copy-tbps", type=float, default=4.13)
     ap.add_argument("--matmul-tflops", type=float, default=790.0)
+    ap.add_argument("--profile", action="store_true", help="kernel time table of eager steps")
     args = ap.parse_args()
     emit(what="env", torch=torch.__version__, gpu=torch.cuda.get_device_name(0))
     random.seed(0)
@@ -210,6 +211,24 @@ def main() -> None:
             ratio=t / floor,
             graph=runner.graphs is not None and runner.graphs.can_run(b),
         )
+
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        for b in (args.batches[0], args.batches[-1]):
+            seqs = [
+                SequenceInput([7], ctx - 1, list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)))
+                for i in range(b)
+            ]
+            inputs = runner.prepare(seqs)[:3]
+            with torch.inference_mode():
+                runner.model(*inputs[:2], runner.kv_pool, inputs[2])
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    runner.model(*inputs[:2], runner.kv_pool, inputs[2])
+                    torch.cuda.synchronize()
+            print(f"eager decode step, batch {b}:")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14))
 
     # 4. prefill FLOP/s at 32 x 512
     nseq, plen = 32, args.prompt
