@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -81,6 +83,8 @@ class ModelRunner:
             (self.num_blocks - 1) * self.block_size,
         )
         self.graphs = None
+        if self.device.type == "cuda":
+            self._warmup()
         if self.device.type == "cuda" and runner_config.use_cuda_graph:
             from models.cuda_graph import DecodeGraphs
 
@@ -151,6 +155,36 @@ class ModelRunner:
             budget / 1e9,
         )
         return max(int(budget), 0)
+
+    @torch.inference_mode()
+    def _warmup(self) -> None:
+        """Compile every kernel variant a step can need (prefill tilings chosen by query length,
+        single- and multi-split decode) now, so no request waits for a JIT compile later.
+        Writes go to padding slots and reads to the null block: the pool is untouched."""
+        t0 = time.perf_counter()
+        dev, bs = self.device, self.block_size
+        limit = min(self.rc.max_num_batched_tokens, self.config.max_model_len)
+        # (query lengths, block table width): one per prefill tiling, then decode with many
+        # splits (one sequence, a long table) and with one (a full batch, a short table).
+        shapes = [([n], -(-n // bs)) for n in (16, 128, 1024) if n <= limit]
+        shapes += [([1], self.max_blocks_per_seq), ([1] * self.rc.max_num_seqs, 1)]
+        for q_lens, width in shapes:
+            n, t = len(q_lens), sum(q_lens)
+            meta = AttentionMetadata(
+                slot_mapping=torch.full((t,), -1, dtype=torch.long, device=dev),
+                block_table=torch.zeros((n, width), dtype=torch.int32, device=dev),
+                seq_lens=torch.tensor(q_lens, dtype=torch.int32, device=dev),
+                cu_seqlens_q=torch.tensor(
+                    [0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=dev
+                ),
+                max_query_len=max(q_lens),
+                is_decode=max(q_lens) == 1,
+            )
+            ids = torch.zeros(t, dtype=torch.long, device=dev)
+            hidden = self.model(ids, torch.zeros_like(ids), self.kv_pool, meta)
+            self.model.compute_logits(hidden[:n])
+        torch.cuda.synchronize()
+        logger.info("kernel warm-up took %.1f s", time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ forward
 
