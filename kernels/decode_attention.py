@@ -38,7 +38,10 @@ class DecodeConfig(NamedTuple):
 DEFAULT_CONFIG = DecodeConfig()
 
 
-@triton.jit
+# NOTE: no value specialisation of the arguments that change with every batch (table width,
+# split length): Triton would otherwise compile a new variant whenever one of them turns 1 or a
+# multiple of 16, in the middle of serving.
+@triton.jit(do_not_specialize=["tokens_per_split", "num_splits", "stride_bt"])
 def _decode_kernel(
     query,
     key_cache,
@@ -132,7 +135,7 @@ def _decode_kernel(
         tl.store(part_lse + row, m_i + tl.log2(l_i), mask=h_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens_per_split", "num_splits"])
 def _decode_reduce_kernel(
     part_out,
     part_lse,

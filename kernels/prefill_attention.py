@@ -96,7 +96,9 @@ def _prefill_tile(
     return acc, l_i, m_new
 
 
-@triton.jit
+# NOTE: the block table's width changes with every batch; specialising on it (== 1, multiple of
+# 16) would compile new variants while serving.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     query,
     key_cache,
