@@ -1,6 +1,7 @@
 """The model runner on a CUDA GPU in bf16 against transformers (skipped without a GPU; the fp32
 CPU counterpart is tests/test_model_parity.py)."""
 
+import copy
 import random
 
 import pytest
@@ -98,24 +99,21 @@ def test_graph_replay_matches_eager_decode(checkpoint):
     assert (graph_logits.argmax(-1) == eager.argmax(-1)).all()
 
 
-def test_greedy_first_tokens_follow_fp32_transformers(checkpoint):
+def test_greedy_first_token_is_a_transformers_choice(checkpoint):
+    """Our greedy first token, scored by fp32 transformers, is within bf16 noise of the best one:
+    its fp32 logit trails the maximum by no more than twice the largest error of transformers'
+    own bf16 logits at that position. (Random-weight models have near-ties that bf16 may
+    break either way, so exact agreement would be a coin toss.)"""
     path, hf = checkpoint
     prompts = [[random.randrange(2048) for _ in range(n)] for n in (1, 17, 100, 250, 33)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     engine = LLMEngine(_runner(path, graphs=True), ModelIdentity("g", dtype="bfloat16"))
-    agreeing = []
-    for prompt, req in zip(prompts, engine.generate(prompts, params), strict=True):
+    outputs = engine.generate(prompts, params)
+    hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)
+    for prompt, req in zip(prompts, outputs, strict=True):
         ids = torch.tensor([prompt], device="cuda")
-        with torch.no_grad():
-            ref = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=12,
-                do_sample=False,
-                pad_token_id=0,
-            )[0, len(prompt) :].tolist()
-        pairs = zip(req.output_token_ids, ref, strict=True)
-        agreeing.append(next((i for i, (a, b) in enumerate(pairs) if a != b), 12))
-    # bf16 rounding makes long greedy runs drift from fp32; the first token must agree.
-    print("greedy tokens agreeing with fp32 transformers:", agreeing)
-    assert min(agreeing) >= 1, agreeing
+        with torch.inference_mode():
+            ref = hf(ids).logits[0, -1].float()
+            noise = (hf_bf16(ids).logits[0, -1].float() - ref).abs().max().item()
+        gap = (ref.max() - ref[req.output_token_ids[0]]).item()
+        assert gap <= 2 * noise, (len(prompt), gap, noise)
