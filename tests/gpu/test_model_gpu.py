@@ -99,21 +99,38 @@ def test_graph_replay_matches_eager_decode(checkpoint):
     assert (graph_logits.argmax(-1) == eager.argmax(-1)).all()
 
 
-def test_greedy_first_token_is_a_transformers_choice(checkpoint):
-    """Our greedy first token, scored by fp32 transformers, is within bf16 noise of the best one:
-    its fp32 logit trails the maximum by no more than twice the largest error of transformers'
-    own bf16 logits at that position. (Random-weight models have near-ties that bf16 may
-    break either way, so exact agreement would be a coin toss.)"""
+def test_batched_prefill_as_close_to_fp32_as_transformers_bf16(checkpoint):
+    """Several prompts of uneven length prefilled in one batch (the paged prefill kernel over a
+    multi-sequence table): each last-token row of logits is within 1.5x the error of
+    transformers' own bf16 forward of that prompt, against fp32."""
     path, hf = checkpoint
-    prompts = [[random.randrange(2048) for _ in range(n)] for n in (1, 17, 100, 250, 33)]
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    engine = LLMEngine(_runner(path, graphs=True), ModelIdentity("g", dtype="bfloat16"))
-    outputs = engine.generate(prompts, params)
+    runner = _runner(path, graphs=True)
+    lens = [1, 17, 100, 250, 33]
+    seqs, nxt = [], 1
+    for n in lens:
+        blocks = list(range(nxt, nxt + n // 16 + 1))
+        nxt += len(blocks)
+        seqs.append(SequenceInput([random.randrange(2048) for _ in range(n)], 0, blocks))
+    ours = runner.execute(seqs)
     hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)
-    for prompt, req in zip(prompts, outputs, strict=True):
-        ids = torch.tensor([prompt], device="cuda")
+    for row, seq in zip(ours, seqs, strict=True):
+        ids = torch.tensor([list(seq.token_ids)], device="cuda")
         with torch.inference_mode():
             ref = hf(ids).logits[0, -1].float()
-            noise = (hf_bf16(ids).logits[0, -1].float() - ref).abs().max().item()
-        gap = (ref.max() - ref[req.output_token_ids[0]]).item()
-        assert gap <= 2 * noise, (len(prompt), gap, noise)
+            theirs = hf_bf16(ids).logits[0, -1].float()
+        rel, rel_hf = (
+            ((row - ref).norm() / ref.norm()).item(),
+            ((theirs - ref).norm() / ref.norm()).item(),
+        )
+        print(f"prompt {len(seq.token_ids)}: ours {rel:.2e}, transformers bf16 {rel_hf:.2e}")
+        assert rel < 1.5 * rel_hf + 1e-3, (len(seq.token_ids), rel, rel_hf)
+
+
+def test_engine_with_graphs_runs_to_completion_and_frees_blocks(checkpoint):
+    path, _ = checkpoint
+    engine = LLMEngine(_runner(path, graphs=True), ModelIdentity("g", dtype="bfloat16"))
+    prompts = [[random.randrange(2048) for _ in range(n)] for n in (1, 17, 100, 250, 33)]
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=20, ignore_eos=True, seed=1)
+    first = [r.output_token_ids for r in engine.generate(prompts, params)]
+    assert [len(o) for o in first] == [20] * 5
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks - 1
