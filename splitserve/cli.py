@@ -91,6 +91,53 @@ def cmd_kv_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Generate text with the model runner in this process (the embedded tiny model by default)."""
+    import time
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from kvstore import ModelIdentity
+    from models.engine import LLMEngine
+    from models.loader import load_model
+    from models.runner import ModelRunner, RunnerConfig
+    from models.sampler import SamplingParams
+    from models.tiny import ensure_tiny_model
+
+    path = args.model_path or ensure_tiny_model()
+    device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
+    try:
+        params = SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+        )
+        config, model = load_model(path, dtype=args.dtype, device=device)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    rc = RunnerConfig(kv_cache_bytes=None if device == "cuda" else args.kv_cache_mb << 20)
+    runner = ModelRunner(config, model, rc)
+    identity = ModelIdentity(str(path), dtype=str(runner.dtype).removeprefix("torch."))
+    engine = LLMEngine(runner, identity)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompts = args.prompt or ["The quick brown fox"]
+    t0 = time.perf_counter()
+    reqs = engine.generate([tokenizer(p).input_ids for p in prompts], params)
+    elapsed = time.perf_counter() - t0
+    for prompt, req in zip(prompts, reqs, strict=True):
+        text = tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        print(
+            f"{prompt!r} -> {text!r}  ({len(req.output_token_ids)} tokens, "
+            f"{req.finish_reason}, {req.num_cached_tokens} prompt tokens from cache)"
+        )
+    total = sum(len(r.output_token_ids) for r in reqs)
+    print(f"{total} tokens in {elapsed:.2f} s on {device} ({total / elapsed:.0f} tok/s)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__)
     parser.add_argument("--version", action="version", version=f"splitserve {__version__}")
@@ -116,6 +163,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system-prompts", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_kv_demo)
+
+    p = sub.add_parser("generate", help=cmd_generate.__doc__)
+    p.add_argument("prompt", nargs="*", help="prompts (default: one example)")
+    p.add_argument("--model-path", default=None, help="checkpoint folder (default: tiny model)")
+    p.add_argument("--dtype", default=None, help="float32, float16, bfloat16 (default: ckpt's)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--kv-cache-mb", type=int, default=256, help="KV cache size on CPU")
+    p.add_argument("--cpu", action="store_true", help="run on CPU even if a GPU is present")
+    p.set_defaults(func=cmd_generate)
     return parser
 
 

@@ -40,3 +40,16 @@ def test_kv_demo_runs_and_reports_prefix_hits():
     assert summary.startswith("200 lookups")
     hit, queried = summary.split(",")[1].split()[0].split("/")
     assert 0 < int(hit) < int(queried)
+
+
+def test_generate_runs_a_checkpoint_and_rejects_bad_options(tmp_path):
+    from models.tiny import write_random_checkpoint
+
+    path = write_random_checkpoint(tmp_path / "m", with_tokenizer=True)
+    proc = _run("generate", "--model-path", str(path), "--max-tokens", "5", "hi", "there")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("'hi' -> ") and "(5 tokens, length" in lines[0]
+    assert lines[-1].startswith("10 tokens in")
+    bad = _run("generate", "--model-path", str(path), "--temperature", "-1")
+    assert bad.returncode == 2 and "temperature" in bad.stderr and "Traceback" not in bad.stderr
