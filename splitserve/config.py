@@ -1,0 +1,40 @@
+"""One frozen config per process kind, built by the CLI and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    """A prefill or decode node."""
+
+    model_path: str  # checkpoint folder (config.json, safetensors, tokenizer)
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: pick a free port (the chosen one is logged and written to port_file)
+    port_file: str | None = None  # write the bound port here once serving (for launchers)
+    device: str = "cpu"  # "cpu" or "cuda[:N]"
+    dtype: str | None = None  # default: the checkpoint's
+    kv_cache_mb: int = 256  # CPU KV cache size; on CUDA the pool is sized from free memory
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    load_format: str = "auto"  # or "dummy" (random weights, for benchmarks)
+    transfer_deadline_s: float = 30.0  # decode: free a transferred request not claimed by then
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    model_path: str  # for the tokenizer
+    prefill_addresses: tuple[str, ...]
+    decode_addresses: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 0
+    port_file: str | None = None
+    request_timeout_s: float = 600.0
+    max_attempts: int = 3  # per stage: a failed or refusing node is retried elsewhere
