@@ -204,8 +204,10 @@ class BlockPool:
         """Take one reference per hash for blocks shipped from another node.
 
         A hash this pool already caches is touched (never stored twice); for any other a new block
-        is allocated and registered at once, so the caller must write its KV before anything else
-        may look the hash up. All or nothing: when the pool is short, ``ValueError`` and no change.
+        is allocated, *not* yet registered: the caller writes its KV, then registers it with
+        ``cache_full_blocks`` (so no other request can find a block whose data has not arrived; a
+        failed transfer just frees the blocks). All or nothing: when the pool is short,
+        ``ValueError`` and no change.
         """
         cached = self.cached_block_hash_to_block
         need, seen = 0, set()
@@ -236,11 +238,7 @@ class BlockPool:
                 missing[block_hash] = 1
             blocks.append(hit)
         new_blocks = dict(zip(missing, self.get_new_blocks(len(missing)), strict=True))
-        stored = []
         for block_hash, block in new_blocks.items():
-            block.block_hash = block_hash
-            cached[block_hash] = block
-            stored.append(block_hash)
             block.ref_cnt = missing[block_hash]
         is_new, out = [], []
         for block_hash, hit in zip(block_hashes, blocks, strict=True):
@@ -251,8 +249,6 @@ class BlockPool:
             else:
                 is_new.append(False)
             out.append(hit)
-        if stored and self.enable_events:
-            self._events.append(BlockStored(stored))
         return Adoption(out, is_new)
 
     def take_events(self) -> list[KVCacheEvent]:

@@ -23,6 +23,7 @@ import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NewType
 
 import msgpack
@@ -57,6 +58,25 @@ class ModelIdentity:
             raise ValueError("ModelIdentity.name must be a non-empty model name or path")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
+
+    @classmethod
+    def for_checkpoint(
+        cls, path: str | Path, dtype: str, block_size: int = 16, kv_layout: str = "block-major/v1"
+    ) -> ModelIdentity:
+        """The identity of a checkpoint folder: its name and a digest of its ``config.json`` (so
+        the router and every node agree without sharing a path)."""
+        path = Path(path)
+        try:
+            config = (path / "config.json").read_bytes()
+        except OSError as exc:
+            raise ValueError(f"{path} is not a model folder: {exc}") from None
+        return cls(
+            path.name or str(path),
+            hashlib.sha256(config).hexdigest()[:16],
+            dtype.removeprefix("torch."),
+            block_size,
+            kv_layout,
+        )
 
     @property
     def root_hash(self) -> BlockHash:

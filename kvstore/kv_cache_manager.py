@@ -128,9 +128,10 @@ class KVCacheManager:
     ) -> list[KVCacheBlock] | None:
         """Start a request from full blocks shipped by another node, addressed by hash.
 
-        Hashes this node caches are touched; the others get new blocks, registered at once. Returns
-        the blocks whose KV the caller must now write (in hash order), or ``None`` when the pool is
-        short (nothing changed).
+        Hashes this node caches are touched; the others get new blocks. Returns the blocks whose KV
+        the caller must now write (in hash order), or ``None`` when the pool is short (nothing
+        changed). Once written, ``cache_blocks(request_id, block_hashes, n * block_size)``
+        registers them; until then no other request can find them, and ``free`` drops them.
         """
         if self.req_to_blocks.get(request_id):
             raise ValueError(f"request {request_id!r} already has blocks; adopt before allocating")
@@ -139,7 +140,7 @@ class KVCacheManager:
         except ValueError:
             return None
         self.req_to_blocks[request_id] = adoption.blocks
-        self.num_cached_blocks[request_id] = len(adoption.blocks)
+        self.num_cached_blocks[request_id] = 0
         return [b for b, new in zip(adoption.blocks, adoption.is_new, strict=True) if new]
 
     # ---------------------------------------------------------------- caching / freeing

@@ -44,6 +44,14 @@ class Request:
         return self.token_ids[len(self.prompt_token_ids) :]
 
 
+class RequestDoesNotFit(RuntimeError):
+    """A request needs more KV blocks than the whole pool has; it was dropped."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
 class StepOutput(NamedTuple):
     request_id: str
     new_token_id: int
@@ -60,7 +68,10 @@ class LLMEngine:
         max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool = True,
         eos_token_id: int | None = None,
+        prefill_only: bool = False,
     ) -> None:
+        """``prefill_only``: a request ends after its first sampled token and keeps its blocks
+        until ``release`` (a prefill node ships them first)."""
         if identity.block_size != runner.block_size:
             raise ValueError(
                 f"identity.block_size {identity.block_size} != runner block size "
@@ -80,9 +91,27 @@ class LLMEngine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.prefill_only = prefill_only
+        self.held: dict[str, Request] = {}  # prefill_only: finished, blocks not yet released
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ requests
+
+    def check_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        """The prompt as a list, or ``ValueError`` saying what is wrong with it."""
+        prompt = list(prompt_token_ids)
+        vocab, max_len = self.runner.config.vocab_size, self.runner.config.max_model_len
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            bad = next(t for t in prompt if not 0 <= t < vocab)
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(prompt) >= max_len:
+            raise ValueError(
+                f"prompt of {len(prompt)} tokens leaves no room to generate within "
+                f"max_model_len {max_len}"
+            )
+        return prompt
 
     def add_request(
         self,
@@ -116,7 +145,45 @@ class LLMEngine:
         self.waiting.append(req)
         return req
 
+    def add_transferred(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        first_token_id: int,
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Join a request whose prompt KV is already in this engine's blocks (adopted with
+        ``self.kv.adopt_blocks`` + ``allocate_slots`` for the tail, under ``request_id``) and whose
+        first token was sampled elsewhere; it decodes from the next step on."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if len(self.running) >= self.max_num_seqs:
+            raise RuntimeError(f"{len(self.running)} requests are running (max_num_seqs)")
+        prompt = list(prompt_token_ids)
+        req = Request(
+            request_id,
+            prompt,
+            params,
+            cache_salt,
+            make_generator(params, self.runner.device),
+            token_ids=[*prompt, first_token_id],
+        )
+        req.num_computed_tokens = len(prompt)
+        req.admitted = True
+        self._hash(req, len(prompt))
+        self.requests[request_id] = req
+        self.running.append(req)
+        return req
+
+    def release(self, request_id: str) -> None:
+        """Free a held (prefill_only) request's blocks: they stay cached as prefix in the LRU."""
+        if self.held.pop(request_id, None) is not None:
+            self.kv.free(request_id)
+
     def abort(self, request_id: str) -> None:
+        """Drop a request wherever it is (waiting, running or held) and free its blocks."""
+        self.release(request_id)
         req = self.requests.pop(request_id, None)
         if req is None:
             return
@@ -193,9 +260,10 @@ class LLMEngine:
             if self.waiting and not self.running:
                 req = self.waiting.popleft()
                 self.requests.pop(req.request_id, None)
-                raise RuntimeError(
+                raise RequestDoesNotFit(
+                    req.request_id,
                     f"request {req.request_id} ({len(req.token_ids)} tokens) does not fit in the "
-                    f"KV cache ({self.pool.num_blocks - 1} blocks of {self.block_size}) even alone"
+                    f"KV cache ({self.pool.num_blocks - 1} blocks of {self.block_size}) even alone",
                 )
             return []
         seqs = [
@@ -236,11 +304,14 @@ class LLMEngine:
             reason = check_stop(req.params, token, len(req.output_token_ids), self.eos_token_id)
             if reason is None and len(req.token_ids) >= self.runner.config.max_model_len:
                 reason = "length"
-            if reason is not None:
+            if reason is not None or self.prefill_only:
                 req.finish_reason = reason
                 self.running.remove(req)
                 self.requests.pop(req.request_id, None)
-                self.kv.free(req.request_id)
+                if self.prefill_only:
+                    self.held[req.request_id] = req
+                else:
+                    self.kv.free(req.request_id)
             outputs.append(StepOutput(req.request_id, token, logprob, reason))
         return outputs
 
@@ -254,6 +325,6 @@ class LLMEngine:
             self.add_request(f"gen-{id(self)}-{i}-{len(self.requests)}", p, sp)
             for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
         ]
-        while any(r.finish_reason is None for r in reqs):
+        while any(r.request_id in self.requests for r in reqs):
             self.step()
         return reqs

@@ -147,7 +147,7 @@ def test_events_report_stores_and_evictions():
     assert silent.take_events() == []
 
 
-def test_adopt_touches_cached_and_allocates_missing():
+def test_adopt_touches_cached_and_allocates_missing_unregistered():
     pool = BlockPool(8, enable_events=True)
     hashes = _hashes(5)
     owner = pool.get_new_blocks(2)
@@ -158,6 +158,12 @@ def test_adopt_touches_cached_and_allocates_missing():
     assert adoption.is_new == [False, False, True, True, True]
     assert adoption.blocks[:2] == owner
     assert owner[0].ref_cnt == 2 and owner[1].ref_cnt == 1
+    # Blocks whose data has not arrived are not findable yet.
+    assert [pool.get_cached_block(h) for h in hashes[2:]] == [None] * 3
+    assert pool.take_events() == []
+    pool.check_invariants()
+    # Data written: registering them makes them findable (and tells the index).
+    pool.cache_full_blocks(adoption.blocks, hashes, 0, 5)
     assert [pool.get_cached_block(h) for h in hashes] == adoption.blocks
     assert pool.take_events() == [BlockStored(hashes[2:])]
     pool.check_invariants()

@@ -72,10 +72,15 @@ class KVCacheMachine(RuleBasedStateMachine):
         del self.tokens[rid]
         self.mgr.free(rid)
 
-    @rule(prefix=st.sampled_from(range(len(SYSTEM_PROMPTS))), suffix=tokens_st)
-    def adopt(self, prefix, suffix):
+    @rule(
+        prefix=st.sampled_from(range(len(SYSTEM_PROMPTS))),
+        suffix=tokens_st,
+        write_arrives=st.booleans(),
+    )
+    def adopt(self, prefix, suffix, write_arrives):
         tokens = SYSTEM_PROMPTS[prefix] + suffix
         hashes = hash_request_tokens(tokens, BS, ROOT)
+        cached = {h for h in hashes if self.pool.get_cached_block(h) is not None}
         rid = self._new_id()
         expected_new = sum(1 for h in set(hashes) if self.pool.get_cached_block(h) is None)
         to_write = self.mgr.adopt_blocks(rid, hashes)
@@ -83,7 +88,12 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert rid not in self.mgr.req_to_blocks
             return
         assert len(to_write) == expected_new
-        self.tokens[rid] = tokens[: len(hashes) * BS]
+        assert all(self.pool.get_cached_block(h) is None for h in hashes if h not in cached)
+        if write_arrives:  # the data came: register the blocks; else the request is dropped
+            self.mgr.cache_blocks(rid, hashes, len(hashes) * BS)
+            self.tokens[rid] = tokens[: len(hashes) * BS]
+        else:
+            self.mgr.free(rid)
 
     @rule(n=st.integers(0, 30))
     def raw_allocate_and_release(self, n):

@@ -1,0 +1,272 @@
+"""DecodeNode servicer: adopts shipped KV blocks, then decodes with continuous batching.
+
+A transfer reserves blocks first (cached hashes are touched, the others allocated), stages the
+incoming bytes, and writes and registers them only once every message checked out; a transfer that
+fails or is abandoned frees its reservation. The adopted request then waits (up to its deadline)
+for the router's ``Decode`` call, which joins it to the running batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from kernels.layout import scatter_blocks
+from kvstore import ModelIdentity, hash_request_tokens
+from kvstore.codec import decode_blocks
+from models.engine import StepOutput
+from models.engine_loop import AsyncEngine
+from models.sampler import SamplingParams
+from proto import nodes_pb2, nodes_pb2_grpc
+from splitserve.protocol import sampling_from_proto
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Pending:
+    """A request whose KV is adopted, waiting for ``Decode``."""
+
+    prompt: list[int]
+    first_token: int
+    params: SamplingParams
+    cache_salt: str | None
+    deadline: float
+
+
+class TransferError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
+    def __init__(self, engine: AsyncEngine, identity: ModelIdentity, deadline_s: float) -> None:
+        self.engine = engine
+        self.identity = identity
+        self.root = identity.root_hash
+        self.block_size = identity.block_size
+        pool = engine.engine.runner.kv_pool
+        self.block_nbytes = pool[0].numel() * pool.element_size()
+        self.deadline_s = deadline_s
+        self.pending: dict[str, Pending] = {}
+        self.counters: Counter[str] = Counter()
+
+    # ------------------------------------------------------------------ transfer
+
+    async def TransferKV(self, request_iterator, context):
+        rid = None
+        reserved = False
+        try:
+            first = await anext(request_iterator, None)
+            if first is None or first.WhichOneof("kind") != "header":
+                raise TransferError(
+                    grpc.StatusCode.INVALID_ARGUMENT, "a transfer starts with a TransferHeader"
+                )
+            header = first.header
+            rid = header.request_id
+            params, prompt = self._check_header(header)
+            hashes = list(header.block_hashes)
+            missing, has_tail = await self.engine.call(self._reserve, rid, hashes, len(prompt))
+            reserved = True
+            yield nodes_pb2.TransferReply(missing=missing)
+            staged = await self._receive(request_iterator, set(missing), has_tail)
+            await self.engine.call(
+                self._commit, rid, list(header.block_hashes), len(prompt), missing, staged
+            )
+            reused = len(header.block_hashes) - len(missing)
+            self.pending[rid] = Pending(
+                prompt,
+                header.first_token_id,
+                params,
+                header.cache_salt or None,
+                time.monotonic() + (header.deadline_s or self.deadline_s),
+            )
+            self.counters["transfers"] += 1
+            self.counters["blocks_adopted"] += len(missing)
+            self.counters["blocks_reused"] += reused
+            self.counters["bytes_received"] += sum(len(d) for d in staged.values())
+            yield nodes_pb2.TransferReply(done=True, blocks_reused=reused)
+        except TransferError as exc:
+            self.counters["transfers_failed"] += 1
+            if reserved:
+                await self.engine.call(self.engine.engine.kv.free, rid)
+            await context.abort(exc.code, str(exc))
+        except BaseException:
+            # Client gone or cancelled: nothing half-written is ever registered; free the rest.
+            self.counters["transfers_failed"] += 1
+            if reserved and rid not in self.pending:
+                await self.engine.call(self.engine.engine.kv.free, rid)
+            raise
+
+    def _check_header(self, header) -> tuple[SamplingParams, list[int]]:
+        bad = grpc.StatusCode.INVALID_ARGUMENT
+        if not header.request_id:
+            raise TransferError(bad, "request_id is empty")
+        if header.request_id in self.pending or header.request_id in self.engine.engine.requests:
+            raise TransferError(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request {header.request_id!r} is already on this node",
+            )
+        if header.model_root_hash != self.root:
+            raise TransferError(
+                bad,
+                f"model identity mismatch: this decode node serves "
+                f"{self.identity}; the sender computed a different root hash",
+            )
+        if header.block_nbytes != self.block_nbytes:
+            raise TransferError(bad, f"block_nbytes {header.block_nbytes} != {self.block_nbytes}")
+        try:
+            params = sampling_from_proto(header.sampling)
+            prompt = self.engine.engine.check_prompt(header.prompt_token_ids)
+        except ValueError as exc:
+            raise TransferError(bad, str(exc)) from None
+        vocab = self.engine.engine.runner.config.vocab_size
+        if header.first_token_id >= vocab:
+            raise TransferError(bad, f"first_token_id {header.first_token_id} >= vocab {vocab}")
+        # A peer's hashes are a claim, not a fact: they must be the chain of these tokens.
+        expected = hash_request_tokens(
+            prompt, self.block_size, self.root, header.cache_salt or None
+        )
+        if list(header.block_hashes) != expected:
+            raise TransferError(bad, "block_hashes do not match the prompt's chained hashes")
+        return params, prompt
+
+    def _reserve(self, rid: str, hashes: list[bytes], prompt_len: int) -> tuple[list[int], bool]:
+        """Engine thread: touch cached hashes, allocate the rest and the tail block."""
+        kv = self.engine.engine.kv
+        to_write = kv.adopt_blocks(rid, hashes)
+        if to_write is None or kv.allocate_slots(rid, prompt_len) is None:
+            kv.free(rid)
+            raise TransferError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "decode node is out of KV blocks; retry on another node",
+            )
+        blocks = kv.req_to_blocks[rid]
+        new_ids = {id(b) for b in to_write}
+        missing = [i for i, b in enumerate(blocks[: len(hashes)]) if id(b) in new_ids]
+        return missing, prompt_len % self.block_size != 0
+
+    async def _receive(self, request_iterator, missing: set[int], has_tail: bool):
+        bad = grpc.StatusCode.INVALID_ARGUMENT
+        staged: dict[int, bytes] = {}  # index (-1: tail) → one block's bytes
+        async for msg in request_iterator:
+            kind = msg.WhichOneof("kind")
+            if kind == "end":
+                break
+            if kind != "blocks":
+                raise TransferError(bad, f"unexpected {kind} message in a transfer")
+            try:
+                batch = decode_blocks(msg.blocks.meta, msg.blocks.data, self.block_nbytes)
+            except ValueError as exc:
+                raise TransferError(bad, str(exc)) from None
+            wanted = {-1} if batch.tail else missing
+            for j, index in enumerate(batch.indices):
+                if index not in wanted or index in staged:
+                    raise TransferError(bad, f"block index {index} was not asked for")
+                staged[index] = batch.data[j * self.block_nbytes : (j + 1) * self.block_nbytes]
+        else:
+            raise TransferError(bad, "transfer ended without a TransferEnd")
+        expected = missing | ({-1} if has_tail else set())
+        if set(staged) != expected:
+            raise TransferError(
+                bad, f"transfer incomplete: {len(expected - set(staged))} blocks missing"
+            )
+        return staged
+
+    def _commit(
+        self,
+        rid: str,
+        hashes: list[bytes],
+        prompt_len: int,
+        missing: list[int],
+        staged: dict[int, bytes],
+    ) -> None:
+        """Engine thread: write the staged blocks, then make the full ones findable."""
+        kv = self.engine.engine.kv
+        pool = self.engine.engine.runner.kv_pool
+        blocks = kv.req_to_blocks[rid]
+        order = [*missing, *([-1] if -1 in staged else [])]
+        if order:
+            ids = [blocks[i].block_id if i >= 0 else blocks[len(hashes)].block_id for i in order]
+            raw = bytearray(b"".join(staged[i] for i in order))
+            data = torch.frombuffer(raw, dtype=pool.dtype).view(len(order), *pool.shape[1:])
+            scatter_blocks(pool, torch.tensor(ids), data.to(pool.device))
+        kv.cache_blocks(rid, hashes, len(hashes) * self.block_size)
+
+    # ------------------------------------------------------------------ decode
+
+    async def Decode(self, request, context):
+        rid = request.request_id
+        pending = self.pending.pop(rid, None)
+        if pending is None:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"request {rid!r} has no transferred KV here (never sent, or its deadline passed)",
+            )
+        queue = self.engine.subscribe(rid)
+        try:
+            try:
+                await self.engine.call(
+                    self.engine.engine.add_transferred,
+                    rid,
+                    pending.prompt,
+                    pending.first_token,
+                    pending.params,
+                    pending.cache_salt,
+                )
+            except RuntimeError as exc:
+                await self.engine.call(self.engine.engine.kv.free, rid)
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            self.engine.notify()
+            while True:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    await context.abort(grpc.StatusCode.INTERNAL, f"decoding failed: {out}")
+                assert isinstance(out, StepOutput)
+                yield nodes_pb2.DecodeResponse(
+                    token_ids=[out.new_token_id],
+                    logprobs=[out.logprob] if out.logprob is not None else [],
+                    finish_reason=out.finish_reason or "",
+                )
+                if out.finish_reason is not None:
+                    self.counters["requests_finished"] += 1
+                    return
+        finally:
+            self.engine.unsubscribe(rid)
+            if rid in self.engine.engine.requests:  # cancelled or failed mid-stream
+                self.counters["requests_aborted"] += 1
+                await self.engine.call(self.engine.engine.abort, rid)
+
+    async def expire_pending(self) -> None:
+        """Free transferred requests whose Decode call never came (router died, client gone)."""
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for rid in [r for r, p in self.pending.items() if p.deadline < now]:
+                del self.pending[rid]
+                self.counters["transfers_expired"] += 1
+                await self.engine.call(self.engine.engine.kv.free, rid)
+
+    async def GetStats(self, request, context):
+        engine = self.engine.engine
+        return nodes_pb2.NodeStats(
+            role="decode",
+            num_blocks=engine.pool.num_blocks - 1,
+            num_free_blocks=engine.pool.num_free_blocks,
+            num_cached_blocks=engine.pool.num_cached_blocks,
+            running=len(engine.running),
+            waiting=len(engine.waiting),
+            pending_transfers=len(self.pending),
+            counters={
+                **self.counters,
+                "preemptions": engine.num_preemptions,
+                "steps": self.engine.steps,
+            },
+        )

@@ -1,0 +1,109 @@
+"""What every gRPC process of splitserve does the same way: health and reflection services, the
+bound port written to a file for launchers, graceful stop on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from splitserve.config import NodeConfig
+
+if TYPE_CHECKING:
+    from kvstore import ModelIdentity
+    from models.engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+# Shipped KV blocks travel in messages of a few MB; allow generous headroom.
+MAX_MESSAGE_BYTES = 256 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class Server:
+    def __init__(self, host: str, port: int, service_names: Sequence[str]) -> None:
+        self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, self.server)
+        self.service_names = tuple(service_names)
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        self.address = f"{host}:{self.port}"
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def run(
+        self,
+        port_file: str | None = None,
+        on_stop: Callable[[], Awaitable[None]] | None = None,
+        grace_s: float = 5.0,
+    ) -> None:
+        """Start, mark SERVING, write the port file, serve until SIGTERM/SIGINT, stop."""
+        await self.server.start()
+        await self.set_serving(True)
+        if port_file:
+            tmp = Path(port_file).with_suffix(".tmp")
+            tmp.write_text(str(self.port))
+            tmp.replace(port_file)
+        logger.info("serving %s on %s", ", ".join(self.service_names), self.address)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        logger.info("stopping %s", self.address)
+        await self.set_serving(False)
+        await self.server.stop(grace_s)
+        if on_stop is not None:
+            await on_stop()
+
+
+def build_engine(config: NodeConfig, prefill_only: bool) -> tuple[LLMEngine, ModelIdentity]:
+    """Load the model of a node and wrap it in an engine (blocking: call before serving)."""
+    import torch
+
+    from kvstore import ModelIdentity
+    from models.engine import LLMEngine
+    from models.loader import load_model
+    from models.runner import ModelRunner, RunnerConfig
+
+    if config.device == "cpu":
+        # Several node processes share the machine's cores; one thread each avoids thrashing.
+        torch.set_num_threads(1)
+    model_config, model = load_model(
+        config.model_path,
+        dtype=config.dtype,
+        device=config.device,
+        load_format=config.load_format,
+    )
+    runner = ModelRunner(
+        model_config,
+        model,
+        RunnerConfig(
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            kv_cache_bytes=None if config.device.startswith("cuda") else config.kv_cache_mb << 20,
+        ),
+    )
+    identity = ModelIdentity.for_checkpoint(config.model_path, str(runner.dtype), config.block_size)
+    return LLMEngine(runner, identity, prefill_only=prefill_only), identity
