@@ -1,0 +1,71 @@
+"""Start splitserve components as separate processes for tests (real gRPC over loopback)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+class Proc:
+    def __init__(self, popen: subprocess.Popen, address: str, log: Path) -> None:
+        self.popen, self.address, self.log = popen, address, log
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+
+def wait_healthy(address: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{address} not SERVING after {timeout} s")
+            time.sleep(0.2)
+
+
+def start_node(role: str, model: Path, tmp: Path, *flags: str) -> Proc:
+    """``splitserve prefill|decode`` on a free port; returns once it reports SERVING."""
+    port_file = tmp / f"{role}-{time.monotonic_ns()}.port"
+    log = port_file.with_suffix(".log")
+    cmd = [
+        sys.executable,
+        "-m",
+        "splitserve.cli",
+        role,
+        "--model",
+        str(model),
+        "--port",
+        "0",
+        "--port-file",
+        str(port_file),
+        "--kv-cache-mb",
+        "64",
+        *flags,
+    ]
+    popen = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while not port_file.exists():
+        if popen.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{role} did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.1)
+    proc = Proc(popen, f"127.0.0.1:{port_file.read_text().strip()}", log)
+    wait_healthy(proc.address)
+    return proc

@@ -1,0 +1,154 @@
+"""The decode node's KV transfer protocol against a real decode process: good transfers are
+adopted, every malformed one is refused with INVALID_ARGUMENT and leaves the pool as it was, and
+abandoned or cancelled work frees its blocks."""
+
+import random
+import time
+
+import grpc
+import pytest
+from cluster import start_node
+
+from kvstore import ModelIdentity, hash_request_tokens
+from kvstore.codec import encode_blocks
+from proto import common_pb2, nodes_pb2, nodes_pb2_grpc
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def decode(tmp_path_factory):
+    from models.tiny import write_random_checkpoint
+
+    tmp = tmp_path_factory.mktemp("decode")
+    model = write_random_checkpoint(tmp / "model", with_tokenizer=True)
+    node = start_node("decode", model, tmp)
+    channel = grpc.insecure_channel(node.address)
+    stub = nodes_pb2_grpc.DecodeNodeStub(channel)
+    config = __import__("json").loads((model / "config.json").read_text())
+    block_nbytes = (
+        config["num_hidden_layers"]
+        * 2
+        * BS
+        * config["num_key_value_heads"]
+        * config["head_dim"]
+        * 4
+    )
+    yield stub, ModelIdentity.for_checkpoint(model, "float32").root_hash, block_nbytes
+    channel.close()
+    node.stop()
+
+
+def _stats(stub):
+    return stub.GetStats(nodes_pb2.StatsRequest(), timeout=10)
+
+
+def _transfer(stub, root, nbytes, rid, prompt, corrupt=None, stop_after_header=False, max_tokens=4):
+    hashes = hash_request_tokens(prompt, BS, root)
+    header = nodes_pb2.TransferHeader(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        first_token_id=5,
+        block_hashes=hashes,
+        model_root_hash=root,
+        block_nbytes=nbytes,
+        deadline_s=30,
+        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+    )
+    if corrupt == "root":
+        header.model_root_hash = b"\x00" * 32
+    if corrupt == "hashes":
+        header.block_hashes[0] = b"\x01" * 32
+    replies = []
+
+    def messages():
+        yield nodes_pb2.TransferMessage(header=header)
+        while not replies:
+            time.sleep(0.01)
+        if stop_after_header:
+            return
+        missing = list(replies[0].missing)
+        data = random.randbytes(len(missing) * nbytes)
+        meta, data = encode_blocks(missing, data)
+        if corrupt == "crc":
+            data = data[:-1] + bytes([data[-1] ^ 1])
+        if corrupt == "size":
+            data = data[:-4]
+        if missing:
+            yield nodes_pb2.TransferMessage(blocks=nodes_pb2.BlockData(meta=meta, data=data))
+        if len(prompt) % BS:
+            meta, data = encode_blocks([-1], random.randbytes(nbytes), tail=True)
+            yield nodes_pb2.TransferMessage(blocks=nodes_pb2.BlockData(meta=meta, data=data))
+        yield nodes_pb2.TransferMessage(end=nodes_pb2.TransferEnd())
+
+    for reply in stub.TransferKV(messages(), timeout=30):
+        replies.append(reply)
+    return replies
+
+
+def _prompt(n=40):
+    return [random.randrange(256) for _ in range(n)]
+
+
+def test_good_transfer_then_decode_frees_everything(decode):
+    stub, root, nbytes = decode
+    idle = _stats(stub).num_free_blocks
+    prompt = _prompt()
+    replies = _transfer(stub, root, nbytes, "good", prompt)
+    assert list(replies[0].missing) == [0, 1] and replies[-1].done
+    assert _stats(stub).pending_transfers == 1
+    tokens = [
+        t
+        for m in stub.Decode(nodes_pb2.DecodeRequest(request_id="good"), timeout=30)
+        for t in m.token_ids
+    ]
+    assert len(tokens) == 3  # max_tokens 4, the first came from the prefill node
+    stats = _stats(stub)
+    assert stats.num_free_blocks == idle and stats.pending_transfers == 0
+    # The same prompt again: both full blocks are already here, only the tail is sent.
+    again = _transfer(stub, root, nbytes, "good-2", prompt)
+    assert list(again[0].missing) == [] and again[-1].blocks_reused == 2
+    list(stub.Decode(nodes_pb2.DecodeRequest(request_id="good-2"), timeout=30))
+
+
+@pytest.mark.parametrize("corrupt", ["crc", "size", "root", "hashes"])
+def test_malformed_transfer_is_refused_and_adopts_nothing(decode, corrupt):
+    stub, root, nbytes = decode
+    before = _stats(stub)
+    with pytest.raises(grpc.RpcError) as err:
+        _transfer(stub, root, nbytes, f"bad-{corrupt}", _prompt(), corrupt=corrupt)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    after = _stats(stub)
+    assert after.num_free_blocks == before.num_free_blocks
+    assert after.num_cached_blocks == before.num_cached_blocks
+    assert after.pending_transfers == 0
+    replies = _transfer(stub, root, nbytes, f"after-{corrupt}", _prompt())
+    assert replies[-1].done
+    list(stub.Decode(nodes_pb2.DecodeRequest(request_id=f"after-{corrupt}"), timeout=30))
+
+
+def test_abandoned_transfer_and_cancelled_decode_free_their_blocks(decode):
+    stub, root, nbytes = decode
+    idle = _stats(stub).num_free_blocks
+    with pytest.raises(grpc.RpcError):
+        _transfer(stub, root, nbytes, "abandoned", _prompt(), stop_after_header=True)
+    deadline = time.monotonic() + 10
+    while _stats(stub).num_free_blocks != idle and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _stats(stub).num_free_blocks == idle
+
+    _transfer(stub, root, nbytes, "cancelled", _prompt(), max_tokens=500)
+    call = stub.Decode(nodes_pb2.DecodeRequest(request_id="cancelled"), timeout=30)
+    next(call)  # decoding has started
+    call.cancel()
+    deadline = time.monotonic() + 10
+    while _stats(stub).num_free_blocks != idle and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _stats(stub).num_free_blocks == idle
+
+
+def test_decode_of_an_unknown_request_is_not_found(decode):
+    stub, _, _ = decode
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Decode(nodes_pb2.DecodeRequest(request_id="nope"), timeout=10))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
