@@ -69,3 +69,34 @@ def start_node(role: str, model: Path, tmp: Path, *flags: str) -> Proc:
     proc = Proc(popen, f"127.0.0.1:{port_file.read_text().strip()}", log)
     wait_healthy(proc.address)
     return proc
+
+
+def start_router(model: Path, tmp: Path, prefill: list[str], decode: list[str]) -> Proc:
+    """``splitserve router`` on a free port over the given node addresses."""
+    port_file = tmp / f"router-{time.monotonic_ns()}.port"
+    log = port_file.with_suffix(".log")
+    cmd = [
+        sys.executable,
+        "-m",
+        "splitserve.cli",
+        "router",
+        "--model",
+        str(model),
+        "--port",
+        "0",
+        "--port-file",
+        str(port_file),
+        "--prefill",
+        ",".join(prefill),
+        "--decode",
+        ",".join(decode),
+    ]
+    popen = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while not port_file.exists():
+        if popen.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"router did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.1)
+    proc = Proc(popen, f"127.0.0.1:{port_file.read_text().strip()}", log)
+    wait_healthy(proc.address)
+    return proc
