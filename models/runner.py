@@ -145,12 +145,15 @@ class ModelRunner:
         del scratch, hidden
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        in_use_elsewhere = total - free - torch.cuda.memory_reserved(self.device)
-        budget = total * self.rc.gpu_memory_utilization - peak - in_use_elsewhere
+        # NOTE: gpu_memory_utilization is this process's share of the device (several nodes may
+        # share one GPU); the pool also never takes more than is free right now, less a margin
+        # for the allocator and the CUDA graphs.
+        budget = min(total * self.rc.gpu_memory_utilization - peak, free - (1 << 30))
         logger.info(
-            "GPU memory: %.1f GB total, peak %.1f GB with weights and activations, "
-            "%.1f GB for the KV cache",
+            "GPU memory: %.1f GB total, %.1f GB free, peak %.1f GB with weights and "
+            "activations: %.1f GB for the KV cache",
             total / 1e9,
+            free / 1e9,
             peak / 1e9,
             budget / 1e9,
         )
