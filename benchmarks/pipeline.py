@@ -1,0 +1,160 @@
+"""End-to-end serving benchmark: a local cluster (separate processes) under concurrent load.
+
+    python benchmarks/pipeline.py --device cuda --make-8b /tmp/llama8b [--requests 256]
+    python benchmarks/pipeline.py --model DIR [--device cpu --requests 16 --gen 16]
+
+``--make-8b DIR`` writes a Llama-3-8B-shaped config.json and a byte-level tokenizer into DIR;
+the nodes then draw the same random bf16 weights (``--load-format dummy``), so no 16 GB file is
+needed. Requests: prompts of random token ids with lengths uniform in ``--prompt-range``,
+``--gen`` output tokens each (ignore_eos), all sent at once through the SDK's streaming API.
+Reports output tokens/s, time to first token (mean, p50, p99), inter-token latency (mean, p99)
+and the KV bytes the prefill pool shipped per second of transfer time and of wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import itertools
+
+import grpc
+
+from proto import nodes_pb2, nodes_pb2_grpc
+from splitserve.client import AsyncClient
+from splitserve.launcher import ClusterSpec, LocalCluster, free_port
+
+
+def make_8b(path: Path) -> Path:
+    from transformers import LlamaConfig
+
+    from models.tiny import build_byte_tokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],
+        dtype="bfloat16",
+        bos_token_id=256,
+        eos_token_id=257,
+    ).save_pretrained(path)
+    build_byte_tokenizer().save_pretrained(path)
+    return path
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+async def one(client: AsyncClient, prompt: list[int], gen: int) -> tuple[float, list[float], int]:
+    t0 = time.perf_counter()
+    stamps = []
+    n = 0
+    async for chunk in client.stream(
+        prompt_token_ids=prompt, max_tokens=gen, ignore_eos=True, temperature=0.0
+    ):
+        if chunk.token_ids:
+            stamps.append(time.perf_counter())
+            n += len(chunk.token_ids)
+    itl = [b - a for a, b in itertools.pairwise(stamps)]
+    return stamps[0] - t0, itl, n
+
+
+def shipped(addresses: tuple[str, ...]) -> tuple[float, float]:
+    total_bytes = total_s = 0.0
+    for address in addresses:
+        with grpc.insecure_channel(address) as channel:
+            stats = nodes_pb2_grpc.PrefillNodeStub(channel).GetStats(nodes_pb2.StatsRequest())
+        total_bytes += stats.counters["bytes_shipped"]
+        total_s += stats.counters["transfer_seconds"]
+    return total_bytes, total_s
+
+
+async def load(target: str, prompts: list[list[int]], gen: int):
+    async with AsyncClient(target) as client:
+        return await asyncio.gather(*(one(client, p, gen) for p in prompts))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--make-8b", default=None, metavar="DIR")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--num-prefill", type=int, default=1)
+    ap.add_argument("--num-decode", type=int, default=1)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--prompt-range", type=int, nargs=2, default=[128, 1024])
+    ap.add_argument("--gen", type=int, default=128)
+    args = ap.parse_args()
+    if args.make_8b:
+        model = make_8b(Path(args.make_8b))
+        node_args: tuple[str, ...] = ("--load-format", "dummy")
+    else:
+        from models.tiny import ensure_tiny_model
+
+        model = Path(args.model) if args.model else ensure_tiny_model()
+        node_args = ()
+    spec = ClusterSpec(
+        model_path=str(model),
+        num_prefill=args.num_prefill,
+        num_decode=args.num_decode,
+        port=free_port(),
+        device=args.device,
+        node_args=node_args,
+    )
+    random.seed(0)
+    lo, hi = args.prompt_range
+    prompts = [
+        [random.randrange(250) for _ in range(random.randint(lo, hi))] for _ in range(args.requests)
+    ]
+    with LocalCluster(spec) as cluster:
+        addr = cluster.start()
+        asyncio.run(load(addr.router, prompts[:2], 4))  # warm-up
+        bytes0, secs0 = shipped(addr.prefill)
+        t0 = time.perf_counter()
+        results = asyncio.run(load(addr.router, prompts, args.gen))
+        wall = time.perf_counter() - t0
+        bytes1, secs1 = shipped(addr.prefill)
+    ttft = [r[0] for r in results]
+    itl = [x for r in results for x in r[1]]
+    out_tokens = sum(r[2] for r in results)
+    row = dict(
+        requests=args.requests,
+        prompt_tokens=sum(map(len, prompts)),
+        output_tokens=out_tokens,
+        wall_s=wall,
+        out_tok_s=out_tokens / wall,
+        ttft_mean_s=statistics.mean(ttft),
+        ttft_p50_s=pct(ttft, 0.5),
+        ttft_p99_s=pct(ttft, 0.99),
+        itl_mean_ms=statistics.mean(itl) * 1e3 if itl else None,
+        itl_p99_ms=pct(itl, 0.99) * 1e3 if itl else None,
+        kv_bytes_shipped=bytes1 - bytes0,
+        kv_gbps_transfer=(bytes1 - bytes0) / max(secs1 - secs0, 1e-9) / 1e9,
+        kv_gbps_wall=(bytes1 - bytes0) / wall / 1e9,
+    )
+    print(json.dumps(row))
+    print("\n| figure | value |\n|---|---|")
+    for key, value in row.items():
+        print(f"| {key} | {value:.4g} |" if isinstance(value, float) else f"| {key} | {value} |")
+
+
+if __name__ == "__main__":
+    main()
