@@ -92,7 +92,9 @@ def cmd_kv_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    """Generate text with the model runner in this process (the embedded tiny model by default)."""
+    """Generate text: through a running cluster with --target, else in this process."""
+    if args.target:
+        return _generate_remote(args)
     import time
 
     import torch
@@ -138,6 +140,176 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_remote(args: argparse.Namespace) -> int:
+    """Stream each prompt's completion from the router at --target; usage goes to stderr."""
+    from splitserve.client import Client, SplitserveError
+
+    prompts = args.prompt or ["The quick brown fox"]
+    with Client(args.target) as client:
+        for prompt in prompts:
+            try:
+                last = None
+                for chunk in client.stream(
+                    prompt,
+                    max_tokens=args.max_tokens,
+                    temperature=args.temperature,
+                    top_p=args.top_p,
+                    top_k=args.top_k,
+                    seed=args.seed,
+                    stop=args.stop,
+                    ignore_eos=args.ignore_eos,
+                    cache_salt=args.cache_salt,
+                    timeout=args.timeout,
+                ):
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+                    last = chunk
+            except SplitserveError as exc:
+                sys.stdout.write("\n")
+                print(f"error: {exc}", file=sys.stderr)
+                return 2 if exc.code.name == "INVALID_ARGUMENT" else 1
+            sys.stdout.write("\n")
+            if last is not None and last.usage is not None:
+                u = last.usage
+                print(
+                    f"[{last.finish_reason}] prompt_tokens={u.prompt_tokens} "
+                    f"cached_tokens={u.cached_tokens} completion_tokens={u.completion_tokens} "
+                    f"time_to_first_token={u.time_to_first_token_s * 1000:.1f} ms",
+                    file=sys.stderr,
+                )
+    return 0
+
+
+def _model_path(args: argparse.Namespace) -> str:
+    if args.model:
+        return args.model
+    from models.tiny import ensure_tiny_model
+
+    return str(ensure_tiny_model())
+
+
+_NODE_FLAGS = (  # argparse dest -> NodeConfig field; unset flags keep NodeConfig's defaults
+    "host",
+    "port",
+    "port_file",
+    "device",
+    "dtype",
+    "kv_cache_mb",
+    "gpu_memory_utilization",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "block_size",
+    "load_format",
+    "transfer_deadline_s",
+)
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    """Run one prefill or decode node until SIGTERM/Ctrl-C."""
+    from splitserve.config import NodeConfig
+
+    given = {k: getattr(args, k) for k in _NODE_FLAGS if getattr(args, k) is not None}
+    config = NodeConfig(model_path=_model_path(args), **given)
+    if args.redis_url:
+        logging.getLogger(__name__).info("--redis-url %s: not used by nodes yet", args.redis_url)
+    if args.command == "prefill":
+        from prefill_node.server import serve
+    else:
+        from decode_node.server import serve
+    serve(config)
+    return 0
+
+
+def _addresses(flag: str, value: str) -> tuple[str, ...]:
+    addresses = tuple(a.strip() for a in value.split(",") if a.strip())
+    for address in addresses:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"{flag}: {address!r} is not host:port")
+    if not addresses:
+        raise ValueError(f"{flag}: give at least one host:port")
+    return addresses
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    """Run the router (the public Generate service) until SIGTERM/Ctrl-C."""
+    from splitserve.config import RouterConfig
+
+    try:
+        config = RouterConfig(
+            model_path=_model_path(args),
+            prefill_addresses=_addresses("--prefill", args.prefill),
+            decode_addresses=_addresses("--decode", args.decode),
+            host=args.host,
+            port=args.port,
+            port_file=args.port_file,
+            request_timeout_s=args.request_timeout_s,
+            max_attempts=args.max_attempts,
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from router.server import serve
+
+    serve(config)
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """Start a local cluster (Redis, prefill and decode nodes, router) until Ctrl-C."""
+    import signal
+    import time
+
+    from splitserve.launcher import ClusterSpec, LocalCluster
+
+    node_args: list[str] = []
+    for flag in ("dtype", "kv_cache_mb", "max_num_seqs", "max_num_batched_tokens", "load_format"):
+        if (value := getattr(args, flag)) is not None:
+            node_args += [f"--{flag.replace('_', '-')}", str(value)]
+    try:
+        spec = ClusterSpec(
+            model_path=_model_path(args),
+            num_prefill=args.num_prefill,
+            num_decode=args.num_decode,
+            host=args.host,
+            port=args.port,
+            redis_url=args.redis_url,
+            device=args.device,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            node_args=tuple(node_args),
+            startup_timeout_s=args.startup_timeout,
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    cluster = LocalCluster(spec)
+    try:
+        a = cluster.start()
+        print(f"router   {a.router}", flush=True)
+        for role, addresses in (("prefill", a.prefill), ("decode", a.decode)):
+            for address in addresses:
+                print(f"{role:8s} {address}", flush=True)
+        print(f"redis    {a.redis_url}", flush=True)
+        print(f"ready: splitserve generate --target {a.router} 'Hello'", flush=True)
+        while (dead := cluster.poll()) is None:
+            time.sleep(0.5)
+        print(f"error: {dead} exited; stopping the cluster", file=sys.stderr)
+        return 1
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut cleanup
+        cluster.stop()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__)
     parser.add_argument("--version", action="version", version=f"splitserve {__version__}")
@@ -174,7 +346,69 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--kv-cache-mb", type=int, default=256, help="KV cache size on CPU")
     p.add_argument("--cpu", action="store_true", help="run on CPU even if a GPU is present")
+    remote = p.add_argument_group("through a running cluster (--target)")
+    remote.add_argument("--target", default=None, help="router host:port; streams via the SDK")
+    remote.add_argument("--top-k", type=int, default=-1)
+    remote.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    remote.add_argument("--ignore-eos", action="store_true")
+    remote.add_argument("--cache-salt", default=None)
+    remote.add_argument("--timeout", type=float, default=None, help="seconds per request")
     p.set_defaults(func=cmd_generate)
+
+    def node_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", default=None, help="checkpoint folder (default: tiny model)")
+        p.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
+        p.add_argument("--port", type=int, default=None, help="0 (default): a free port")
+        p.add_argument("--port-file", default=None, help="write the bound port here")
+        p.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
+        p.add_argument("--dtype", default=None, help="default: the checkpoint's")
+        p.add_argument("--kv-cache-mb", type=int, default=None, help="CPU KV cache size")
+        p.add_argument("--gpu-memory-utilization", type=float, default=None)
+        p.add_argument("--max-num-seqs", type=int, default=None)
+        p.add_argument("--max-num-batched-tokens", type=int, default=None)
+        p.add_argument("--block-size", type=int, default=None)
+        p.add_argument("--load-format", default=None, choices=("auto", "dummy"))
+        p.add_argument("--transfer-deadline-s", type=float, default=None)
+        p.add_argument("--redis-url", default=None, help="prefix index (not used yet)")
+
+    for role in ("prefill", "decode"):
+        p = sub.add_parser(role, help=f"run one {role} node")
+        node_args(p)
+        p.set_defaults(func=cmd_node)
+
+    p = sub.add_parser("router", help=cmd_router.__doc__)
+    p.add_argument("--model", default=None, help="checkpoint folder (tokenizer; default: tiny)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port-file", default=None)
+    p.add_argument("--prefill", required=True, help="prefill nodes, host:port,host:port,...")
+    p.add_argument("--decode", required=True, help="decode nodes, host:port,host:port,...")
+    p.add_argument("--request-timeout-s", type=float, default=600.0)
+    p.add_argument("--max-attempts", type=int, default=3, help="per stage, across nodes")
+    p.add_argument("--redis-url", default=None, help="prefix index (not used yet)")
+    p.set_defaults(func=cmd_router)
+
+    p = sub.add_parser("up", help=cmd_up.__doc__)
+    p.add_argument("--model", default=None, help="checkpoint folder (default: tiny model)")
+    p.add_argument("--num-prefill", type=int, default=1)
+    p.add_argument("--num-decode", type=int, default=1)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="the router's port")
+    p.add_argument("--redis-url", default=None, help="default: start a private redis-server")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (all nodes on it)")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--kv-cache-mb", type=int, default=None, help="CPU KV cache size per node")
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="per node (default on CUDA: 0.9 / number of nodes)",
+    )
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--load-format", default=None, choices=("auto", "dummy"))
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds")
+    p.set_defaults(func=cmd_up)
     return parser
 
 

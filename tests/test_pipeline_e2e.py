@@ -105,7 +105,7 @@ def test_32_concurrent_requests_match_transformers(cluster, hf):
             )
 
     results = asyncio.run(run())
-    assert [r.token_ids for r in results] == expected
+    assert [list(r.token_ids) for r in results] == expected
     for prompt, r in zip(prompts, results, strict=True):
         assert r.finish_reason == "length"
         assert r.usage.prompt_tokens == len(prompt)
@@ -120,7 +120,7 @@ def test_stream_gives_the_tokens_and_text_of_generate(cluster, hf):
     with Client(router.address) as client:
         whole = client.generate(prompt="héllo wörld, paged KV", **GREEDY)
         chunks = list(client.stream(prompt="héllo wörld, paged KV", **GREEDY))
-    assert [t for c in chunks for t in c.token_ids] == whole.token_ids
+    assert [t for c in chunks for t in c.token_ids] == list(whole.token_ids)
     assert "".join(c.text for c in chunks) == whole.text
     assert len(whole.token_ids) == MAX_NEW
 
@@ -195,7 +195,7 @@ def test_killed_decode_node_fails_fast_and_the_router_moves_on(model_dir, tmp_pa
             prompt = [random.randrange(256) for _ in range(20)]
             for _ in range(4):  # every request lands on the surviving decode node
                 r = client.generate(prompt_token_ids=prompt, **GREEDY, timeout=60)
-                assert r.token_ids == hf_greedy(hf, prompt)
+                assert list(r.token_ids) == hf_greedy(hf, prompt)
     finally:
         for proc in (router, prefill, *decode):
             proc.stop()
@@ -213,7 +213,10 @@ def test_shared_prefix_ships_fewer_blocks_and_gives_the_same_output(model_dir, t
             shipped_a = node_stats(prefill).counters["blocks_shipped"]
             b = client.generate(prompt_token_ids=second, **GREEDY)
             shipped_b = node_stats(prefill).counters["blocks_shipped"] - shipped_a
-        assert (a.token_ids, b.token_ids) == (hf_greedy(hf, first), hf_greedy(hf, second))
+        assert [list(a.token_ids), list(b.token_ids)] == [
+            hf_greedy(hf, first),
+            hf_greedy(hf, second),
+        ]
         assert shipped_a == 5 and shipped_b == 0
         assert b.usage.cached_tokens == 80 and a.usage.cached_tokens == 0
         assert node_stats(decode).counters["blocks_reused"] == 5

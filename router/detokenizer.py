@@ -1,0 +1,108 @@
+"""Incremental detokenization and stop strings: token ids in, complete UTF-8 text deltas out."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+# What a byte-level or SentencePiece decoder produces for bytes that do not (yet) form a
+# complete UTF-8 character.
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns a request's output tokens, fed one batch at a time, into text deltas.
+
+    Invariant: the concatenation of every delta returned by ``add`` and then ``flush`` equals
+    ``tokenizer.decode(all_output_ids, skip_special_tokens=True)`` (no clean-up of spaces).
+
+    A delta never ends inside a character: trailing U+FFFD (bytes of a character not complete
+    yet) is held back until a later token completes it, or until ``flush``, which emits
+    whatever remains (so genuinely invalid bytes still surface as U+FFFD). Only the tokens not
+    yet fully emitted, plus the window before them, are decoded per call.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._token_ids: list[int] = []
+        # NOTE: ids[prefix_offset:read_offset] were emitted in full; they are decoded again as
+        # context so that tokenizers which drop a word's leading space at the start of a decode
+        # (SentencePiece "▁") still give the space. ids[read_offset:] are pending: their text
+        # is emitted up to its last complete character (pending_sent characters so far).
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._pending_sent = 0
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(
+            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Append tokens; return the newly complete text (possibly "")."""
+        self._token_ids.extend(token_ids)
+        return self._take(final=False)
+
+    def flush(self) -> str:
+        """The request has ended: return all text not yet emitted, complete or not."""
+        return self._take(final=True)
+
+    def _take(self, final: bool) -> str:
+        if self._read_offset == len(self._token_ids):
+            return ""
+        prefix_text = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
+        pending = self._decode(self._token_ids[self._prefix_offset :])[len(prefix_text) :]
+        complete = pending if final else pending.rstrip(REPLACEMENT_CHAR)
+        delta = complete[self._pending_sent :]
+        if final or (pending and complete == pending):
+            # Every pending token's text is out: they become the next decode's context.
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._token_ids)
+            self._pending_sent = 0
+        else:
+            self._pending_sent = max(self._pending_sent, len(complete))
+        return delta
+
+
+class StopStringMatcher:
+    """Cuts the text stream at the first occurrence of any stop string.
+
+    ``add`` returns ``(text safe to emit, stopped)``. The longest suffix of the text that is
+    the start of a stop string is held back until later text rules it out (or completes the
+    stop string); ``flush`` releases it once the request has ended. The emitted text never
+    contains a stop string nor anything after it.
+    """
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        assert all(stop), "empty stop strings are rejected during validation"
+        self._stop = tuple(stop)
+        self._text = ""  # text not emitted yet
+        self.stopped = False
+
+    def add(self, text: str) -> tuple[str, bool]:
+        assert not self.stopped, "no text after a stop string"
+        self._text += text
+        # NOTE: a match not found on earlier calls must end in the new text, so it lies
+        # within the held-back suffix plus the new text: searching _text is enough.
+        hits = [i for i in (self._text.find(s) for s in self._stop) if i >= 0]
+        if hits:
+            self.stopped = True
+            return self._release(min(hits)), True
+        return self._release(len(self._text) - self._partial_match_len()), False
+
+    def flush(self) -> str:
+        return "" if self.stopped else self._release(len(self._text))
+
+    def _partial_match_len(self) -> int:
+        """Length of the longest suffix of the text that begins some stop string."""
+        best = 0
+        for stop in self._stop:
+            for k in range(min(len(stop) - 1, len(self._text)), best, -1):
+                if self._text.endswith(stop[:k]):
+                    best = k
+                    break
+        return best
+
+    def _release(self, end: int) -> str:
+        out, self._text = self._text[:end], self._text[end:]
+        return out

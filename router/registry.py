@@ -1,0 +1,169 @@
+"""The nodes the router knows, their load as the router sees it, and which ones are down.
+
+A static list for now (from the command line); the Redis issue makes it dynamic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from proto import nodes_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DOWN_S = 3.0  # how long a failed node is skipped before it is tried again
+
+
+@dataclass(slots=True, eq=False)  # identity semantics: nodes go in sets
+class Node:
+    """One prefill or decode node. ``in_flight`` counts router requests using it right now."""
+
+    address: str
+    role: str  # "prefill" or "decode"
+    in_flight: int = 0
+    down_until: float = 0.0  # clock time before which the node is skipped
+    last_error: str = ""
+    channel: grpc.aio.Channel | None = field(default=None, repr=False)
+
+    def is_up(self, now: float) -> bool:
+        return now >= self.down_until
+
+
+class NodePool:
+    """The nodes of one role and the least-loaded choice among them.
+
+    ``pick`` returns the up node with the fewest in-flight requests, round-robin among ties,
+    skipping ``exclude`` (nodes this request already tried). When no up node is left it falls
+    back to the down ones (oldest failure first): a node that came back is then found at once
+    and "no node reachable" is reported only after really trying.
+    """
+
+    def __init__(
+        self,
+        role: str,
+        addresses: Sequence[str],
+        clock: Callable[[], float] = time.monotonic,
+        down_s: float = DEFAULT_DOWN_S,
+    ) -> None:
+        if not addresses:
+            raise ValueError(f"no {role} node given: pass at least one host:port address")
+        if len(set(addresses)) != len(addresses):
+            raise ValueError(f"{role} node addresses repeat: {', '.join(addresses)}")
+        self.role = role
+        self.nodes = [Node(address, role) for address in addresses]
+        self._clock = clock
+        self._down_s = down_s
+        self._rr = 0
+
+    def pick(self, exclude: Collection[Node] = ()) -> Node | None:
+        now = self._clock()
+        candidates = [n for n in self.nodes if n not in exclude]
+        up = [n for n in candidates if n.is_up(now)]
+        if not up:
+            if not candidates:
+                return None
+            return min(candidates, key=lambda n: n.down_until)
+        least = min(n.in_flight for n in up)
+        ties = [n for n in up if n.in_flight == least]
+        node = ties[self._rr % len(ties)]
+        self._rr += 1
+        return node
+
+    def acquire(self, node: Node) -> None:
+        """Count one more in-flight request on ``node``; pair every call with ``release``."""
+        node.in_flight += 1
+
+    def release(self, node: Node) -> None:
+        node.in_flight -= 1
+        assert node.in_flight >= 0, f"{node.address}: released more than acquired"
+
+    def mark_down(self, node: Node, reason: str) -> None:
+        if node.is_up(self._clock()):
+            logger.warning("%s node %s marked down: %s", self.role, node.address, reason)
+        node.down_until = self._clock() + self._down_s
+        node.last_error = reason
+
+    def mark_up(self, node: Node) -> None:
+        if not node.is_up(self._clock()):
+            logger.info("%s node %s is back", self.role, node.address)
+        node.down_until = 0.0
+
+    def describe(self) -> str:
+        """For error messages: every node with its state."""
+        now = self._clock()
+        parts = [
+            n.address if n.is_up(now) else f"{n.address} (down: {n.last_error})" for n in self.nodes
+        ]
+        return ", ".join(parts)
+
+
+class NodeRegistry:
+    """Both pools, one gRPC channel per node, and a background health checker."""
+
+    def __init__(
+        self,
+        prefill_addresses: Sequence[str],
+        decode_addresses: Sequence[str],
+        down_s: float = DEFAULT_DOWN_S,
+    ) -> None:
+        self.prefill = NodePool("prefill", prefill_addresses, down_s=down_s)
+        self.decode = NodePool("decode", decode_addresses, down_s=down_s)
+
+    def _all(self) -> list[tuple[NodePool, Node]]:
+        return [(pool, n) for pool in (self.prefill, self.decode) for n in pool.nodes]
+
+    def channel(self, node: Node) -> grpc.aio.Channel:
+        if node.channel is None:
+            node.channel = grpc.aio.insecure_channel(node.address)
+        return node.channel
+
+    def prefill_stub(self, node: Node) -> nodes_pb2_grpc.PrefillNodeStub:
+        return nodes_pb2_grpc.PrefillNodeStub(self.channel(node))
+
+    def decode_stub(self, node: Node) -> nodes_pb2_grpc.DecodeNodeStub:
+        return nodes_pb2_grpc.DecodeNodeStub(self.channel(node))
+
+    async def probe(self, node: Node, timeout: float = 1.0) -> bool:
+        """True when the node answers grpc.health.v1 Check with SERVING within ``timeout``."""
+        stub = health_pb2_grpc.HealthStub(self.channel(node))
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            node.last_error = f"health check: {exc.code().name} {exc.details()}"
+            return False
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            node.last_error = "health check: not serving"
+            return False
+        return True
+
+    async def check_all(self) -> None:
+        """Probe every node once: mark the silent ones down and the answering ones up."""
+        pairs = self._all()
+        results = await asyncio.gather(*(self.probe(n) for _, n in pairs))
+        for (pool, node), ok in zip(pairs, results, strict=True):
+            if ok:
+                pool.mark_up(node)
+            else:
+                pool.mark_down(node, node.last_error)
+
+    async def run_health_checks(self, interval_s: float = 1.0) -> None:
+        """Run until cancelled (a background task of the server)."""
+        while True:
+            try:
+                await self.check_all()
+            except Exception:  # never let the checker die silently
+                logger.exception("health check round failed")
+            await asyncio.sleep(interval_s)
+
+    async def close(self) -> None:
+        for _, node in self._all():
+            if node.channel is not None:
+                await node.channel.close()
+                node.channel = None

@@ -1,0 +1,334 @@
+"""The splitserve client SDK: a blocking ``Client`` and an asyncio ``AsyncClient``.
+
+    from splitserve.client import Client
+
+    with Client("localhost:8000") as client:
+        result = client.generate("Hello", max_tokens=32, temperature=0)
+        print(result.text, result.usage.completion_tokens)
+        for chunk in client.stream("Once upon a time", max_tokens=64):
+            print(chunk.text, end="", flush=True)
+
+Every failure raises ``SplitserveError`` with the gRPC status code and the server's message.
+Breaking out of a stream (or closing it) cancels the request on the server, which frees its
+KV blocks at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from proto import common_pb2, router_pb2, router_pb2_grpc
+
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "GenerateResult",
+    "SplitserveError",
+    "StreamChunk",
+    "Usage",
+]
+
+
+class SplitserveError(Exception):
+    """A request failed. ``code`` is a ``grpc.StatusCode``; ``message`` says what went wrong."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens whose KV came from a cache instead of being computed
+    completion_tokens: int
+    time_to_first_token_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class StreamChunk:
+    """One piece of a streamed completion; the last one has ``finish_reason`` and ``usage``."""
+
+    text: str  # complete UTF-8 characters only
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None  # "stop", "length" or "abort" on the last chunk
+    usage: Usage | None = None
+    logprobs: tuple[float, ...] = ()
+    request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateResult:
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    usage: Usage
+    logprobs: tuple[float, ...] = ()
+    request_id: str = ""
+
+
+def _build_request(
+    prompt: str | None = None,
+    prompt_token_ids: Sequence[int] | None = None,
+    max_tokens: int = 16,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = -1,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    ignore_eos: bool = False,
+    cache_salt: str | None = None,
+    logprobs: bool = False,
+    request_id: str | None = None,
+) -> router_pb2.GenerateRequest:
+    """The request message. Value checks are the server's (one source of truth); only what
+    cannot be encoded at all fails here, with the same INVALID_ARGUMENT code."""
+    if isinstance(stop, str):
+        stop = [stop]
+    try:
+        sampling = common_pb2.SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            ignore_eos=ignore_eos,
+            logprobs=logprobs,
+        )
+        if seed is not None:
+            sampling.seed = seed
+        return router_pb2.GenerateRequest(
+            prompt=prompt or "",
+            prompt_token_ids=prompt_token_ids or (),
+            sampling=sampling,
+            stop=stop or (),
+            cache_salt=cache_salt or "",
+            request_id=request_id or "",
+        )
+    except (TypeError, ValueError) as exc:
+        raise SplitserveError(grpc.StatusCode.INVALID_ARGUMENT, f"bad argument: {exc}") from None
+
+
+def _chunk(msg: router_pb2.GenerateResponse) -> StreamChunk:
+    usage = None
+    if msg.HasField("usage"):
+        u = msg.usage
+        usage = Usage(
+            u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.time_to_first_token_s
+        )
+    return StreamChunk(
+        text=msg.text,
+        token_ids=tuple(msg.token_ids),
+        finish_reason=msg.finish_reason or None,
+        usage=usage,
+        logprobs=tuple(msg.logprobs),
+        request_id=msg.request_id,
+    )
+
+
+class _Collector:
+    """Joins a stream's chunks into a ``GenerateResult``."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.last: StreamChunk | None = None
+
+    def add(self, chunk: StreamChunk) -> None:
+        self.text.append(chunk.text)
+        self.token_ids.extend(chunk.token_ids)
+        self.logprobs.extend(chunk.logprobs)
+        self.last = chunk
+
+    def result(self) -> GenerateResult:
+        last = self.last
+        if last is None or last.finish_reason is None or last.usage is None:
+            raise SplitserveError(
+                grpc.StatusCode.INTERNAL, "the server ended the stream without a finish reason"
+            )
+        return GenerateResult(
+            text="".join(self.text),
+            token_ids=tuple(self.token_ids),
+            finish_reason=last.finish_reason,
+            usage=last.usage,
+            logprobs=tuple(self.logprobs),
+            request_id=last.request_id,
+        )
+
+
+def _error(exc: grpc.RpcError) -> SplitserveError:
+    code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
+    details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
+    return SplitserveError(code, details or code.name)
+
+
+class Client:
+    """Blocking client of a splitserve router. Thread-safe; close it (or use ``with``)."""
+
+    def __init__(self, target: str, options: Sequence[tuple[str, Any]] = ()) -> None:
+        self.target = target
+        self._channel = grpc.insecure_channel(target, options=list(options))
+        self._stub = router_pb2_grpc.RouterStub(self._channel)
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        max_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        ignore_eos: bool = False,
+        cache_salt: str | None = None,
+        timeout: float | None = None,
+        *,
+        logprobs: bool = False,
+        request_id: str | None = None,
+    ) -> GenerateResult:
+        """Run one request to completion. Parameters as ``stream``."""
+        collector = _Collector()
+        for chunk in self.stream(
+            prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop,
+            ignore_eos, cache_salt, timeout, logprobs=logprobs, request_id=request_id,
+        ):  # fmt: skip
+            collector.add(chunk)
+        return collector.result()
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        max_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        ignore_eos: bool = False,
+        cache_salt: str | None = None,
+        timeout: float | None = None,
+        *,
+        logprobs: bool = False,
+        request_id: str | None = None,
+    ) -> Iterator[StreamChunk]:
+        """Yield the completion as it is generated.
+
+        Give ``prompt`` (text) or ``prompt_token_ids``. ``temperature=0`` is greedy; ``stop``
+        strings end the completion without being included; ``cache_salt`` keeps a tenant's
+        prefix cache apart; ``timeout`` (seconds) bounds the whole request.
+        """
+        request = _build_request(
+            prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop,
+            ignore_eos, cache_salt, logprobs, request_id,
+        )  # fmt: skip
+        call = self._stub.Generate(request, timeout=timeout)
+        try:
+            for msg in call:
+                yield _chunk(msg)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+        finally:
+            call.cancel()  # no-op once finished; frees the server's blocks when abandoned
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """asyncio client of a splitserve router; the same methods as ``Client``, awaited.
+
+    The channel is created on first use, inside the running event loop.
+    """
+
+    def __init__(self, target: str, options: Sequence[tuple[str, Any]] = ()) -> None:
+        self.target = target
+        self._options = list(options)
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: router_pb2_grpc.RouterStub | None = None
+
+    def _get_stub(self) -> router_pb2_grpc.RouterStub:
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(self.target, options=self._options)
+            self._stub = router_pb2_grpc.RouterStub(self._channel)
+        return self._stub
+
+    async def generate(
+        self,
+        prompt: str | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        max_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        ignore_eos: bool = False,
+        cache_salt: str | None = None,
+        timeout: float | None = None,
+        *,
+        logprobs: bool = False,
+        request_id: str | None = None,
+    ) -> GenerateResult:
+        """Run one request to completion. Parameters as ``Client.stream``."""
+        collector = _Collector()
+        async for chunk in self.stream(
+            prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop,
+            ignore_eos, cache_salt, timeout, logprobs=logprobs, request_id=request_id,
+        ):  # fmt: skip
+            collector.add(chunk)
+        return collector.result()
+
+    async def stream(
+        self,
+        prompt: str | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        max_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        ignore_eos: bool = False,
+        cache_salt: str | None = None,
+        timeout: float | None = None,
+        *,
+        logprobs: bool = False,
+        request_id: str | None = None,
+    ) -> AsyncIterator[StreamChunk]:
+        """As ``Client.stream``; use ``async for``."""
+        request = _build_request(
+            prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop,
+            ignore_eos, cache_salt, logprobs, request_id,
+        )  # fmt: skip
+        call = self._get_stub().Generate(request, timeout=timeout)
+        try:
+            async for msg in call:
+                yield _chunk(msg)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+        finally:
+            call.cancel()
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = self._stub = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,237 @@
+"""A local cluster of separate processes: Redis, prefill nodes, decode nodes and the router.
+
+``splitserve up`` runs one: each component is ``python -m splitserve.cli <role> ...`` with
+``--port 0 --port-file F``; the launcher waits for every port file and for grpc.health.v1 to
+answer SERVING before it starts what depends on it, and on stop sends SIGTERM (router first,
+then the nodes, then Redis), waits, and SIGKILLs what is left.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GPU_SHARE = 0.9  # of one GPU's memory, split among the nodes sharing it
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    """What ``splitserve up`` starts."""
+
+    model_path: str
+    num_prefill: int = 1
+    num_decode: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8000  # the router's
+    redis_url: str | None = None  # None: start a private redis-server
+    device: str = "cpu"
+    gpu_memory_utilization: float | None = None  # per node; None on CUDA: an even share
+    node_args: tuple[str, ...] = ()  # further flags for every node, e.g. ("--kv-cache-mb", "512")
+    startup_timeout_s: float = 600.0
+    stop_grace_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError("--num-prefill and --num-decode must be >= 1")
+
+    @property
+    def node_gpu_memory_utilization(self) -> float | None:
+        if self.gpu_memory_utilization is not None:
+            return self.gpu_memory_utilization
+        if self.device.startswith("cuda"):
+            # NOTE: every node runs on the same GPU here; each sizes its KV pool from its share.
+            return round(DEFAULT_GPU_SHARE / (self.num_prefill + self.num_decode), 4)
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterAddresses:
+    router: str
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+    redis_url: str
+
+
+@dataclass(slots=True)
+class _Process:
+    name: str
+    popen: subprocess.Popen
+    port_file: Path | None = None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _set_parent_death_signal() -> None:
+    """Linux: children get SIGTERM if the launcher dies without stopping them (kill -9)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class LocalCluster:
+    """Start with ``start()`` (or ``with``); ``stop()`` ends every process it started."""
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self._procs: list[_Process] = []
+        self._workdir = Path(tempfile.mkdtemp(prefix="splitserve-up-"))
+        self.addresses: ClusterAddresses | None = None
+
+    def _spawn(self, name: str, argv: list[str], port_file: Path | None, **kw) -> _Process:
+        logger.info("starting %s: %s", name, " ".join(argv))
+        popen = subprocess.Popen(
+            argv,
+            start_new_session=True,  # Ctrl-C reaches the launcher only; it stops them in order
+            preexec_fn=_set_parent_death_signal if sys.platform == "linux" else None,
+            **kw,
+        )
+        proc = _Process(name, popen, port_file)
+        self._procs.append(proc)
+        return proc
+
+    def _component(self, role: str, index: int, extra: list[str]) -> _Process:
+        name = f"{role}-{index}"
+        port_file = self._workdir / f"{name}.port"
+        argv = [sys.executable, "-m", "splitserve.cli", role, "--model", self.spec.model_path]
+        argv += ["--host", self.spec.host, "--port-file", str(port_file), *extra]
+        return self._spawn(name, argv, port_file)
+
+    def start(self) -> ClusterAddresses:
+        spec = self.spec
+        deadline = time.monotonic() + spec.startup_timeout_s
+        redis_url = spec.redis_url or self._start_redis(deadline)
+        node_flags = ["--port", "0", "--device", spec.device, "--redis-url", redis_url]
+        if (share := spec.node_gpu_memory_utilization) is not None:
+            node_flags += ["--gpu-memory-utilization", str(share)]
+        node_flags += list(spec.node_args)
+        prefill = [self._component("prefill", i, node_flags) for i in range(spec.num_prefill)]
+        decode = [self._component("decode", i, node_flags) for i in range(spec.num_decode)]
+        prefill_addrs = tuple(self._wait_ready(p, deadline) for p in prefill)
+        decode_addrs = tuple(self._wait_ready(p, deadline) for p in decode)
+        router_flags = ["--port", str(spec.port), "--redis-url", redis_url]
+        router_flags += ["--prefill", ",".join(prefill_addrs), "--decode", ",".join(decode_addrs)]
+        router = self._component("router", 0, router_flags)
+        router_addr = self._wait_ready(router, deadline)
+        self.addresses = ClusterAddresses(router_addr, prefill_addrs, decode_addrs, redis_url)
+        return self.addresses
+
+    def _start_redis(self, deadline: float) -> str:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server not found: install Redis or pass --redis-url")
+        port = free_port(self.spec.host)
+        log = open(self._workdir / "redis.log", "wb")  # noqa: SIM115 (closed with the process)
+        argv = [exe, "--port", str(port), "--bind", self.spec.host]
+        argv += ["--save", "", "--appendonly", "no"]
+        proc = self._spawn("redis", argv, None, stdout=log, stderr=subprocess.STDOUT)
+        log.close()  # the child holds its own descriptor
+        while True:
+            self._check_alive(proc)
+            try:
+                with socket.create_connection((self.spec.host, port), timeout=1) as sock:
+                    sock.sendall(b"PING\r\n")
+                    if sock.recv(16).startswith(b"+PONG"):
+                        return f"redis://{self.spec.host}:{port}"
+            except OSError:
+                pass
+            self._sleep_until(deadline, proc)
+
+    def _wait_ready(self, proc: _Process, deadline: float) -> str:
+        """Wait for the port file, then for health SERVING; return host:port."""
+        assert proc.port_file is not None
+        while True:
+            self._check_alive(proc)
+            try:
+                text = proc.port_file.read_text().strip()
+            except FileNotFoundError:
+                text = ""
+            if text:
+                break
+            self._sleep_until(deadline, proc)
+        address = f"{self.spec.host}:{int(text)}"
+        with grpc.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                self._check_alive(proc)
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        logger.info("%s ready on %s", proc.name, address)
+                        return address
+                except grpc.RpcError:
+                    pass
+                self._sleep_until(deadline, proc)
+
+    @staticmethod
+    def _check_alive(proc: _Process) -> None:
+        if (rc := proc.popen.poll()) is not None:
+            raise RuntimeError(f"{proc.name} exited with status {rc} while starting (see its log)")
+
+    def _sleep_until(self, deadline: float, proc: _Process) -> None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{proc.name} not ready after {self.spec.startup_timeout_s:.0f} s "
+                "(raise --startup-timeout for large models)"
+            )
+        time.sleep(0.1)
+
+    def poll(self) -> str | None:
+        """The name and status of a process that exited by itself, else None."""
+        for proc in self._procs:
+            if (rc := proc.popen.poll()) is not None:
+                return f"{proc.name} (status {rc})"
+        return None
+
+    def stop(self) -> None:
+        """SIGTERM each group (router, nodes, Redis), wait, SIGKILL leftovers. Idempotent."""
+        groups = [
+            [p for p in self._procs if p.name.startswith("router")],
+            [p for p in self._procs if p.name.startswith(("prefill", "decode"))],
+            [p for p in self._procs if p.name == "redis"],
+        ]
+        for group in groups:
+            for proc in group:
+                if proc.popen.poll() is None:
+                    proc.popen.send_signal(signal.SIGTERM)
+            end = time.monotonic() + self.spec.stop_grace_s
+            for proc in group:
+                try:
+                    proc.popen.wait(timeout=max(end - time.monotonic(), 0))
+                except subprocess.TimeoutExpired:
+                    logger.warning("%s ignored SIGTERM; killing it", proc.name)
+                    proc.popen.kill()
+                    proc.popen.wait()
+        self._procs.clear()
+        shutil.rmtree(self._workdir, ignore_errors=True)
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
