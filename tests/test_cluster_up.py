@@ -1,0 +1,113 @@
+"""`splitserve up` as a user runs it: a local cluster comes up, serves `generate --target`, and
+Ctrl-C stops every process it started. A decode node that is out of KV blocks refuses with
+RESOURCE_EXHAUSTED and the router retries on another."""
+
+import signal
+import subprocess
+import sys
+
+import grpc
+import pytest
+from cluster import start_node, start_router, wait_healthy
+
+from models.tiny import write_random_checkpoint
+from proto import nodes_pb2, nodes_pb2_grpc
+from splitserve.client import Client
+from splitserve.launcher import free_port
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_random_checkpoint(
+        tmp_path_factory.mktemp("up") / "m",
+        with_tokenizer=True,
+        num_hidden_layers=4,
+        num_key_value_heads=1,
+        head_dim=64,
+        num_attention_heads=2,
+    )
+
+
+def _port_open(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            grpc.channel_ready_future(channel).result(timeout=1)
+            return True
+        except grpc.FutureTimeoutError:
+            return False
+
+
+def test_up_serves_and_ctrl_c_stops_everything(model_dir, tmp_path):
+    port = free_port()
+    log = (tmp_path / "up.log").open("w")
+    up = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "splitserve.cli",
+            "up",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--num-prefill",
+            "1",
+            "--num-decode",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+    )
+    try:
+        lines = [up.stdout.readline() for _ in range(4)]  # router, prefill, decode, redis
+        addresses = {line.split()[0]: line.split()[1] for line in lines}
+        assert addresses["router"] == f"127.0.0.1:{port}"
+        wait_healthy(addresses["router"])
+        gen = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "splitserve.cli",
+                "generate",
+                "--target",
+                addresses["router"],
+                "--max-tokens",
+                "5",
+                "--temperature",
+                "0",
+                "hello",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert gen.returncode == 0, gen.stderr
+        assert "prompt_tokens=5 " in gen.stderr and "completion_tokens=5 " in gen.stderr
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+    for role in ("router", "prefill", "decode"):
+        assert not _port_open(addresses[role]), f"{role} still serving after Ctrl-C"
+
+
+def test_full_decode_node_is_refused_and_the_router_retries_elsewhere(model_dir, tmp_path):
+    prefill = start_node("prefill", model_dir, tmp_path)
+    # 1 MB holds 32 blocks of this model: a 600-token prompt (38 blocks) cannot fit.
+    small = start_node("decode", model_dir, tmp_path, "--kv-cache-mb", "1")
+    big = start_node("decode", model_dir, tmp_path)
+    router = start_router(model_dir, tmp_path, [prefill.address], [small.address, big.address])
+    try:
+        with Client(router.address) as client:
+            for _ in range(4):
+                r = client.generate(prompt_token_ids=[5] * 600, max_tokens=3, temperature=0.0)
+                assert len(r.token_ids) == 3
+        with grpc.insecure_channel(small.address) as channel:
+            stats = nodes_pb2_grpc.DecodeNodeStub(channel).GetStats(nodes_pb2.StatsRequest())
+        assert stats.counters["transfers_failed"] >= 1
+        assert stats.num_free_blocks == stats.num_blocks  # nothing leaked by the refusals
+    finally:
+        for proc in (router, prefill, small, big):
+            proc.stop()
