@@ -102,6 +102,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--prompt-range", type=int, nargs=2, default=[128, 1024])
     ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--redis-url", default=None, help="default: the launcher starts one")
     args = ap.parse_args()
     if args.make_8b:
         model = make_8b(Path(args.make_8b))
