@@ -119,6 +119,7 @@ def main() -> None:
         port=free_port(),
         device=args.device,
         node_args=node_args,
+        redis_url=args.redis_url,
     )
     random.seed(0)
     lo, hi = args.prompt_range
