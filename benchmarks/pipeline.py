@@ -127,7 +127,7 @@ def main() -> None:
         [random.randrange(250) for _ in range(random.randint(lo, hi))] for _ in range(args.requests)
     ]
     with LocalCluster(spec) as cluster:
-        addr = cluster.start()
+        addr = cluster.addresses
         asyncio.run(load(addr.router, prompts[:2], 4))  # warm-up
         bytes0, secs0 = shipped(addr.prefill)
         t0 = time.perf_counter()

@@ -56,7 +56,7 @@ def main() -> None:
         device=args.device,
     )
     with LocalCluster(spec) as cluster:
-        addresses = cluster.start()
+        addresses = cluster.addresses
         print(
             f"cluster up: router {addresses.router}, prefill {', '.join(addresses.prefill)}, "
             f"decode {', '.join(addresses.decode)}\n"

@@ -17,6 +17,7 @@ from router.registry import NodeRegistry
 from router.request import ModelInfo
 from router.service import RouterService
 from splitserve.config import RouterConfig
+from splitserve.serving import SERVER_OPTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ async def start_router(
         max_attempts=config.max_attempts,
         request_timeout_s=config.request_timeout_s,
     )
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     router_pb2_grpc.add_RouterServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -118,6 +118,10 @@ class LocalCluster:
         return self._spawn(name, argv, port_file)
 
     def start(self) -> ClusterAddresses:
+        """Start every component (``with LocalCluster(spec) as cluster`` calls this; then read
+        ``cluster.addresses``)."""
+        if self.addresses is not None:
+            raise RuntimeError("this cluster is already started")
         spec = self.spec
         deadline = time.monotonic() + spec.startup_timeout_s
         redis_url = spec.redis_url or self._start_redis(deadline)

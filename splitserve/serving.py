@@ -30,9 +30,13 @@ CHANNEL_OPTIONS = [
 ]
 
 
+# NOTE: no SO_REUSEPORT: a second process must fail to bind a taken port, not share it silently.
+SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
+
+
 class Server:
     def __init__(self, host: str, port: int, service_names: Sequence[str]) -> None:
-        self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)
