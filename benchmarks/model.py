@@ -25,6 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from shapes import llama3_8b_config
+
 from kvstore import ModelIdentity
 from models.engine import LLMEngine
 from models.loader import load_model, load_weights
@@ -40,22 +42,9 @@ def emit(**row) -> None:
 
 
 def hf_model(layers: int):
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
-    cfg = LlamaConfig(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=layers,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-        tie_word_embeddings=False,
-        architectures=["LlamaForCausalLM"],
-        dtype="bfloat16",
-        eos_token_id=128001,
-    )
+    cfg = llama3_8b_config(layers)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import itertools
 
 import grpc
+from shapes import llama3_8b_config
 
 from proto import nodes_pb2, nodes_pb2_grpc
 from splitserve.client import AsyncClient
@@ -34,26 +35,10 @@ from splitserve.launcher import ClusterSpec, LocalCluster, free_port
 
 
 def make_8b(path: Path) -> Path:
-    from transformers import LlamaConfig
-
     from models.tiny import build_byte_tokenizer
 
     path.mkdir(parents=True, exist_ok=True)
-    LlamaConfig(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-        tie_word_embeddings=False,
-        architectures=["LlamaForCausalLM"],
-        dtype="bfloat16",
-        bos_token_id=256,
-        eos_token_id=257,
-    ).save_pretrained(path)
+    llama3_8b_config(bos_token_id=256, eos_token_id=257).save_pretrained(path)
     build_byte_tokenizer().save_pretrained(path)
     return path
 

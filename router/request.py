@@ -11,7 +11,8 @@ from typing import Any
 # NOTE: models.sampler imports torch (CPU only here: SamplingParams is a plain dataclass). The
 # router reuses its validation so that the router and the nodes agree on what is valid.
 from models.sampler import SamplingParams
-from proto import common_pb2, router_pb2
+from proto import router_pb2
+from splitserve.protocol import sampling_from_proto
 
 MAX_STOP_STRINGS = 16
 
@@ -104,42 +105,3 @@ def parse_request(request: router_pb2.GenerateRequest, model: ModelInfo) -> Gene
         stop=stop,
         cache_salt=request.cache_salt,
     )
-
-
-_OPTIONAL_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "max_tokens",
-    "min_tokens",
-)
-
-
-def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Unset optional fields take SamplingParams' defaults; raises ValueError when invalid."""
-    kwargs: dict[str, Any] = {f: getattr(msg, f) for f in _OPTIONAL_FIELDS if msg.HasField(f)}
-    return SamplingParams(
-        **kwargs,
-        ignore_eos=msg.ignore_eos,
-        stop_token_ids=tuple(msg.stop_token_ids),
-        logprobs=msg.logprobs,
-    )
-
-
-def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
-    """Every field explicit, so nodes never apply defaults of their own."""
-    msg = common_pb2.SamplingParams(
-        ignore_eos=params.ignore_eos,
-        stop_token_ids=params.stop_token_ids,
-        logprobs=params.logprobs,
-    )
-    for f in _OPTIONAL_FIELDS:
-        value = getattr(params, f)
-        if value is not None:
-            setattr(msg, f, value)
-    return msg

@@ -31,8 +31,8 @@ from router.request import (
     InvalidRequest,
     ModelInfo,
     parse_request,
-    sampling_to_proto,
 )
+from splitserve.protocol import sampling_to_proto
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,24 @@
+"""Model shapes the benchmarks share (imported by the scripts in this folder)."""
+
+from __future__ import annotations
+
+
+def llama3_8b_config(num_layers: int = 32, **overrides):
+    """A transformers LlamaConfig of Llama-3-8B's shape (weights are drawn at random)."""
+    from transformers import LlamaConfig
+
+    fields = dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=num_layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],
+        dtype="bfloat16",
+        eos_token_id=128001,
+    )
+    return LlamaConfig(**{**fields, **overrides})
