@@ -8,7 +8,7 @@ the nodes then draw the same random bf16 weights (``--load-format dummy``), so n
 needed. Requests: prompts of random token ids with lengths uniform in ``--prompt-range``,
 ``--gen`` output tokens each (ignore_eos), all sent at once through the SDK's streaming API.
 Reports output tokens/s, time to first token (mean, p50, p99), inter-token latency (mean, p99)
-and the KV bytes the prefill pool shipped per second of transfer time and of wall time.
+and the KV bytes the prefill pool shipped, per second of wall time.
 """
 
 from __future__ import annotations
@@ -62,14 +62,14 @@ async def one(client: AsyncClient, prompt: list[int], gen: int) -> tuple[float, 
     return stamps[0] - t0, itl, n
 
 
-def shipped(addresses: tuple[str, ...]) -> tuple[float, float]:
-    total_bytes = total_s = 0.0
+def shipped(addresses: tuple[str, ...]) -> float:
+    """KV bytes the prefill nodes have shipped so far."""
+    total = 0.0
     for address in addresses:
         with grpc.insecure_channel(address) as channel:
             stats = nodes_pb2_grpc.PrefillNodeStub(channel).GetStats(nodes_pb2.StatsRequest())
-        total_bytes += stats.counters["bytes_shipped"]
-        total_s += stats.counters["transfer_seconds"]
-    return total_bytes, total_s
+        total += stats.counters["bytes_shipped"]
+    return total
 
 
 async def load(target: str, prompts: list[list[int]], gen: int):
@@ -114,11 +114,11 @@ def main() -> None:
     with LocalCluster(spec) as cluster:
         addr = cluster.addresses
         asyncio.run(load(addr.router, prompts[:2], 4))  # warm-up
-        bytes0, secs0 = shipped(addr.prefill)
+        bytes0 = shipped(addr.prefill)
         t0 = time.perf_counter()
         results = asyncio.run(load(addr.router, prompts, args.gen))
         wall = time.perf_counter() - t0
-        bytes1, secs1 = shipped(addr.prefill)
+        bytes1 = shipped(addr.prefill)
     ttft = [r[0] for r in results]
     itl = [x for r in results for x in r[1]]
     out_tokens = sum(r[2] for r in results)
@@ -134,7 +134,6 @@ def main() -> None:
         itl_mean_ms=statistics.mean(itl) * 1e3 if itl else None,
         itl_p99_ms=pct(itl, 0.99) * 1e3 if itl else None,
         kv_bytes_shipped=bytes1 - bytes0,
-        kv_gbps_transfer=(bytes1 - bytes0) / max(secs1 - secs0, 1e-9) / 1e9,
         kv_gbps_wall=(bytes1 - bytes0) / wall / 1e9,
     )
     print(json.dumps(row))
