@@ -4,38 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import signal
-from pathlib import Path
-
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from proto import router_pb2, router_pb2_grpc
 from router.registry import NodeRegistry
 from router.request import ModelInfo
 from router.service import RouterService
 from splitserve.config import RouterConfig
-from splitserve.serving import SERVER_OPTIONS
+from splitserve.serving import Server
 
 logger = logging.getLogger(__name__)
 
 GRACE_S = 5.0  # in-flight streams get this long to finish on SIGTERM
+SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
 
 
-def write_port_file(path: str | Path, port: int) -> None:
-    """Atomically (a reader never sees a half-written file)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(f"{port}\n")
-    os.replace(tmp, path)
-
-
-async def start_router(
-    config: RouterConfig, model: ModelInfo
-) -> tuple[grpc.aio.Server, NodeRegistry, health.aio.HealthServicer, int]:
-    """Build and start the server; returns it with its registry, health servicer and port."""
+def build_router(config: RouterConfig, model: ModelInfo) -> tuple[Server, NodeRegistry]:
+    """The router's server (Router + health + reflection), not started yet."""
     registry = NodeRegistry(config.prefill_addresses, config.decode_addresses)
     service = RouterService(
         model,
@@ -43,49 +27,34 @@ async def start_router(
         max_attempts=config.max_attempts,
         request_timeout_s=config.request_timeout_s,
     )
-    server = grpc.aio.server(options=SERVER_OPTIONS)
-    router_pb2_grpc.add_RouterServicer_to_server(service, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    service_name = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
-    reflection.enable_server_reflection(
-        (service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
-    if port == 0:
-        raise OSError(f"cannot listen on {config.host}:{config.port}")
-    await server.start()
-    for name in ("", service_name):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, registry, health_servicer, port
+    server = Server(config.host, config.port, [SERVICE_NAME])
+    router_pb2_grpc.add_RouterServicer_to_server(service, server.server)
+    return server, registry
+
+
+async def start_router(config: RouterConfig, model: ModelInfo) -> tuple[Server, NodeRegistry]:
+    """Build and start (for tests and embedding); stop with ``server.stop()``."""
+    server, registry = build_router(config, model)
+    await server.start(config.port_file)
+    return server, registry
 
 
 async def _serve(config: RouterConfig) -> None:
-    model = ModelInfo.load(config.model_path)
-    server, registry, health_servicer, port = await start_router(config, model)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    server, registry = build_router(config, ModelInfo.load(config.model_path))
     checker = asyncio.create_task(registry.run_health_checks())
     logger.info(
-        "router serving on %s:%d (prefill: %s; decode: %s)",
-        config.host,
-        port,
+        "router on %s (prefill: %s; decode: %s)",
+        server.address,
         ", ".join(config.prefill_addresses),
         ", ".join(config.decode_addresses),
     )
-    if config.port_file:
-        write_port_file(config.port_file, port)
-    try:
-        await stop.wait()
-    finally:
-        logger.info("router stopping (grace %.0f s)", GRACE_S)
-        await health_servicer.enter_graceful_shutdown()
-        await server.stop(GRACE_S)
+
+    async def on_stop() -> None:
         checker.cancel()
         await asyncio.gather(checker, return_exceptions=True)
         await registry.close()
+
+    await server.run(config.port_file, on_stop, grace_s=GRACE_S)
 
 
 def serve(config: RouterConfig) -> None:

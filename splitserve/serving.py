@@ -43,6 +43,8 @@ class Server:
         reflection.enable_server_reflection(names, self.server)
         self.service_names = tuple(service_names)
         self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {host}:{port}")
         self.address = f"{host}:{self.port}"
 
     async def set_serving(self, serving: bool) -> None:
@@ -54,13 +56,9 @@ class Server:
         for name in ("", *self.service_names):
             await self.health.set(name, status)
 
-    async def run(
-        self,
-        port_file: str | None = None,
-        on_stop: Callable[[], Awaitable[None]] | None = None,
-        grace_s: float = 5.0,
-    ) -> None:
-        """Start, mark SERVING, write the port file, serve until SIGTERM/SIGINT, stop."""
+    async def start(self, port_file: str | None = None) -> None:
+        """Start serving, mark SERVING, then write the bound port to ``port_file`` (atomically:
+        a launcher polling it never reads half a number)."""
         await self.server.start()
         await self.set_serving(True)
         if port_file:
@@ -68,14 +66,27 @@ class Server:
             tmp.write_text(str(self.port))
             tmp.replace(port_file)
         logger.info("serving %s on %s", ", ".join(self.service_names), self.address)
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """NOT_SERVING first (so health checks steer traffic away), then a graceful stop."""
+        await self.set_serving(False)
+        await self.server.stop(grace_s)
+
+    async def run(
+        self,
+        port_file: str | None = None,
+        on_stop: Callable[[], Awaitable[None]] | None = None,
+        grace_s: float = 5.0,
+    ) -> None:
+        """Start, serve until SIGTERM/SIGINT, stop, then ``on_stop``."""
+        await self.start(port_file)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         logger.info("stopping %s", self.address)
-        await self.set_serving(False)
-        await self.server.stop(grace_s)
+        await self.stop(grace_s)
         if on_stop is not None:
             await on_stop()
 

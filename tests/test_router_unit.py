@@ -309,8 +309,8 @@ async def with_cluster(test, num_prefill=2, num_decode=2, dead_prefill=0, dead_d
     prefill += [unused_address() for _ in range(dead_prefill)]
     decode += [unused_address() for _ in range(dead_decode)]
     config = RouterConfig("unused", tuple(prefill), tuple(decode))
-    router, registry, _, port = await start_router(config, MODEL)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    router, registry = await start_router(config, MODEL)
+    channel = grpc.aio.insecure_channel(router.address)
     try:
         await test(router_pb2_grpc.RouterStub(channel), cluster, registry)
     finally:
