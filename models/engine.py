@@ -94,6 +94,7 @@ class LLMEngine:
         self.prefill_only = prefill_only
         self.held: dict[str, Request] = {}  # prefill_only: finished, blocks not yet released
         self.num_preemptions = 0
+        self.last_num_scheduled = 0
 
     # ------------------------------------------------------------------ requests
 
@@ -256,9 +257,15 @@ class LLMEngine:
 
     def step(self) -> list[StepOutput]:
         scheduled = self._schedule()
+        self.last_num_scheduled = len(scheduled)
         if not scheduled:
-            if self.waiting and not self.running:
-                req = self.waiting.popleft()
+            req = self.waiting[0] if self.waiting and not self.running else None
+            # Blocks held elsewhere (shipping, transfers) come back; only a request larger than
+            # the whole pool can never run.
+            if req is not None and -(-len(req.token_ids) // self.block_size) > (
+                self.pool.num_blocks - 1
+            ):
+                self.waiting.popleft()
                 self.requests.pop(req.request_id, None)
                 raise RequestDoesNotFit(
                     req.request_id,

@@ -82,4 +82,6 @@ class AsyncEngine:
                 if queue is not None:
                     queue.put_nowait(out)
             if not outputs:
-                await asyncio.sleep(0)
+                # Nothing could be scheduled (the pool is held by transfers in flight): wait a
+                # little instead of spinning; else just let the event loop run.
+                await asyncio.sleep(0.002 if engine.last_num_scheduled == 0 else 0)

@@ -1,0 +1,69 @@
+"""LLMEngine behaviours the nodes rely on: prefill-only holding, joining transferred requests,
+and a request larger than the whole pool failing alone."""
+
+import random
+
+import pytest
+import torch
+
+from kvstore import ModelIdentity, hash_request_tokens
+from models.engine import LLMEngine, RequestDoesNotFit
+from models.loader import load_model
+from models.runner import ModelRunner, RunnerConfig
+from models.sampler import SamplingParams
+from models.tiny import write_random_checkpoint
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = write_random_checkpoint(tmp_path_factory.mktemp("engine") / "m", seed=3)
+    return load_model(path)
+
+
+def _engine(model, num_blocks=64, **kw):
+    config, m = model
+    rc = RunnerConfig(kv_cache_bytes=num_blocks * 16 * config.kv_bytes_per_token(torch.float32))
+    return LLMEngine(ModelRunner(config, m, rc), ModelIdentity("m"), **kw)
+
+
+def test_prefill_only_holds_blocks_until_release_and_transfer_resumes_exactly(model):
+    prompt = [random.randrange(300) for _ in range(37)]
+    expected = _engine(model).generate([prompt], GREEDY)[0].output_token_ids
+
+    prefill = _engine(model, prefill_only=True)
+    prefill.add_request("r", prompt, GREEDY)
+    outs = []
+    while not outs:
+        outs = prefill.step()
+    assert outs[0].new_token_id == expected[0] and outs[0].finish_reason is None
+    held = prefill.kv.get_block_ids("r")
+    assert len(held) == 3 and "r" in prefill.held and not prefill.has_unfinished()
+    kv_bytes = prefill.runner.kv_pool[held].clone()
+    prefill.release("r")
+    assert prefill.pool.num_free_blocks == prefill.pool.num_blocks - 1
+
+    # A second engine adopts the same KV bytes and continues: the same tokens as one engine.
+    decode = _engine(model)
+    block_hashes = hash_request_tokens(prompt, 16, decode.root_hash)
+    assert len(decode.kv.adopt_blocks("r", block_hashes)) == 2
+    assert decode.kv.allocate_slots("r", len(prompt)) is not None
+    decode.runner.kv_pool[decode.kv.get_block_ids("r")] = kv_bytes
+    decode.kv.cache_blocks("r", block_hashes, 32)
+    req = decode.add_transferred("r", prompt, expected[0], GREEDY)
+    while decode.has_unfinished():
+        decode.step()
+    assert req.output_token_ids == expected
+    assert decode.pool.num_free_blocks == decode.pool.num_blocks - 1
+
+
+def test_a_request_larger_than_the_pool_fails_alone(model):
+    engine = _engine(model, num_blocks=5)  # 4 usable blocks: 64 tokens
+    engine.add_request("huge", [1] * 100, GREEDY)
+    with pytest.raises(RequestDoesNotFit) as err:
+        while True:
+            engine.step()
+    assert err.value.request_id == "huge" and "does not fit" in str(err.value)
+    (ok,) = engine.generate([[2] * 20], GREEDY)
+    assert len(ok.output_token_ids) == 6
