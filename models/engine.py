@@ -19,7 +19,7 @@ import torch
 
 from kvstore import BlockPool, KVCacheManager, ModelIdentity, extend_block_hashes
 from models.runner import ModelRunner, SequenceInput
-from models.sampler import Sampler, SamplingParams, check_stop, make_generator
+from models.sampler import Sampler, SamplingParams, check_stop, make_generator, skip_draws
 
 logger = logging.getLogger(__name__)
 
@@ -162,12 +162,16 @@ class LLMEngine:
         if len(self.running) >= self.max_num_seqs:
             raise RuntimeError(f"{len(self.running)} requests are running (max_num_seqs)")
         prompt = list(prompt_token_ids)
+        generator = make_generator(params, self.runner.device)
+        if generator is not None and not params.greedy:
+            # The first token was drawn elsewhere from this seed: continue its sequence.
+            skip_draws(generator, self.runner.config.vocab_size, self.runner.device)
         req = Request(
             request_id,
             prompt,
             params,
             cache_salt,
-            make_generator(params, self.runner.device),
+            generator,
             token_ids=[*prompt, first_token_id],
         )
         req.num_computed_tokens = len(prompt)

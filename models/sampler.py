@@ -266,6 +266,14 @@ def _draw(
     return probs.div_(noise).argmax(dim=-1)
 
 
+def skip_draws(generator: torch.Generator, vocab_size: int, device, steps: int = 1) -> None:
+    """Advance a request's generator past ``steps`` sampled (non-greedy) tokens, exactly as
+    ``_draw`` consumes it: a request continued on another node then draws what it would have
+    drawn in one process."""
+    for _ in range(steps):
+        torch.empty(vocab_size, device=device).exponential_(generator=generator)
+
+
 class Sampler:
     """Picks the next token of each row of a batch. Stateless; one instance per model runner."""
 

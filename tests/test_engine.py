@@ -28,12 +28,16 @@ def _engine(model, num_blocks=64, **kw):
     return LLMEngine(ModelRunner(config, m, rc), ModelIdentity("m"), **kw)
 
 
-def test_prefill_only_holds_blocks_until_release_and_transfer_resumes_exactly(model):
+SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=6, ignore_eos=True)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_prefill_only_holds_blocks_until_release_and_transfer_resumes_exactly(model, params):
     prompt = [random.randrange(300) for _ in range(37)]
-    expected = _engine(model).generate([prompt], GREEDY)[0].output_token_ids
+    expected = _engine(model).generate([prompt], params)[0].output_token_ids
 
     prefill = _engine(model, prefill_only=True)
-    prefill.add_request("r", prompt, GREEDY)
+    prefill.add_request("r", prompt, params)
     outs = []
     while not outs:
         outs = prefill.step()
@@ -51,7 +55,7 @@ def test_prefill_only_holds_blocks_until_release_and_transfer_resumes_exactly(mo
     assert decode.kv.allocate_slots("r", len(prompt)) is not None
     decode.runner.kv_pool[decode.kv.get_block_ids("r")] = kv_bytes
     decode.kv.cache_blocks("r", block_hashes, 32)
-    req = decode.add_transferred("r", prompt, expected[0], GREEDY)
+    req = decode.add_transferred("r", prompt, outs[0].new_token_id, params)
     while decode.has_unfinished():
         decode.step()
     assert req.output_token_ids == expected
