@@ -163,7 +163,10 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
             if kind != "blocks":
                 raise TransferError(bad, f"unexpected {kind} message in a transfer")
             try:
-                batch = decode_blocks(msg.blocks.meta, msg.blocks.data, self.block_nbytes)
+                # Checksumming MBs is CPU work: off the event loop (zlib releases the GIL).
+                batch = await asyncio.to_thread(
+                    decode_blocks, msg.blocks.meta, msg.blocks.data, self.block_nbytes
+                )
             except ValueError as exc:
                 raise TransferError(bad, str(exc)) from None
             wanted = {-1} if batch.tail else missing

@@ -145,7 +145,7 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
             for run, tail in runs:
                 ids = [block_ids[len(hashes)]] if tail else [block_ids[i] for i in run]
                 data = await self.engine.call(self._read_blocks, ids)
-                meta, data = encode_blocks(run, data, tail)
+                meta, data = await asyncio.to_thread(encode_blocks, run, data, tail)
                 nbytes += len(data)
                 outbox.put_nowait(
                     nodes_pb2.TransferMessage(blocks=nodes_pb2.BlockData(meta=meta, data=data))
