@@ -100,3 +100,40 @@ def start_router(model: Path, tmp: Path, prefill: list[str], decode: list[str]) 
     proc = Proc(popen, f"127.0.0.1:{port_file.read_text().strip()}", log)
     wait_healthy(proc.address)
     return proc
+
+
+def start_redis(tmp: Path, port: int | None = None) -> Proc:
+    """A private redis-server on loopback (no persistence)."""
+    from splitserve.launcher import free_port
+
+    port = port or free_port()
+    log = tmp / f"redis-{port}.log"
+    popen = subprocess.Popen(
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    import redis
+
+    client = redis.Redis(port=port, socket_connect_timeout=0.5)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.RedisError:
+            if popen.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not start:\n{log.read_text()}") from None
+            time.sleep(0.05)
+    client.close()
+    return Proc(popen, f"redis://127.0.0.1:{port}", log)

@@ -1,0 +1,228 @@
+"""The cluster's prefix index and node registry in Redis (key schema: docs/redis.md).
+
+Every node publishes which block hashes it holds and a heartbeat; the router reads both to send a
+request where its prefix is cached. Redis is a hint, never the truth: a node verifies blocks
+before it relies on them, and when Redis is unreachable everything works without it (routing by
+load only) and nodes republish what they hold once it is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from kvstore.block_pool import BlockRemoved, BlockStored, KVCacheEvent
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_TTL_S = 5.0  # a node whose heartbeat is older than this is dead to the router
+HEARTBEAT_EVERY_S = 1.0
+
+
+def _prefix(root_hash: bytes) -> str:
+    # Keys are per model identity: two models sharing a Redis never see each other's blocks.
+    return f"ss:{root_hash.hex()[:16]}"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    node_id: str  # the node's address, host:port
+    role: str  # "prefill" or "decode"
+    address: str
+    num_blocks: int
+    num_free_blocks: int
+    running: int
+    waiting: int
+
+    @property
+    def load(self) -> float:
+        """Share of the KV pool in use plus queued work, for load balancing."""
+        used = 1.0 - self.num_free_blocks / max(self.num_blocks, 1)
+        return used + self.running / 64 + self.waiting / 16
+
+
+class PrefixIndex:
+    """A node's or the router's handle on the index. All methods raise ``RedisError`` when Redis
+    is unreachable; callers decide whether that degrades or fails."""
+
+    def __init__(self, url: str, root_hash: bytes, ttl_s: float = HEARTBEAT_TTL_S) -> None:
+        self.redis = aioredis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self.root_hash = root_hash
+        self.prefix = _prefix(root_hash)
+        self.ttl_s = ttl_s
+
+    def _blocks_key(self, node_id: str) -> str:
+        return f"{self.prefix}:blocks:{node_id}"
+
+    def _node_key(self, node_id: str) -> str:
+        return f"{self.prefix}:node:{node_id}"
+
+    @property
+    def _nodes_key(self) -> str:
+        return f"{self.prefix}:nodes"
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    # ------------------------------------------------------------------ node side
+
+    async def reset_node(self, node_id: str, held: Iterable[bytes] = ()) -> None:
+        """Forget what an earlier life of this node published, then publish ``held``."""
+        held = list(held)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self._blocks_key(node_id))
+            if held:
+                pipe.sadd(self._blocks_key(node_id), *held)
+            await pipe.execute()
+
+    async def publish(self, node_id: str, events: Sequence[KVCacheEvent]) -> None:
+        """Apply a batch of stored/removed events in one pipelined round trip, in order."""
+        if not events:
+            return
+        key = self._blocks_key(node_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for event in events:
+                if isinstance(event, BlockStored):
+                    pipe.sadd(key, *event.block_hashes)
+                elif isinstance(event, BlockRemoved):
+                    pipe.srem(key, *event.block_hashes)
+            await pipe.execute()
+
+    async def heartbeat(self, info: NodeInfo) -> None:
+        """Register (or refresh) the node; its entry expires unless refreshed in time."""
+        mapping = {
+            "role": info.role,
+            "address": info.address,
+            "num_blocks": info.num_blocks,
+            "num_free_blocks": info.num_free_blocks,
+            "running": info.running,
+            "waiting": info.waiting,
+            "time": time.time(),
+        }
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(self._node_key(info.node_id), mapping=mapping)
+            pipe.pexpire(self._node_key(info.node_id), int(self.ttl_s * 1000))
+            pipe.sadd(self._nodes_key, info.node_id)
+            await pipe.execute()
+
+    async def deregister(self, node_id: str) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self._node_key(node_id), self._blocks_key(node_id))
+            pipe.srem(self._nodes_key, node_id)
+            await pipe.execute()
+
+    # ------------------------------------------------------------------ router side
+
+    async def live_nodes(self) -> list[NodeInfo]:
+        """Nodes with a fresh heartbeat; entries of expired nodes are cleaned up on the way."""
+        ids = [i.decode() for i in await self.redis.smembers(self._nodes_key)]
+        if not ids:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for node_id in ids:
+                pipe.hgetall(self._node_key(node_id))
+            rows = await pipe.execute()
+        live, dead = [], []
+        for node_id, row in zip(ids, rows, strict=True):
+            if not row:
+                dead.append(node_id)
+                continue
+            f = {k.decode(): v.decode() for k, v in row.items()}
+            live.append(
+                NodeInfo(
+                    node_id,
+                    f["role"],
+                    f["address"],
+                    int(f["num_blocks"]),
+                    int(f["num_free_blocks"]),
+                    int(f["running"]),
+                    int(f["waiting"]),
+                )
+            )
+        if dead:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.srem(self._nodes_key, *dead)
+                for node_id in dead:
+                    pipe.delete(self._blocks_key(node_id))
+                await pipe.execute()
+            logger.info("prefix index: dropped %d expired nodes: %s", len(dead), dead)
+        return live
+
+    async def longest_prefixes(
+        self, node_ids: Sequence[str], block_hashes: Sequence[bytes]
+    ) -> dict[str, int]:
+        """For each node, how many leading blocks of the chain it holds, in one round trip."""
+        if not node_ids or not block_hashes:
+            return dict.fromkeys(node_ids, 0)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for node_id in node_ids:
+                pipe.smismember(self._blocks_key(node_id), list(block_hashes))
+            rows = await pipe.execute()
+        out = {}
+        for node_id, flags in zip(node_ids, rows, strict=True):
+            n = 0
+            for flag in flags:
+                if not flag:
+                    break
+                n += 1
+            out[node_id] = n
+        return out
+
+
+class IndexPublisher:
+    """Runs on a node: drains the pool's events every ``interval_s`` into Redis and heartbeats.
+
+    ``take_events``/``snapshot``/``info`` are coroutine functions supplied by the node (they run
+    on its engine thread). When Redis fails the publisher keeps the node serving, drops the
+    events and, once Redis answers again, republishes the node's whole cache.
+    """
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        node_id: str,
+        take_events,
+        snapshot,
+        info,
+        interval_s: float = 0.05,
+    ) -> None:
+        self.index, self.node_id = index, node_id
+        self._take_events, self._snapshot, self._info = take_events, snapshot, info
+        self.interval_s = interval_s
+        self.connected = False
+        self.published = 0
+
+    async def run(self) -> None:
+        last_beat = 0.0
+        while True:
+            try:
+                if not self.connected:
+                    await self._take_events()  # superseded by the snapshot below
+                    await self.index.reset_node(self.node_id, await self._snapshot())
+                    self.connected = True
+                    logger.info("prefix index: published %s's cache", self.node_id)
+                events = await self._take_events()
+                await self.index.publish(self.node_id, events)
+                self.published += sum(len(e.block_hashes) for e in events)
+                if time.monotonic() - last_beat >= HEARTBEAT_EVERY_S:
+                    await self.index.heartbeat(await self._info())
+                    last_beat = time.monotonic()
+            except (RedisError, OSError) as exc:
+                if self.connected:
+                    logger.warning("prefix index unreachable (%s): serving without it", exc)
+                self.connected = False
+                await asyncio.sleep(1.0)
+                continue
+            await asyncio.sleep(self.interval_s)
+
+    async def stop(self) -> None:
+        with contextlib.suppress(RedisError, OSError):
+            await self.index.deregister(self.node_id)
+        await self.index.close()

@@ -1,0 +1,122 @@
+"""The prefix index and node registry against a real redis-server."""
+
+import asyncio
+import random
+
+import pytest
+from cluster import start_redis
+
+from kvstore import BlockPool, ModelIdentity, hash_request_tokens
+from kvstore.block_pool import BlockRemoved, BlockStored
+from kvstore.redis_index import IndexPublisher, NodeInfo, PrefixIndex
+
+ROOT = ModelIdentity("m").root_hash
+
+
+@pytest.fixture
+def redis_url(tmp_path):
+    proc = start_redis(tmp_path)
+    yield proc.address
+    proc.stop()
+
+
+def _chain(n, salt=None):
+    return hash_request_tokens([random.randrange(1000) for _ in range(16 * n)], 16, ROOT, salt)
+
+
+def _info(node_id, role="prefill"):
+    return NodeInfo(node_id, role, node_id, 100, 90, 1, 0)
+
+
+def test_longest_prefix_per_node_follows_stores_and_evictions(redis_url):
+    async def run():
+        index = PrefixIndex(redis_url, ROOT)
+        chain = _chain(6)
+        await index.publish("a", [BlockStored(chain[:4])])
+        await index.publish("b", [BlockStored(chain[:2]), BlockStored(chain[3:6])])
+        got = await index.longest_prefixes(["a", "b", "c"], chain)
+        assert got == {"a": 4, "b": 2, "c": 0}
+        await index.publish("a", [BlockRemoved(chain[1:2])])
+        assert (await index.longest_prefixes(["a"], chain)) == {"a": 1}
+        # Another model sharing the Redis sees none of it.
+        other = PrefixIndex(redis_url, ModelIdentity("other").root_hash)
+        await other.publish("a", [BlockStored(chain)])
+        assert (await index.longest_prefixes(["a"], chain)) == {"a": 1}
+        await index.reset_node("a", chain[:3])  # a restarted node forgets its earlier life
+        assert (await index.longest_prefixes(["a"], chain)) == {"a": 3}
+        await index.close()
+        await other.close()
+
+    asyncio.run(run())
+
+
+def test_expired_heartbeats_drop_nodes_and_their_blocks(redis_url):
+    async def run():
+        index = PrefixIndex(redis_url, ROOT, ttl_s=0.5)
+        chain = _chain(3)
+        for node in ("a", "b"):
+            await index.heartbeat(_info(node))
+            await index.publish(node, [BlockStored(chain)])
+        assert {n.node_id for n in await index.live_nodes()} == {"a", "b"}
+        await asyncio.sleep(0.3)
+        await index.heartbeat(_info("a"))
+        await asyncio.sleep(0.4)
+        assert [n.node_id for n in await index.live_nodes()] == ["a"]
+        assert (await index.longest_prefixes(["b"], chain)) == {"b": 0}  # cleaned up
+        await index.deregister("a")
+        assert await index.live_nodes() == []
+        await index.close()
+
+    asyncio.run(run())
+
+
+def test_publisher_survives_redis_restart_and_republishes(tmp_path):
+    redis_proc = start_redis(tmp_path)
+    port = int(redis_proc.address.rsplit(":", 1)[1])
+    pool = BlockPool(64, enable_events=True)
+    chain = _chain(4)
+
+    async def take_events():
+        return pool.take_events()
+
+    async def snapshot():
+        return list(pool.cached_block_hash_to_block)
+
+    async def info():
+        return _info("node")
+
+    async def run():
+        nonlocal redis_proc
+        index = PrefixIndex(redis_proc.address, ROOT)
+        publisher = IndexPublisher(index, "node", take_events, snapshot, info, interval_s=0.02)
+        task = asyncio.create_task(publisher.run())
+        blocks = pool.get_new_blocks(4)
+        pool.cache_full_blocks(blocks, chain, 0, 2)
+        reader = PrefixIndex(redis_proc.address, ROOT)
+        for _ in range(100):
+            if (await reader.longest_prefixes(["node"], chain))["node"] == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert (await reader.longest_prefixes(["node"], chain))["node"] == 2
+        await reader.close()
+        redis_proc.stop()
+        pool.cache_full_blocks(blocks, chain, 2, 4)  # stored while Redis is down
+        await asyncio.sleep(0.3)
+        assert not publisher.connected
+        redis_proc = start_redis(tmp_path, port)  # an empty Redis comes back
+        reader = PrefixIndex(redis_proc.address, ROOT)
+        for _ in range(200):
+            if (await reader.longest_prefixes(["node"], chain))["node"] == 4:
+                break
+            await asyncio.sleep(0.02)
+        assert (await reader.longest_prefixes(["node"], chain))["node"] == 4
+        assert publisher.connected
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await publisher.stop()
+        await reader.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        redis_proc.stop()
