@@ -9,7 +9,7 @@ from decode_node.service import DecodeService
 from models.engine_loop import AsyncEngine
 from proto import nodes_pb2, nodes_pb2_grpc
 from splitserve.config import NodeConfig
-from splitserve.serving import Server, build_engine
+from splitserve.serving import Server, build_engine, index_publisher
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = nodes_pb2.DESCRIPTOR.services_by_name["DecodeNode"].full_name
@@ -25,7 +25,14 @@ async def _serve(config: NodeConfig) -> None:
     nodes_pb2_grpc.add_DecodeNodeServicer_to_server(service, server.server)
     expiry = asyncio.create_task(service.expire_pending())
 
+    publisher = index_publisher(config, "decode", loop_engine, identity, server.address)
+    publishing = asyncio.create_task(publisher.run()) if publisher else None
+
     async def on_stop() -> None:
+        if publishing is not None:
+            publishing.cancel()
+            await asyncio.gather(publishing, return_exceptions=True)
+            await publisher.stop()
         expiry.cancel()
         await loop_engine.stop()
 

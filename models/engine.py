@@ -69,9 +69,11 @@ class LLMEngine:
         enable_prefix_caching: bool = True,
         eos_token_id: int | None = None,
         prefill_only: bool = False,
+        enable_kv_events: bool = False,
     ) -> None:
         """``prefill_only``: a request ends after its first sampled token and keeps its blocks
-        until ``release`` (a prefill node ships them first)."""
+        until ``release`` (a prefill node ships them first). ``enable_kv_events``: the pool
+        records stored/evicted hashes for a prefix index, which must then drain them."""
         if identity.block_size != runner.block_size:
             raise ValueError(
                 f"identity.block_size {identity.block_size} != runner block size "
@@ -83,7 +85,7 @@ class LLMEngine:
         self.block_size = runner.block_size
         self.max_num_seqs = max_num_seqs or runner.rc.max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens or runner.rc.max_num_batched_tokens
-        self.pool = BlockPool(runner.num_blocks, enable_events=True)
+        self.pool = BlockPool(runner.num_blocks, enable_events=enable_kv_events)
         self.kv = KVCacheManager(self.pool, self.block_size, enable_caching=enable_prefix_caching)
         self.sampler = Sampler()
         eos = runner.config.eos_token_ids

@@ -1,6 +1,8 @@
 """The nodes the router knows, their load as the router sees it, and which ones are down.
 
-A static list for now (from the command line); the Redis issue makes it dynamic.
+Nodes come from the command line (static) and, with a prefix index, from the node registry in
+Redis (``NodeRegistry.sync``): a node that registers is used within a discovery interval, one
+whose heartbeat expired is dropped.
 """
 
 from __future__ import annotations
@@ -8,17 +10,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from redis.exceptions import RedisError
 
+from kvstore.redis_index import NodeInfo, PrefixIndex
 from proto import nodes_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_DOWN_S = 3.0  # how long a failed node is skipped before it is tried again
+MAX_IMBALANCE = 2  # a node with the prefix is preferred while its in-flight count is at most
+# this much above the least loaded node's (see docs/redis.md, "Cache-aware routing")
 
 
 @dataclass(slots=True, eq=False)  # identity semantics: nodes go in sets
@@ -31,6 +37,7 @@ class Node:
     down_until: float = 0.0  # clock time before which the node is skipped
     last_error: str = ""
     channel: grpc.aio.Channel | None = field(default=None, repr=False)
+    discovered: bool = False  # from the Redis registry (dropped when its heartbeat expires)
 
     def is_up(self, now: float) -> bool:
         return now >= self.down_until
@@ -52,8 +59,6 @@ class NodePool:
         clock: Callable[[], float] = time.monotonic,
         down_s: float = DEFAULT_DOWN_S,
     ) -> None:
-        if not addresses:
-            raise ValueError(f"no {role} node given: pass at least one host:port address")
         if len(set(addresses)) != len(addresses):
             raise ValueError(f"{role} node addresses repeat: {', '.join(addresses)}")
         self.role = role
@@ -62,7 +67,12 @@ class NodePool:
         self._down_s = down_s
         self._rr = 0
 
-    def pick(self, exclude: Collection[Node] = ()) -> Node | None:
+    def pick(
+        self, exclude: Collection[Node] = (), cached: Mapping[str, int] | None = None
+    ) -> Node | None:
+        """The up node with the fewest in-flight requests; with ``cached`` (address → leading
+        blocks of the prompt the node holds), the one holding the longest prefix among those
+        within ``MAX_IMBALANCE`` of the least loaded. Round robin among ties."""
         now = self._clock()
         candidates = [n for n in self.nodes if n not in exclude]
         up = [n for n in candidates if n.is_up(now)]
@@ -71,10 +81,27 @@ class NodePool:
                 return None
             return min(candidates, key=lambda n: n.down_until)
         least = min(n.in_flight for n in up)
+        if cached:
+            eligible = [n for n in up if n.in_flight <= least + MAX_IMBALANCE]
+            best = max(cached.get(n.address, 0) for n in eligible)
+            if best > 0:
+                up = [n for n in eligible if cached.get(n.address, 0) == best]
+                least = min(n.in_flight for n in up)
         ties = [n for n in up if n.in_flight == least]
         node = ties[self._rr % len(ties)]
         self._rr += 1
         return node
+
+    def sync(self, addresses: Collection[str]) -> None:
+        """Make the discovered nodes exactly ``addresses`` (static ones always stay)."""
+        known = {n.address for n in self.nodes}
+        for address in sorted(set(addresses) - known):
+            logger.info("%s node %s registered", self.role, address)
+            self.nodes.append(Node(address, self.role, discovered=True))
+        for node in [n for n in self.nodes if n.discovered and n.address not in addresses]:
+            if node.in_flight == 0:
+                logger.info("%s node %s left the registry", self.role, node.address)
+                self.nodes.remove(node)
 
     def acquire(self, node: Node) -> None:
         """Count one more in-flight request on ``node``; pair every call with ``release``."""
@@ -160,6 +187,31 @@ class NodeRegistry:
                 await self.check_all()
             except Exception:  # never let the checker die silently
                 logger.exception("health check round failed")
+            await asyncio.sleep(interval_s)
+
+    async def sync(self, live: Sequence[NodeInfo]) -> None:
+        """Adopt the registry's view of the live nodes (static nodes always stay)."""
+        for pool in (self.prefill, self.decode):
+            before = set(pool.nodes)
+            pool.sync({n.address for n in live if n.role == pool.role})
+            for node in before - set(pool.nodes):
+                if node.channel is not None:
+                    await node.channel.close()
+
+    async def run_discovery(self, index: PrefixIndex, interval_s: float = 1.0) -> None:
+        """Follow the node registry in Redis until cancelled; while Redis is unreachable the
+        last known nodes stay in use."""
+        reachable = True
+        while True:
+            try:
+                await self.sync(await index.live_nodes())
+                if not reachable:
+                    logger.info("node registry reachable again")
+                reachable = True
+            except (RedisError, OSError) as exc:
+                if reachable:
+                    logger.warning("node registry unreachable (%s): keeping known nodes", exc)
+                reachable = False
             await asyncio.sleep(interval_s)
 
     async def close(self) -> None:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+from pathlib import Path
 
+from kvstore import ModelIdentity
+from kvstore.redis_index import PrefixIndex
 from proto import router_pb2, router_pb2_grpc
 from router.registry import NodeRegistry
 from router.request import ModelInfo
@@ -18,7 +22,9 @@ GRACE_S = 5.0  # in-flight streams get this long to finish on SIGTERM
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
 
 
-def build_router(config: RouterConfig, model: ModelInfo) -> tuple[Server, NodeRegistry]:
+def build_router(
+    config: RouterConfig, model: ModelInfo, index: PrefixIndex | None = None
+) -> tuple[Server, NodeRegistry]:
     """The router's server (Router + health + reflection), not started yet."""
     registry = NodeRegistry(config.prefill_addresses, config.decode_addresses)
     service = RouterService(
@@ -26,10 +32,31 @@ def build_router(config: RouterConfig, model: ModelInfo) -> tuple[Server, NodeRe
         registry,
         max_attempts=config.max_attempts,
         request_timeout_s=config.request_timeout_s,
+        index=index,
     )
     server = Server(config.host, config.port, [SERVICE_NAME])
     router_pb2_grpc.add_RouterServicer_to_server(service, server.server)
     return server, registry
+
+
+def prefix_index(config: RouterConfig) -> PrefixIndex | None:
+    """The index keyed by the same model identity the nodes compute (same checkpoint, dtype
+    and block size), so the router's prompt hashes are the nodes' hashes by construction."""
+    if not config.redis_url:
+        return None
+    dtype = config.dtype or checkpoint_dtype(config.model_path)
+    identity = ModelIdentity.for_checkpoint(config.model_path, dtype)
+    logger.info("prefix index %s for %s", config.redis_url, identity)
+    return PrefixIndex(config.redis_url, identity.root_hash)
+
+
+def checkpoint_dtype(model_path: str) -> str:
+    """The dtype a node loads the checkpoint in by default (see models.config)."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    name = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    return {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}.get(
+        name, name
+    )
 
 
 async def start_router(config: RouterConfig, model: ModelInfo) -> tuple[Server, NodeRegistry]:
@@ -40,7 +67,8 @@ async def start_router(config: RouterConfig, model: ModelInfo) -> tuple[Server, 
 
 
 async def _serve(config: RouterConfig) -> None:
-    server, registry = build_router(config, ModelInfo.load(config.model_path))
+    index = prefix_index(config)
+    server, registry = build_router(config, ModelInfo.load(config.model_path), index)
     checker = asyncio.create_task(registry.run_health_checks())
     logger.info(
         "router on %s (prefill: %s; decode: %s)",
@@ -49,10 +77,16 @@ async def _serve(config: RouterConfig) -> None:
         ", ".join(config.decode_addresses),
     )
 
+    discovery = asyncio.create_task(registry.run_discovery(index)) if index else None
+
     async def on_stop() -> None:
-        checker.cancel()
-        await asyncio.gather(checker, return_exceptions=True)
+        for task in (checker, discovery):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await registry.close()
+        if index is not None:
+            await index.close()
 
     await server.run(config.port_file, on_stop, grace_s=GRACE_S)
 

@@ -22,7 +22,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
+from redis.exceptions import RedisError
 
+from kvstore import hash_request_tokens
+from kvstore.redis_index import PrefixIndex
 from proto import common_pb2, nodes_pb2, router_pb2, router_pb2_grpc
 from router.output import Delta, OutputAssembler
 from router.registry import Node, NodePool, NodeRegistry
@@ -63,6 +66,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         registry: NodeRegistry,
         max_attempts: int = 3,
         request_timeout_s: float = 600.0,
+        index: PrefixIndex | None = None,
+        block_size: int = 16,
     ) -> None:
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
@@ -71,6 +76,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._max_attempts = max_attempts
         self._request_timeout_s = request_timeout_s
         self._background: set[asyncio.Task] = set()
+        self._index = index
+        self._block_size = block_size
+        self._index_ok = True
 
     async def Generate(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -208,15 +216,43 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    async def _cached_blocks(self, params: GenerateParams) -> dict[str, int]:
+        """Leading blocks of the prompt each node holds, per the prefix index (one round trip);
+        empty without an index or while Redis is unreachable: routing by load alone."""
+        if self._index is None:
+            return {}
+        hashes = hash_request_tokens(
+            params.prompt_token_ids,
+            self._block_size,
+            self._index.root_hash,
+            params.cache_salt or None,
+        )
+        if not hashes:
+            return {}
+        reg = self._registry
+        addresses = [n.address for pool in (reg.prefill, reg.decode) for n in pool.nodes]
+        try:
+            cached = await asyncio.wait_for(self._index.longest_prefixes(addresses, hashes), 0.5)
+        except (RedisError, OSError, TimeoutError) as exc:
+            if self._index_ok:
+                logger.warning("prefix index unreachable (%s): routing by load only", exc)
+            self._index_ok = False
+            return {}
+        if not self._index_ok:
+            logger.info("prefix index reachable again")
+        self._index_ok = True
+        return cached
+
     async def _prefill(self, params: GenerateParams, deadline: float) -> _Prefilled:
         """Run Prefill on some P shipping to some D, retrying elsewhere on refusals/failures."""
         reg = self._registry
         unreachable: set[Node] = set()
         busy: set[Node] = set()
         error = GenerateError(grpc.StatusCode.UNAVAILABLE, "no attempt made")
+        cached = await self._cached_blocks(params)
         for attempt in range(self._max_attempts):
-            p = _choose(reg.prefill, unreachable, busy)
-            d = _choose(reg.decode, unreachable, busy)
+            p = _choose(reg.prefill, unreachable, busy, cached)
+            d = _choose(reg.decode, unreachable, busy, cached)
             if p is None or d is None:
                 pool = reg.prefill if p is None else reg.decode
                 raise GenerateError(
@@ -302,6 +338,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         )
 
 
-def _choose(pool: NodePool, unreachable: set[Node], busy: set[Node]) -> Node | None:
+def _choose(
+    pool: NodePool, unreachable: set[Node], busy: set[Node], cached: dict[str, int]
+) -> Node | None:
     """A node not yet tried by this request if any, else one that only refused (full)."""
-    return pool.pick(exclude=unreachable | busy) or pool.pick(exclude=unreachable)
+    return pool.pick(unreachable | busy, cached) or pool.pick(unreachable, cached)

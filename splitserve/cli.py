@@ -189,6 +189,7 @@ def _model_path(args: argparse.Namespace) -> str:
 
 
 _NODE_FLAGS = (  # argparse dest -> NodeConfig field; unset flags keep NodeConfig's defaults
+    "redis_url",
     "host",
     "port",
     "port_file",
@@ -210,8 +211,6 @@ def cmd_node(args: argparse.Namespace) -> int:
 
     given = {k: getattr(args, k) for k in _NODE_FLAGS if getattr(args, k) is not None}
     config = NodeConfig(model_path=_model_path(args), **given)
-    if args.redis_url:
-        logging.getLogger(__name__).info("--redis-url %s: not used by nodes yet", args.redis_url)
     if args.command == "prefill":
         from prefill_node.server import serve
     else:
@@ -235,11 +234,20 @@ def cmd_router(args: argparse.Namespace) -> int:
     """Run the router (the public Generate service) until SIGTERM/Ctrl-C."""
     from splitserve.config import RouterConfig
 
+    if not args.redis_url and not (args.prefill and args.decode):
+        print(
+            "error: give --prefill and --decode node addresses, or --redis-url to discover "
+            "nodes from the registry",
+            file=sys.stderr,
+        )
+        return 2
     try:
         config = RouterConfig(
             model_path=_model_path(args),
-            prefill_addresses=_addresses("--prefill", args.prefill),
-            decode_addresses=_addresses("--decode", args.decode),
+            prefill_addresses=_addresses("--prefill", args.prefill) if args.prefill else (),
+            decode_addresses=_addresses("--decode", args.decode) if args.decode else (),
+            redis_url=args.redis_url,
+            dtype=args.dtype,
             host=args.host,
             port=args.port,
             port_file=args.port_file,
@@ -369,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--block-size", type=int, default=None)
         p.add_argument("--load-format", default=None, choices=("auto", "dummy"))
         p.add_argument("--transfer-deadline-s", type=float, default=None)
-        p.add_argument("--redis-url", default=None, help="prefix index (not used yet)")
+        p.add_argument("--redis-url", default=None, help="publish the prefix index and register")
 
     for role in ("prefill", "decode"):
         p = sub.add_parser(role, help=f"run one {role} node")
@@ -381,11 +389,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--port-file", default=None)
-    p.add_argument("--prefill", required=True, help="prefill nodes, host:port,host:port,...")
-    p.add_argument("--decode", required=True, help="decode nodes, host:port,host:port,...")
+    p.add_argument("--prefill", default="", help="static prefill nodes, host:port,host:port,...")
+    p.add_argument("--decode", default="", help="static decode nodes, host:port,host:port,...")
+    p.add_argument("--dtype", default=None, help="the nodes' dtype (default: the checkpoint's)")
     p.add_argument("--request-timeout-s", type=float, default=600.0)
     p.add_argument("--max-attempts", type=int, default=3, help="per stage, across nodes")
-    p.add_argument("--redis-url", default=None, help="prefix index (not used yet)")
+    p.add_argument(
+        "--redis-url",
+        default=None,
+        help="node registry + prefix index: discovery and cache-aware routing",
+    )
     p.set_defaults(func=cmd_router)
 
     p = sub.add_parser("up", help=cmd_up.__doc__)

@@ -22,6 +22,7 @@ class NodeConfig:
     block_size: int = 16
     load_format: str = "auto"  # or "dummy" (random weights, for benchmarks)
     transfer_deadline_s: float = 30.0  # decode: free a transferred request not claimed by then
+    redis_url: str | None = None  # prefix index + registry; None: no index (static routing)
 
     @property
     def address(self) -> str:
@@ -38,3 +39,5 @@ class RouterConfig:
     port_file: str | None = None
     request_timeout_s: float = 600.0
     max_attempts: int = 3  # per stage: a failed or refusing node is retried elsewhere
+    redis_url: str | None = None  # node registry + prefix index: discovery, cache-aware routing
+    dtype: str | None = None  # the nodes' KV dtype (part of the model identity); default: ckpt's

@@ -18,7 +18,9 @@ from splitserve.config import NodeConfig
 
 if TYPE_CHECKING:
     from kvstore import ModelIdentity
+    from kvstore.redis_index import IndexPublisher
     from models.engine import LLMEngine
+    from models.engine_loop import AsyncEngine
 
 logger = logging.getLogger(__name__)
 
@@ -121,4 +123,39 @@ def build_engine(config: NodeConfig, prefill_only: bool) -> tuple[LLMEngine, Mod
         ),
     )
     identity = ModelIdentity.for_checkpoint(config.model_path, str(runner.dtype), config.block_size)
-    return LLMEngine(runner, identity, prefill_only=prefill_only), identity
+    engine = LLMEngine(
+        runner, identity, prefill_only=prefill_only, enable_kv_events=config.redis_url is not None
+    )
+    return engine, identity
+
+
+def index_publisher(
+    config: NodeConfig, role: str, engine: AsyncEngine, identity: ModelIdentity, address: str
+) -> IndexPublisher | None:
+    """The node's publisher of its cached block hashes and heartbeat (None without Redis)."""
+    if not config.redis_url:
+        return None
+    from kvstore.redis_index import IndexPublisher, NodeInfo, PrefixIndex
+
+    core = engine.engine
+
+    async def take_events():
+        return await engine.call(core.pool.take_events)
+
+    async def snapshot():
+        return await engine.call(lambda: list(core.pool.cached_block_hash_to_block))
+
+    async def info():
+        return NodeInfo(
+            address,
+            role,
+            address,
+            core.pool.num_blocks - 1,
+            core.pool.num_free_blocks,
+            len(core.running),
+            len(core.waiting),
+        )
+
+    return IndexPublisher(
+        PrefixIndex(config.redis_url, identity.root_hash), address, take_events, snapshot, info
+    )

@@ -137,3 +137,32 @@ def start_redis(tmp: Path, port: int | None = None) -> Proc:
             time.sleep(0.05)
     client.close()
     return Proc(popen, f"redis://127.0.0.1:{port}", log)
+
+
+def start_router_discovering(model: Path, tmp: Path, redis_url: str) -> Proc:
+    """``splitserve router`` that finds its nodes in the Redis registry (no static lists)."""
+    port_file = tmp / f"router-{time.monotonic_ns()}.port"
+    log = port_file.with_suffix(".log")
+    cmd = [
+        sys.executable,
+        "-m",
+        "splitserve.cli",
+        "router",
+        "--model",
+        str(model),
+        "--port",
+        "0",
+        "--port-file",
+        str(port_file),
+        "--redis-url",
+        redis_url,
+    ]
+    popen = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while not port_file.exists():
+        if popen.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"router did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.1)
+    proc = Proc(popen, f"127.0.0.1:{port_file.read_text().strip()}", log)
+    wait_healthy(proc.address)
+    return proc
