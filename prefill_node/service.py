@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections import Counter
 
 import grpc
 
-from kernels.layout import gather_blocks
-from kvstore import ModelIdentity
-from kvstore.codec import batch_indices, encode_blocks
+from kernels.layout import gather_blocks, scatter_blocks
+from kvstore import ModelIdentity, hash_request_tokens
+from kvstore.codec import batch_indices, decode_blocks, encode_blocks
 from models.engine import RequestDoesNotFit, StepOutput
 from models.engine_loop import AsyncEngine
 from proto import nodes_pb2, nodes_pb2_grpc
@@ -21,6 +22,9 @@ from splitserve.protocol import sampling_from_proto
 from splitserve.serving import CHANNEL_OPTIONS
 
 logger = logging.getLogger(__name__)
+
+MIN_FETCH_BLOCKS = 2  # fewer than this: computing is cheaper than a round trip to a peer
+FETCH_TIMEOUT_S = 10.0
 
 
 class _ShipError(Exception):
@@ -68,6 +72,9 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
         if not request.decode_address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "decode_address is empty")
         salt = request.cache_salt or None
+        fetched = 0
+        if request.peer_address and request.peer_blocks:
+            fetched = await self._fetch_from_peer(request, prompt, salt, context)
         queue = self.engine.subscribe(rid)
         shipped = False
         try:
@@ -93,6 +100,7 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
                 first_logprob=out.logprob or 0.0,
                 finish_reason=out.finish_reason or "",
                 cached_tokens=req.num_cached_tokens,
+                blocks_fetched=fetched,
             )
             if out.finish_reason is None:
                 await self._ship(request, req, out.new_token_id, response, context)
@@ -177,6 +185,117 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
         self.counters["blocks_reused_on_decode"] += len(hashes) - shipped_blocks
         self.counters["bytes_shipped"] += nbytes
         self.counters["transfer_seconds"] += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ peer prefix reuse
+
+    async def _fetch_from_peer(self, request, prompt: list[int], salt, context) -> int:
+        """Fetch the prompt's prefix blocks a peer holds (per the router's index hint) instead
+        of computing them; returns how many were adopted. Any failure: 0, and the prompt is
+        simply computed (never a wrong answer: the blocks are addressed by chained hash)."""
+        hashes = hash_request_tokens(prompt, self.block_size, self.root, salt)
+        # The last prompt token is always computed (its logits), as in get_computed_blocks.
+        hashes = hashes[: min(request.peer_blocks, (len(prompt) - 1) // self.block_size)]
+        local = await self.engine.call(self._count_cached, hashes)
+        want = hashes[local:]
+        if len(want) < MIN_FETCH_BLOCKS:
+            return 0
+        got: dict[int, bytes] = {}
+        try:
+            call = self._peer_stub(request.peer_address).FetchBlocks(
+                nodes_pb2.FetchRequest(
+                    block_hashes=want, model_root_hash=self.root, block_nbytes=self.block_nbytes
+                ),
+                timeout=min(FETCH_TIMEOUT_S, context.time_remaining() or FETCH_TIMEOUT_S),
+            )
+            async for msg in call:
+                batch = await asyncio.to_thread(
+                    decode_blocks, msg.meta, msg.data, self.block_nbytes
+                )
+                for j, index in enumerate(batch.indices):
+                    if not 0 <= index < len(want):
+                        raise ValueError(f"peer sent block index {index}")
+                    got[index] = batch.data[j * self.block_nbytes : (j + 1) * self.block_nbytes]
+        except (grpc.aio.AioRpcError, ValueError) as exc:
+            self.counters["prefix_fetch_failed"] += 1
+            logger.warning(
+                "prefix fetch from %s failed, computing instead: %s", request.peer_address, exc
+            )
+            return 0
+        n = 0
+        while n in got:
+            n += 1
+        if n == 0:
+            return 0
+        adopted = await self.engine.call(self._adopt_fetched, want[:n], [got[i] for i in range(n)])
+        self.counters["prefix_blocks_fetched"] += adopted
+        return adopted
+
+    def _count_cached(self, hashes: list[bytes]) -> int:
+        pool = self.engine.engine.pool
+        n = 0
+        while n < len(hashes) and pool.get_cached_block(hashes[n]) is not None:
+            n += 1
+        return n
+
+    def _adopt_fetched(self, hashes: list[bytes], blocks_data: list[bytes]) -> int:
+        """Engine thread: write fetched blocks into this pool and register them as cached."""
+        import torch
+
+        kv = self.engine.engine.kv
+        tmp = f"fetch-{uuid.uuid4().hex}"
+        to_write = kv.adopt_blocks(tmp, hashes)
+        if to_write is None:
+            return 0
+        try:
+            new_ids = {id(b) for b in to_write}
+            rows = [i for i, b in enumerate(kv.req_to_blocks[tmp]) if id(b) in new_ids]
+            if rows:
+                pool = self.engine.engine.runner.kv_pool
+                raw = bytearray(b"".join(blocks_data[i] for i in rows))
+                data = torch.frombuffer(raw, dtype=pool.dtype).view(len(rows), *pool.shape[1:])
+                ids = torch.tensor([kv.req_to_blocks[tmp][i].block_id for i in rows])
+                scatter_blocks(pool, ids, data.to(pool.device))
+            kv.cache_blocks(tmp, hashes, len(hashes) * self.block_size)
+        finally:
+            kv.free(tmp)  # the blocks stay cached (LRU) for the request about to be scheduled
+        return len(hashes)
+
+    def _peer_stub(self, address: str) -> nodes_pb2_grpc.PrefillNodeStub:
+        channel = self.channels.get(address)
+        if channel is None:
+            channel = self.channels[address] = grpc.aio.insecure_channel(
+                address, options=CHANNEL_OPTIONS
+            )
+        return nodes_pb2_grpc.PrefillNodeStub(channel)
+
+    async def FetchBlocks(self, request, context):
+        if request.model_root_hash != self.root or request.block_nbytes != self.block_nbytes:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "model identity or block size differs from this node's",
+            )
+        hashes = list(request.block_hashes)
+        pinned = await self.engine.call(self._pin, hashes)
+        try:
+            for run in batch_indices(list(range(len(pinned))), self.block_nbytes):
+                data = await self.engine.call(self._read_blocks, [pinned[i].block_id for i in run])
+                meta, data = await asyncio.to_thread(encode_blocks, run, data)
+                yield nodes_pb2.BlockData(meta=meta, data=data)
+            self.counters["blocks_served_to_peers"] += len(pinned)
+        finally:
+            await self.engine.call(self.engine.engine.pool.free_blocks, pinned)
+
+    def _pin(self, hashes: list[bytes]) -> list:
+        """Engine thread: touch the longest leading run of ``hashes`` held here."""
+        pool = self.engine.engine.pool
+        blocks = []
+        for block_hash in hashes:
+            block = pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        pool.touch(blocks)
+        return blocks
 
     def _read_blocks(self, block_ids: list[int]) -> bytes:
         """Engine thread: the blocks' bytes, over all layers, in order."""

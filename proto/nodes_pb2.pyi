@@ -8,21 +8,25 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "decode_address")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "decode_address", "peer_address", "peer_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PEER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     cache_salt: str
     decode_address: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., decode_address: _Optional[str] = ...) -> None: ...
+    peer_address: str
+    peer_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., decode_address: _Optional[str] = ..., peer_address: _Optional[str] = ..., peer_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_logprob", "finish_reason", "cached_tokens", "blocks_shipped", "blocks_reused", "bytes_shipped")
+    __slots__ = ("first_token_id", "first_logprob", "finish_reason", "cached_tokens", "blocks_shipped", "blocks_reused", "bytes_shipped", "blocks_fetched")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +34,7 @@ class PrefillResponse(_message.Message):
     BLOCKS_SHIPPED_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_REUSED_FIELD_NUMBER: _ClassVar[int]
     BYTES_SHIPPED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FETCHED_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_logprob: float
     finish_reason: str
@@ -37,7 +42,18 @@ class PrefillResponse(_message.Message):
     blocks_shipped: int
     blocks_reused: int
     bytes_shipped: int
-    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., blocks_shipped: _Optional[int] = ..., blocks_reused: _Optional[int] = ..., bytes_shipped: _Optional[int] = ...) -> None: ...
+    blocks_fetched: int
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., blocks_shipped: _Optional[int] = ..., blocks_reused: _Optional[int] = ..., bytes_shipped: _Optional[int] = ..., blocks_fetched: _Optional[int] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("block_hashes", "model_root_hash", "block_nbytes")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ROOT_HASH_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    model_root_hash: bytes
+    block_nbytes: int
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., model_root_hash: _Optional[bytes] = ..., block_nbytes: _Optional[int] = ...) -> None: ...
 
 class TransferMessage(_message.Message):
     __slots__ = ("header", "blocks", "end")

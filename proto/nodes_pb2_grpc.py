@@ -39,6 +39,11 @@ class PrefillNodeStub:
                 request_serializer=proto_dot_nodes__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=proto_dot_nodes__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.FetchBlocks = channel.unary_stream(
+                '/splitserve.v1.PrefillNode/FetchBlocks',
+                request_serializer=proto_dot_nodes__pb2.FetchRequest.SerializeToString,
+                response_deserializer=proto_dot_nodes__pb2.BlockData.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/splitserve.v1.PrefillNode/GetStats',
                 request_serializer=proto_dot_nodes__pb2.StatsRequest.SerializeToString,
@@ -57,6 +62,15 @@ class PrefillNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchBlocks(self, request, context):
+        """Serve cached blocks to a peer: the longest leading run of the asked hashes this node still
+        holds, as BlockData messages (indices into block_hashes). A hint can be stale: fewer blocks
+        (or none) is a normal answer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -70,6 +84,11 @@ def add_PrefillNodeServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=proto_dot_nodes__pb2.PrefillRequest.FromString,
                     response_serializer=proto_dot_nodes__pb2.PrefillResponse.SerializeToString,
+            ),
+            'FetchBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchBlocks,
+                    request_deserializer=proto_dot_nodes__pb2.FetchRequest.FromString,
+                    response_serializer=proto_dot_nodes__pb2.BlockData.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -104,6 +123,33 @@ class PrefillNode:
             '/splitserve.v1.PrefillNode/Prefill',
             proto_dot_nodes__pb2.PrefillRequest.SerializeToString,
             proto_dot_nodes__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/splitserve.v1.PrefillNode/FetchBlocks',
+            proto_dot_nodes__pb2.FetchRequest.SerializeToString,
+            proto_dot_nodes__pb2.BlockData.FromString,
             options,
             channel_credentials,
             insecure,

@@ -274,6 +274,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 sampling=sampling_to_proto(params.sampling),
                 cache_salt=params.cache_salt,
                 decode_address=d.address,
+                **_peer_hint(reg.prefill, p, cached, unreachable),
             )
             reg.prefill.acquire(p)
             reg.decode.acquire(d)
@@ -336,6 +337,20 @@ class RouterService(router_pb2_grpc.RouterServicer):
             f"no {pool.role} node reachable: {culprit.address} failed ({details}); "
             f"nodes: {pool.describe()}",
         )
+
+
+def _peer_hint(
+    pool: NodePool, chosen: Node, cached: dict[str, int], unreachable: set[Node]
+) -> dict:
+    """When another prefill node holds a longer prefix than the chosen one (the imbalance guard
+    sent the request elsewhere), name it: the chosen node fetches those blocks from it rather
+    than computing them."""
+    here = cached.get(chosen.address, 0)
+    peers = [n for n in pool.nodes if n is not chosen and n not in unreachable]
+    best = max(peers, key=lambda n: cached.get(n.address, 0), default=None)
+    if best is None or cached.get(best.address, 0) <= here:
+        return {}
+    return {"peer_address": best.address, "peer_blocks": cached[best.address]}
 
 
 def _choose(
