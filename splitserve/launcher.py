@@ -37,6 +37,7 @@ class ClusterSpec:
     host: str = "127.0.0.1"
     port: int = 8000  # the router's
     redis_url: str | None = None  # None: start a private redis-server
+    prefix_index: bool = True  # False: no Redis at all (static routing by load, local caches)
     device: str = "cpu"
     gpu_memory_utilization: float | None = None  # per node; None on CUDA: an even share
     node_args: tuple[str, ...] = ()  # further flags for every node, e.g. ("--kv-cache-mb", "512")
@@ -124,8 +125,11 @@ class LocalCluster:
             raise RuntimeError("this cluster is already started")
         spec = self.spec
         deadline = time.monotonic() + spec.startup_timeout_s
-        redis_url = spec.redis_url or self._start_redis(deadline)
-        node_flags = ["--port", "0", "--device", spec.device, "--redis-url", redis_url]
+        redis_url = ""
+        if spec.prefix_index:
+            redis_url = spec.redis_url or self._start_redis(deadline)
+        index_flags = ["--redis-url", redis_url] if redis_url else []
+        node_flags = ["--port", "0", "--device", spec.device, *index_flags]
         if (share := spec.node_gpu_memory_utilization) is not None:
             node_flags += ["--gpu-memory-utilization", str(share)]
         node_flags += list(spec.node_args)
@@ -133,7 +137,7 @@ class LocalCluster:
         decode = [self._component("decode", i, node_flags) for i in range(spec.num_decode)]
         prefill_addrs = tuple(self._wait_ready(p, deadline) for p in prefill)
         decode_addrs = tuple(self._wait_ready(p, deadline) for p in decode)
-        router_flags = ["--port", str(spec.port), "--redis-url", redis_url]
+        router_flags = ["--port", str(spec.port), *index_flags]
         router_flags += ["--prefill", ",".join(prefill_addrs), "--decode", ",".join(decode_addrs)]
         router = self._component("router", 0, router_flags)
         router_addr = self._wait_ready(router, deadline)

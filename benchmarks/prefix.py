@@ -1,0 +1,115 @@
+"""Shared-prefix workload with the Redis prefix index off vs on, on the same cluster shape.
+
+    python benchmarks/prefix.py [--requests 64] [--prompt-len 320] [--shared 0.9]
+    python benchmarks/prefix.py --device cuda --make-8b /tmp/llama8b --prompt-len 4096
+
+One request warms the cache with the shared prefix, then ``--requests`` requests that share
+``--shared`` of their prompt are sent at once through the SDK. Reported per mode: mean and p99
+time to first token, and the prefill tokens computed (prompt tokens minus the cached ones the
+nodes report). "off" runs without Redis (routing by load; each node still reuses its own
+cache); "on" routes by the index and lets a node fetch a prefix from a peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from splitserve.client import AsyncClient
+from splitserve.launcher import ClusterSpec, LocalCluster, free_port
+
+
+async def one(client, prompt, gen):
+    t0 = time.perf_counter()
+    first, usage = None, None
+    async for chunk in client.stream(
+        prompt_token_ids=prompt, max_tokens=gen, ignore_eos=True, temperature=0.0
+    ):
+        if first is None and chunk.token_ids:
+            first = time.perf_counter() - t0
+        usage = chunk.usage or usage
+    return first, usage.prompt_tokens - usage.cached_tokens
+
+
+async def workload(target, warm, prompts, gen):
+    async with AsyncClient(target) as client:
+        await one(client, warm, 1)
+        await asyncio.sleep(0.5)  # the index learns of the warm blocks within ~50 ms
+        return await asyncio.gather(*(one(client, p, gen) for p in prompts))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--make-8b", default=None, metavar="DIR")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--num-prefill", type=int, default=2)
+    ap.add_argument("--num-decode", type=int, default=1)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=320)
+    ap.add_argument("--shared", type=float, default=0.9)
+    ap.add_argument("--gen", type=int, default=8)
+    args = ap.parse_args()
+    if args.make_8b:
+        from pipeline import make_8b
+
+        model, node_args = make_8b(Path(args.make_8b)), ("--load-format", "dummy")
+    else:
+        from models.tiny import ensure_tiny_model
+
+        model, node_args = Path(args.model) if args.model else ensure_tiny_model(), ()
+    rng = random.Random(0)
+    shared = [rng.randrange(250) for _ in range(int(args.prompt_len * args.shared))]
+    tail = args.prompt_len - len(shared)
+    warm = [*shared, *[rng.randrange(250) for _ in range(tail)]]
+    prompts = [[*shared, *[rng.randrange(250) for _ in range(tail)]] for _ in range(args.requests)]
+    rows = {}
+    for mode in ("off", "on"):
+        spec = ClusterSpec(
+            model_path=str(model),
+            num_prefill=args.num_prefill,
+            num_decode=args.num_decode,
+            port=free_port(),
+            device=args.device,
+            node_args=node_args,
+            prefix_index=mode == "on",
+        )
+        with LocalCluster(spec) as cluster:
+            t0 = time.perf_counter()
+            results = asyncio.run(workload(cluster.addresses.router, warm, prompts, args.gen))
+            wall = time.perf_counter() - t0
+        ttft = sorted(r[0] for r in results)
+        rows[mode] = dict(
+            ttft_mean_s=statistics.mean(ttft),
+            ttft_p99_s=ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
+            prefill_tokens_computed=sum(r[1] for r in results),
+            prompt_tokens=args.requests * args.prompt_len,
+            wall_s=wall,
+        )
+        print(json.dumps({"mode": mode, **rows[mode]}), flush=True)
+    off, on = rows["off"], rows["on"]
+    print("\n| index | TTFT mean s | TTFT p99 s | prefill tokens computed | of prompt tokens |")
+    print("|---|---|---|---|---|")
+    for mode, r in rows.items():
+        computed = r["prefill_tokens_computed"]
+        print(
+            f"| {mode} | {r['ttft_mean_s']:.3f} | {r['ttft_p99_s']:.3f} | {computed} | "
+            f"{computed / r['prompt_tokens']:.1%} |"
+        )
+    ratio = on["prefill_tokens_computed"] / max(off["prefill_tokens_computed"], 1)
+    print(
+        f"\nTTFT mean off/on: {off['ttft_mean_s'] / on['ttft_mean_s']:.2f}x; "
+        f"prefill tokens computed on/off: {ratio:.1%}"
+    )
+
+
+if __name__ == "__main__":
+    main()
