@@ -51,13 +51,16 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.counters: Counter[str] = Counter()
 
-    def _stub(self, address: str) -> nodes_pb2_grpc.DecodeNodeStub:
+    def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self.channels.get(address)
         if channel is None:
             channel = self.channels[address] = grpc.aio.insecure_channel(
                 address, options=CHANNEL_OPTIONS
             )
-        return nodes_pb2_grpc.DecodeNodeStub(channel)
+        return channel
+
+    def _stub(self, address: str) -> nodes_pb2_grpc.DecodeNodeStub:
+        return nodes_pb2_grpc.DecodeNodeStub(self._channel(address))
 
     async def Prefill(self, request, context):
         rid = request.request_id
@@ -261,12 +264,7 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
         return len(hashes)
 
     def _peer_stub(self, address: str) -> nodes_pb2_grpc.PrefillNodeStub:
-        channel = self.channels.get(address)
-        if channel is None:
-            channel = self.channels[address] = grpc.aio.insecure_channel(
-                address, options=CHANNEL_OPTIONS
-            )
-        return nodes_pb2_grpc.PrefillNodeStub(channel)
+        return nodes_pb2_grpc.PrefillNodeStub(self._channel(address))
 
     async def FetchBlocks(self, request, context):
         if request.model_root_hash != self.root or request.block_nbytes != self.block_nbytes:

@@ -41,65 +41,56 @@ def wait_healthy(address: str, timeout: float = 120.0) -> None:
             time.sleep(0.2)
 
 
-def start_node(role: str, model: Path, tmp: Path, *flags: str) -> Proc:
-    """``splitserve prefill|decode`` on a free port; returns once it reports SERVING."""
-    port_file = tmp / f"{role}-{time.monotonic_ns()}.port"
+def start_cli(name: str, args: list[str], tmp: Path) -> Proc:
+    """``python -m splitserve.cli ARGS --port 0 --port-file F``; returns once it is SERVING."""
+    port_file = tmp / f"{name}-{time.monotonic_ns()}.port"
     log = port_file.with_suffix(".log")
     cmd = [
         sys.executable,
         "-m",
         "splitserve.cli",
-        role,
-        "--model",
-        str(model),
+        *args,
         "--port",
         "0",
         "--port-file",
         str(port_file),
-        "--kv-cache-mb",
-        "64",
-        *flags,
     ]
     popen = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while not port_file.exists():
         if popen.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{role} did not start:\n{log.read_text()[-3000:]}")
+            raise RuntimeError(f"{name} did not start:\n{log.read_text()[-3000:]}")
         time.sleep(0.1)
     proc = Proc(popen, f"127.0.0.1:{port_file.read_text().strip()}", log)
     wait_healthy(proc.address)
     return proc
+
+
+def start_node(role: str, model: Path, tmp: Path, *flags: str) -> Proc:
+    """``splitserve prefill|decode`` on a free port, with a 64 MB KV cache."""
+    return start_cli(role, [role, "--model", str(model), "--kv-cache-mb", "64", *flags], tmp)
 
 
 def start_router(model: Path, tmp: Path, prefill: list[str], decode: list[str]) -> Proc:
-    """``splitserve router`` on a free port over the given node addresses."""
-    port_file = tmp / f"router-{time.monotonic_ns()}.port"
-    log = port_file.with_suffix(".log")
-    cmd = [
-        sys.executable,
-        "-m",
-        "splitserve.cli",
+    """``splitserve router`` over the given node addresses."""
+    return start_cli(
         "router",
-        "--model",
-        str(model),
-        "--port",
-        "0",
-        "--port-file",
-        str(port_file),
-        "--prefill",
-        ",".join(prefill),
-        "--decode",
-        ",".join(decode),
-    ]
-    popen = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while not port_file.exists():
-        if popen.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"router did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(0.1)
-    proc = Proc(popen, f"127.0.0.1:{port_file.read_text().strip()}", log)
-    wait_healthy(proc.address)
-    return proc
+        [
+            "router",
+            "--model",
+            str(model),
+            "--prefill",
+            ",".join(prefill),
+            "--decode",
+            ",".join(decode),
+        ],
+        tmp,
+    )
+
+
+def start_router_discovering(model: Path, tmp: Path, redis_url: str) -> Proc:
+    """``splitserve router`` that finds its nodes in the Redis registry (no static lists)."""
+    return start_cli("router", ["router", "--model", str(model), "--redis-url", redis_url], tmp)
 
 
 def start_redis(tmp: Path, port: int | None = None) -> Proc:
@@ -137,32 +128,3 @@ def start_redis(tmp: Path, port: int | None = None) -> Proc:
             time.sleep(0.05)
     client.close()
     return Proc(popen, f"redis://127.0.0.1:{port}", log)
-
-
-def start_router_discovering(model: Path, tmp: Path, redis_url: str) -> Proc:
-    """``splitserve router`` that finds its nodes in the Redis registry (no static lists)."""
-    port_file = tmp / f"router-{time.monotonic_ns()}.port"
-    log = port_file.with_suffix(".log")
-    cmd = [
-        sys.executable,
-        "-m",
-        "splitserve.cli",
-        "router",
-        "--model",
-        str(model),
-        "--port",
-        "0",
-        "--port-file",
-        str(port_file),
-        "--redis-url",
-        redis_url,
-    ]
-    popen = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while not port_file.exists():
-        if popen.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"router did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(0.1)
-    proc = Proc(popen, f"127.0.0.1:{port_file.read_text().strip()}", log)
-    wait_healthy(proc.address)
-    return proc
