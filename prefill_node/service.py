@@ -50,6 +50,7 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
         self.deadline_s = deadline_s
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.counters: Counter[str] = Counter()
+        self._fetching: dict[bytes, asyncio.Future] = {}  # last hash of a run → its fetch
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self.channels.get(address)
@@ -198,6 +199,22 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
         hashes = hash_request_tokens(prompt, self.block_size, self.root, salt)
         # The last prompt token is always computed (its logits), as in get_computed_blocks.
         hashes = hashes[: min(request.peer_blocks, (len(prompt) - 1) // self.block_size)]
+        if not hashes:
+            return 0
+        # NOTE: single flight: concurrent prompts with one prefix wait for the first fetch of it
+        # (then find the blocks cached here) instead of each fetching the same blocks.
+        key = hashes[-1]
+        while (pending := self._fetching.get(key)) is not None:
+            await asyncio.shield(pending)
+        done = asyncio.get_running_loop().create_future()
+        self._fetching[key] = done
+        try:
+            return await self._fetch_missing(request, hashes, context)
+        finally:
+            del self._fetching[key]
+            done.set_result(None)
+
+    async def _fetch_missing(self, request, hashes: list[bytes], context) -> int:
         local = await self.engine.call(self._count_cached, hashes)
         want = hashes[local:]
         if len(want) < MIN_FETCH_BLOCKS:
