@@ -15,9 +15,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 import grpc
-import torch
 
-from kernels.layout import scatter_blocks
+from kernels.layout import write_blocks_bytes
 from kvstore import ModelIdentity, hash_request_tokens
 from kvstore.codec import decode_blocks
 from models.engine import StepOutput
@@ -198,9 +197,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
         order = [*missing, *([-1] if -1 in staged else [])]
         if order:
             ids = [blocks[i].block_id if i >= 0 else blocks[len(hashes)].block_id for i in order]
-            raw = bytearray(b"".join(staged[i] for i in order))
-            data = torch.frombuffer(raw, dtype=pool.dtype).view(len(order), *pool.shape[1:])
-            scatter_blocks(pool, torch.tensor(ids), data.to(pool.device))
+            write_blocks_bytes(pool, ids, b"".join(staged[i] for i in order))
         kv.cache_blocks(rid, hashes, len(hashes) * self.block_size)
 
     # ------------------------------------------------------------------ decode

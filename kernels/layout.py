@@ -132,3 +132,16 @@ def scatter_blocks(kv_pool: torch.Tensor, block_ids: torch.Tensor, buffer: torch
         if torch.unique(block_ids).numel() != block_ids.numel():
             raise ValueError("scatter_blocks: block_ids must be distinct")
     kv_pool.index_copy_(0, block_ids, buffer.to(kv_pool.device, non_blocking=True))
+
+
+def read_blocks_bytes(kv_pool: torch.Tensor, block_ids: list[int]) -> bytes:
+    """The raw bytes of blocks ``block_ids`` over all layers, in order (what a peer ships)."""
+    ids = torch.tensor(block_ids, device=kv_pool.device)
+    return gather_blocks(kv_pool, ids).view(torch.uint8).cpu().numpy().tobytes()
+
+
+def write_blocks_bytes(kv_pool: torch.Tensor, block_ids: list[int], data: bytes) -> None:
+    """Write ``len(block_ids)`` blocks' raw bytes (as ``read_blocks_bytes`` makes them)."""
+    buffer = torch.frombuffer(bytearray(data), dtype=kv_pool.dtype)
+    buffer = buffer.view(len(block_ids), *kv_pool.shape[1:]).to(kv_pool.device)
+    scatter_blocks(kv_pool, torch.tensor(block_ids, device=kv_pool.device), buffer)

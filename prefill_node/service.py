@@ -12,7 +12,7 @@ from collections import Counter
 
 import grpc
 
-from kernels.layout import gather_blocks, scatter_blocks
+from kernels.layout import read_blocks_bytes, write_blocks_bytes
 from kvstore import ModelIdentity, hash_request_tokens
 from kvstore.codec import batch_indices, decode_blocks, encode_blocks
 from models.engine import RequestDoesNotFit, StepOutput
@@ -259,8 +259,6 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
 
     def _adopt_fetched(self, hashes: list[bytes], blocks_data: list[bytes]) -> int:
         """Engine thread: write fetched blocks into this pool and register them as cached."""
-        import torch
-
         kv = self.engine.engine.kv
         tmp = f"fetch-{uuid.uuid4().hex}"
         to_write = kv.adopt_blocks(tmp, hashes)
@@ -270,11 +268,11 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
             new_ids = {id(b) for b in to_write}
             rows = [i for i, b in enumerate(kv.req_to_blocks[tmp]) if id(b) in new_ids]
             if rows:
-                pool = self.engine.engine.runner.kv_pool
-                raw = bytearray(b"".join(blocks_data[i] for i in rows))
-                data = torch.frombuffer(raw, dtype=pool.dtype).view(len(rows), *pool.shape[1:])
-                ids = torch.tensor([kv.req_to_blocks[tmp][i].block_id for i in rows])
-                scatter_blocks(pool, ids, data.to(pool.device))
+                write_blocks_bytes(
+                    self.engine.engine.runner.kv_pool,
+                    [kv.req_to_blocks[tmp][i].block_id for i in rows],
+                    b"".join(blocks_data[i] for i in rows),
+                )
             kv.cache_blocks(tmp, hashes, len(hashes) * self.block_size)
         finally:
             kv.free(tmp)  # the blocks stay cached (LRU) for the request about to be scheduled
@@ -314,11 +312,7 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
 
     def _read_blocks(self, block_ids: list[int]) -> bytes:
         """Engine thread: the blocks' bytes, over all layers, in order."""
-        import torch
-
-        pool = self.engine.engine.runner.kv_pool
-        data = gather_blocks(pool, torch.tensor(block_ids, device=pool.device))
-        return data.view(torch.uint8).cpu().numpy().tobytes()
+        return read_blocks_bytes(self.engine.engine.runner.kv_pool, block_ids)
 
     async def GetStats(self, request, context):
         engine = self.engine.engine

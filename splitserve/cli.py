@@ -42,7 +42,7 @@ def cmd_hash(args: argparse.Namespace) -> int:
 
 def cmd_kv_demo(args: argparse.Namespace) -> int:
     """Drive the real KV cache manager with chat-like traffic and report prefix-cache figures."""
-    from kvstore import BlockPool, KVCacheManager, hash_request_tokens
+    from kvstore import BlockPool, BlockStored, KVCacheManager, hash_request_tokens
 
     rng = random.Random(args.seed)
     identity = _identity(args)
@@ -73,7 +73,7 @@ def cmd_kv_demo(args: argparse.Namespace) -> int:
                 mgr.free(rid)
                 running.remove((rid, final_len))
         for event in pool.take_events():
-            if type(event).__name__ == "BlockStored":
+            if isinstance(event, BlockStored):
                 stored += len(event.block_hashes)
             else:
                 evicted += len(event.block_hashes)

@@ -10,7 +10,7 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvstore import BlockPool, KVCacheManager, ModelIdentity, hash_request_tokens
+from kvstore import BlockPool, BlockStored, KVCacheManager, ModelIdentity, hash_request_tokens
 
 BS = 2
 ROOT = ModelIdentity("m", block_size=BS).root_hash
@@ -122,7 +122,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         if not hasattr(self, "pool") or not self.pool.enable_events:
             return
         for event in self.pool.take_events():
-            if type(event).__name__ == "BlockStored":
+            if isinstance(event, BlockStored):
                 assert not self.cached_hashes & set(event.block_hashes)
                 self.cached_hashes |= set(event.block_hashes)
             else:
