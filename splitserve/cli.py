@@ -190,6 +190,7 @@ def _model_path(args: argparse.Namespace) -> str:
 
 _NODE_FLAGS = (  # argparse dest -> NodeConfig field; unset flags keep NodeConfig's defaults
     "redis_url",
+    "enable_prefix_caching",
     "host",
     "port",
     "port_file",
@@ -378,6 +379,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--load-format", default=None, choices=("auto", "dummy"))
         p.add_argument("--transfer-deadline-s", type=float, default=None)
         p.add_argument("--redis-url", default=None, help="publish the prefix index and register")
+        p.add_argument(
+            "--no-prefix-caching",
+            dest="enable_prefix_caching",
+            action="store_const",
+            const=False,
+            default=None,
+            help="compute and ship every prompt in full (a cold baseline for benchmarks)",
+        )
 
     for role in ("prefill", "decode"):
         p = sub.add_parser(role, help=f"run one {role} node")

@@ -23,6 +23,7 @@ class NodeConfig:
     load_format: str = "auto"  # or "dummy" (random weights, for benchmarks)
     transfer_deadline_s: float = 30.0  # decode: free a transferred request not claimed by then
     redis_url: str | None = None  # prefix index + registry; None: no index (static routing)
+    enable_prefix_caching: bool = True  # False: every prompt is computed and shipped in full
 
     @property
     def address(self) -> str:

@@ -124,7 +124,11 @@ def build_engine(config: NodeConfig, prefill_only: bool) -> tuple[LLMEngine, Mod
     )
     identity = ModelIdentity.for_checkpoint(config.model_path, str(runner.dtype), config.block_size)
     engine = LLMEngine(
-        runner, identity, prefill_only=prefill_only, enable_kv_events=config.redis_url is not None
+        runner,
+        identity,
+        prefill_only=prefill_only,
+        enable_prefix_caching=config.enable_prefix_caching,
+        enable_kv_events=config.redis_url is not None,
     )
     return engine, identity
 
