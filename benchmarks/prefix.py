@@ -28,20 +28,40 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import grpc
+
+from proto import nodes_pb2, nodes_pb2_grpc
 from splitserve.client import AsyncClient
 from splitserve.launcher import ClusterSpec, LocalCluster, free_port
 
 
 async def one(client, prompt, gen):
+    """(time to first token, prefill tokens computed), or None when the request failed."""
     t0 = time.perf_counter()
     first, usage = None, None
-    async for chunk in client.stream(
-        prompt_token_ids=prompt, max_tokens=gen, ignore_eos=True, temperature=0.0
-    ):
-        if first is None and chunk.token_ids:
-            first = time.perf_counter() - t0
-        usage = chunk.usage or usage
+    try:
+        async for chunk in client.stream(
+            prompt_token_ids=prompt, max_tokens=gen, ignore_eos=True, temperature=0.0
+        ):
+            if first is None and chunk.token_ids:
+                first = time.perf_counter() - t0
+            usage = chunk.usage or usage
+    except grpc.RpcError as exc:
+        print(f"request failed: {exc.code().name} {exc.details()}", file=sys.stderr, flush=True)
+        return None
     return first, usage.prompt_tokens - usage.cached_tokens
+
+
+def node_counters(addresses) -> dict[str, float]:
+    """The nodes' transfer and prefix counters, summed (GetStats)."""
+    keys = ("bytes_shipped", "transfer_seconds", "prefix_blocks_fetched", "blocks_shipped")
+    total = dict.fromkeys(keys, 0.0)
+    for address in addresses:
+        with grpc.insecure_channel(address) as channel:
+            stats = nodes_pb2_grpc.PrefillNodeStub(channel).GetStats(nodes_pb2.StatsRequest())
+        for key in keys:
+            total[key] += stats.counters.get(key, 0.0)
+    return total
 
 
 async def workload(target, warm, prompts, gen):
@@ -92,23 +112,34 @@ def main() -> None:
             t0 = time.perf_counter()
             results = asyncio.run(workload(cluster.addresses.router, warm, prompts, args.gen))
             wall = time.perf_counter() - t0
+            counters = node_counters(cluster.addresses.prefill)
+        failed = sum(r is None for r in results)
+        results = [r for r in results if r is not None]
         ttft = sorted(r[0] for r in results)
         rows[mode] = dict(
             ttft_mean_s=statistics.mean(ttft),
             ttft_p99_s=ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
             prefill_tokens_computed=sum(r[1] for r in results),
-            prompt_tokens=args.requests * args.prompt_len,
+            prompt_tokens=len(results) * args.prompt_len,
+            failed=failed,
             wall_s=wall,
+            gb_shipped=counters["bytes_shipped"] / 1e9,
+            transfer_s=counters["transfer_seconds"],
+            blocks_fetched_from_peers=counters["prefix_blocks_fetched"],
         )
         print(json.dumps({"mode": mode, **rows[mode]}), flush=True)
     cold, off, on = rows["cold"], rows["off"], rows["on"]
-    print("\n| mode | TTFT mean s | TTFT p99 s | prefill tokens computed | of prompt tokens |")
-    print("|---|---|---|---|---|")
+    print(
+        "\n| mode | TTFT mean s | TTFT p99 s | prefill tokens computed | of prompt tokens "
+        "| KV shipped GB | blocks fetched from peers | failed |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for mode, r in rows.items():
         computed = r["prefill_tokens_computed"]
         print(
             f"| {mode} | {r['ttft_mean_s']:.3f} | {r['ttft_p99_s']:.3f} | {computed} | "
-            f"{computed / r['prompt_tokens']:.1%} |"
+            f"{computed / max(r['prompt_tokens'], 1):.1%} | {r['gb_shipped']:.2f} | "
+            f"{r['blocks_fetched_from_peers']:.0f} | {r['failed']} |"
         )
     for name, base in (("cold", cold), ("off", off)):
         ratio = on["prefill_tokens_computed"] / max(base["prefill_tokens_computed"], 1)

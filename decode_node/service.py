@@ -258,6 +258,8 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
         engine = self.engine.engine
         return nodes_pb2.NodeStats(
             role="decode",
+            model_root_hash=self.root,
+            model_identity=str(self.identity),
             num_blocks=engine.pool.num_blocks - 1,
             num_free_blocks=engine.pool.num_free_blocks,
             num_cached_blocks=engine.pool.num_cached_blocks,

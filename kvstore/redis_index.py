@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 HEARTBEAT_TTL_S = 5.0  # a node whose heartbeat is older than this is dead to the router
 HEARTBEAT_EVERY_S = 1.0
+IDENTITIES_KEY = "ss:identities"  # node id -> "root_hex time identity", every model identity
 
 
 def _prefix(root_hash: bytes) -> str:
@@ -52,9 +53,12 @@ class PrefixIndex:
     """A node's or the router's handle on the index. All methods raise ``RedisError`` when Redis
     is unreachable; callers decide whether that degrades or fails."""
 
-    def __init__(self, url: str, root_hash: bytes, ttl_s: float = HEARTBEAT_TTL_S) -> None:
+    def __init__(
+        self, url: str, root_hash: bytes, ttl_s: float = HEARTBEAT_TTL_S, identity: str = ""
+    ) -> None:
         self.redis = aioredis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self.root_hash = root_hash
+        self.identity = identity  # readable form of the model identity, for other processes' logs
         self.prefix = _prefix(root_hash)
         self.ttl_s = ttl_s
 
@@ -110,12 +114,18 @@ class PrefixIndex:
             pipe.hset(self._node_key(info.node_id), mapping=mapping)
             pipe.pexpire(self._node_key(info.node_id), int(self.ttl_s * 1000))
             pipe.sadd(self._nodes_key, info.node_id)
+            # Across all model identities: lets a router see nodes it would never match.
+            pipe.hset(IDENTITIES_KEY, info.node_id, self._identity_entry())
             await pipe.execute()
+
+    def _identity_entry(self) -> str:
+        return f"{self.root_hash.hex()} {time.time():.3f} {self.identity}"
 
     async def deregister(self, node_id: str) -> None:
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(self._node_key(node_id), self._blocks_key(node_id))
             pipe.srem(self._nodes_key, node_id)
+            pipe.hdel(IDENTITIES_KEY, node_id)
             await pipe.execute()
 
     # ------------------------------------------------------------------ router side
@@ -154,6 +164,22 @@ class PrefixIndex:
                 await pipe.execute()
             logger.info("prefix index: dropped %d expired nodes: %s", len(dead), dead)
         return live
+
+    async def foreign_nodes(self) -> dict[str, str]:
+        """Live nodes (any role) registered under another model identity than this index's:
+        node id → their identity. Such nodes hash prompts differently, so they are never
+        routed to; the router reports them (a dtype, block size or checkpoint mismatch)."""
+        rows = await self.redis.hgetall(IDENTITIES_KEY)
+        now, stale, out = time.time(), [], {}
+        for node_id, entry in rows.items():
+            root, stamp, identity = (entry.decode().split(" ", 2) + [""])[:3]
+            if now - float(stamp) > self.ttl_s:
+                stale.append(node_id)
+            elif root != self.root_hash.hex():
+                out[node_id.decode()] = identity or root
+        if stale:
+            await self.redis.hdel(IDENTITIES_KEY, *stale)
+        return out
 
     async def longest_prefixes(
         self, node_ids: Sequence[str], block_hashes: Sequence[bytes]

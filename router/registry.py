@@ -17,8 +17,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from redis.exceptions import RedisError
 
+from kvstore import ModelIdentity
 from kvstore.redis_index import NodeInfo, PrefixIndex
-from proto import nodes_pb2_grpc
+from proto import nodes_pb2, nodes_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ class Node:
     last_error: str = ""
     channel: grpc.aio.Channel | None = field(default=None, repr=False)
     discovered: bool = False  # from the Redis registry (dropped when its heartbeat expires)
+    verified: bool = False  # its model identity was checked against the router's
+    rejected: str = ""  # why it is never routed to (a model identity mismatch)
 
     def is_up(self, now: float) -> bool:
         return now >= self.down_until
@@ -74,7 +77,7 @@ class NodePool:
         blocks of the prompt the node holds), the one holding the longest prefix among those
         within ``MAX_IMBALANCE`` of the least loaded. Round robin among ties."""
         now = self._clock()
-        candidates = [n for n in self.nodes if n not in exclude]
+        candidates = [n for n in self.nodes if n not in exclude and not n.rejected]
         up = [n for n in candidates if n.is_up(now)]
         if not up:
             if not candidates:
@@ -122,12 +125,22 @@ class NodePool:
             logger.info("%s node %s is back", self.role, node.address)
         node.down_until = 0.0
 
+    def reject(self, node: Node, reason: str) -> None:
+        """Never route to ``node`` again (its KV would not be this model's)."""
+        logger.error("%s node %s is not used: %s", self.role, node.address, reason)
+        node.rejected = reason
+
     def describe(self) -> str:
         """For error messages: every node with its state."""
         now = self._clock()
-        parts = [
-            n.address if n.is_up(now) else f"{n.address} (down: {n.last_error})" for n in self.nodes
-        ]
+        parts = []
+        for n in self.nodes:
+            if n.rejected:
+                parts.append(f"{n.address} (rejected: {n.rejected})")
+            elif not n.is_up(now):
+                parts.append(f"{n.address} (down: {n.last_error})")
+            else:
+                parts.append(n.address)
         return ", ".join(parts)
 
 
@@ -139,9 +152,12 @@ class NodeRegistry:
         prefill_addresses: Sequence[str],
         decode_addresses: Sequence[str],
         down_s: float = DEFAULT_DOWN_S,
+        expected_identity: ModelIdentity | None = None,
     ) -> None:
         self.prefill = NodePool("prefill", prefill_addresses, down_s=down_s)
         self.decode = NodePool("decode", decode_addresses, down_s=down_s)
+        self.expected_identity = expected_identity
+        self._foreign_reported: set[str] = set()
 
     def _all(self) -> list[tuple[NodePool, Node]]:
         return [(pool, n) for pool in (self.prefill, self.decode) for n in pool.nodes]
@@ -171,14 +187,45 @@ class NodeRegistry:
         return True
 
     async def check_all(self) -> None:
-        """Probe every node once: mark the silent ones down and the answering ones up."""
+        """Probe every node once: mark the silent ones down and the answering ones up; check
+        the model identity of each answering node not yet checked."""
         pairs = self._all()
         results = await asyncio.gather(*(self.probe(n) for _, n in pairs))
+        unverified = []
         for (pool, node), ok in zip(pairs, results, strict=True):
             if ok:
                 pool.mark_up(node)
+                if not node.verified:
+                    unverified.append((pool, node))
             else:
                 pool.mark_down(node, node.last_error)
+        await asyncio.gather(*(self.verify(pool, node) for pool, node in unverified))
+
+    async def verify(self, pool: NodePool, node: Node) -> None:
+        """Compare the node's model root hash with the router's: a node started with another
+        checkpoint, dtype or block size would hash every prompt differently (prefix hits would
+        silently never match) and its KV could not be used by the other nodes."""
+        if self.expected_identity is None:
+            node.verified = True
+            return
+        if pool.role == "prefill":
+            stub = nodes_pb2_grpc.PrefillNodeStub(self.channel(node))
+        else:
+            stub = nodes_pb2_grpc.DecodeNodeStub(self.channel(node))
+        try:
+            stats = await stub.GetStats(nodes_pb2.StatsRequest(), timeout=2.0)
+        except grpc.aio.AioRpcError:
+            return  # checked again on the next round
+        node.verified = True
+        expected = self.expected_identity
+        if stats.role != pool.role:
+            pool.reject(node, f"it is a {stats.role or 'unknown'} node, listed as {pool.role}")
+        elif stats.model_root_hash != expected.root_hash:
+            pool.reject(
+                node,
+                f"it serves {stats.model_identity or 'an unknown model identity'}, the router "
+                f"expects {expected} (same checkpoint, --dtype and --block-size everywhere)",
+            )
 
     async def run_health_checks(self, interval_s: float = 1.0) -> None:
         """Run until cancelled (a background task of the server)."""
@@ -205,6 +252,7 @@ class NodeRegistry:
         while True:
             try:
                 await self.sync(await index.live_nodes())
+                await self._report_foreign(index)
                 if not reachable:
                     logger.info("node registry reachable again")
                 reachable = True
@@ -213,6 +261,19 @@ class NodeRegistry:
                     logger.warning("node registry unreachable (%s): keeping known nodes", exc)
                 reachable = False
             await asyncio.sleep(interval_s)
+
+    async def _report_foreign(self, index: PrefixIndex) -> None:
+        """Log (once per node) nodes registered in Redis under another model identity."""
+        for node_id, identity in (await index.foreign_nodes()).items():
+            if node_id not in self._foreign_reported:
+                self._foreign_reported.add(node_id)
+                logger.error(
+                    "node %s registered for %s, not this router's %s: it is not used "
+                    "(same checkpoint, --dtype and --block-size everywhere)",
+                    node_id,
+                    identity,
+                    index.identity or index.root_hash.hex(),
+                )
 
     async def close(self) -> None:
         for _, node in self._all():

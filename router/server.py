@@ -26,7 +26,10 @@ def build_router(
     config: RouterConfig, model: ModelInfo, index: PrefixIndex | None = None
 ) -> tuple[Server, NodeRegistry]:
     """The router's server (Router + health + reflection), not started yet."""
-    registry = NodeRegistry(config.prefill_addresses, config.decode_addresses)
+    identity = model_identity(config)
+    registry = NodeRegistry(
+        config.prefill_addresses, config.decode_addresses, expected_identity=identity
+    )
     service = RouterService(
         model,
         registry,
@@ -44,10 +47,15 @@ def prefix_index(config: RouterConfig) -> PrefixIndex | None:
     and block size), so the router's prompt hashes are the nodes' hashes by construction."""
     if not config.redis_url:
         return None
-    dtype = config.dtype or checkpoint_dtype(config.model_path)
-    identity = ModelIdentity.for_checkpoint(config.model_path, dtype)
+    identity = model_identity(config)
     logger.info("prefix index %s for %s", config.redis_url, identity)
-    return PrefixIndex(config.redis_url, identity.root_hash)
+    return PrefixIndex(config.redis_url, identity.root_hash, identity=str(identity))
+
+
+def model_identity(config: RouterConfig) -> ModelIdentity:
+    """What the nodes must serve: every node's root hash is checked against this one's."""
+    dtype = config.dtype or checkpoint_dtype(config.model_path)
+    return ModelIdentity.for_checkpoint(config.model_path, dtype)
 
 
 def checkpoint_dtype(model_path: str) -> str:
@@ -69,6 +77,7 @@ async def start_router(config: RouterConfig, model: ModelInfo) -> tuple[Server, 
 async def _serve(config: RouterConfig) -> None:
     index = prefix_index(config)
     server, registry = build_router(config, ModelInfo.load(config.model_path), index)
+    await registry.check_all()  # static nodes: known up and identity-checked before serving
     checker = asyncio.create_task(registry.run_health_checks())
     logger.info(
         "router on %s (prefill: %s; decode: %s)",

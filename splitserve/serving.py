@@ -161,5 +161,6 @@ def index_publisher(
         )
 
     return IndexPublisher(
-        PrefixIndex(config.redis_url, identity.root_hash), address, take_events, snapshot, info
+        PrefixIndex(config.redis_url, identity.root_hash, identity=str(identity)),
+        address, take_events, snapshot, info
     )

@@ -71,7 +71,9 @@ def start_node(role: str, model: Path, tmp: Path, *flags: str) -> Proc:
     return start_cli(role, [role, "--model", str(model), "--kv-cache-mb", "64", *flags], tmp)
 
 
-def start_router(model: Path, tmp: Path, prefill: list[str], decode: list[str]) -> Proc:
+def start_router(
+    model: Path, tmp: Path, prefill: list[str], decode: list[str], *flags: str
+) -> Proc:
     """``splitserve router`` over the given node addresses."""
     return start_cli(
         "router",
@@ -83,6 +85,7 @@ def start_router(model: Path, tmp: Path, prefill: list[str], decode: list[str]) 
             ",".join(prefill),
             "--decode",
             ",".join(decode),
+            *flags,
         ],
         tmp,
     )
