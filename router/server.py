@@ -23,10 +23,13 @@ SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
 
 
 def build_router(
-    config: RouterConfig, model: ModelInfo, index: PrefixIndex | None = None
+    config: RouterConfig,
+    model: ModelInfo,
+    index: PrefixIndex | None = None,
+    identity: ModelIdentity | None = None,
 ) -> tuple[Server, NodeRegistry]:
-    """The router's server (Router + health + reflection), not started yet."""
-    identity = model_identity(config)
+    """The router's server (Router + health + reflection), not started yet. With ``identity``,
+    nodes serving another model identity are never routed to."""
     registry = NodeRegistry(
         config.prefill_addresses, config.decode_addresses, expected_identity=identity
     )
@@ -76,7 +79,8 @@ async def start_router(config: RouterConfig, model: ModelInfo) -> tuple[Server, 
 
 async def _serve(config: RouterConfig) -> None:
     index = prefix_index(config)
-    server, registry = build_router(config, ModelInfo.load(config.model_path), index)
+    model = ModelInfo.load(config.model_path)
+    server, registry = build_router(config, model, index, model_identity(config))
     await registry.check_all()  # static nodes: known up and identity-checked before serving
     checker = asyncio.create_task(registry.run_health_checks())
     logger.info(
