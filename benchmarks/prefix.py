@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpc
 
 from proto import nodes_pb2, nodes_pb2_grpc
-from splitserve.client import AsyncClient
+from splitserve.client import AsyncClient, SplitserveError
 from splitserve.launcher import ClusterSpec, LocalCluster, free_port
 
 
@@ -46,8 +46,8 @@ async def one(client, prompt, gen):
             if first is None and chunk.token_ids:
                 first = time.perf_counter() - t0
             usage = chunk.usage or usage
-    except grpc.RpcError as exc:
-        print(f"request failed: {exc.code().name} {exc.details()}", file=sys.stderr, flush=True)
+    except SplitserveError as exc:
+        print(f"request failed: {exc}", file=sys.stderr, flush=True)
         return None
     return first, usage.prompt_tokens - usage.cached_tokens
 

@@ -9,6 +9,7 @@ for the router's ``Decode`` call, which joins it to the running batch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -39,6 +40,9 @@ class Pending:
     deadline: float
 
 
+RESERVE_WAIT_S = 30.0  # a transfer waits this long for blocks held by other requests to free
+
+
 class TransferError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
@@ -56,6 +60,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
         self.deadline_s = deadline_s
         self.pending: dict[str, Pending] = {}
         self.counters: Counter[str] = Counter()
+        self._freed = asyncio.Condition()  # notified whenever this node frees a request's blocks
 
     # ------------------------------------------------------------------ transfer
 
@@ -72,7 +77,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
             rid = header.request_id
             params, prompt = self._check_header(header)
             hashes = list(header.block_hashes)
-            missing, has_tail = await self.engine.call(self._reserve, rid, hashes, len(prompt))
+            missing, has_tail = await self._reserve_waiting(rid, hashes, len(prompt), context)
             reserved = True
             yield nodes_pb2.TransferReply(missing=missing)
             staged = await self._receive(request_iterator, set(missing), has_tail)
@@ -95,14 +100,54 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
         except TransferError as exc:
             self.counters["transfers_failed"] += 1
             if reserved:
-                await self.engine.call(self.engine.engine.kv.free, rid)
+                await self._free(rid)
             await context.abort(exc.code, str(exc))
         except BaseException:
             # Client gone or cancelled: nothing half-written is ever registered; free the rest.
             self.counters["transfers_failed"] += 1
             if reserved and rid not in self.pending:
-                await self.engine.call(self.engine.engine.kv.free, rid)
+                await self._free(rid)
             raise
+
+    async def _free(self, rid: str) -> None:
+        await self.engine.call(self.engine.engine.kv.free, rid)
+        await self._notify_freed()
+
+    async def _notify_freed(self) -> None:
+        async with self._freed:
+            self._freed.notify_all()
+
+    async def _reserve_waiting(self, rid: str, hashes: list[bytes], prompt_len: int, context):
+        """Reserve the transfer's blocks; while the pool is short only because other requests
+        hold blocks (a burst), wait for them to free — up to RESERVE_WAIT_S and the caller's
+        deadline — rather than fail work the prefill node has already done."""
+        need = len(hashes) + (prompt_len % self.block_size != 0)
+        usable = self.engine.engine.pool.num_blocks - 1
+        if need > usable:
+            raise TransferError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the prompt needs {need} KV blocks, this decode node has {usable} in all",
+            )
+        remaining = context.time_remaining()
+        wait_s = RESERVE_WAIT_S if remaining is None else min(RESERVE_WAIT_S, remaining)
+        deadline = time.monotonic() + wait_s
+        waited = False
+        while True:
+            try:
+                result = await self.engine.call(self._reserve, rid, hashes, prompt_len)
+            except TransferError:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                if not waited:
+                    self.counters["transfers_waited_for_blocks"] += 1
+                    waited = True
+                # Requests finishing on the engine thread free blocks too: look again soon.
+                async with self._freed:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._freed.wait(), min(left, 0.05))
+                continue
+            return result
 
     def _check_header(self, header) -> tuple[SamplingParams, list[int]]:
         bad = grpc.StatusCode.INVALID_ARGUMENT
@@ -145,7 +190,8 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
             kv.free(rid)
             raise TransferError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                "decode node is out of KV blocks; retry on another node",
+                f"decode node is out of KV blocks (waited up to {RESERVE_WAIT_S:.0f} s for "
+                "other requests to free some); retry on another node",
             )
         blocks = kv.req_to_blocks[rid]
         new_ids = {id(b) for b in to_write}
@@ -222,7 +268,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
                     pending.cache_salt,
                 )
             except RuntimeError as exc:
-                await self.engine.call(self.engine.engine.kv.free, rid)
+                await self._free(rid)
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             self.engine.notify()
             while True:
@@ -243,6 +289,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
             if rid in self.engine.engine.requests:  # cancelled or failed mid-stream
                 self.counters["requests_aborted"] += 1
                 await self.engine.call(self.engine.engine.abort, rid)
+            await self._notify_freed()
 
     async def expire_pending(self) -> None:
         """Free transferred requests whose Decode call never came (router died, client gone)."""
@@ -252,7 +299,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
             for rid in [r for r, p in self.pending.items() if p.deadline < now]:
                 del self.pending[rid]
                 self.counters["transfers_expired"] += 1
-                await self.engine.call(self.engine.engine.kv.free, rid)
+                await self._free(rid)
 
     async def GetStats(self, request, context):
         engine = self.engine.engine

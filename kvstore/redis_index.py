@@ -172,7 +172,7 @@ class PrefixIndex:
         rows = await self.redis.hgetall(IDENTITIES_KEY)
         now, stale, out = time.time(), [], {}
         for node_id, entry in rows.items():
-            root, stamp, identity = (entry.decode().split(" ", 2) + [""])[:3]
+            root, stamp, identity = [*entry.decode().split(" ", 2), ""][:3]
             if now - float(stamp) > self.ttl_s:
                 stale.append(node_id)
             elif root != self.root_hash.hex():

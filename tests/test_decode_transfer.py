@@ -152,3 +152,40 @@ def test_decode_of_an_unknown_request_is_not_found(decode):
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Decode(nodes_pb2.DecodeRequest(request_id="nope"), timeout=10))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_burst_waits_for_blocks_instead_of_failing(tmp_path):
+    """A 1 MB pool holds 63 blocks: a second 40-block transfer waits until the first request's
+    blocks are freed by its Decode, then succeeds; a prompt larger than the pool fails at once."""
+    import threading
+
+    from models.tiny import write_random_checkpoint
+
+    model = write_random_checkpoint(tmp_path / "model", with_tokenizer=True)
+    node = start_node("decode", model, tmp_path, "--kv-cache-mb", "1")
+    root = ModelIdentity.for_checkpoint(model, "float32").root_hash
+    nbytes = 2 * 2 * BS * 2 * 32 * 4
+    try:
+        with grpc.insecure_channel(node.address) as channel:
+            stub = nodes_pb2_grpc.DecodeNodeStub(channel)
+            assert _stats(stub).num_blocks == 63
+            assert _transfer(stub, root, nbytes, "first", _prompt(640))[-1].done
+            second: list = []
+            waiter = threading.Thread(
+                target=lambda: second.extend(_transfer(stub, root, nbytes, "second", _prompt(640)))
+            )
+            waiter.start()
+            time.sleep(1.0)
+            assert not second, "the second transfer cannot have its blocks yet"
+            assert _stats(stub).counters["transfers_waited_for_blocks"] == 1
+            list(stub.Decode(nodes_pb2.DecodeRequest(request_id="first"), timeout=30))
+            waiter.join(30)
+            assert second and second[-1].done
+            list(stub.Decode(nodes_pb2.DecodeRequest(request_id="second"), timeout=30))
+            with pytest.raises(grpc.RpcError) as err:
+                _transfer(stub, root, nbytes, "huge", _prompt(1020))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "64 KV blocks" in err.value.details() and "63 in all" in err.value.details()
+            assert _stats(stub).num_free_blocks == 63
+    finally:
+        node.stop()
