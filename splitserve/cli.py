@@ -4,10 +4,70 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import random
 import sys
 
 from splitserve import __version__
+
+ENV_PREFIX = "SPLITSERVE_"
+ENV_COMMANDS = ("router", "prefill", "decode")  # their options also read SPLITSERVE_<OPTION>
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def env_name(action: argparse.Action) -> str:
+    """SPLITSERVE_ and the long option in upper snake case: --redis-url -> SPLITSERVE_REDIS_URL."""
+    flag = next((s for s in action.option_strings if s.startswith("--")), action.option_strings[0])
+    return ENV_PREFIX + flag.lstrip("-").upper().replace("-", "_")
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose options, after ``read_environment()``, take their defaults from
+    SPLITSERVE_<OPTION> variables; an option given on the command line still wins. Empty
+    variables count as unset. Read at parse time, so a bad value fails only the command that
+    would use it."""
+
+    _env_actions: dict[str, tuple[argparse.Action, object]] | None = None
+
+    def read_environment(self) -> None:
+        self._env_actions = {}
+        for action in self._actions:
+            if not action.option_strings or isinstance(
+                action, argparse._HelpAction | argparse._VersionAction
+            ):
+                continue
+            name = env_name(action)
+            self._env_actions[name] = (action, action.default)
+            action.help = f"{action.help} [env {name}]" if action.help else f"[env {name}]"
+
+    @property
+    def env_names(self) -> tuple[str, ...]:
+        return tuple(self._env_actions or ())
+
+    def _env_value(self, name: str, action: argparse.Action, raw: str) -> object:
+        if action.nargs == 0:  # store_true / store_const: a switch
+            if raw.lower() in _TRUE:
+                return action.const
+            if raw.lower() in _FALSE:
+                return self._env_actions[name][1]
+            self.error(f"{name}={raw!r}: give 1/true/yes/on or 0/false/no/off")
+        convert = action.type or str
+        try:
+            value = convert(raw)
+        except (TypeError, ValueError, argparse.ArgumentTypeError):
+            kind = getattr(convert, "__name__", repr(convert))
+            self.error(f"{name}={raw!r}: invalid {kind} value (for {action.option_strings[0]})")
+        if action.choices is not None and value not in action.choices:
+            choices = ", ".join(repr(c) for c in action.choices)
+            self.error(f"{name}={raw!r}: invalid choice (choose from {choices})")
+        return [value] if isinstance(action, argparse._AppendAction) else value
+
+    def parse_known_args(self, args=None, namespace=None):
+        for name, (action, default) in (self._env_actions or {}).items():
+            raw = os.environ.get(name, "").strip()
+            action.default = self._env_value(name, action, raw) if raw else default
+        return super().parse_known_args(args, namespace)
 
 
 def _identity(args: argparse.Namespace):
@@ -203,14 +263,21 @@ _NODE_FLAGS = (  # argparse dest -> NodeConfig field; unset flags keep NodeConfi
     "block_size",
     "load_format",
     "transfer_deadline_s",
+    "advertise_host",
 )
 
 
 def cmd_node(args: argparse.Namespace) -> int:
     """Run one prefill or decode node until SIGTERM/Ctrl-C."""
     from splitserve.config import NodeConfig
+    from splitserve.gpus import GpuClaimError, claim_for_node
 
     given = {k: getattr(args, k) for k in _NODE_FLAGS if getattr(args, k) is not None}
+    try:  # before anything starts CUDA: the claimed GPU must be the only one it sees
+        claim_for_node(args.device or "cpu", args.gpu_lock_dir)
+    except GpuClaimError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     config = NodeConfig(model_path=_model_path(args), **given)
     if args.command == "prefill":
         from prefill_node.server import serve
@@ -262,6 +329,21 @@ def cmd_router(args: argparse.Namespace) -> int:
 
     serve(config)
     return 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    """Ask a component's grpc.health.v1 service: exit 0 if SERVING, else 1 (health checks)."""
+    from splitserve.health import check, check_address, default_address
+
+    address = args.address or default_address()
+    try:
+        check_address(address)
+    except ValueError as exc:
+        print(f"error: --address: {exc}", file=sys.stderr)
+        return 1  # a health check knows only healthy (0) and unhealthy (1)
+    result = check(address, args.service, args.timeout)
+    print(result.message, file=sys.stdout if result.serving else sys.stderr)
+    return 0 if result.serving else 1
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -323,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__)
     parser.add_argument("--version", action="version", version=f"splitserve {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     def model_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--model", default="splitserve/tiny-llama", help="model name or path")
@@ -367,6 +449,12 @@ def build_parser() -> argparse.ArgumentParser:
     def node_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--model", default=None, help="checkpoint folder (default: tiny model)")
         p.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
+        p.add_argument(
+            "--advertise-host",
+            default=None,
+            help="the host other processes reach this node at, registered in Redis (default: "
+            "--host, or this machine's name when --host is 0.0.0.0 or ::)",
+        )
         p.add_argument("--port", type=int, default=None, help="0 (default): a free port")
         p.add_argument("--port-file", default=None, help="write the bound port here")
         p.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
@@ -380,6 +468,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--transfer-deadline-s", type=float, default=None)
         p.add_argument("--redis-url", default=None, help="publish the prefix index and register")
         p.add_argument(
+            "--gpu-lock-dir",
+            default=None,
+            help="with --device cuda: claim a GPU no other node holds a lock on in this "
+            "directory (shared by the nodes of a host) and use only it",
+        )
+        p.add_argument(
             "--no-prefix-caching",
             dest="enable_prefix_caching",
             action="store_const",
@@ -388,12 +482,16 @@ def build_parser() -> argparse.ArgumentParser:
             help="compute and ship every prompt in full (a cold baseline for benchmarks)",
         )
 
+    env_epilog = (
+        "Every option can also be set as SPLITSERVE_<OPTION> (e.g. --redis-url as "
+        "SPLITSERVE_REDIS_URL; switches take 1/true/yes/on); the command line wins."
+    )
     for role in ("prefill", "decode"):
-        p = sub.add_parser(role, help=f"run one {role} node")
+        p = sub.add_parser(role, help=f"run one {role} node", epilog=env_epilog)
         node_args(p)
         p.set_defaults(func=cmd_node)
 
-    p = sub.add_parser("router", help=cmd_router.__doc__)
+    p = sub.add_parser("router", help=cmd_router.__doc__, epilog=env_epilog)
     p.add_argument("--model", default=None, help="checkpoint folder (tokenizer; default: tiny)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -409,6 +507,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="node registry + prefix index: discovery and cache-aware routing",
     )
     p.set_defaults(func=cmd_router)
+
+    p = sub.add_parser("health", help=cmd_health.__doc__)
+    p.add_argument(
+        "--address",
+        default=None,
+        help="host:port (default: 127.0.0.1:$SPLITSERVE_PORT, i.e. this container's component)",
+    )
+    p.add_argument("--service", default="", help="a service name (default: the whole server)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds")
+    p.set_defaults(func=cmd_health)
 
     p = sub.add_parser("up", help=cmd_up.__doc__)
     p.add_argument("--model", default=None, help="checkpoint folder (default: tiny model)")
@@ -431,7 +539,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-format", default=None, choices=("auto", "dummy"))
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds")
     p.set_defaults(func=cmd_up)
+
+    for command in ENV_COMMANDS:
+        sub.choices[command].read_environment()
     return parser
+
+
+def env_names(command: str) -> tuple[str, ...]:
+    """The SPLITSERVE_* variables that ``splitserve <command>`` reads (router, prefill, decode)."""
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[command].env_names
 
 
 def main(argv: list[str] | None = None) -> int:

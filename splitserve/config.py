@@ -2,7 +2,22 @@
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
+
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
+
+
+def default_advertise_host(listen_host: str) -> str:
+    """The host to advertise for a listen address: itself, or for a wildcard (0.0.0.0, ::) this
+    machine's name (its FQDN, else its host name; in a container: the container's host name,
+    which the other containers of its network resolve)."""
+    if listen_host not in WILDCARD_HOSTS:
+        return listen_host
+    name = socket.getfqdn()
+    if not name or name.startswith("localhost") or name in WILDCARD_HOSTS:
+        name = socket.gethostname()
+    return name
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,10 +39,18 @@ class NodeConfig:
     transfer_deadline_s: float = 30.0  # decode: free a transferred request not claimed by then
     redis_url: str | None = None  # prefix index + registry; None: no index (static routing)
     enable_prefix_caching: bool = True  # False: every prompt is computed and shipped in full
+    # The host other processes reach this node at (what it registers in Redis); None: the listen
+    # host, or this machine's name when that is a wildcard (default_advertise_host).
+    advertise_host: str | None = None
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    def advertised_host(self) -> str:
+        """``advertise_host`` if given, else ``default_advertise_host(host)`` (may look up this
+        machine's name: call once at start)."""
+        return self.advertise_host or default_advertise_host(self.host)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,61 @@
+# One image for every splitserve component; the command picks it:
+#   docker build -t splitserve .
+#   docker run --rm splitserve router --redis-url redis://HOST:6379 ...
+#   docker run --rm --gpus all splitserve prefill --device cuda --redis-url redis://HOST:6379 ...
+# Options also come from SPLITSERVE_<OPTION> variables (docs/deploy.md); compose.yaml runs a
+# whole cluster from it.
+#
+# Base: the official PyTorch image with torch 2.11.0 on CUDA 12.8 / cuDNN 9 (the runtime flavour),
+# the torch the project's GPU machines run (pyproject.toml: torch>=2.11,<2.14, triton==3.6.0).
+# Another base works if it has Python >= 3.11 and a CUDA build of torch in that range:
+#   docker build --build-arg BASE_IMAGE=pytorch/pytorch:2.11.0-cuda13.0-cudnn9-runtime .
+ARG BASE_IMAGE=pytorch/pytorch:2.11.0-cuda12.8-cudnn9-runtime
+FROM ${BASE_IMAGE}
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_ROOT_USER_ACTION=ignore
+
+# Triton builds a small C launcher per kernel signature at run time: it needs a C compiler, which
+# older runtime images lack.
+RUN if ! command -v gcc >/dev/null 2>&1; then \
+        apt-get update \
+        && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi
+
+# The project without its test tools. torch is already there and in range, so pip keeps it.
+COPY . /tmp/splitserve-src
+RUN python -m pip install /tmp/splitserve-src \
+    && rm -rf /tmp/splitserve-src \
+    && python -c "import torch, triton, splitserve; print('torch', torch.__version__, 'triton', triton.__version__)"
+
+# An unprivileged user; /var/lib/splitserve/gpus is where the nodes of a host lock the GPU each
+# of them claims (compose mounts one volume there for all node containers).
+RUN groupadd --system --gid 10001 splitserve \
+    && useradd --system --uid 10001 --gid splitserve --create-home --home-dir /home/splitserve \
+        --shell /usr/sbin/nologin splitserve \
+    && mkdir -p /var/lib/splitserve/gpus /models \
+    && chown splitserve:splitserve /var/lib/splitserve/gpus
+USER splitserve
+WORKDIR /home/splitserve
+
+# Listen on every interface, on one port whatever the component (each container has its own
+# network namespace). Nodes register in Redis under their container's host name unless
+# SPLITSERVE_ADVERTISE_HOST says otherwise.
+ENV HOME=/home/splitserve \
+    SPLITSERVE_HOST=0.0.0.0 \
+    SPLITSERVE_PORT=8000
+EXPOSE 8000
+
+# grpc.health.v1 Check of this container's component (127.0.0.1:$SPLITSERVE_PORT): 0 = SERVING.
+# Loading a large model takes minutes, hence the long start period.
+HEALTHCHECK --interval=10s --timeout=10s --start-period=600s --retries=3 \
+    CMD ["splitserve", "health"]
+
+# Every component stops gracefully on SIGTERM (NOT_SERVING first, then drains).
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["splitserve"]
+CMD ["--help"]

@@ -1,0 +1,138 @@
+"""One GPU per node when several node processes see the same GPUs (``--gpu-lock-dir``).
+
+Docker gives every container that reserves *a number* of GPUs the same first ones (``count: 1``
+is GPU 0 for every replica of a scaled service), so scaled node containers reserve all of the
+host's GPUs and each node claims one here: it takes an exclusive ``flock`` on a file named after
+the GPU in a directory that every node of the host shares, trying the GPUs in order, and holds it
+for as long as the process lives (the kernel drops the lock when the process ends, however it
+ends). Then it sets ``CUDA_VISIBLE_DEVICES`` to that GPU alone, before CUDA starts, so the node
+runs on ``cuda:0`` and never touches another node's GPU.
+
+The GPUs tried, in order: the entries of ``CUDA_VISIBLE_DEVICES`` when it is set; else the UUIDs
+of the NVIDIA GPUs whose device node this process can see (from the driver's
+``/proc/driver/nvidia/gpus``, in PCI bus order); else the UUIDs ``nvidia-smi`` lists.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import re
+import socket
+import subprocess
+from collections.abc import MutableMapping
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+PROC_GPUS = Path("/proc/driver/nvidia/gpus")
+DEV = Path("/dev")
+
+_held: list[int] = []  # descriptors of the locks this process holds (open until it exits)
+
+
+class GpuClaimError(RuntimeError):
+    """No GPU could be claimed (none visible, all held by other nodes, lock dir unusable)."""
+
+
+def _proc_gpus(proc_dir: Path, dev_dir: Path) -> list[str]:
+    """UUIDs of the GPUs the driver lists whose /dev/nvidiaN node exists here (bus order)."""
+    gpus = []
+    try:
+        entries = sorted(p for p in proc_dir.iterdir() if p.is_dir())
+    except OSError:
+        return []
+    for entry in entries:
+        fields = {}
+        try:
+            for line in (entry / "information").read_text().splitlines():
+                key, sep, value = line.partition(":")
+                if sep:
+                    fields[key.strip()] = value.strip()
+        except OSError:
+            continue
+        uuid, minor = fields.get("GPU UUID", ""), fields.get("Device Minor", "")
+        if uuid and minor.isdigit() and (dev_dir / f"nvidia{minor}").exists():
+            gpus.append(uuid)
+    return gpus
+
+
+def _nvidia_smi_gpus() -> list[str]:
+    try:
+        proc = subprocess.run(
+            ["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if proc.returncode != 0:
+        return []
+    return [line.strip() for line in proc.stdout.splitlines() if line.strip()]
+
+
+def visible_gpus(
+    environ: MutableMapping[str, str] | None = None,
+    proc_dir: Path = PROC_GPUS,
+    dev_dir: Path = DEV,
+) -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries, in the order tried."""
+    env = os.environ if environ is None else environ
+    if given := env.get("CUDA_VISIBLE_DEVICES", "").strip():
+        return [g.strip() for g in given.split(",") if g.strip()]
+    return _proc_gpus(proc_dir, dev_dir) or _nvidia_smi_gpus()
+
+
+def _lock_name(gpu: str) -> str:
+    return "gpu-" + re.sub(r"[^A-Za-z0-9._-]", "_", gpu) + ".lock"
+
+
+def claim_gpu(lock_dir: str | Path, gpus: list[str]) -> tuple[str, int]:
+    """Lock the first of ``gpus`` that no other process holds; return it and the lock's
+    descriptor (the lock lasts until that descriptor is closed or the process ends)."""
+    lock_dir = Path(lock_dir)
+    if not gpus:
+        raise GpuClaimError(
+            "no NVIDIA GPU is visible to this process (give the container GPUs, or run the "
+            "node with --device cpu)"
+        )
+    try:
+        lock_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise GpuClaimError(f"cannot create the GPU lock directory {lock_dir}: {exc}") from exc
+    for gpu in gpus:
+        path = lock_dir / _lock_name(gpu)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as exc:
+            raise GpuClaimError(f"cannot open the GPU lock {path}: {exc}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+        return gpu, fd
+    raise GpuClaimError(
+        f"all {len(gpus)} GPUs visible here are held by other nodes (locks in {lock_dir}): "
+        "run fewer node replicas than GPUs on this host"
+    )
+
+
+def claim_for_node(
+    device: str, lock_dir: str | None, environ: MutableMapping[str, str] | None = None
+) -> str | None:
+    """With a lock directory and ``device == "cuda"``: claim a GPU of its own for this process
+    and make it the only one CUDA sees (the node's "cuda" is then that GPU); return it. Else
+    claim nothing and return None (an explicit ``cuda:N`` or ``cpu`` is used as given)."""
+    if not lock_dir or device != "cuda":
+        return None
+    env = os.environ if environ is None else environ
+    gpu, fd = claim_gpu(lock_dir, visible_gpus(env))
+    _held.append(fd)
+    env["CUDA_VISIBLE_DEVICES"] = gpu
+    logger.info("claimed GPU %s (lock in %s): CUDA_VISIBLE_DEVICES=%s", gpu, lock_dir, gpu)
+    return gpu

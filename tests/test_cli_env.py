@@ -1,0 +1,189 @@
+"""SPLITSERVE_<OPTION> environment variables for `splitserve router|prefill|decode`."""
+
+import dataclasses
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from splitserve import cli
+from splitserve.config import NodeConfig
+
+EXE = shutil.which("splitserve", path=str(Path(sys.executable).parent))
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    """No SPLITSERVE_* variable of the machine running the tests leaks into them."""
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("SPLITSERVE_"):
+            monkeypatch.delenv(name)
+
+
+def parse(*argv):
+    return cli.build_parser().parse_args(list(argv))
+
+
+def test_node_options_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_REDIS_URL", "redis://redis:6379")
+    monkeypatch.setenv("SPLITSERVE_MODEL", "/models")
+    monkeypatch.setenv("SPLITSERVE_DEVICE", "cuda")
+    monkeypatch.setenv("SPLITSERVE_PORT", "9000")
+    monkeypatch.setenv("SPLITSERVE_GPU_MEMORY_UTILIZATION", "0.5")
+    monkeypatch.setenv("SPLITSERVE_LOAD_FORMAT", "dummy")
+    monkeypatch.setenv("SPLITSERVE_ADVERTISE_HOST", "node-7.example")
+    for role in ("prefill", "decode"):
+        args = parse(role)
+        assert args.redis_url == "redis://redis:6379"
+        assert args.model == "/models"
+        assert args.device == "cuda"
+        assert args.port == 9000 and isinstance(args.port, int)
+        assert args.gpu_memory_utilization == 0.5
+        assert args.load_format == "dummy"
+        assert args.advertise_host == "node-7.example"
+        assert args.kv_cache_mb is None  # unset: NodeConfig's default applies
+
+
+def test_the_command_line_wins_over_the_environment(monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_PORT", "9000")
+    monkeypatch.setenv("SPLITSERVE_DEVICE", "cuda")
+    args = parse("prefill", "--port", "7000", "--device", "cpu")
+    assert (args.port, args.device) == (7000, "cpu")
+    args = parse("router", "--port", "7001", "--redis-url", "redis://r")
+    assert args.port == 7001
+
+
+def test_router_options_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_REQUEST_TIMEOUT_S", "30")
+    monkeypatch.setenv("SPLITSERVE_MAX_ATTEMPTS", "5")
+    monkeypatch.setenv("SPLITSERVE_PREFILL", "p1:1,p2:2")
+    monkeypatch.setenv("SPLITSERVE_HOST", "0.0.0.0")
+    args = parse("router")
+    assert args.request_timeout_s == 30.0 and args.max_attempts == 5
+    assert args.prefill == "p1:1,p2:2" and args.host == "0.0.0.0"
+    assert args.decode == ""  # unset: the parser's own default
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"), [("1", False), ("true", False), ("YES", False), ("on", False)]
+)
+def test_a_switch_is_on_for_true_words(monkeypatch, raw, expected):
+    monkeypatch.setenv("SPLITSERVE_NO_PREFIX_CACHING", raw)
+    assert parse("decode").enable_prefix_caching is expected
+
+
+@pytest.mark.parametrize("raw", ["0", "false", "no", "off", ""])
+def test_a_switch_is_off_for_false_words_and_empty(monkeypatch, raw):
+    monkeypatch.setenv("SPLITSERVE_NO_PREFIX_CACHING", raw)
+    assert parse("decode").enable_prefix_caching is None  # the flag's default
+
+
+def test_empty_variables_count_as_unset(monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_PORT", "")
+    monkeypatch.setenv("SPLITSERVE_DTYPE", "")
+    monkeypatch.setenv("SPLITSERVE_MAX_ATTEMPTS", "  ")
+    assert parse("prefill").port is None and parse("prefill").dtype is None
+    assert parse("router").port == 8000 and parse("router").max_attempts == 3
+
+
+def test_the_environment_is_read_at_each_parse(monkeypatch):
+    parser = cli.build_parser()
+    monkeypatch.setenv("SPLITSERVE_PORT", "9000")
+    assert parser.parse_args(["prefill"]).port == 9000
+    monkeypatch.delenv("SPLITSERVE_PORT")
+    assert parser.parse_args(["prefill"]).port is None
+
+
+@pytest.mark.parametrize(
+    ("command", "name", "raw", "message"),
+    [
+        ("prefill", "SPLITSERVE_PORT", "eighty", "SPLITSERVE_PORT='eighty': invalid int value"),
+        ("router", "SPLITSERVE_MAX_ATTEMPTS", "3.5", "SPLITSERVE_MAX_ATTEMPTS='3.5': invalid int"),
+        (
+            "decode",
+            "SPLITSERVE_GPU_MEMORY_UTILIZATION",
+            "most",
+            "SPLITSERVE_GPU_MEMORY_UTILIZATION='most': invalid float value",
+        ),
+        (
+            "decode",
+            "SPLITSERVE_LOAD_FORMAT",
+            "fast",
+            "invalid choice (choose from 'auto', 'dummy')",
+        ),
+        ("prefill", "SPLITSERVE_NO_PREFIX_CACHING", "maybe", "give 1/true/yes/on or 0/false"),
+    ],
+)
+def test_bad_values_are_argparse_errors_naming_the_variable(
+    monkeypatch, capsys, command, name, raw, message
+):
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(SystemExit) as exc:
+        parse(command)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"splitserve {command}: error:" in err and message in err
+
+
+def test_a_bad_value_fails_only_the_commands_that_read_it(monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_PORT", "eighty")
+    monkeypatch.setenv("SPLITSERVE_KV_CACHE_MB", "lots")  # a node option: the router ignores it
+    assert parse("hash", "1,2,3").tokens == "1,2,3"
+    monkeypatch.delenv("SPLITSERVE_PORT")
+    assert parse("router").port == 8000
+
+
+def test_every_option_of_the_deployed_commands_has_a_variable():
+    parser = cli.build_parser()
+    sub = parser._subparsers._group_actions[0]
+    for command in cli.ENV_COMMANDS:
+        p = sub.choices[command]
+        flags = [a for a in p._actions if a.option_strings and a.dest != "help"]
+        names = cli.env_names(command)
+        assert len(names) == len(flags) == len(set(names))
+        for action in flags:
+            assert cli.env_name(action) in names
+            assert cli.env_name(action) in action.help  # --help shows it
+    assert "SPLITSERVE_ADVERTISE_HOST" in cli.env_names("prefill")
+    assert "SPLITSERVE_NO_PREFIX_CACHING" in cli.env_names("decode")
+    assert "SPLITSERVE_REDIS_URL" in cli.env_names("router")
+    assert "SPLITSERVE_ADVERTISE_HOST" not in cli.env_names("router")
+
+
+def test_node_flags_are_node_config_fields():
+    fields = {f.name for f in dataclasses.fields(NodeConfig)}
+    assert set(cli._NODE_FLAGS) <= fields
+    assert "advertise_host" in cli._NODE_FLAGS
+
+
+def test_advertised_host(monkeypatch):
+    import socket
+
+    monkeypatch.setattr(socket, "getfqdn", lambda: "node-3.cluster.internal")
+    assert NodeConfig("m").advertised_host() == "127.0.0.1"
+    assert NodeConfig("m", host="10.0.0.5").advertised_host() == "10.0.0.5"
+    assert NodeConfig("m", host="0.0.0.0").advertised_host() == "node-3.cluster.internal"
+    assert NodeConfig("m", host="::").advertised_host() == "node-3.cluster.internal"
+    given = NodeConfig("m", host="0.0.0.0", advertise_host="gpu-host-1")
+    assert given.advertised_host() == "gpu-host-1"
+    monkeypatch.setattr(socket, "getfqdn", lambda: "localhost")
+    monkeypatch.setattr(socket, "gethostname", lambda: "a1b2c3d4e5f6")
+    assert NodeConfig("m", host="0.0.0.0").advertised_host() == "a1b2c3d4e5f6"
+
+
+def test_console_script_reports_a_bad_variable_without_a_traceback(tmp_path):
+    env = {"PATH": str(Path(sys.executable).parent), "HOME": str(tmp_path)}
+    proc = subprocess.run(
+        [EXE, "router", "--redis-url", "redis://127.0.0.1:1"],
+        env={**env, "SPLITSERVE_PORT": "http"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "SPLITSERVE_PORT='http': invalid int value" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,139 @@
+"""--gpu-lock-dir: every node of a host claims a GPU of its own (splitserve/gpus.py)."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from splitserve import gpus
+from splitserve.gpus import GpuClaimError, claim_for_node, claim_gpu, visible_gpus
+
+EXE = shutil.which("splitserve", path=str(Path(sys.executable).parent))
+UUIDS = [f"GPU-0000000{i}-aaaa-bbbb-cccc-dddddddddddd" for i in range(4)]
+
+
+def _fake_driver(tmp_path: Path, minors_present: set[int]) -> tuple[Path, Path]:
+    """/proc/driver/nvidia/gpus with 4 GPUs (bus order != minor order) and /dev nodes for some."""
+    proc, dev = tmp_path / "proc", tmp_path / "dev"
+    dev.mkdir(parents=True)
+    for i, (bus, minor) in enumerate(
+        [("0000:18:00.0", 1), ("0000:2a:00.0", 0), ("0000:3a:00.0", 2), ("0000:5d:00.0", 3)]
+    ):
+        entry = proc / bus
+        entry.mkdir(parents=True)
+        (entry / "information").write_text(
+            f"Model: \t\t NVIDIA H200\nIRQ:   \t\t 1{i}\nGPU UUID: \t {UUIDS[i]}\n"
+            f"Bus Location: \t {bus}\nDevice Minor: \t {minor}\nGPU Excluded:\t No\n"
+        )
+        if minor in minors_present:
+            (dev / f"nvidia{minor}").touch()
+    return proc, dev
+
+
+@pytest.fixture
+def release_held():
+    yield
+    while gpus._held:
+        os.close(gpus._held.pop())
+
+
+def test_visible_gpus_from_the_driver_in_bus_order(tmp_path):
+    proc, dev = _fake_driver(tmp_path, {0, 1, 2, 3})
+    assert visible_gpus({}, proc, dev) == UUIDS
+    # a container given GPUs with minors 0 and 3 has only those device nodes
+    proc, dev = _fake_driver(tmp_path / "c", {0, 3})
+    assert visible_gpus({}, proc, dev) == [UUIDS[1], UUIDS[3]]
+
+
+def test_cuda_visible_devices_wins(tmp_path):
+    proc, dev = _fake_driver(tmp_path, {0, 1, 2, 3})
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "2, 5"}, proc, dev) == ["2", "5"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}, proc, dev) == UUIDS
+
+
+def test_each_claim_gets_a_different_gpu_until_none_is_left(tmp_path):
+    locks = tmp_path / "locks"
+    first, fd1 = claim_gpu(locks, UUIDS[:3])
+    second, fd2 = claim_gpu(locks, UUIDS[:3])
+    third, fd3 = claim_gpu(locks, UUIDS[:3])
+    assert [first, second, third] == UUIDS[:3]
+    with pytest.raises(GpuClaimError, match="all 3 GPUs visible here are held by other nodes"):
+        claim_gpu(locks, UUIDS[:3])
+    os.close(fd2)  # that node ended: its GPU is free again
+    again, fd4 = claim_gpu(locks, UUIDS[:3])
+    assert again == UUIDS[1]
+    assert (locks / f"gpu-{UUIDS[1]}.lock").read_text().startswith(f"pid {os.getpid()} on ")
+    for fd in (fd1, fd3, fd4):
+        os.close(fd)
+
+
+def test_a_lock_held_by_another_process_is_skipped_and_released_when_it_ends(tmp_path):
+    locks = tmp_path / "locks"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from splitserve.gpus import claim_gpu; "
+            f"print(claim_gpu({str(locks)!r}, ['a', 'b'])[0], flush=True); sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "a"
+        gpu, fd = claim_gpu(locks, ["a", "b"])
+        assert gpu == "b"
+        os.close(fd)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    gpu, fd = claim_gpu(locks, ["a", "b"])
+    assert gpu == "a"
+    os.close(fd)
+
+
+def test_no_gpu_and_an_unusable_lock_dir_are_clear_errors(tmp_path):
+    with pytest.raises(GpuClaimError, match="no NVIDIA GPU is visible"):
+        claim_gpu(tmp_path, [])
+    (tmp_path / "file").touch()
+    with pytest.raises(GpuClaimError, match="cannot create the GPU lock directory"):
+        claim_gpu(tmp_path / "file" / "locks", ["a"])
+
+
+def test_claim_for_node(tmp_path, release_held):
+    env = {"CUDA_VISIBLE_DEVICES": "3,4"}
+    assert claim_for_node("cpu", str(tmp_path), env) is None
+    assert claim_for_node("cuda:1", str(tmp_path), env) is None
+    assert claim_for_node("cuda", None, env) is None
+    assert env == {"CUDA_VISIBLE_DEVICES": "3,4"}
+    assert claim_for_node("cuda", str(tmp_path), env) == "3"
+    assert env == {"CUDA_VISIBLE_DEVICES": "3"}  # the node's cuda:0 is that GPU
+    env = {"CUDA_VISIBLE_DEVICES": "3,4"}
+    assert claim_for_node("cuda", str(tmp_path), env) == "4"
+
+
+def test_a_node_with_no_gpu_left_exits_with_the_reason(tmp_path):
+    locks = tmp_path / "locks"
+    _, fd = claim_gpu(locks, ["7"])
+    try:
+        proc = subprocess.run(
+            [EXE, "prefill", "--device", "cuda"],
+            env={
+                "PATH": str(Path(sys.executable).parent),
+                "HOME": str(tmp_path),
+                "CUDA_VISIBLE_DEVICES": "7",
+                "SPLITSERVE_GPU_LOCK_DIR": str(locks),
+            },
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(fd)
+    assert proc.returncode == 1
+    assert "all 1 GPUs visible here are held by other nodes" in proc.stderr
+    assert "Traceback" not in proc.stderr
