@@ -66,7 +66,7 @@ def node_counters(addresses) -> dict[str, float]:
 
 async def workload(target, warm, prompts, gen):
     async with AsyncClient(target) as client:
-        await one(client, warm, 1)
+        await one(client, warm, 2)  # served in full: the prefix reaches a decode node too
         await asyncio.sleep(0.5)  # the index learns of the warm blocks within ~50 ms
         return await asyncio.gather(*(one(client, p, gen) for p in prompts))
 

@@ -61,12 +61,18 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
         self.pending: dict[str, Pending] = {}
         self.counters: Counter[str] = Counter()
         self._freed = asyncio.Condition()  # notified whenever this node frees a request's blocks
+        # Block hashes whose data an in-flight transfer is receiving → done when it ends. A
+        # transfer of the same prefix waits for it and then reuses the blocks, rather than
+        # having the same bytes shipped again (a burst of prompts with a new shared prefix).
+        self._receiving: dict[bytes, asyncio.Future] = {}
 
     # ------------------------------------------------------------------ transfer
 
     async def TransferKV(self, request_iterator, context):
         rid = None
         reserved = False
+        receiving = asyncio.get_running_loop().create_future()
+        claimed: list[bytes] = []
         try:
             first = await anext(request_iterator, None)
             if first is None or first.WhichOneof("kind") != "header":
@@ -77,8 +83,13 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
             rid = header.request_id
             params, prompt = self._check_header(header)
             hashes = list(header.block_hashes)
+            await self._wait_for_receiving(hashes, context)
             missing, has_tail = await self._reserve_waiting(rid, hashes, len(prompt), context)
             reserved = True
+            for i in missing:
+                if hashes[i] not in self._receiving:
+                    self._receiving[hashes[i]] = receiving
+                    claimed.append(hashes[i])
             yield nodes_pb2.TransferReply(missing=missing)
             staged = await self._receive(request_iterator, set(missing), has_tail)
             await self.engine.call(
@@ -108,6 +119,29 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
             if reserved and rid not in self.pending:
                 await self._free(rid)
             raise
+        finally:
+            for block_hash in claimed:
+                del self._receiving[block_hash]
+            receiving.set_result(None)
+
+    async def _wait_for_receiving(self, hashes: list[bytes], context) -> None:
+        """Wait until no other transfer is receiving any of ``hashes`` (bounded by the
+        caller's deadline); they are then cached here (or, if that transfer failed, missing
+        and shipped by this one)."""
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        waited = False
+        while pending := {self._receiving[h] for h in hashes if h in self._receiving}:
+            if not waited:
+                self.counters["transfers_waited_for_same_blocks"] += 1
+                waited = True
+            timeout = None if deadline is None else max(deadline - time.monotonic(), 0)
+            await asyncio.wait(pending, timeout=timeout)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TransferError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    "deadline passed waiting for another transfer of the same blocks",
+                )
 
     async def _free(self, rid: str) -> None:
         await self.engine.call(self.engine.engine.kv.free, rid)

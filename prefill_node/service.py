@@ -170,6 +170,7 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
                     grpc.StatusCode.INTERNAL, None, None, "decode node did not confirm the transfer"
                 )
         except grpc.aio.AioRpcError as exc:
+            outbox.put_nowait(None)  # end the request stream before cancelling the call
             call.cancel()
             self.counters["transfers_failed"] += 1
             code = exc.code()
@@ -179,6 +180,7 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
                 msg = f"decode node {request.decode_address}: {exc.details()}"
             await context.abort(code, msg)
         except BaseException:
+            outbox.put_nowait(None)
             call.cancel()
             raise
         shipped_blocks = len(missing)

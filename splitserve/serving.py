@@ -162,5 +162,8 @@ def index_publisher(
 
     return IndexPublisher(
         PrefixIndex(config.redis_url, identity.root_hash, identity=str(identity)),
-        address, take_events, snapshot, info
+        address,
+        take_events,
+        snapshot,
+        info,
     )

@@ -43,7 +43,20 @@ def _stats(stub):
     return stub.GetStats(nodes_pb2.StatsRequest(), timeout=10)
 
 
-def _transfer(stub, root, nbytes, rid, prompt, corrupt=None, stop_after_header=False, max_tokens=4):
+def _transfer(
+    stub,
+    root,
+    nbytes,
+    rid,
+    prompt,
+    corrupt=None,
+    stop_after_header=False,
+    max_tokens=4,
+    replies=None,
+    gate=None,
+):
+    """Run one TransferKV as a prefill node would; ``gate`` (an Event) holds the blocks back
+    until set; ``replies`` collects the node's answers as they come."""
     hashes = hash_request_tokens(prompt, BS, root)
     header = nodes_pb2.TransferHeader(
         request_id=rid,
@@ -59,7 +72,7 @@ def _transfer(stub, root, nbytes, rid, prompt, corrupt=None, stop_after_header=F
         header.model_root_hash = b"\x00" * 32
     if corrupt == "hashes":
         header.block_hashes[0] = b"\x01" * 32
-    replies = []
+    replies = [] if replies is None else replies
 
     def messages():
         yield nodes_pb2.TransferMessage(header=header)
@@ -67,6 +80,8 @@ def _transfer(stub, root, nbytes, rid, prompt, corrupt=None, stop_after_header=F
             time.sleep(0.01)
         if stop_after_header:
             return
+        if gate is not None:
+            gate.wait(30)
         missing = list(replies[0].missing)
         data = random.randbytes(len(missing) * nbytes)
         meta, data = encode_blocks(missing, data)
@@ -145,6 +160,44 @@ def test_abandoned_transfer_and_cancelled_decode_free_their_blocks(decode):
     while _stats(stub).num_free_blocks != idle and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _stats(stub).num_free_blocks == idle
+
+
+def test_concurrent_transfers_of_one_new_prefix_ship_it_once(decode):
+    """B arrives while A is still receiving their shared blocks: B waits for A, then reuses
+    the blocks A wrote and is asked only for its own."""
+    import threading
+
+    stub, root, nbytes = decode
+    shared = _prompt(48)  # three full blocks
+    prompts = {"dedupe-a": [*shared, *_prompt(24)], "dedupe-b": [*shared, *_prompt(24)]}
+    waited = _stats(stub).counters["transfers_waited_for_same_blocks"]
+    gate, replies = threading.Event(), {rid: [] for rid in prompts}
+    threads = {
+        rid: threading.Thread(
+            target=_transfer,
+            args=(stub, root, nbytes, rid, prompt),
+            kwargs=dict(replies=replies[rid], gate=gate if rid == "dedupe-a" else None),
+        )
+        for rid, prompt in prompts.items()
+    }
+    threads["dedupe-a"].start()
+    deadline = time.monotonic() + 10
+    while not replies["dedupe-a"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert list(replies["dedupe-a"][0].missing) == [0, 1, 2, 3]
+    threads["dedupe-b"].start()
+    time.sleep(0.5)
+    assert not replies["dedupe-b"], "B must wait while A receives the shared blocks"
+    assert _stats(stub).counters["transfers_waited_for_same_blocks"] == waited + 1
+    gate.set()
+    for thread in threads.values():
+        thread.join(30)
+    assert replies["dedupe-a"][-1].done and replies["dedupe-b"][-1].done
+    assert list(replies["dedupe-b"][0].missing) == [3]
+    assert replies["dedupe-b"][-1].blocks_reused == 3
+    for rid in prompts:
+        list(stub.Decode(nodes_pb2.DecodeRequest(request_id=rid), timeout=30))
 
 
 def test_decode_of_an_unknown_request_is_not_found(decode):
