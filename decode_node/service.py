@@ -24,6 +24,7 @@ from models.engine import StepOutput
 from models.engine_loop import AsyncEngine
 from models.sampler import SamplingParams
 from proto import nodes_pb2, nodes_pb2_grpc
+from splitserve.metrics import LoadFigures
 from splitserve.protocol import sampling_from_proto
 
 logger = logging.getLogger(__name__)
@@ -65,10 +66,71 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
         # transfer of the same prefix waits for it and then reuses the blocks, rather than
         # having the same bytes shipped again (a burst of prompts with a new shared prefix).
         self._receiving: dict[bytes, asyncio.Future] = {}
+        self.draining = False  # set on SIGTERM: new transfers are refused, accepted ones finish
+        self._transfers = 0  # TransferKV calls in flight
+
+    # ------------------------------------------------------------------ life cycle
+
+    def background(self) -> list:
+        return [self.expire_pending()]
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait (up to ``timeout_s``) until every accepted request is done: transfers in flight,
+        transferred requests waiting for their Decode call, and requests decoding."""
+        deadline = time.monotonic() + timeout_s
+        engine = self.engine.engine
+        while self._transfers or self.pending or engine.requests:
+            if time.monotonic() >= deadline:
+                logger.warning(
+                    "drain: %d transfers, %d pending, %d decoding after %.0f s",
+                    self._transfers,
+                    len(self.pending),
+                    len(engine.requests),
+                    timeout_s,
+                )
+                return
+            async with self._freed:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._freed.wait(), 0.1)
+
+    async def close(self) -> None:
+        pass
+
+    def load(self) -> LoadFigures:
+        engine = self.engine.engine
+        return LoadFigures(
+            running=len(engine.running),
+            waiting=len(engine.waiting),
+            num_blocks=engine.pool.num_blocks - 1,
+            num_free_blocks=engine.pool.num_free_blocks,
+            prefill_tokens_waiting=engine.pending_prefill_tokens,
+            pending_transfers=len(self.pending),
+        )
+
+    def all_counters(self) -> dict[str, float]:
+        engine = self.engine.engine
+        return {
+            **self.counters,
+            "preemptions": engine.num_preemptions,
+            "steps": self.engine.steps,
+        }
 
     # ------------------------------------------------------------------ transfer
 
     async def TransferKV(self, request_iterator, context):
+        if self.draining:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "decode node is draining; ship to another node"
+            )
+        self._transfers += 1
+        try:
+            async for reply in self._transfer(request_iterator, context):
+                yield reply
+        finally:
+            self._transfers -= 1
+            await self._notify_freed()
+
+    async def _transfer(self, request_iterator, context):
         rid = None
         reserved = False
         receiving = asyncio.get_running_loop().create_future()
@@ -341,15 +403,12 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
             role="decode",
             model_root_hash=self.root,
             model_identity=str(self.identity),
+            prefill_tokens_waiting=engine.pending_prefill_tokens,
             num_blocks=engine.pool.num_blocks - 1,
             num_free_blocks=engine.pool.num_free_blocks,
             num_cached_blocks=engine.pool.num_cached_blocks,
             running=len(engine.running),
             waiting=len(engine.waiting),
             pending_transfers=len(self.pending),
-            counters={
-                **self.counters,
-                "preemptions": engine.num_preemptions,
-                "steps": self.engine.steps,
-            },
+            counters=self.all_counters(),
         )

@@ -200,6 +200,14 @@ class LLMEngine:
             self.waiting.remove(req)
         self.kv.free(request_id)
 
+    @property
+    def pending_prefill_tokens(self) -> int:
+        """Prompt tokens admitted or queued but not computed yet (a scaler's prefill backlog)."""
+        return sum(
+            max(len(r.prompt_token_ids) - r.num_computed_tokens, 0)
+            for r in (*self.waiting, *self.running)
+        )
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -18,6 +18,7 @@ from kvstore.codec import batch_indices, decode_blocks, encode_blocks
 from models.engine import RequestDoesNotFit, StepOutput
 from models.engine_loop import AsyncEngine
 from proto import nodes_pb2, nodes_pb2_grpc
+from splitserve.metrics import LoadFigures
 from splitserve.protocol import sampling_from_proto
 from splitserve.serving import CHANNEL_OPTIONS
 
@@ -51,6 +52,41 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.counters: Counter[str] = Counter()
         self._fetching: dict[bytes, asyncio.Future] = {}  # last hash of a run → its fetch
+        self.draining = False  # set on SIGTERM: new prefills are refused, in-flight ones finish
+        self._active = 0  # Prefill calls in flight
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # ------------------------------------------------------------------ life cycle
+
+    def background(self) -> list:
+        return []
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait (up to ``timeout_s``) for the Prefill calls in flight to finish."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            logger.warning(
+                "drain: %d prefills still in flight after %.0f s", self._active, timeout_s
+            )
+
+    async def close(self) -> None:
+        for channel in self.channels.values():
+            await channel.close()
+
+    def load(self) -> LoadFigures:
+        engine = self.engine.engine
+        return LoadFigures(
+            running=len(engine.running),
+            waiting=len(engine.waiting),
+            num_blocks=engine.pool.num_blocks - 1,
+            num_free_blocks=engine.pool.num_free_blocks,
+            prefill_tokens_waiting=engine.pending_prefill_tokens,
+        )
+
+    def all_counters(self) -> dict[str, float]:
+        return {**self.counters, **_prefix_counters(self.engine.engine), "steps": self.engine.steps}
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self.channels.get(address)
@@ -64,6 +100,20 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
         return nodes_pb2_grpc.DecodeNodeStub(self._channel(address))
 
     async def Prefill(self, request, context):
+        if self.draining:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "prefill node is draining; retry on another node"
+            )
+        self._active += 1
+        self._idle.clear()
+        try:
+            return await self._prefill(request, context)
+        finally:
+            self._active -= 1
+            if self._active == 0:
+                self._idle.set()
+
+    async def _prefill(self, request, context):
         rid = request.request_id
         core = self.engine.engine
         try:
@@ -322,12 +372,13 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
             role="prefill",
             model_root_hash=self.root,
             model_identity=str(self.identity),
+            prefill_tokens_waiting=engine.pending_prefill_tokens,
             num_blocks=engine.pool.num_blocks - 1,
             num_free_blocks=engine.pool.num_free_blocks,
             num_cached_blocks=engine.pool.num_cached_blocks,
             running=len(engine.running),
             waiting=len(engine.waiting),
-            counters={**self.counters, **_prefix_counters(engine), "steps": self.engine.steps},
+            counters=self.all_counters(),
         )
 
 

@@ -130,7 +130,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStats(_message.Message):
-    __slots__ = ("role", "num_blocks", "num_free_blocks", "num_cached_blocks", "running", "waiting", "pending_transfers", "counters", "model_root_hash", "model_identity")
+    __slots__ = ("role", "num_blocks", "num_free_blocks", "num_cached_blocks", "running", "waiting", "pending_transfers", "counters", "model_root_hash", "model_identity", "prefill_tokens_waiting")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +148,7 @@ class NodeStats(_message.Message):
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     MODEL_ROOT_HASH_FIELD_NUMBER: _ClassVar[int]
     MODEL_IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_WAITING_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_blocks: int
     num_free_blocks: int
@@ -158,4 +159,5 @@ class NodeStats(_message.Message):
     counters: _containers.ScalarMap[str, float]
     model_root_hash: bytes
     model_identity: str
-    def __init__(self, role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., pending_transfers: _Optional[int] = ..., counters: _Optional[_Mapping[str, float]] = ..., model_root_hash: _Optional[bytes] = ..., model_identity: _Optional[str] = ...) -> None: ...
+    prefill_tokens_waiting: int
+    def __init__(self, role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., pending_transfers: _Optional[int] = ..., counters: _Optional[_Mapping[str, float]] = ..., model_root_hash: _Optional[bytes] = ..., model_identity: _Optional[str] = ..., prefill_tokens_waiting: _Optional[int] = ...) -> None: ...

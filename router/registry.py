@@ -20,6 +20,7 @@ from redis.exceptions import RedisError
 from kvstore import ModelIdentity
 from kvstore.redis_index import NodeInfo, PrefixIndex
 from proto import nodes_pb2, nodes_pb2_grpc
+from splitserve.metrics import LoadFigures
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class Node:
     discovered: bool = False  # from the Redis registry (dropped when its heartbeat expires)
     verified: bool = False  # its model identity was checked against the router's
     rejected: str = ""  # why it is never routed to (a model identity mismatch)
+    leaving: bool = False  # left the registry (draining) while requests were still in flight
 
     def is_up(self, now: float) -> bool:
         return now >= self.down_until
@@ -77,7 +79,9 @@ class NodePool:
         blocks of the prompt the node holds), the one holding the longest prefix among those
         within ``MAX_IMBALANCE`` of the least loaded. Round robin among ties."""
         now = self._clock()
-        candidates = [n for n in self.nodes if n not in exclude and not n.rejected]
+        candidates = [
+            n for n in self.nodes if n not in exclude and not n.rejected and not n.leaving
+        ]
         up = [n for n in candidates if n.is_up(now)]
         if not up:
             if not candidates:
@@ -101,10 +105,18 @@ class NodePool:
         for address in sorted(set(addresses) - known):
             logger.info("%s node %s registered", self.role, address)
             self.nodes.append(Node(address, self.role, discovered=True))
+        for node in self.nodes:
+            if node.leaving and node.address in addresses:
+                logger.info("%s node %s registered again", self.role, node.address)
+                node.leaving = False
         for node in [n for n in self.nodes if n.discovered and n.address not in addresses]:
             if node.in_flight == 0:
                 logger.info("%s node %s left the registry", self.role, node.address)
                 self.nodes.remove(node)
+            elif not node.leaving:
+                # Draining: no new work, its in-flight requests finish; removed once idle.
+                logger.info("%s node %s is leaving the registry", self.role, node.address)
+                node.leaving = True
 
     def acquire(self, node: Node) -> None:
         """Count one more in-flight request on ``node``; pair every call with ``release``."""
@@ -274,6 +286,46 @@ class NodeRegistry:
                     identity,
                     index.identity or index.root_hash.hex(),
                 )
+
+    async def poll_load(self) -> dict[tuple[str, str], LoadFigures]:
+        """Every reachable node's load figures, (role, address) → LoadFigures (GetStats)."""
+        pairs = [(pool, n) for pool, n in self._all() if not n.rejected]
+
+        async def one(pool: NodePool, node: Node):
+            if pool.role == "prefill":
+                stub = nodes_pb2_grpc.PrefillNodeStub(self.channel(node))
+            else:
+                stub = nodes_pb2_grpc.DecodeNodeStub(self.channel(node))
+            try:
+                s = await stub.GetStats(nodes_pb2.StatsRequest(), timeout=2.0)
+            except grpc.aio.AioRpcError:
+                return None
+            return LoadFigures(
+                s.running,
+                s.waiting,
+                s.num_blocks,
+                s.num_free_blocks,
+                s.prefill_tokens_waiting,
+                s.pending_transfers,
+            )
+
+        loads = await asyncio.gather(*(one(pool, n) for pool, n in pairs))
+        return {
+            (pool.role, n.address): load
+            for (pool, n), load in zip(pairs, loads, strict=True)
+            if load is not None
+        }
+
+    async def run_load_polls(self, into: dict, interval_s: float = 2.0) -> None:
+        """Keep ``into`` (the metrics' node figures) current until cancelled."""
+        while True:
+            try:
+                loads = await self.poll_load()
+                into.clear()
+                into.update(loads)
+            except Exception:
+                logger.exception("load poll failed")
+            await asyncio.sleep(interval_s)
 
     async def close(self) -> None:
         for _, node in self._all():

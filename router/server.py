@@ -14,6 +14,7 @@ from router.registry import NodeRegistry
 from router.request import ModelInfo
 from router.service import RouterService
 from splitserve.config import RouterConfig
+from splitserve.metrics import RouterMetrics, serve_metrics
 from splitserve.serving import Server
 
 logger = logging.getLogger(__name__)
@@ -27,6 +28,7 @@ def build_router(
     model: ModelInfo,
     index: PrefixIndex | None = None,
     identity: ModelIdentity | None = None,
+    metrics: RouterMetrics | None = None,
 ) -> tuple[Server, NodeRegistry]:
     """The router's server (Router + health + reflection), not started yet. With ``identity``,
     nodes serving another model identity are never routed to."""
@@ -39,6 +41,7 @@ def build_router(
         max_attempts=config.max_attempts,
         request_timeout_s=config.request_timeout_s,
         index=index,
+        metrics=metrics,
     )
     server = Server(config.host, config.port, [SERVICE_NAME])
     router_pb2_grpc.add_RouterServicer_to_server(service, server.server)
@@ -80,9 +83,14 @@ async def start_router(config: RouterConfig, model: ModelInfo) -> tuple[Server, 
 async def _serve(config: RouterConfig) -> None:
     index = prefix_index(config)
     model = ModelInfo.load(config.model_path)
-    server, registry = build_router(config, model, index, model_identity(config))
+    metrics = RouterMetrics()
+    server, registry = build_router(config, model, index, model_identity(config), metrics)
     await registry.check_all()  # static nodes: known up and identity-checked before serving
     checker = asyncio.create_task(registry.run_health_checks())
+    polls = None
+    if config.metrics_port is not None:
+        serve_metrics(config.metrics_port, metrics.registry, config.host)
+        polls = asyncio.create_task(registry.run_load_polls(metrics.nodes))
     logger.info(
         "router on %s (prefill: %s; decode: %s)",
         server.address,
@@ -93,7 +101,7 @@ async def _serve(config: RouterConfig) -> None:
     discovery = asyncio.create_task(registry.run_discovery(index)) if index else None
 
     async def on_stop() -> None:
-        for task in (checker, discovery):
+        for task in (checker, discovery, polls):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)

@@ -35,6 +35,7 @@ from router.request import (
     ModelInfo,
     parse_request,
 )
+from splitserve.metrics import RouterMetrics
 from splitserve.protocol import sampling_to_proto
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         request_timeout_s: float = 600.0,
         index: PrefixIndex | None = None,
         block_size: int = 16,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
@@ -79,6 +81,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._index = index
         self._block_size = block_size
         self._index_ok = True
+        self._metrics = metrics or RouterMetrics()
 
     async def Generate(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -91,12 +94,32 @@ class RouterService(router_pb2_grpc.RouterServicer):
         remaining = context.time_remaining()
         budget = self._request_timeout_s if remaining is None else remaining
         deadline = start + min(budget, self._request_timeout_s)
+        m = self._metrics
+        code = "CANCELLED"  # unless the stream ends otherwise: the client went away
+        last = None
         try:
             async for msg in self._generate(params, start, deadline):
+                if msg.token_ids:
+                    now = time.monotonic()
+                    if last is None:
+                        m.ttft.observe(now - start)
+                    else:
+                        for _ in msg.token_ids:
+                            m.itl.observe((now - last) / len(msg.token_ids))
+                    last = now
+                if msg.finish_reason:
+                    code = "OK"
+                    m.prompt_tokens.inc(msg.usage.prompt_tokens)
+                    m.cached_tokens.inc(msg.usage.cached_tokens)
+                    m.generation_tokens.inc(msg.usage.completion_tokens)
                 yield msg
         except GenerateError as exc:
+            code = exc.code.name
             logger.info("request %s failed: %s %s", params.request_id, exc.code.name, exc)
             await context.abort(exc.code, exc.message)
+        finally:
+            m.requests.labels(code).inc()
+            m.latency.observe(time.monotonic() - start)
 
     async def _generate(
         self, params: GenerateParams, start: float, deadline: float
@@ -251,6 +274,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         error = GenerateError(grpc.StatusCode.UNAVAILABLE, "no attempt made")
         cached = await self._cached_blocks(params)
         for attempt in range(self._max_attempts):
+            if attempt:
+                self._metrics.retries.inc()
             p = _choose(reg.prefill, unreachable, busy, cached)
             d = _choose(reg.decode, unreachable, busy, cached)
             if p is None or d is None:

@@ -264,6 +264,8 @@ _NODE_FLAGS = (  # argparse dest -> NodeConfig field; unset flags keep NodeConfi
     "load_format",
     "transfer_deadline_s",
     "advertise_host",
+    "drain_timeout_s",
+    "metrics_port",
 )
 
 
@@ -321,6 +323,7 @@ def cmd_router(args: argparse.Namespace) -> int:
             port_file=args.port_file,
             request_timeout_s=args.request_timeout_s,
             max_attempts=args.max_attempts,
+            metrics_port=args.metrics_port,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -457,6 +460,15 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument("--port", type=int, default=None, help="0 (default): a free port")
         p.add_argument("--port-file", default=None, help="write the bound port here")
+        p.add_argument(
+            "--drain-timeout-s",
+            type=float,
+            default=None,
+            help="on SIGTERM, how long in-flight requests may take to finish (default 30)",
+        )
+        p.add_argument(
+            "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on it"
+        )
         p.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
         p.add_argument("--dtype", default=None, help="default: the checkpoint's")
         p.add_argument("--kv-cache-mb", type=int, default=None, help="CPU KV cache size")
@@ -501,6 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="the nodes' dtype (default: the checkpoint's)")
     p.add_argument("--request-timeout-s", type=float, default=600.0)
     p.add_argument("--max-attempts", type=int, default=3, help="per stage, across nodes")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on it")
     p.add_argument(
         "--redis-url",
         default=None,

@@ -42,6 +42,9 @@ class NodeConfig:
     # The host other processes reach this node at (what it registers in Redis); None: the listen
     # host, or this machine's name when that is a wildcard (default_advertise_host).
     advertise_host: str | None = None
+    # SIGTERM: stop taking work, let in-flight requests finish for up to this long, then exit.
+    drain_timeout_s: float = 30.0
+    metrics_port: int | None = None  # Prometheus /metrics on this port (0: any free one)
 
     @property
     def address(self) -> str:
@@ -65,3 +68,4 @@ class RouterConfig:
     max_attempts: int = 3  # per stage: a failed or refusing node is retried elsewhere
     redis_url: str | None = None  # node registry + prefix index: discovery, cache-aware routing
     dtype: str | None = None  # the nodes' KV dtype (part of the model identity); default: ckpt's
+    metrics_port: int | None = None  # Prometheus /metrics on this port (0: any free one)

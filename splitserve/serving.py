@@ -79,14 +79,30 @@ class Server:
         port_file: str | None = None,
         on_stop: Callable[[], Awaitable[None]] | None = None,
         grace_s: float = 5.0,
+        drain: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
-        """Start, serve until SIGTERM/SIGINT, stop, then ``on_stop``."""
+        """Start, serve until SIGTERM/SIGINT, drain, stop, then ``on_stop``.
+
+        On the first signal health turns NOT_SERVING and ``drain`` runs (it stops taking work and
+        waits for in-flight requests); a second signal cuts the drain short.
+        """
         await self.start(port_file)
-        stop = asyncio.Event()
+        signals = asyncio.Queue()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+            loop.add_signal_handler(sig, signals.put_nowait, sig)
+        await signals.get()
+        await self.set_serving(False)
+        if drain is not None:
+            logger.info("draining %s", self.address)
+            draining = asyncio.create_task(drain())
+            again = asyncio.create_task(signals.get())
+            await asyncio.wait((draining, again), return_when=asyncio.FIRST_COMPLETED)
+            if not draining.done():
+                logger.warning("second signal: not waiting for in-flight requests")
+                draining.cancel()
+            again.cancel()
+            await asyncio.gather(draining, again, return_exceptions=True)
         logger.info("stopping %s", self.address)
         await self.stop(grace_s)
         if on_stop is not None:
@@ -167,3 +183,60 @@ def index_publisher(
         snapshot,
         info,
     )
+
+
+async def serve_node(config: NodeConfig, role: str, make_service, add_servicer, service_name: str):
+    """Run one prefill or decode node until SIGTERM/SIGINT, then drain it.
+
+    ``make_service(engine, identity, config)`` builds the servicer; it provides ``draining``,
+    ``drain(timeout_s)``, ``load()`` (LoadFigures), ``all_counters()``, ``background()`` (coroutines
+    to run while serving) and ``close()``.
+
+    Drain: health NOT_SERVING, the node leaves the registry and withdraws its index entries (no
+    router sends it new work), new work is refused with UNAVAILABLE (the router retries
+    elsewhere), in-flight requests finish (up to ``drain_timeout_s``), then the process exits 0.
+    """
+    engine, identity = build_engine(config, prefill_only=role == "prefill")
+    logger.info("%s node: %s", role, identity)
+    from models.engine_loop import AsyncEngine
+
+    loop_engine = AsyncEngine(engine)
+    loop_engine.start()
+    service = make_service(loop_engine, identity, config)
+    server = Server(config.host, config.port, [service_name])
+    add_servicer(service, server.server)
+    address = f"{config.advertised_host()}:{server.port}"
+    if config.metrics_port is not None:
+        from prometheus_client import CollectorRegistry
+
+        from splitserve.metrics import NodeCollector, serve_metrics
+
+        registry = CollectorRegistry()
+        registry.register(NodeCollector(role, service.load, service.all_counters))
+        serve_metrics(config.metrics_port, registry, config.host)
+    publisher = index_publisher(config, role, loop_engine, identity, address)
+    tasks = [asyncio.create_task(c) for c in service.background()]
+    publishing = asyncio.create_task(publisher.run()) if publisher else None
+
+    async def withdraw() -> None:
+        nonlocal publishing
+        if publishing is not None:
+            publishing.cancel()
+            await asyncio.gather(publishing, return_exceptions=True)
+            publishing = None
+            await publisher.stop()  # deregisters and withdraws the index entries
+
+    async def drain() -> None:
+        service.draining = True
+        await withdraw()
+        await service.drain(config.drain_timeout_s)
+
+    async def on_stop() -> None:
+        await withdraw()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await loop_engine.stop()
+        await service.close()
+
+    await server.run(config.port_file, on_stop, drain=drain)

@@ -91,9 +91,10 @@ def start_router(
     )
 
 
-def start_router_discovering(model: Path, tmp: Path, redis_url: str) -> Proc:
+def start_router_discovering(model: Path, tmp: Path, redis_url: str, *flags: str) -> Proc:
     """``splitserve router`` that finds its nodes in the Redis registry (no static lists)."""
-    return start_cli("router", ["router", "--model", str(model), "--redis-url", redis_url], tmp)
+    args = ["router", "--model", str(model), "--redis-url", redis_url, *flags]
+    return start_cli("router", args, tmp)
 
 
 def start_redis(tmp: Path, port: int | None = None) -> Proc:
