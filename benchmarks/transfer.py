@@ -1,0 +1,371 @@
+"""KV block transfer between two processes, per path of the transfer layer (transfer/).
+
+    python benchmarks/transfer.py --device cuda [--paths ipc dist grpc] [--blocks 1 16 256 4096]
+    python benchmarks/transfer.py --device cpu --blocks 1 16 --small     # a quick check on CPU
+
+Blocks of Llama-3-8B's KV shape (32 layers, 8 KV heads, head_dim 128, block size 16, bf16: 2 MiB
+a block; ``--small``: 2 layers, 2 KV heads, head_dim 64, 16 KiB) move from a sender process's
+pool into random reserved blocks of this process's pool (grpc: into a receiver process), source
+and destination ids shuffled. One warm-up transfer per case, then ``--repeats`` timed ones; the
+table has the median time, and GB/s (10^9 bytes) of the median and best. Every case checks the
+destination blocks against the source (per-block checksums across the processes).
+
+- ``ipc`` (CUDA, both processes on one GPU): the sender's ``KVSender.send`` (gather, copy into
+  the mapped pool, synchronize), timed in the sender.
+- ``dist`` (gloo on CPU; NCCL on CUDA, which needs two GPUs: receiver cuda:0, sender cuda:1):
+  from the command to the sender until ``KVReceiver.receive`` returned (blocks in the pool).
+- ``grpc``: the services' byte path over a loopback gRPC stream (``kvstore.codec`` messages of
+  ~4 MB, CRC-32 checked, staged, then one ``write_blocks_bytes``), from the first message until
+  the receiver answered.
+
+Cases that do not fit in memory (host or GPU) are skipped; on CPU the default leaves out 4096
+blocks (8 GiB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from transfer import DIST, GRPC, IPC, KVReceiver
+from transfer.reservation import block_nbytes
+from transfer.testing import SenderProcess, block_checksums, fill_pool, make_pool
+
+SENDER_SEED, RECEIVER_SEED = 11, 12
+GRPC_METHOD = "/splitserve.bench.KVTransfer/Ship"
+
+
+def kv_shape(small: bool) -> dict:
+    if small:
+        return dict(num_layers=2, block_size=16, num_kv_heads=2, head_dim=64)
+    from shapes import llama3_8b_config
+
+    cfg = llama3_8b_config()
+    return dict(
+        num_layers=cfg.num_hidden_layers,
+        block_size=16,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.hidden_size // cfg.num_attention_heads,
+    )
+
+
+def host_available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def gpu_available_bytes(index: int) -> int:
+    return torch.cuda.mem_get_info(index)[0]
+
+
+# ---------------------------------------------------------------------------- grpc receiver
+
+
+def grpc_receiver_main(conn, pool_spec: dict) -> None:
+    """Child process: a minimal gRPC receiver of codec messages into its pool."""
+    if pool_spec["device"].startswith("cuda"):
+        torch.cuda.set_device(torch.device(pool_spec["device"]))
+    pool = fill_pool(make_pool(**pool_spec), RECEIVER_SEED)
+    asyncio.run(_grpc_serve(conn, pool))
+
+
+async def _grpc_serve(conn, pool: torch.Tensor) -> None:
+    import grpc
+
+    from kernels.layout import write_blocks_bytes
+    from kvstore.codec import decode_blocks
+    from proto import nodes_pb2
+    from splitserve.serving import SERVER_OPTIONS
+
+    nbytes = block_nbytes(pool)
+
+    def commit(ids: list[int], data: bytes) -> None:
+        write_blocks_bytes(pool, ids, data)
+        if pool.device.type == "cuda":
+            torch.cuda.synchronize(pool.device)
+
+    async def ship(request_iterator, context):
+        metadata = dict(context.invocation_metadata())
+        dst = [int(x) for x in metadata["dst"].split(",")]
+        staged: dict[int, bytes] = {}
+        async for msg in request_iterator:
+            batch = await asyncio.to_thread(decode_blocks, msg.meta, msg.data, nbytes)
+            for j, index in enumerate(batch.indices):
+                staged[index] = batch.data[j * nbytes : (j + 1) * nbytes]
+        order = sorted(staged)
+        await asyncio.to_thread(commit, [dst[i] for i in order], b"".join(staged[i] for i in order))
+        return b""
+
+    handler = grpc.method_handlers_generic_handler(
+        GRPC_METHOD.split("/")[1],
+        {
+            "Ship": grpc.stream_unary_rpc_method_handler(
+                ship,
+                request_deserializer=nodes_pb2.BlockData.FromString,
+                response_serializer=lambda b: b,
+            )
+        },
+    )
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    conn.send(("ready", port))
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            cmd, *args = await loop.run_in_executor(None, conn.recv)
+        except EOFError:
+            break
+        if cmd == "checksums":
+            conn.send(("ok", block_checksums(pool, args[0])))
+        else:
+            conn.send(("ok", None))
+            break
+    await server.stop(None)
+
+
+async def grpc_ship(channel, pool: torch.Tensor, src: list[int], dst: list[int]) -> None:
+    from kernels.layout import read_blocks_bytes
+    from kvstore.codec import batch_indices, encode_blocks
+    from proto import nodes_pb2
+
+    nbytes = block_nbytes(pool)
+
+    async def messages():
+        for run in batch_indices(range(len(src)), nbytes):
+            data = await asyncio.to_thread(read_blocks_bytes, pool, [src[i] for i in run])
+            meta, data = await asyncio.to_thread(encode_blocks, run, data)
+            yield nodes_pb2.BlockData(meta=meta, data=data)
+
+    call = channel.stream_unary(
+        GRPC_METHOD,
+        request_serializer=nodes_pb2.BlockData.SerializeToString,
+        response_deserializer=lambda b: b,
+    )
+    await call(messages(), metadata=(("dst", ",".join(map(str, dst))),))
+
+
+# ---------------------------------------------------------------------------- cases
+
+
+class Case:
+    def __init__(self, path: str, n: int, nbytes: int) -> None:
+        self.path, self.n, self.nbytes = path, n, nbytes
+        self.seconds: list[float] = []
+        self.check = ""
+        self.note = ""
+
+    def row(self) -> str:
+        mib = self.nbytes / (1 << 20)
+        if not self.seconds:
+            return f"| {self.path} | {self.n} | {mib:.1f} | – | – | – | {self.note} |"
+        med, best = statistics.median(self.seconds), min(self.seconds)
+        return (
+            f"| {self.path} | {self.n} | {mib:.1f} | {med * 1e3:.3f} | "
+            f"{self.nbytes / med / 1e9:.2f} | {self.nbytes / best / 1e9:.2f} | {self.check} |"
+        )
+
+
+def pick_ids(pool_blocks: int, n: int, rng: random.Random) -> list[int]:
+    return rng.sample(range(1, pool_blocks), n)
+
+
+def verify(case: Case, src_sums: list[int], dst_sums: list[int]) -> None:
+    case.check = "ok" if src_sums == dst_sums else "MISMATCH"
+
+
+def run_layer_path(path: str, args, spec: dict, counts: list[int], out: list[Case]) -> None:
+    """ipc or dist: this process receives (KVReceiver), a spawned process sends (KVSender)."""
+    device = args.device
+    pool_blocks = max(counts) + 1
+    rx_device = "cuda:0" if device == "cuda" else "cpu"
+    tx_device = rx_device
+    if path == DIST and device == "cuda":
+        tx_device = "cuda:1"
+    rx_pool = fill_pool(make_pool(pool_blocks, **spec, device=rx_device), RECEIVER_SEED)
+    nbytes = block_nbytes(rx_pool)
+    rx = KVReceiver(
+        rx_pool,
+        "bench-decode",
+        ipc=path == IPC,
+        dist=path == DIST,
+        dist_host="127.0.0.1",
+        connect_timeout=60.0,
+    )
+    tx_spec = dict(num_blocks=pool_blocks, **spec, device=tx_device)
+    sender = SenderProcess("bench-prefill", tx_spec, SENDER_SEED, connect_timeout=60.0)
+    rng = random.Random(0)
+    try:
+        sender.wait_ready(timeout=600)
+        chosen = sender.call("connect", rx.endpoint().to_bytes(), timeout=120)
+        if chosen != path:
+            raise RuntimeError(f"the sender chose {chosen!r}, not {path!r}")
+        for n in counts:
+            case = Case(path, n, n * nbytes)
+            src, dst = pick_ids(pool_blocks, n, rng), pick_ids(pool_blocks, n, rng)
+            for i in range(args.repeats + 1):
+                res = rx.reserve(sender.node_id, dst, path)
+                t0 = time.perf_counter()
+                sender.request("send", res.ticket.to_bytes(), src, 300.0)
+                if path == DIST:
+                    rx.receive(res, 300.0)
+                    elapsed = time.perf_counter() - t0
+                    sender.reply(timeout=300)
+                else:
+                    _, elapsed = sender.reply(timeout=300)
+                    rx.complete(res)
+                if i:
+                    case.seconds.append(elapsed)
+            if rx_pool.device.type == "cuda":
+                torch.cuda.synchronize()
+            verify(case, sender.call("checksums", src, timeout=300), block_checksums(rx_pool, dst))
+            out.append(case)
+            print(case.row(), flush=True)
+    finally:
+        sender.stop()
+        rx.shutdown()
+
+
+def run_grpc(args, spec: dict, counts: list[int], out: list[Case]) -> None:
+    import multiprocessing as mp
+
+    import grpc
+
+    from splitserve.serving import CHANNEL_OPTIONS
+
+    device = "cuda:0" if args.device == "cuda" else "cpu"
+    pool_blocks = max(counts) + 1
+    pool = fill_pool(make_pool(pool_blocks, **spec, device=device), SENDER_SEED)
+    nbytes = block_nbytes(pool)
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(
+        target=grpc_receiver_main,
+        args=(child, dict(num_blocks=pool_blocks, **spec, device=device)),
+        daemon=True,
+    )
+    proc.start()
+    child.close()
+    rng = random.Random(0)
+    try:
+        if not conn.poll(600):
+            raise RuntimeError("the grpc receiver did not start")
+        _, port = conn.recv()
+
+        async def measure() -> None:
+            async with grpc.aio.insecure_channel(
+                f"127.0.0.1:{port}", options=CHANNEL_OPTIONS
+            ) as channel:
+                for n in counts:
+                    case = Case(GRPC, n, n * nbytes)
+                    src, dst = pick_ids(pool_blocks, n, rng), pick_ids(pool_blocks, n, rng)
+                    for i in range(args.repeats + 1):
+                        t0 = time.perf_counter()
+                        await grpc_ship(channel, pool, src, dst)
+                        if i:
+                            case.seconds.append(time.perf_counter() - t0)
+                    conn.send(("checksums", dst))
+                    _, dst_sums = await asyncio.to_thread(conn.recv)
+                    verify(case, block_checksums(pool, src), dst_sums)
+                    out.append(case)
+                    print(case.row(), flush=True)
+
+        asyncio.run(measure())
+    finally:
+        try:
+            conn.send(("exit",))
+            conn.poll(10) and conn.recv()
+        except (OSError, EOFError):
+            pass
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+
+
+def fits(path: str, device: str, n: int, nbytes: int, small_cpu_default: bool) -> str | None:
+    """Why ``n`` blocks cannot run here (None: they can)."""
+    size = n * nbytes
+    if device == "cpu" and small_cpu_default and size > (1 << 30):
+        return "GPU-only by default (pass --blocks explicitly)"
+    if device == "cuda":
+        # ipc: both pools and the sender's gather buffer on one GPU; dist: pool + buffer per GPU.
+        need = 3 * size if path == IPC else 2 * size
+        if need > 0.85 * gpu_available_bytes(0):
+            return f"needs {need / (1 << 30):.1f} GiB on the GPU"
+        host_need = 6 * size if path == GRPC else 0
+    else:
+        host_need = {IPC: 0, DIST: 4 * size, GRPC: 7 * size}[path]
+    if host_need > 0.8 * host_available_bytes():
+        return f"needs {host_need / (1 << 30):.1f} GiB of host memory"
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    default_device = "cuda" if torch.cuda.is_available() else "cpu"
+    ap.add_argument("--device", choices=["cpu", "cuda"], default=default_device)
+    ap.add_argument("--paths", nargs="+", choices=[IPC, DIST, GRPC], default=[IPC, DIST, GRPC])
+    ap.add_argument("--blocks", nargs="+", type=int, default=None, help="default: 1 16 256 4096")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--small", action="store_true", help="a small block (16 KiB) for quick checks")
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: no CUDA GPU here")
+    explicit = args.blocks is not None
+    blocks = args.blocks or [1, 16, 256, 4096]
+    spec = kv_shape(args.small)
+    nbytes = block_nbytes(make_pool(2, **spec))
+    where = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU ({os.cpu_count()})"
+    print(
+        f"KV transfer, two processes, {where}, torch {torch.__version__}; block "
+        f"{spec['num_layers']} layers x 2 x {spec['block_size']} x {spec['num_kv_heads']} heads "
+        f"x {spec['head_dim']} bf16 = {nbytes / 1024:.0f} KiB; {args.repeats} repeats\n"
+    )
+    print("| path | blocks | MiB | median ms | GB/s (median) | GB/s (best) | check |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    results: list[Case] = []
+    notes: list[str] = []
+    for path in args.paths:
+        if path == IPC and args.device != "cuda":
+            notes.append("ipc: needs CUDA (--device cuda)")
+            continue
+        if path == DIST and args.device == "cuda" and torch.cuda.device_count() < 2:
+            notes.append("dist: NCCL cannot pair two processes on one GPU; needs two GPUs")
+            continue
+        counts = []
+        for n in blocks:
+            why = fits(path, args.device, n, nbytes, small_cpu_default=not explicit)
+            if why:
+                case = Case(path, n, n * nbytes)
+                case.note = f"skipped: {why}"
+                print(case.row(), flush=True)
+            else:
+                counts.append(n)
+        if not counts:
+            continue
+        if path == GRPC:
+            run_grpc(args, spec, counts, results)
+        else:
+            run_layer_path(path, args, spec, counts, results)
+    for note in notes:
+        print(f"\n{note}")
+    if any(c.check == "MISMATCH" for c in results):
+        sys.exit("some transfers were not byte-exact")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""Errors of the transfer layer: every failure of a transfer is a ``TransferError``."""
+
+from __future__ import annotations
+
+
+class TransferError(RuntimeError):
+    """A transfer failed; nothing was committed (the receiver's reservation is not complete)."""
+
+
+class TransferTimeout(TransferError, TimeoutError):
+    """The peer did not complete its side of a transfer in time."""
+
+
+class PeerLost(TransferError):
+    """The connection to the peer broke (the peer exited or the network failed)."""
+
+
+class ChannelClosed(TransferError):
+    """The pair's channel was closed (``close(peer)``, a reconnect, or an earlier failure)."""
+
+
+class NotConnected(TransferError):
+    """No channel to that peer: connect first (or use the grpc path)."""

@@ -1,0 +1,248 @@
+"""Receiver-side reservations: the only blocks of a pool a transfer may write.
+
+The decode node reserves destination block ids (allocated by its KV cache manager, not yet
+registered) before the sender sends anything. Every write that a transfer makes goes through its
+reservation: ids outside it, out of range, the null block 0 or repeated ids are refused with
+``ValueError`` before anything is written. A reservation ends exactly once: ``done`` (every block
+written, and on CUDA the copy finished), ``failed`` or ``cancelled``; nothing writes into it after
+it ended, so the caller may free (and reuse) its blocks as soon as it ended unsuccessfully.
+
+The sender learns what it needs through a ``Ticket`` (bytes in the services' messages).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgpack
+import torch
+
+from transfer.errors import TransferError
+
+NULL_BLOCK_ID = 0  # kernels.layout.NULL_BLOCK_ID: never written
+
+RESERVED = "reserved"
+DONE = "done"
+FAILED = "failed"
+CANCELLED = "cancelled"
+
+
+def as_id_list(block_ids: Sequence[int] | torch.Tensor) -> list[int]:
+    if isinstance(block_ids, torch.Tensor):
+        if block_ids.dim() != 1 or block_ids.dtype.is_floating_point or block_ids.is_complex():
+            raise ValueError("block ids must be a 1-D integer tensor")
+        return [int(b) for b in block_ids.tolist()]
+    out = []
+    for b in block_ids:
+        if isinstance(b, bool):
+            raise ValueError(f"block ids must be ints, got {b!r}")
+        if not isinstance(b, int):
+            try:
+                b = int(b.__index__())  # numpy integers
+            except (AttributeError, TypeError):
+                raise ValueError(f"block ids must be ints, got {b!r}") from None
+        out.append(int(b))
+    return out
+
+
+def check_block_ids(block_ids: Sequence[int] | torch.Tensor, num_blocks: int) -> list[int]:
+    """Destination ids of a pool of ``num_blocks`` blocks: ints in ``[1, num_blocks)`` (block 0
+    is the null block), all distinct. ``ValueError`` otherwise."""
+    ids = as_id_list(block_ids)
+    bad = [b for b in ids if not 0 < b < num_blocks]
+    if bad:
+        raise ValueError(
+            f"block ids must be in [1, {num_blocks}) (0 is the null block), got {bad[:8]}"
+        )
+    if len(set(ids)) != len(ids):
+        raise ValueError("block ids must be distinct")
+    return ids
+
+
+def check_source_ids(block_ids: Sequence[int] | torch.Tensor, num_blocks: int) -> list[int]:
+    """Source ids: ints in ``[0, num_blocks)`` (repeats allowed)."""
+    ids = as_id_list(block_ids)
+    bad = [b for b in ids if not 0 <= b < num_blocks]
+    if bad:
+        raise ValueError(f"source block ids must be in [0, {num_blocks}), got {bad[:8]}")
+    return ids
+
+
+def block_nbytes(kv_pool: torch.Tensor) -> int:
+    return kv_pool[0].numel() * kv_pool.element_size()
+
+
+def scatter(kv_pool: torch.Tensor, block_ids: list[int], buffer: torch.Tensor) -> None:
+    """``kv_pool[block_ids[i]] = buffer[i]`` in one ``index_copy_``; returns once the copy is done
+    (CUDA: synchronizes the stream it ran on). Ids must have been checked."""
+    shape = (len(block_ids), *kv_pool.shape[1:])
+    if tuple(buffer.shape) != shape or buffer.dtype != kv_pool.dtype:
+        raise ValueError(
+            f"buffer must be a {kv_pool.dtype} tensor of shape {shape}, "
+            f"got {buffer.dtype} {tuple(buffer.shape)}"
+        )
+    if not block_ids:
+        return
+    index = torch.tensor(block_ids, dtype=torch.int64, device=kv_pool.device)
+    kv_pool.index_copy_(0, index, buffer.to(kv_pool.device))
+    if kv_pool.device.type == "cuda":
+        torch.cuda.current_stream(kv_pool.device).synchronize()
+
+
+def buffer_from_bytes(kv_pool: torch.Tensor, num_blocks: int, data: bytes) -> torch.Tensor:
+    """A CPU view of ``num_blocks`` blocks' raw bytes (``kernels.layout.read_blocks_bytes``)."""
+    expected = num_blocks * block_nbytes(kv_pool)
+    if len(data) != expected:
+        raise ValueError(f"got {len(data)} bytes, expected {num_blocks} blocks = {expected}")
+    if not num_blocks:
+        return torch.empty((0, *kv_pool.shape[1:]), dtype=kv_pool.dtype)
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return flat.view(kv_pool.dtype).view(num_blocks, *kv_pool.shape[1:])
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """What the sender needs to fill a reservation: the receiver, the pair channel's generation
+    and the transfer's sequence number (dist), and the destination block ids, in the order the
+    sender's source blocks must be given."""
+
+    path: str
+    receiver_id: str
+    sender_id: str
+    block_ids: tuple[int, ...]
+    gen: int = 0
+    seq: int = 0
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb(
+            [1, self.path, self.receiver_id, self.sender_id, list(self.block_ids), self.gen,
+             self.seq],
+            use_bin_type=True,
+        )  # fmt: skip
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Ticket:
+        try:
+            version, path, receiver_id, sender_id, block_ids, gen, seq = msgpack.unpackb(data)
+            if version != 1:
+                raise ValueError(f"unsupported ticket version {version!r}")
+            return cls(
+                str(path), str(receiver_id), str(sender_id), tuple(as_id_list(block_ids)),
+                int(gen), int(seq),
+            )  # fmt: skip
+        except ValueError:
+            raise
+        except Exception as exc:
+            raise ValueError(f"malformed ticket: {exc!r}") from None
+
+
+class Reservation:
+    """Destination blocks of one transfer on the receiver. Made by ``KVReceiver.reserve``."""
+
+    def __init__(
+        self,
+        kv_pool: torch.Tensor,
+        receiver_id: str,
+        peer_id: str,
+        path: str,
+        block_ids: Sequence[int] | torch.Tensor,
+        *,
+        gen: int = 0,
+        seq: int = 0,
+    ) -> None:
+        self._pool = kv_pool
+        self.block_ids: tuple[int, ...] = tuple(check_block_ids(block_ids, kv_pool.shape[0]))
+        self.peer_id = peer_id
+        self.path = path
+        self.ticket = Ticket(path, receiver_id, peer_id, self.block_ids, gen, seq)
+        self._mu = threading.Lock()
+        self._ended = threading.Event()
+        self._state = RESERVED
+        self._error: BaseException | None = None
+        self._channel = None  # dist: the pair channel it was reserved on
+
+    def __repr__(self) -> str:
+        return (
+            f"Reservation({self.path}, peer={self.peer_id!r}, seq={self.ticket.seq}, "
+            f"{len(self.block_ids)} blocks, {self._state})"
+        )
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @property
+    def ended(self) -> bool:
+        return self._state != RESERVED
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.block_ids) * block_nbytes(self._pool)
+
+    def result(self) -> None:
+        """Return if done; raise the failure (or ``TransferError`` if cancelled) otherwise."""
+        if self._state == DONE:
+            return
+        if self._state == RESERVED:
+            raise TransferError(f"{self!r} has not completed")
+        raise self._error or TransferError(f"{self!r} ended without data")
+
+    def write(self, block_ids: Sequence[int] | torch.Tensor, data: bytes | torch.Tensor) -> None:
+        """Write blocks into reserved ids (a subset, in any order); ``ValueError`` and no write
+        if any id is not reserved. ``data`` is raw block bytes (the gRPC codec's payload) or a
+        ``(n, *block_shape)`` tensor on any device."""
+        ids = check_block_ids(block_ids, self._pool.shape[0])
+        stray = sorted(set(ids) - set(self.block_ids))
+        if stray:
+            raise ValueError(f"block ids {stray[:8]} are not in the reservation")
+        if isinstance(data, bytes | bytearray | memoryview):
+            data = buffer_from_bytes(self._pool, len(ids), bytes(data))
+        with self._mu:
+            if self._state != RESERVED:
+                raise TransferError(f"{self!r} already ended")
+            scatter(self._pool, ids, data)
+
+    def _fill(self, buffer: torch.Tensor) -> bool:
+        """Write every reserved block from ``buffer`` and end as done; False (nothing written)
+        if the reservation already ended."""
+        with self._mu:
+            if self._state != RESERVED:
+                return False
+            scatter(self._pool, list(self.block_ids), buffer)
+            self._end(DONE, None)
+            return True
+
+    def _complete(self) -> None:
+        with self._mu:
+            if self._state != RESERVED:
+                self.result()  # raises
+                return
+            self._end(DONE, None)
+
+    def _fail(self, error: BaseException) -> bool:
+        with self._mu:
+            if self._state != RESERVED:
+                return False
+            self._end(FAILED, error)
+            return True
+
+    def _cancel(self) -> bool:
+        with self._mu:
+            if self._state != RESERVED:
+                return False
+            self._end(CANCELLED, TransferError(f"reservation for {self.peer_id!r} cancelled"))
+            return True
+
+    def _end(self, state: str, error: BaseException | None) -> None:
+        self._state = state
+        self._error = error
+        self._ended.set()
+
+    def _wait_ended(self, timeout: float) -> bool:
+        return self._ended.wait(timeout)
