@@ -8,9 +8,29 @@ import asyncio
 from decode_node.service import DecodeService
 from proto import nodes_pb2, nodes_pb2_grpc
 from splitserve.config import NodeConfig
-from splitserve.serving import serve_node
+from splitserve.serving import serve_node, transfer_paths
 
 SERVICE_NAME = nodes_pb2.DESCRIPTOR.services_by_name["DecodeNode"].full_name
+
+
+def make_service(engine, identity, config: NodeConfig, address: str) -> DecodeService:
+    import uuid
+
+    from transfer import DIST, IPC, KVReceiver
+
+    paths = transfer_paths(config)
+    receiver = None
+    if len(paths) > 1:
+        # A new id per process life: a sender still holding a restarted node's old pool mapping
+        # or pair group never mistakes it for this one.
+        receiver = KVReceiver(
+            engine.engine.runner.kv_pool,
+            f"{address}#{uuid.uuid4().hex[:8]}",
+            ipc=False if IPC not in paths else None,
+            dist=DIST in paths,
+            dist_host=config.advertised_host() if DIST in paths else None,
+        )
+    return DecodeService(engine, identity, config.transfer_deadline_s, receiver=receiver)
 
 
 def serve(config: NodeConfig) -> None:
@@ -18,7 +38,7 @@ def serve(config: NodeConfig) -> None:
         serve_node(
             config,
             "decode",
-            lambda engine, identity, cfg: DecodeService(engine, identity, cfg.transfer_deadline_s),
+            make_service,
             nodes_pb2_grpc.add_DecodeNodeServicer_to_server,
             SERVICE_NAME,
         )

@@ -26,6 +26,7 @@ from models.sampler import SamplingParams
 from proto import nodes_pb2, nodes_pb2_grpc
 from splitserve.metrics import LoadFigures
 from splitserve.protocol import sampling_from_proto
+from transfer import TransferError as TransferLayerError
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,9 @@ class TransferError(Exception):
 
 
 class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
-    def __init__(self, engine: AsyncEngine, identity: ModelIdentity, deadline_s: float) -> None:
+    def __init__(
+        self, engine: AsyncEngine, identity: ModelIdentity, deadline_s: float, receiver=None
+    ) -> None:
         self.engine = engine
         self.identity = identity
         self.root = identity.root_hash
@@ -66,6 +69,8 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
         # transfer of the same prefix waits for it and then reuses the blocks, rather than
         # having the same bytes shipped again (a burst of prompts with a new shared prefix).
         self._receiving: dict[bytes, asyncio.Future] = {}
+        # KV transfer layer (transfer.KVReceiver): the ipc/dist paths this node offers senders.
+        self.receiver = receiver
         self.draining = False  # set on SIGTERM: new transfers are refused, accepted ones finish
         self._transfers = 0  # TransferKV calls in flight
 
@@ -94,7 +99,8 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
                     await asyncio.wait_for(self._freed.wait(), 0.1)
 
     async def close(self) -> None:
-        pass
+        if self.receiver is not None:
+            await asyncio.to_thread(self.receiver.shutdown)
 
     def load(self) -> LoadFigures:
         engine = self.engine.engine
@@ -152,11 +158,21 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
                 if hashes[i] not in self._receiving:
                     self._receiving[hashes[i]] = receiving
                     claimed.append(hashes[i])
-            yield nodes_pb2.TransferReply(missing=missing)
-            staged = await self._receive(request_iterator, set(missing), has_tail)
-            await self.engine.call(
-                self._commit, rid, list(header.block_hashes), len(prompt), missing, staged
+            res = await self._reserve_in_layer(header, rid, missing, has_tail, len(hashes))
+            yield nodes_pb2.TransferReply(
+                missing=missing, ticket=res.ticket.to_bytes() if res is not None else b""
             )
+            if res is None:
+                staged = await self._receive(request_iterator, set(missing), has_tail)
+                await self.engine.call(
+                    self._commit, rid, list(header.block_hashes), len(prompt), missing, staged
+                )
+                nbytes = sum(len(d) for d in staged.values())
+            else:
+                await self._receive_through_layer(res, request_iterator, context)
+                await self.engine.call(self._register, rid, hashes)
+                nbytes = len(res.block_ids) * self.block_nbytes
+                self.counters[f"transfers_{res.path}"] += 1
             reused = len(header.block_hashes) - len(missing)
             self.pending[rid] = Pending(
                 prompt,
@@ -168,7 +184,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
             self.counters["transfers"] += 1
             self.counters["blocks_adopted"] += len(missing)
             self.counters["blocks_reused"] += reused
-            self.counters["bytes_received"] += sum(len(d) for d in staged.values())
+            self.counters["bytes_received"] += nbytes
             yield nodes_pb2.TransferReply(done=True, blocks_reused=reused)
         except TransferError as exc:
             self.counters["transfers_failed"] += 1
@@ -204,6 +220,59 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                     "deadline passed waiting for another transfer of the same blocks",
                 )
+
+    async def _reserve_in_layer(self, header, rid, missing, has_tail, num_full):
+        """For a sender that asked for the ipc/dist path to this very node: reserve the
+        destination blocks in the transfer layer (its ticket goes back in the reply). ``None``:
+        the blocks come as BlockData on this stream."""
+        if self.receiver is None or not header.transfer_path:
+            return None
+        if header.receiver_id != self.receiver.node_id:
+            self.counters["transfers_declined_stale_endpoint"] += 1
+            return None
+        ids = await self.engine.call(self._dest_ids, rid, missing, has_tail, num_full)
+        try:
+            return self.receiver.reserve(header.sender_id, ids, header.transfer_path)
+        except (TransferLayerError, ValueError) as exc:
+            logger.info(
+                "%s transfer from %s declined: %s", header.transfer_path, header.sender_id, exc
+            )
+            return None
+
+    def _dest_ids(self, rid: str, missing: list[int], has_tail: bool, num_full: int) -> list[int]:
+        """Engine thread: the block ids the sender writes, in the order of its source ids."""
+        blocks = self.engine.engine.kv.req_to_blocks[rid]
+        ids = [blocks[i].block_id for i in missing]
+        if has_tail:
+            ids.append(blocks[num_full].block_id)
+        return ids
+
+    async def _receive_through_layer(self, res, request_iterator, context) -> None:
+        """Wait for the sender's data (dist: until it is in the pool; ipc: the sender copies,
+        then sends TransferEnd), then mark the reservation complete. On any failure the
+        reservation is cancelled: nothing of it is ever registered."""
+        bad = grpc.StatusCode.INVALID_ARGUMENT
+        try:
+            if res.path == "dist":
+                remaining = context.time_remaining() or self.deadline_s
+                try:
+                    await asyncio.to_thread(self.receiver.receive, res, remaining)
+                except TransferLayerError as exc:
+                    raise TransferError(
+                        grpc.StatusCode.UNAVAILABLE, f"dist transfer: {exc}"
+                    ) from None
+            end = await anext(request_iterator, None)
+            if end is None or end.WhichOneof("kind") != "end":
+                raise TransferError(bad, f"expected TransferEnd after the {res.path} transfer")
+            if res.path != "dist":
+                self.receiver.complete(res)
+        except BaseException:
+            self.receiver.cancel(res)
+            raise
+
+    def _register(self, rid: str, hashes: list[bytes]) -> None:
+        """Engine thread: the layer wrote the blocks; register their hashes."""
+        self.engine.engine.kv.cache_blocks(rid, hashes, len(hashes) * self.block_size)
 
     async def _free(self, rid: str) -> None:
         await self.engine.call(self.engine.engine.kv.free, rid)
@@ -411,4 +480,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
             waiting=len(engine.waiting),
             pending_transfers=len(self.pending),
             counters=self.all_counters(),
+            transfer_endpoint=(
+                self.receiver.endpoint().to_bytes() if self.receiver is not None else b""
+            ),
         )

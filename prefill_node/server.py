@@ -8,9 +8,19 @@ import asyncio
 from prefill_node.service import PrefillService
 from proto import nodes_pb2, nodes_pb2_grpc
 from splitserve.config import NodeConfig
-from splitserve.serving import serve_node
+from splitserve.serving import serve_node, transfer_paths
 
 SERVICE_NAME = nodes_pb2.DESCRIPTOR.services_by_name["PrefillNode"].full_name
+
+
+def make_service(engine, identity, config: NodeConfig, address: str) -> PrefillService:
+    from transfer import KVSender
+
+    paths = transfer_paths(config)
+    sender = None
+    if len(paths) > 1:
+        sender = KVSender(engine.engine.runner.kv_pool, address, paths=paths)
+    return PrefillService(engine, identity, config.transfer_deadline_s, sender=sender)
 
 
 def serve(config: NodeConfig) -> None:
@@ -18,7 +28,7 @@ def serve(config: NodeConfig) -> None:
         serve_node(
             config,
             "prefill",
-            lambda engine, identity, cfg: PrefillService(engine, identity, cfg.transfer_deadline_s),
+            make_service,
             nodes_pb2_grpc.add_PrefillNodeServicer_to_server,
             SERVICE_NAME,
         )

@@ -5,6 +5,7 @@ partial tail block into the chosen decode node — only the blocks that node lac
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -21,6 +22,7 @@ from proto import nodes_pb2, nodes_pb2_grpc
 from splitserve.metrics import LoadFigures
 from splitserve.protocol import sampling_from_proto
 from splitserve.serving import CHANNEL_OPTIONS
+from transfer import TransferError as TransferLayerError
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +43,9 @@ class _ShipError(Exception):
 
 
 class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
-    def __init__(self, engine: AsyncEngine, identity: ModelIdentity, deadline_s: float) -> None:
+    def __init__(
+        self, engine: AsyncEngine, identity: ModelIdentity, deadline_s: float, sender=None
+    ) -> None:
         self.engine = engine
         self.identity = identity
         self.root = identity.root_hash
@@ -52,6 +56,9 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.counters: Counter[str] = Counter()
         self._fetching: dict[bytes, asyncio.Future] = {}  # last hash of a run → its fetch
+        # KV transfer layer (transfer.KVSender): ipc/dist paths to decode nodes that offer them.
+        self.sender = sender
+        self._endpoints: dict[str, bytes] = {}  # decode address → its transfer.Endpoint bytes
         self.draining = False  # set on SIGTERM: new prefills are refused, in-flight ones finish
         self._active = 0  # Prefill calls in flight
         self._idle = asyncio.Event()
@@ -74,6 +81,8 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
     async def close(self) -> None:
         for channel in self.channels.values():
             await channel.close()
+        if self.sender is not None:
+            await asyncio.to_thread(self.sender.close_all)
 
     def load(self) -> LoadFigures:
         engine = self.engine.engine
@@ -167,9 +176,51 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
             # The blocks stay cached here as prefix for later prompts (LRU).
             await self.engine.call(core.abort, rid)
 
+    async def _transfer_path(self, decode_address: str) -> tuple[str, str]:
+        """(path, receiver id) to ``decode_address`` through the transfer layer: ("", "") for
+        the gRPC byte stream (no layer, the node offers nothing better, or setting up failed)."""
+        if self.sender is None:
+            return "", ""
+        endpoint = self._endpoints.get(decode_address)
+        if endpoint is None:
+            try:
+                stats = await self._stub(decode_address).GetStats(
+                    nodes_pb2.StatsRequest(), timeout=5.0
+                )
+            except grpc.aio.AioRpcError:
+                return "", ""
+            endpoint = self._endpoints[decode_address] = stats.transfer_endpoint
+        if not endpoint:
+            return "", ""
+        try:
+            path = await asyncio.to_thread(self.sender.connect, endpoint)
+        except Exception as exc:
+            logger.warning("kv transfer to %s: %s; sending gRPC bytes", decode_address, exc)
+            self._endpoints.pop(decode_address, None)
+            return "", ""
+        if path == "grpc":
+            return "", ""
+        from transfer import Endpoint
+
+        return path, Endpoint.from_bytes(endpoint).node_id
+
+    async def _send_through_layer(self, ticket: bytes, src: list[int], timeout: float) -> int:
+        """Move the blocks with the transfer layer; the copy is never left running behind a
+        closed stream (ipc writes straight into the decode node's blocks)."""
+        sending = asyncio.ensure_future(
+            asyncio.to_thread(self.sender.send, ticket, src, timeout=timeout)
+        )
+        try:
+            return await asyncio.shield(sending)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await sending
+            raise
+
     async def _ship(self, request, req, first_token: int, response, context) -> None:
         """Ship the prompt's KV into the decode node; fills the transfer figures of response."""
         hashes = list(req.block_hashes[: len(req.prompt_token_ids) // self.block_size])
+        path, receiver_id = await self._transfer_path(request.decode_address)
         header = nodes_pb2.TransferHeader(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
@@ -180,6 +231,9 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
             cache_salt=request.cache_salt,
             block_nbytes=self.block_nbytes,
             deadline_s=self.deadline_s,
+            sender_id=self.sender.node_id if self.sender is not None else "",
+            transfer_path=path,
+            receiver_id=receiver_id,
         )
         block_ids = self.engine.engine.kv.get_block_ids(req.request_id)
         has_tail = len(req.prompt_token_ids) % self.block_size != 0
@@ -201,9 +255,27 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
                     grpc.StatusCode.UNAVAILABLE, None, None, "decode node closed the transfer"
                 )
             missing = list(reply.missing)
-            runs = [(run, False) for run in batch_indices(missing, self.block_nbytes)]
-            if has_tail:
-                runs.append(([-1], True))
+            if reply.ticket:
+                src = [block_ids[i] for i in missing]
+                if has_tail:
+                    src.append(block_ids[len(hashes)])
+                try:
+                    nbytes = await self._send_through_layer(
+                        reply.ticket, src, timeout or self.deadline_s
+                    )
+                except (TransferLayerError, ValueError) as exc:
+                    self._endpoints.pop(request.decode_address, None)
+                    raise _ShipError(
+                        grpc.StatusCode.UNAVAILABLE, f"{path} transfer failed: {exc}"
+                    ) from None
+                self.counters[f"transfers_{path}"] += 1
+                runs = []
+            else:
+                if path:  # the decode node declined (it restarted?): look it up afresh next time
+                    self._endpoints.pop(request.decode_address, None)
+                runs = [(run, False) for run in batch_indices(missing, self.block_nbytes)]
+                if has_tail:
+                    runs.append(([-1], True))
             for run, tail in runs:
                 ids = [block_ids[len(hashes)]] if tail else [block_ids[i] for i in run]
                 data = await self.engine.call(self._read_blocks, ids)
@@ -219,7 +291,7 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
                 raise grpc.aio.AioRpcError(
                     grpc.StatusCode.INTERNAL, None, None, "decode node did not confirm the transfer"
                 )
-        except grpc.aio.AioRpcError as exc:
+        except (grpc.aio.AioRpcError, _ShipError) as exc:
             outbox.put_nowait(None)  # end the request stream before cancelling the call
             call.cancel()
             self.counters["transfers_failed"] += 1

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto import common_pb2 as proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11proto/nodes.proto\x12\rsplitserve.v1\x1a\x12proto/common.proto\"\xc6\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x05 \x01(\t\x12\x14\n\x0cpeer_address\x18\x06 \x01(\t\x12\x13\n\x0bpeer_blocks\x18\x07 \x01(\r\"\xcc\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x15\n\rfirst_logprob\x18\x02 \x01(\x02\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x16\n\x0e\x62locks_shipped\x18\x05 \x01(\r\x12\x15\n\rblocks_reused\x18\x06 \x01(\r\x12\x15\n\rbytes_shipped\x18\x07 \x01(\x04\x12\x16\n\x0e\x62locks_fetched\x18\x08 \x01(\r\"S\n\x0c\x46\x65tchRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x17\n\x0fmodel_root_hash\x18\x02 \x01(\x0c\x12\x14\n\x0c\x62lock_nbytes\x18\x03 \x01(\r\"\xa1\x01\n\x0fTransferMessage\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1d.splitserve.v1.TransferHeaderH\x00\x12*\n\x06\x62locks\x18\x02 \x01(\x0b\x32\x18.splitserve.v1.BlockDataH\x00\x12)\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x1a.splitserve.v1.TransferEndH\x00\x42\x06\n\x04kind\"\xf4\x01\n\x0eTransferHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x17\n\x0fmodel_root_hash\x18\x05 \x01(\x0c\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x14\n\x0c\x62lock_nbytes\x18\x08 \x01(\r\x12\x12\n\ndeadline_s\x18\t \x01(\x01\"\'\n\tBlockData\x12\x0c\n\x04meta\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\r\n\x0bTransferEnd\"E\n\rTransferReply\x12\x0f\n\x07missing\x18\x01 \x03(\r\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x12\x15\n\rblocks_reused\x18\x03 \x01(\r\"#\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"L\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\"\x0e\n\x0cStatsRequest\"\xda\x02\n\tNodeStats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x04 \x01(\r\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\x19\n\x11pending_transfers\x18\x07 \x01(\r\x12\x38\n\x08\x63ounters\x18\x08 \x03(\x0b\x32&.splitserve.v1.NodeStats.CountersEntry\x12\x17\n\x0fmodel_root_hash\x18\t \x01(\x0c\x12\x16\n\x0emodel_identity\x18\n \x01(\t\x12\x1e\n\x16prefill_tokens_waiting\x18\x0b \x01(\x04\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xe2\x01\n\x0bPrefillNode\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12\x46\n\x0b\x46\x65tchBlocks\x12\x1b.splitserve.v1.FetchRequest\x1a\x18.splitserve.v1.BlockData0\x01\x12\x41\n\x08GetStats\x12\x1b.splitserve.v1.StatsRequest\x1a\x18.splitserve.v1.NodeStats2\xe8\x01\n\nDecodeNode\x12N\n\nTransferKV\x12\x1e.splitserve.v1.TransferMessage\x1a\x1c.splitserve.v1.TransferReply(\x01\x30\x01\x12G\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x1d.splitserve.v1.DecodeResponse0\x01\x12\x41\n\x08GetStats\x12\x1b.splitserve.v1.StatsRequest\x1a\x18.splitserve.v1.NodeStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11proto/nodes.proto\x12\rsplitserve.v1\x1a\x12proto/common.proto\"\xc6\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x05 \x01(\t\x12\x14\n\x0cpeer_address\x18\x06 \x01(\t\x12\x13\n\x0bpeer_blocks\x18\x07 \x01(\r\"\xcc\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x15\n\rfirst_logprob\x18\x02 \x01(\x02\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x16\n\x0e\x62locks_shipped\x18\x05 \x01(\r\x12\x15\n\rblocks_reused\x18\x06 \x01(\r\x12\x15\n\rbytes_shipped\x18\x07 \x01(\x04\x12\x16\n\x0e\x62locks_fetched\x18\x08 \x01(\r\"S\n\x0c\x46\x65tchRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x17\n\x0fmodel_root_hash\x18\x02 \x01(\x0c\x12\x14\n\x0c\x62lock_nbytes\x18\x03 \x01(\r\"\xa1\x01\n\x0fTransferMessage\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1d.splitserve.v1.TransferHeaderH\x00\x12*\n\x06\x62locks\x18\x02 \x01(\x0b\x32\x18.splitserve.v1.BlockDataH\x00\x12)\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x1a.splitserve.v1.TransferEndH\x00\x42\x06\n\x04kind\"\xb3\x02\n\x0eTransferHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x17\n\x0fmodel_root_hash\x18\x05 \x01(\x0c\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x14\n\x0c\x62lock_nbytes\x18\x08 \x01(\r\x12\x12\n\ndeadline_s\x18\t \x01(\x01\x12\x11\n\tsender_id\x18\n \x01(\t\x12\x15\n\rtransfer_path\x18\x0b \x01(\t\x12\x13\n\x0breceiver_id\x18\x0c \x01(\t\"\'\n\tBlockData\x12\x0c\n\x04meta\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\r\n\x0bTransferEnd\"U\n\rTransferReply\x12\x0f\n\x07missing\x18\x01 \x03(\r\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x12\x15\n\rblocks_reused\x18\x03 \x01(\r\x12\x0e\n\x06ticket\x18\x04 \x01(\x0c\"#\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"L\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\"\x0e\n\x0cStatsRequest\"\xf5\x02\n\tNodeStats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x04 \x01(\r\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\x19\n\x11pending_transfers\x18\x07 \x01(\r\x12\x38\n\x08\x63ounters\x18\x08 \x03(\x0b\x32&.splitserve.v1.NodeStats.CountersEntry\x12\x17\n\x0fmodel_root_hash\x18\t \x01(\x0c\x12\x16\n\x0emodel_identity\x18\n \x01(\t\x12\x1e\n\x16prefill_tokens_waiting\x18\x0b \x01(\x04\x12\x19\n\x11transfer_endpoint\x18\x0c \x01(\x0c\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xe2\x01\n\x0bPrefillNode\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12\x46\n\x0b\x46\x65tchBlocks\x12\x1b.splitserve.v1.FetchRequest\x1a\x18.splitserve.v1.BlockData0\x01\x12\x41\n\x08GetStats\x12\x1b.splitserve.v1.StatsRequest\x1a\x18.splitserve.v1.NodeStats2\xe8\x01\n\nDecodeNode\x12N\n\nTransferKV\x12\x1e.splitserve.v1.TransferMessage\x1a\x1c.splitserve.v1.TransferReply(\x01\x30\x01\x12G\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x1d.splitserve.v1.DecodeResponse0\x01\x12\x41\n\x08GetStats\x12\x1b.splitserve.v1.StatsRequest\x1a\x18.splitserve.v1.NodeStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,25 +43,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRANSFERMESSAGE']._serialized_start=550
   _globals['_TRANSFERMESSAGE']._serialized_end=711
   _globals['_TRANSFERHEADER']._serialized_start=714
-  _globals['_TRANSFERHEADER']._serialized_end=958
-  _globals['_BLOCKDATA']._serialized_start=960
-  _globals['_BLOCKDATA']._serialized_end=999
-  _globals['_TRANSFEREND']._serialized_start=1001
-  _globals['_TRANSFEREND']._serialized_end=1014
-  _globals['_TRANSFERREPLY']._serialized_start=1016
-  _globals['_TRANSFERREPLY']._serialized_end=1085
-  _globals['_DECODEREQUEST']._serialized_start=1087
-  _globals['_DECODEREQUEST']._serialized_end=1122
-  _globals['_DECODERESPONSE']._serialized_start=1124
-  _globals['_DECODERESPONSE']._serialized_end=1200
-  _globals['_STATSREQUEST']._serialized_start=1202
-  _globals['_STATSREQUEST']._serialized_end=1216
-  _globals['_NODESTATS']._serialized_start=1219
-  _globals['_NODESTATS']._serialized_end=1565
-  _globals['_NODESTATS_COUNTERSENTRY']._serialized_start=1518
-  _globals['_NODESTATS_COUNTERSENTRY']._serialized_end=1565
-  _globals['_PREFILLNODE']._serialized_start=1568
-  _globals['_PREFILLNODE']._serialized_end=1794
-  _globals['_DECODENODE']._serialized_start=1797
-  _globals['_DECODENODE']._serialized_end=2029
+  _globals['_TRANSFERHEADER']._serialized_end=1021
+  _globals['_BLOCKDATA']._serialized_start=1023
+  _globals['_BLOCKDATA']._serialized_end=1062
+  _globals['_TRANSFEREND']._serialized_start=1064
+  _globals['_TRANSFEREND']._serialized_end=1077
+  _globals['_TRANSFERREPLY']._serialized_start=1079
+  _globals['_TRANSFERREPLY']._serialized_end=1164
+  _globals['_DECODEREQUEST']._serialized_start=1166
+  _globals['_DECODEREQUEST']._serialized_end=1201
+  _globals['_DECODERESPONSE']._serialized_start=1203
+  _globals['_DECODERESPONSE']._serialized_end=1279
+  _globals['_STATSREQUEST']._serialized_start=1281
+  _globals['_STATSREQUEST']._serialized_end=1295
+  _globals['_NODESTATS']._serialized_start=1298
+  _globals['_NODESTATS']._serialized_end=1671
+  _globals['_NODESTATS_COUNTERSENTRY']._serialized_start=1624
+  _globals['_NODESTATS_COUNTERSENTRY']._serialized_end=1671
+  _globals['_PREFILLNODE']._serialized_start=1674
+  _globals['_PREFILLNODE']._serialized_end=1900
+  _globals['_DECODENODE']._serialized_start=1903
+  _globals['_DECODENODE']._serialized_end=2135
 # @@protoc_insertion_point(module_scope)

@@ -66,7 +66,7 @@ class TransferMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[TransferHeader, _Mapping]] = ..., blocks: _Optional[_Union[BlockData, _Mapping]] = ..., end: _Optional[_Union[TransferEnd, _Mapping]] = ...) -> None: ...
 
 class TransferHeader(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "block_hashes", "model_root_hash", "sampling", "cache_salt", "block_nbytes", "deadline_s")
+    __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "block_hashes", "model_root_hash", "sampling", "cache_salt", "block_nbytes", "deadline_s", "sender_id", "transfer_path", "receiver_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,9 @@ class TransferHeader(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_NBYTES_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    SENDER_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_PATH_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token_id: int
@@ -85,7 +88,10 @@ class TransferHeader(_message.Message):
     cache_salt: str
     block_nbytes: int
     deadline_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., model_root_hash: _Optional[bytes] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., block_nbytes: _Optional[int] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+    sender_id: str
+    transfer_path: str
+    receiver_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., model_root_hash: _Optional[bytes] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., block_nbytes: _Optional[int] = ..., deadline_s: _Optional[float] = ..., sender_id: _Optional[str] = ..., transfer_path: _Optional[str] = ..., receiver_id: _Optional[str] = ...) -> None: ...
 
 class BlockData(_message.Message):
     __slots__ = ("meta", "data")
@@ -100,14 +106,16 @@ class TransferEnd(_message.Message):
     def __init__(self) -> None: ...
 
 class TransferReply(_message.Message):
-    __slots__ = ("missing", "done", "blocks_reused")
+    __slots__ = ("missing", "done", "blocks_reused", "ticket")
     MISSING_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_REUSED_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     missing: _containers.RepeatedScalarFieldContainer[int]
     done: bool
     blocks_reused: int
-    def __init__(self, missing: _Optional[_Iterable[int]] = ..., done: _Optional[bool] = ..., blocks_reused: _Optional[int] = ...) -> None: ...
+    ticket: bytes
+    def __init__(self, missing: _Optional[_Iterable[int]] = ..., done: _Optional[bool] = ..., blocks_reused: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -130,7 +138,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStats(_message.Message):
-    __slots__ = ("role", "num_blocks", "num_free_blocks", "num_cached_blocks", "running", "waiting", "pending_transfers", "counters", "model_root_hash", "model_identity", "prefill_tokens_waiting")
+    __slots__ = ("role", "num_blocks", "num_free_blocks", "num_cached_blocks", "running", "waiting", "pending_transfers", "counters", "model_root_hash", "model_identity", "prefill_tokens_waiting", "transfer_endpoint")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +157,7 @@ class NodeStats(_message.Message):
     MODEL_ROOT_HASH_FIELD_NUMBER: _ClassVar[int]
     MODEL_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_WAITING_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_blocks: int
     num_free_blocks: int
@@ -160,4 +169,5 @@ class NodeStats(_message.Message):
     model_root_hash: bytes
     model_identity: str
     prefill_tokens_waiting: int
-    def __init__(self, role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., pending_transfers: _Optional[int] = ..., counters: _Optional[_Mapping[str, float]] = ..., model_root_hash: _Optional[bytes] = ..., model_identity: _Optional[str] = ..., prefill_tokens_waiting: _Optional[int] = ...) -> None: ...
+    transfer_endpoint: bytes
+    def __init__(self, role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., pending_transfers: _Optional[int] = ..., counters: _Optional[_Mapping[str, float]] = ..., model_root_hash: _Optional[bytes] = ..., model_identity: _Optional[str] = ..., prefill_tokens_waiting: _Optional[int] = ..., transfer_endpoint: _Optional[bytes] = ...) -> None: ...

@@ -266,6 +266,7 @@ _NODE_FLAGS = (  # argparse dest -> NodeConfig field; unset flags keep NodeConfi
     "advertise_host",
     "drain_timeout_s",
     "metrics_port",
+    "kv_transfer",
 )
 
 
@@ -281,6 +282,13 @@ def cmd_node(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     config = NodeConfig(model_path=_model_path(args), **given)
+    try:
+        from splitserve.serving import transfer_paths
+
+        transfer_paths(config)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.command == "prefill":
         from prefill_node.server import serve
     else:
@@ -470,6 +478,12 @@ def build_parser() -> argparse.ArgumentParser:
             "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on it"
         )
         p.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
+        p.add_argument(
+            "--kv-transfer",
+            default=None,
+            help="KV transfer paths besides gRPC bytes, comma-separated: ipc (same host, CUDA; "
+            "the default), dist (torch.distributed), or none",
+        )
         p.add_argument("--dtype", default=None, help="default: the checkpoint's")
         p.add_argument("--kv-cache-mb", type=int, default=None, help="CPU KV cache size")
         p.add_argument("--gpu-memory-utilization", type=float, default=None)

@@ -45,6 +45,9 @@ class NodeConfig:
     # SIGTERM: stop taking work, let in-flight requests finish for up to this long, then exit.
     drain_timeout_s: float = 30.0
     metrics_port: int | None = None  # Prometheus /metrics on this port (0: any free one)
+    # KV transfer paths this node may use besides the gRPC byte stream (always available):
+    # "ipc" (same host, CUDA), "dist" (torch.distributed: NCCL on GPUs, gloo on CPU).
+    kv_transfer: str = "ipc"
 
     @property
     def address(self) -> str:

@@ -188,9 +188,10 @@ def index_publisher(
 async def serve_node(config: NodeConfig, role: str, make_service, add_servicer, service_name: str):
     """Run one prefill or decode node until SIGTERM/SIGINT, then drain it.
 
-    ``make_service(engine, identity, config)`` builds the servicer; it provides ``draining``,
-    ``drain(timeout_s)``, ``load()`` (LoadFigures), ``all_counters()``, ``background()`` (coroutines
-    to run while serving) and ``close()``.
+    ``make_service(engine, identity, config, address)`` builds the servicer (``address``: the
+    node's advertised host:port, its id in Redis). The servicer provides ``draining``,
+    ``drain(timeout_s)``, ``load()`` (LoadFigures), ``all_counters()``, ``background()``
+    (coroutines to run while serving) and ``close()``.
 
     Drain: health NOT_SERVING, the node leaves the registry and withdraws its index entries (no
     router sends it new work), new work is refused with UNAVAILABLE (the router retries
@@ -202,10 +203,10 @@ async def serve_node(config: NodeConfig, role: str, make_service, add_servicer, 
 
     loop_engine = AsyncEngine(engine)
     loop_engine.start()
-    service = make_service(loop_engine, identity, config)
     server = Server(config.host, config.port, [service_name])
-    add_servicer(service, server.server)
     address = f"{config.advertised_host()}:{server.port}"
+    service = make_service(loop_engine, identity, config, address)
+    add_servicer(service, server.server)
     if config.metrics_port is not None:
         from prometheus_client import CollectorRegistry
 
@@ -240,3 +241,18 @@ async def serve_node(config: NodeConfig, role: str, make_service, add_servicer, 
         await service.close()
 
     await server.run(config.port_file, on_stop, drain=drain)
+
+
+def transfer_paths(config: NodeConfig) -> tuple[str, ...]:
+    """The KV transfer paths a node may use (``--kv-transfer``); gRPC bytes always remain."""
+    from transfer import DIST, GRPC, IPC
+
+    names = [p.strip() for p in config.kv_transfer.split(",") if p.strip()]
+    if names == ["none"]:
+        return (GRPC,)
+    unknown = set(names) - {IPC, DIST, GRPC}
+    if unknown:
+        raise ValueError(f"--kv-transfer: unknown path(s) {sorted(unknown)}; use ipc, dist or none")
+    if not config.device.startswith("cuda"):
+        names = [p for p in names if p != IPC]  # ipc maps CUDA memory only
+    return (*[p for p in (IPC, DIST) if p in names], GRPC)
