@@ -25,6 +25,7 @@ blocks (8 GiB).
 from __future__ import annotations
 
 import argparse
+import array
 import asyncio
 import os
 import random
@@ -98,8 +99,10 @@ async def _grpc_serve(conn, pool: torch.Tensor) -> None:
             torch.cuda.synchronize(pool.device)
 
     async def ship(request_iterator, context):
-        metadata = dict(context.invocation_metadata())
-        dst = [int(x) for x in metadata["dst"].split(",")]
+        # The first message names the destination ids (little-endian int32; too many for
+        # gRPC metadata at 4096 blocks), the others carry codec batches.
+        first = await anext(request_iterator)
+        dst = array.array("i", first.data).tolist()
         staged: dict[int, bytes] = {}
         async for msg in request_iterator:
             batch = await asyncio.to_thread(decode_blocks, msg.meta, msg.data, nbytes)
@@ -146,6 +149,7 @@ async def grpc_ship(channel, pool: torch.Tensor, src: list[int], dst: list[int])
     nbytes = block_nbytes(pool)
 
     async def messages():
+        yield nodes_pb2.BlockData(data=array.array("i", dst).tobytes())
         for run in batch_indices(range(len(src)), nbytes):
             data = await asyncio.to_thread(read_blocks_bytes, pool, [src[i] for i in run])
             meta, data = await asyncio.to_thread(encode_blocks, run, data)
@@ -156,7 +160,7 @@ async def grpc_ship(channel, pool: torch.Tensor, src: list[int], dst: list[int])
         request_serializer=nodes_pb2.BlockData.SerializeToString,
         response_deserializer=lambda b: b,
     )
-    await call(messages(), metadata=(("dst", ",".join(map(str, dst))),))
+    await call(messages())
 
 
 # ---------------------------------------------------------------------------- cases

@@ -27,6 +27,35 @@ from transfer import TransferError as TransferLayerError
 logger = logging.getLogger(__name__)
 
 MIN_FETCH_BLOCKS = 2  # fewer than this: computing is cheaper than a round trip to a peer
+# Until measured here: the gRPC block stream moved 0.21-0.24 GB/s on an H200 host
+# (benchmarks/transfer.py), and a GPU prefill runs at ~300 TFLOP/s (2 FLOPs/parameter/token).
+FETCH_RATE_PRIOR = 0.25e9  # bytes/s
+GPU_PREFILL_FLOPS_PRIOR = 300e12
+FETCH_LATENCY_S = 0.002  # a round trip and the adoption, whatever the size
+RATE_SAMPLE_MIN_TOKENS = 256  # smaller prefills say more about overheads than about speed
+
+
+def worth_fetching(
+    num_blocks: int,
+    block_nbytes: int,
+    block_size: int,
+    fetch_rate: float,
+    compute_rate: float | None,
+) -> bool:
+    """Fetching ``num_blocks`` from a peer beats computing their tokens here, by the estimated
+    times (``fetch_rate`` bytes/s; ``compute_rate`` prefill tokens/s, None: unknown → fetch)."""
+    if num_blocks < MIN_FETCH_BLOCKS:
+        return False
+    if compute_rate is None:
+        return True
+    fetch_s = FETCH_LATENCY_S + num_blocks * block_nbytes / fetch_rate
+    return fetch_s < num_blocks * block_size / compute_rate
+
+
+def _ema(old: float | None, sample: float, weight: float = 0.5) -> float:
+    return sample if old is None else (1 - weight) * old + weight * sample
+
+
 FETCH_TIMEOUT_S = 10.0
 
 
@@ -56,6 +85,13 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.counters: Counter[str] = Counter()
         self._fetching: dict[bytes, asyncio.Future] = {}  # last hash of a run → its fetch
+        # Fetch or compute a peer's prefix: by measured rates (priors until measured).
+        self.fetch_rate = FETCH_RATE_PRIOR
+        runner = engine.engine.runner
+        self.compute_rate: float | None = None
+        if runner.device.type == "cuda":
+            params = sum(p.numel() for p in runner.model.parameters())
+            self.compute_rate = GPU_PREFILL_FLOPS_PRIOR / (2 * params)
         # KV transfer layer (transfer.KVSender): ipc/dist paths to decode nodes that offer them.
         self.sender = sender
         self._endpoints: dict[str, bytes] = {}  # decode address → its transfer.Endpoint bytes
@@ -143,6 +179,7 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
         try:
             try:
                 req = await self.engine.call(core.add_request, rid, prompt, params, salt)
+                started = time.perf_counter()
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
             self.engine.notify()
@@ -155,6 +192,10 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
                 )
                 await context.abort(code, str(out))
             assert isinstance(out, StepOutput)
+            computed = len(prompt) - req.num_cached_tokens
+            if computed >= RATE_SAMPLE_MIN_TOKENS:  # queueing counts too: a cautious estimate
+                sample = computed / max(time.perf_counter() - started, 1e-6)
+                self.compute_rate = _ema(self.compute_rate, sample)
             self.counters["prefills"] += 1
             self.counters["prompt_tokens"] += len(prompt)
             self.counters["cached_tokens"] += req.num_cached_tokens
@@ -341,8 +382,13 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
     async def _fetch_missing(self, request, hashes: list[bytes], context) -> int:
         local = await self.engine.call(self._count_cached, hashes)
         want = hashes[local:]
-        if len(want) < MIN_FETCH_BLOCKS:
+        if not worth_fetching(
+            len(want), self.block_nbytes, self.block_size, self.fetch_rate, self.compute_rate
+        ):
+            if len(want) >= MIN_FETCH_BLOCKS:
+                self.counters["prefix_fetch_skipped_slower"] += 1
             return 0
+        t0 = time.perf_counter()
         got: dict[int, bytes] = {}
         try:
             call = self._peer_stub(request.peer_address).FetchBlocks(
@@ -371,6 +417,9 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
         if n == 0:
             return 0
         adopted = await self.engine.call(self._adopt_fetched, want[:n], [got[i] for i in range(n)])
+        if n * self.block_nbytes >= 1 << 20:  # big enough to say something about the rate
+            sample = n * self.block_nbytes / max(time.perf_counter() - t0 - FETCH_LATENCY_S, 1e-6)
+            self.fetch_rate = _ema(self.fetch_rate, sample)
         self.counters["prefix_blocks_fetched"] += adopted
         return adopted
 

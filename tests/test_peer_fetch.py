@@ -100,3 +100,18 @@ def test_prefix_fetched_from_peer_then_stale_and_dead_peers(setup):
     resp, tokens = _run(p2, d, "e", other, peer_address="127.0.0.1:1", peer_blocks=4)  # dead
     assert resp.blocks_fetched == 0 and tokens == _greedy(hf, other)
     assert _stats(p2).counters["prefix_fetch_failed"] >= 1
+
+
+def test_a_prefix_is_fetched_only_when_that_beats_computing_it():
+    from prefill_node.service import MIN_FETCH_BLOCKS, worth_fetching
+
+    mib = 1 << 20
+    # Unknown compute speed (nothing measured yet, CPU): fetch anything worth a round trip.
+    assert worth_fetching(MIN_FETCH_BLOCKS, 2 * mib, 16, 0.25e9, None)
+    assert not worth_fetching(MIN_FETCH_BLOCKS - 1, 2 * mib, 16, 0.25e9, None)
+    # 230 blocks of an 8B model (480 MB) over a 0.25 GB/s stream take ~1.9 s; a GPU computes
+    # their 3,680 tokens at ~19k tokens/s in ~0.2 s: compute. Over a 300 GB/s path: fetch.
+    assert not worth_fetching(230, 2 * mib, 16, 0.25e9, 19_000)
+    assert worth_fetching(230, 2 * mib, 16, 300e9, 19_000)
+    # A tiny model's blocks (16 KB) on a slow CPU (2k tokens/s): fetching wins.
+    assert worth_fetching(18, 16 << 10, 16, 0.05e9, 2_000)
