@@ -103,15 +103,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
             await asyncio.to_thread(self.receiver.shutdown)
 
     def load(self) -> LoadFigures:
-        engine = self.engine.engine
-        return LoadFigures(
-            running=len(engine.running),
-            waiting=len(engine.waiting),
-            num_blocks=engine.pool.num_blocks - 1,
-            num_free_blocks=engine.pool.num_free_blocks,
-            prefill_tokens_waiting=engine.pending_prefill_tokens,
-            pending_transfers=len(self.pending),
-        )
+        return LoadFigures.of_engine(self.engine.engine, pending_transfers=len(self.pending))
 
     def all_counters(self) -> dict[str, float]:
         engine = self.engine.engine

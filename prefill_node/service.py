@@ -121,14 +121,7 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
             await asyncio.to_thread(self.sender.close_all)
 
     def load(self) -> LoadFigures:
-        engine = self.engine.engine
-        return LoadFigures(
-            running=len(engine.running),
-            waiting=len(engine.waiting),
-            num_blocks=engine.pool.num_blocks - 1,
-            num_free_blocks=engine.pool.num_free_blocks,
-            prefill_tokens_waiting=engine.pending_prefill_tokens,
-        )
+        return LoadFigures.of_engine(self.engine.engine)
 
     def all_counters(self) -> dict[str, float]:
         return {**self.counters, **_prefix_counters(self.engine.engine), "steps": self.engine.steps}

@@ -185,6 +185,14 @@ class NodeRegistry:
     def decode_stub(self, node: Node) -> nodes_pb2_grpc.DecodeNodeStub:
         return nodes_pb2_grpc.DecodeNodeStub(self.channel(node))
 
+    async def stats(self, node: Node, timeout: float = 2.0) -> nodes_pb2.NodeStats:
+        """The node's GetStats (raises grpc.aio.AioRpcError)."""
+        if node.role == "prefill":
+            stub = nodes_pb2_grpc.PrefillNodeStub(self.channel(node))
+        else:
+            stub = nodes_pb2_grpc.DecodeNodeStub(self.channel(node))
+        return await stub.GetStats(nodes_pb2.StatsRequest(), timeout=timeout)
+
     async def probe(self, node: Node, timeout: float = 1.0) -> bool:
         """True when the node answers grpc.health.v1 Check with SERVING within ``timeout``."""
         stub = health_pb2_grpc.HealthStub(self.channel(node))
@@ -220,12 +228,8 @@ class NodeRegistry:
         if self.expected_identity is None:
             node.verified = True
             return
-        if pool.role == "prefill":
-            stub = nodes_pb2_grpc.PrefillNodeStub(self.channel(node))
-        else:
-            stub = nodes_pb2_grpc.DecodeNodeStub(self.channel(node))
         try:
-            stats = await stub.GetStats(nodes_pb2.StatsRequest(), timeout=2.0)
+            stats = await self.stats(node)
         except grpc.aio.AioRpcError:
             return  # checked again on the next round
         node.verified = True
@@ -292,12 +296,8 @@ class NodeRegistry:
         pairs = [(pool, n) for pool, n in self._all() if not n.rejected]
 
         async def one(pool: NodePool, node: Node):
-            if pool.role == "prefill":
-                stub = nodes_pb2_grpc.PrefillNodeStub(self.channel(node))
-            else:
-                stub = nodes_pb2_grpc.DecodeNodeStub(self.channel(node))
             try:
-                s = await stub.GetStats(nodes_pb2.StatsRequest(), timeout=2.0)
+                s = await self.stats(node)
             except grpc.aio.AioRpcError:
                 return None
             return LoadFigures(

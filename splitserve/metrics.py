@@ -41,6 +41,18 @@ class LoadFigures:
     def kv_usage(self) -> float:
         return 1.0 - self.num_free_blocks / max(self.num_blocks, 1)
 
+    @classmethod
+    def of_engine(cls, engine, pending_transfers: int = 0) -> LoadFigures:
+        """The figures of a live ``models.engine.LLMEngine``."""
+        return cls(
+            running=len(engine.running),
+            waiting=len(engine.waiting),
+            num_blocks=engine.pool.num_blocks - 1,
+            num_free_blocks=engine.pool.num_free_blocks,
+            prefill_tokens_waiting=engine.pending_prefill_tokens,
+            pending_transfers=pending_transfers,
+        )
+
 
 _LOAD_HELP = {
     "running": "Requests being computed",

@@ -7,9 +7,8 @@ import random
 import time
 
 import pytest
-import torch
 from cluster import start_node, start_redis, start_router_discovering
-from transformers import AutoModelForCausalLM, GenerationConfig
+from reference import hf_greedy
 
 from kvstore import ModelIdentity
 from kvstore.redis_index import PrefixIndex
@@ -30,16 +29,6 @@ def model_dir(tmp_path_factory):
         head_dim=64,
         num_attention_heads=2,
     )
-
-
-def hf_greedy(model_dir, prompt, n=6):
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
-    config = GenerationConfig(max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
-    hf.generation_config.eos_token_id = None
-    with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-    return out[0, len(prompt) :].tolist()
 
 
 def live_nodes(redis_url, model_dir):
@@ -76,15 +65,15 @@ def test_prefix_routing_salts_and_outages(model_dir, tmp_path):
         with Client(router.address) as client:
             wait_for(lambda: _ok(client))  # the router has discovered the nodes
             first = client.generate(prompt_token_ids=prompts[0], **GREEDY)
-            assert list(first.token_ids) == hf_greedy(model_dir, prompts[0])
+            assert list(first.token_ids) == hf_greedy(model_dir, prompts[0], 6)
             time.sleep(0.5)  # the prefill node publishes within ~50 ms
             for prompt in prompts[1:]:
                 r = client.generate(prompt_token_ids=prompt, **GREEDY)
                 assert r.usage.cached_tokens >= 96, r.usage  # routed to the caching node
-                assert list(r.token_ids) == hf_greedy(model_dir, prompt)
+                assert list(r.token_ids) == hf_greedy(model_dir, prompt, 6)
             salted = client.generate(prompt_token_ids=prompts[1], cache_salt="tenant-b", **GREEDY)
             assert salted.usage.cached_tokens == 0
-            assert list(salted.token_ids) == hf_greedy(model_dir, prompts[1])
+            assert list(salted.token_ids) == hf_greedy(model_dir, prompts[1], 6)
 
             # Redis goes away: every request still succeeds (routing by load only).
             redis_port = int(redis.address.rsplit(":", 1)[1])
@@ -104,7 +93,7 @@ def test_prefix_routing_salts_and_outages(model_dir, tmp_path):
             holder.popen.kill()
             wait_for(lambda: len(live_nodes(redis.address, model_dir)) == 2, timeout=15)
             r = client.generate(prompt_token_ids=prompts[3], **GREEDY, timeout=60)
-            assert list(r.token_ids) == hf_greedy(model_dir, prompts[3])
+            assert list(r.token_ids) == hf_greedy(model_dir, prompts[3], 6)
     finally:
         for proc in reversed(procs):
             proc.stop()

@@ -7,9 +7,8 @@ import random
 
 import grpc
 import pytest
-import torch
 from cluster import start_node, start_router
-from transformers import AutoModelForCausalLM, GenerationConfig
+from reference import hf_greedy
 
 from models.tiny import write_random_checkpoint
 from proto import nodes_pb2, nodes_pb2_grpc
@@ -21,16 +20,6 @@ def model_dir(tmp_path_factory):
     return write_random_checkpoint(
         tmp_path_factory.mktemp("xfer") / "m", seed=21, with_tokenizer=True, num_hidden_layers=2
     )
-
-
-def hf_greedy(model_dir, prompt, n):
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
-    config = GenerationConfig(max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
-    hf.generation_config.eos_token_id = None
-    with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-    return out[0, len(prompt) :].tolist()
 
 
 def counters(address):
