@@ -93,6 +93,8 @@ class PrefixIndex:
         key = self._blocks_key(node_id)
         async with self.redis.pipeline(transaction=False) as pipe:
             for event in events:
+                if not event.block_hashes:
+                    continue
                 if isinstance(event, BlockStored):
                     pipe.sadd(key, *event.block_hashes)
                 elif isinstance(event, BlockRemoved):
@@ -185,20 +187,30 @@ class PrefixIndex:
         self, node_ids: Sequence[str], block_hashes: Sequence[bytes]
     ) -> dict[str, int]:
         """For each node, how many leading blocks of the chain it holds, in one round trip."""
-        if not node_ids or not block_hashes:
-            return dict.fromkeys(node_ids, 0)
+        return (await self.longest_prefixes_many([(node_ids, block_hashes)]))[0]
+
+    async def longest_prefixes_many(
+        self, queries: Sequence[tuple[Sequence[str], Sequence[bytes]]]
+    ) -> list[dict[str, int]]:
+        """``longest_prefixes`` for several (node ids, block hashes) queries in one round trip."""
         async with self.redis.pipeline(transaction=False) as pipe:
+            for node_ids, block_hashes in queries:
+                if block_hashes:
+                    for node_id in node_ids:
+                        pipe.smismember(self._blocks_key(node_id), list(block_hashes))
+            rows = iter(await pipe.execute() if len(pipe) else [])
+        out = []
+        for node_ids, block_hashes in queries:
+            found = {}
             for node_id in node_ids:
-                pipe.smismember(self._blocks_key(node_id), list(block_hashes))
-            rows = await pipe.execute()
-        out = {}
-        for node_id, flags in zip(node_ids, rows, strict=True):
-            n = 0
-            for flag in flags:
-                if not flag:
-                    break
-                n += 1
-            out[node_id] = n
+                flags = next(rows) if block_hashes else ()
+                n = 0
+                for flag in flags:
+                    if not flag:
+                        break
+                    n += 1
+                found[node_id] = n
+            out.append(found)
         return out
 
 

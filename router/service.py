@@ -60,6 +60,39 @@ class _Prefilled:
     node_request_id: str
 
 
+class _LookupBatcher:
+    """Coalesces the prefix-index lookups of concurrent requests: the first lookup goes out at
+    once; those arriving while it is in flight go together in the next pipeline. A burst of
+    requests then costs a few Redis round trips on one connection instead of one each (and a
+    connection each: the pool would grow to the burst)."""
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self._index = index
+        self._queue: list[tuple[list[str], list[bytes], asyncio.Future]] = []
+        self._flusher: asyncio.Task | None = None
+
+    async def lookup(self, node_ids: list[str], hashes: list[bytes]) -> dict[str, int]:
+        future = asyncio.get_running_loop().create_future()
+        self._queue.append((node_ids, hashes, future))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush())
+        return await future
+
+    async def _flush(self) -> None:
+        while self._queue:
+            batch, self._queue = self._queue, []
+            try:
+                results = await self._index.longest_prefixes_many([(n, h) for n, h, _ in batch])
+            except (RedisError, OSError) as exc:
+                for *_, future in batch:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            for (*_, future), result in zip(batch, results, strict=True):
+                if not future.done():  # the caller may have timed out
+                    future.set_result(result)
+
+
 class RouterService(router_pb2_grpc.RouterServicer):
     def __init__(
         self,
@@ -79,6 +112,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._request_timeout_s = request_timeout_s
         self._background: set[asyncio.Task] = set()
         self._index = index
+        self._lookups = _LookupBatcher(index) if index is not None else None
         self._block_size = block_size
         self._index_ok = True
         self._metrics = metrics or RouterMetrics()
@@ -255,7 +289,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         reg = self._registry
         addresses = [n.address for pool in (reg.prefill, reg.decode) for n in pool.nodes]
         try:
-            cached = await asyncio.wait_for(self._index.longest_prefixes(addresses, hashes), 0.5)
+            cached = await asyncio.wait_for(self._lookups.lookup(addresses, hashes), 0.5)
         except (RedisError, OSError, TimeoutError) as exc:
             if self._index_ok:
                 logger.warning("prefix index unreachable (%s): routing by load only", exc)

@@ -120,3 +120,30 @@ def test_publisher_survives_redis_restart_and_republishes(tmp_path):
         asyncio.run(run())
     finally:
         redis_proc.stop()
+
+
+def test_concurrent_router_lookups_share_round_trips(redis_url):
+    from router.service import _LookupBatcher
+
+    async def run():
+        index = PrefixIndex(redis_url, ROOT)
+        chains = [_chain(4) for _ in range(20)]
+        for i, chain in enumerate(chains):
+            await index.publish("a", [BlockStored(chain[: i % 5])])
+        await index.publish("b", [BlockStored(chains[3])])
+        pipelines = []
+        many = index.longest_prefixes_many
+
+        async def counted(queries):
+            pipelines.append(len(queries))
+            return await many(queries)
+
+        index.longest_prefixes_many = counted
+        batcher = _LookupBatcher(index)
+        got = await asyncio.gather(*(batcher.lookup(["a", "b"], c) for c in chains))
+        assert got == [{"a": i % 5, "b": 4 if i == 3 else 0} for i in range(20)]
+        assert sum(pipelines) == 20 and len(pipelines) <= 3, pipelines  # not one per request
+        assert await batcher.lookup(["a"], []) == {"a": 0}
+        await index.close()
+
+    asyncio.run(run())
