@@ -36,6 +36,7 @@ class Node:
     address: str
     role: str  # "prefill" or "decode"
     in_flight: int = 0
+    queued_tokens: int = 0  # prefill: prompt tokens its in-flight requests must compute there
     down_until: float = 0.0  # clock time before which the node is skipped
     last_error: str = ""
     channel: grpc.aio.Channel | None = field(default=None, repr=False)
@@ -46,6 +47,12 @@ class Node:
 
     def is_up(self, now: float) -> bool:
         return now >= self.down_until
+
+
+def prompt_tokens_to_compute(prompt_tokens: int, cached_blocks: int, block_size: int) -> int:
+    """Tokens a prefill node computes for a prompt of which it caches ``cached_blocks`` leading
+    blocks (at least the last token, whose logits give the first output token)."""
+    return max(prompt_tokens - cached_blocks * block_size, 1)
 
 
 class NodePool:
@@ -73,11 +80,19 @@ class NodePool:
         self._rr = 0
 
     def pick(
-        self, exclude: Collection[Node] = (), cached: Mapping[str, int] | None = None
+        self,
+        exclude: Collection[Node] = (),
+        cached: Mapping[str, int] | None = None,
+        prompt_tokens: int | None = None,
+        block_size: int = 16,
     ) -> Node | None:
         """The up node with the fewest in-flight requests; with ``cached`` (address → leading
         blocks of the prompt the node holds), the one holding the longest prefix among those
-        within ``MAX_IMBALANCE`` of the least loaded. Round robin among ties."""
+        within ``MAX_IMBALANCE`` of the least loaded. Round robin among ties.
+
+        With ``prompt_tokens`` (prefill), the node where the prompt would be computed soonest:
+        least ``queued_tokens`` plus the tokens it would compute for this prompt
+        (``prompt_tokens_to_compute``); fewest in flight, then round robin among ties."""
         now = self._clock()
         candidates = [
             n for n in self.nodes if n not in exclude and not n.rejected and not n.leaving
@@ -87,8 +102,17 @@ class NodePool:
             if not candidates:
                 return None
             return min(candidates, key=lambda n: n.down_until)
+        if prompt_tokens is not None:
+            cached = cached or {}
+            score = {
+                n: n.queued_tokens
+                + prompt_tokens_to_compute(prompt_tokens, cached.get(n.address, 0), block_size)
+                for n in up
+            }
+            best = min(score.values())
+            up = [n for n in up if score[n] == best]
         least = min(n.in_flight for n in up)
-        if cached:
+        if cached and prompt_tokens is None:
             eligible = [n for n in up if n.in_flight <= least + MAX_IMBALANCE]
             best = max(cached.get(n.address, 0) for n in eligible)
             if best > 0:
@@ -118,12 +142,15 @@ class NodePool:
                 logger.info("%s node %s is leaving the registry", self.role, node.address)
                 node.leaving = True
 
-    def acquire(self, node: Node) -> None:
-        """Count one more in-flight request on ``node``; pair every call with ``release``."""
+    def acquire(self, node: Node, tokens: int = 0) -> None:
+        """Count one more in-flight request on ``node`` (and ``tokens`` to compute there); pair
+        every call with ``release`` of the same tokens."""
         node.in_flight += 1
+        node.queued_tokens += tokens
 
-    def release(self, node: Node) -> None:
+    def release(self, node: Node, tokens: int = 0) -> None:
         node.in_flight -= 1
+        node.queued_tokens -= tokens
         assert node.in_flight >= 0, f"{node.address}: released more than acquired"
 
     def mark_down(self, node: Node, reason: str) -> None:

@@ -28,7 +28,7 @@ from kvstore import hash_request_tokens
 from kvstore.redis_index import PrefixIndex
 from proto import common_pb2, nodes_pb2, router_pb2, router_pb2_grpc
 from router.output import Delta, OutputAssembler
-from router.registry import Node, NodePool, NodeRegistry
+from router.registry import Node, NodePool, NodeRegistry, prompt_tokens_to_compute
 from router.request import (
     GenerateParams,
     InvalidRequest,
@@ -310,7 +310,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         for attempt in range(self._max_attempts):
             if attempt:
                 self._metrics.retries.inc()
-            p = _choose(reg.prefill, unreachable, busy, cached)
+            n_prompt = len(params.prompt_token_ids)
+            p = _choose(reg.prefill, unreachable, busy, cached, n_prompt, self._block_size)
             d = _choose(reg.decode, unreachable, busy, cached)
             if p is None or d is None:
                 pool = reg.prefill if p is None else reg.decode
@@ -335,7 +336,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 decode_address=d.address,
                 **_peer_hint(reg.prefill, p, cached, unreachable),
             )
-            reg.prefill.acquire(p)
+            work = prompt_tokens_to_compute(n_prompt, cached.get(p.address, 0), self._block_size)
+            reg.prefill.acquire(p, work)
             reg.decode.acquire(d)
             ok = False
             try:
@@ -356,7 +358,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     error.message,
                 )
             finally:
-                reg.prefill.release(p)
+                reg.prefill.release(p, work)
                 if not ok:
                     reg.decode.release(d)
         raise error
@@ -413,7 +415,13 @@ def _peer_hint(
 
 
 def _choose(
-    pool: NodePool, unreachable: set[Node], busy: set[Node], cached: dict[str, int]
+    pool: NodePool,
+    unreachable: set[Node],
+    busy: set[Node],
+    cached: dict[str, int],
+    prompt_tokens: int | None = None,
+    block_size: int = 16,
 ) -> Node | None:
     """A node not yet tried by this request if any, else one that only refused (full)."""
-    return pool.pick(unreachable | busy, cached) or pool.pick(unreachable, cached)
+    args = (cached, prompt_tokens, block_size)
+    return pool.pick(unreachable | busy, *args) or pool.pick(unreachable, *args)
