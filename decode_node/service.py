@@ -43,6 +43,9 @@ class Pending:
 
 
 RESERVE_WAIT_S = 30.0  # a transfer waits this long for blocks held by other requests to free
+# An ipc transfer that ended without the sender's TransferEnd: its blocks may still be the target
+# of a copy the sender's GPU has queued; they are freed only after this long.
+IPC_FREE_GRACE_S = 10.0
 
 
 class TransferError(Exception):
@@ -69,6 +72,8 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
         # transfer of the same prefix waits for it and then reuses the blocks, rather than
         # having the same bytes shipped again (a burst of prompts with a new shared prefix).
         self._receiving: dict[bytes, asyncio.Future] = {}
+        self._in_transfer: set[str] = set()  # request ids with a TransferKV call in progress
+        self._background: set[asyncio.Task] = set()
         # KV transfer layer (transfer.KVReceiver): the ipc/dist paths this node offers senders.
         self.receiver = receiver
         self.draining = False  # set on SIGTERM: new transfers are refused, accepted ones finish
@@ -122,8 +127,9 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
             )
         self._transfers += 1
         try:
-            async for reply in self._transfer(request_iterator, context):
-                yield reply
+            async with contextlib.aclosing(self._transfer(request_iterator, context)) as replies:
+                async for reply in replies:
+                    yield reply
         finally:
             self._transfers -= 1
             await self._notify_freed()
@@ -133,6 +139,8 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
         reserved = False
         receiving = asyncio.get_running_loop().create_future()
         claimed: list[bytes] = []
+        res = None  # the transfer layer's reservation, when the blocks come through it
+        owner = False
         try:
             first = await anext(request_iterator, None)
             if first is None or first.WhichOneof("kind") != "header":
@@ -142,10 +150,16 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
             header = first.header
             rid = header.request_id
             params, prompt = self._check_header(header)
+            if rid in self._in_transfer:
+                raise TransferError(
+                    grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already being transferred"
+                )
+            self._in_transfer.add(rid)  # no await since the checks: the id is this transfer's
+            owner = True
             hashes = list(header.block_hashes)
             await self._wait_for_receiving(hashes, context)
+            reserved = True  # from here on the request id's blocks are this transfer's to free
             missing, has_tail = await self._reserve_waiting(rid, hashes, len(prompt), context)
-            reserved = True
             for i in missing:
                 if hashes[i] not in self._receiving:
                     self._receiving[hashes[i]] = receiving
@@ -181,15 +195,17 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
         except TransferError as exc:
             self.counters["transfers_failed"] += 1
             if reserved:
-                await self._free(rid)
+                await self._release_failed(rid, res)
             await context.abort(exc.code, str(exc))
         except BaseException:
             # Client gone or cancelled: nothing half-written is ever registered; free the rest.
             self.counters["transfers_failed"] += 1
             if reserved and rid not in self.pending:
-                await self._free(rid)
+                await self._release_failed(rid, res)
             raise
         finally:
+            if owner:
+                self._in_transfer.discard(rid)
             for block_hash in claimed:
                 del self._receiving[block_hash]
             receiving.set_result(None)
@@ -266,6 +282,25 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
         """Engine thread: the layer wrote the blocks; register their hashes."""
         self.engine.engine.kv.cache_blocks(rid, hashes, len(hashes) * self.block_size)
 
+    async def _release_failed(self, rid: str, res) -> None:
+        """Free a failed transfer's blocks. Its layer reservation is cancelled first, so no later
+        data lands in them; an ipc reservation the sender never finished keeps its blocks for
+        IPC_FREE_GRACE_S (the sender's GPU may still have a copy into them queued)."""
+        if res is not None and not res.ended:
+            self.receiver.cancel(res)
+            if res.path == "ipc":
+                self.counters["ipc_blocks_quarantined"] += len(res.block_ids)
+
+                async def free_later() -> None:
+                    await asyncio.sleep(IPC_FREE_GRACE_S)
+                    await self._free(rid)
+
+                task = asyncio.create_task(free_later())
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+                return
+        await self._free(rid)
+
     async def _free(self, rid: str) -> None:
         await self.engine.call(self.engine.engine.kv.free, rid)
         await self._notify_freed()
@@ -291,7 +326,11 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
         waited = False
         while True:
             try:
-                result = await self.engine.call(self._reserve, rid, hashes, prompt_len)
+                # Shielded: the engine thread finishes an allocation it has started even if this
+                # call is cancelled; the caller then frees it (the id is this transfer's).
+                result = await asyncio.shield(
+                    self.engine.call(self._reserve, rid, hashes, prompt_len)
+                )
             except TransferError:
                 left = deadline - time.monotonic()
                 if left <= 0:

@@ -41,6 +41,7 @@ def build_router(
         max_attempts=config.max_attempts,
         request_timeout_s=config.request_timeout_s,
         index=index,
+        block_size=config.block_size,
         metrics=metrics,
     )
     server = Server(config.host, config.port, [SERVICE_NAME])
@@ -61,7 +62,7 @@ def prefix_index(config: RouterConfig) -> PrefixIndex | None:
 def model_identity(config: RouterConfig) -> ModelIdentity:
     """What the nodes must serve: every node's root hash is checked against this one's."""
     dtype = config.dtype or checkpoint_dtype(config.model_path)
-    return ModelIdentity.for_checkpoint(config.model_path, dtype)
+    return ModelIdentity.for_checkpoint(config.model_path, dtype, config.block_size)
 
 
 def checkpoint_dtype(model_path: str) -> str:

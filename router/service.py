@@ -22,7 +22,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
-from redis.exceptions import RedisError
 
 from kvstore import hash_request_tokens
 from kvstore.redis_index import PrefixIndex
@@ -83,11 +82,15 @@ class _LookupBatcher:
             batch, self._queue = self._queue, []
             try:
                 results = await self._index.longest_prefixes_many([(n, h) for n, h, _ in batch])
-            except (RedisError, OSError) as exc:
+            except Exception as exc:  # every caller hears of it (and routes by load)
                 for *_, future in batch:
                     if not future.done():
                         future.set_exception(exc)
                 continue
+            except BaseException:  # cancelled (the router is stopping): nobody waits forever
+                for *_, future in batch:
+                    future.cancel()
+                raise
             for (*_, future), result in zip(batch, results, strict=True):
                 if not future.done():  # the caller may have timed out
                     future.set_result(result)
@@ -290,7 +293,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         addresses = [n.address for pool in (reg.prefill, reg.decode) for n in pool.nodes]
         try:
             cached = await asyncio.wait_for(self._lookups.lookup(addresses, hashes), 0.5)
-        except (RedisError, OSError, TimeoutError) as exc:
+        except Exception as exc:  # Redis down or slow, or anything else: route by load
             if self._index_ok:
                 logger.warning("prefix index unreachable (%s): routing by load only", exc)
             self._index_ok = False

@@ -332,6 +332,7 @@ def cmd_router(args: argparse.Namespace) -> int:
             request_timeout_s=args.request_timeout_s,
             max_attempts=args.max_attempts,
             metrics_port=args.metrics_port,
+            block_size=args.block_size,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -528,6 +529,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout-s", type=float, default=600.0)
     p.add_argument("--max-attempts", type=int, default=3, help="per stage, across nodes")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on it")
+    p.add_argument(
+        "--block-size", type=int, default=16, help="the nodes' KV block size (same everywhere)"
+    )
     p.add_argument(
         "--redis-url",
         default=None,

@@ -72,3 +72,4 @@ class RouterConfig:
     redis_url: str | None = None  # node registry + prefix index: discovery, cache-aware routing
     dtype: str | None = None  # the nodes' KV dtype (part of the model identity); default: ckpt's
     metrics_port: int | None = None  # Prometheus /metrics on this port (0: any free one)
+    block_size: int = 16  # the nodes' KV block size (part of the model identity, hashing)

@@ -101,6 +101,13 @@ def _transfer(
     return replies
 
 
+def _wait_until(predicate, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
 def _prompt(n=40):
     return [random.randrange(256) for _ in range(n)]
 
@@ -187,9 +194,9 @@ def test_concurrent_transfers_of_one_new_prefix_ship_it_once(decode):
         time.sleep(0.01)
     assert list(replies["dedupe-a"][0].missing) == [0, 1, 2, 3]
     threads["dedupe-b"].start()
-    time.sleep(0.5)
+    _wait_until(lambda: _stats(stub).counters["transfers_waited_for_same_blocks"] == waited + 1)
+    time.sleep(0.3)
     assert not replies["dedupe-b"], "B must wait while A receives the shared blocks"
-    assert _stats(stub).counters["transfers_waited_for_same_blocks"] == waited + 1
     gate.set()
     for thread in threads.values():
         thread.join(30)
@@ -228,9 +235,9 @@ def test_a_burst_waits_for_blocks_instead_of_failing(tmp_path):
                 target=lambda: second.extend(_transfer(stub, root, nbytes, "second", _prompt(640)))
             )
             waiter.start()
-            time.sleep(1.0)
+            _wait_until(lambda: _stats(stub).counters["transfers_waited_for_blocks"] == 1)
+            time.sleep(0.3)
             assert not second, "the second transfer cannot have its blocks yet"
-            assert _stats(stub).counters["transfers_waited_for_blocks"] == 1
             list(stub.Decode(nodes_pb2.DecodeRequest(request_id="first"), timeout=30))
             waiter.join(30)
             assert second and second[-1].done

@@ -184,8 +184,12 @@ def test_killed_decode_node_fails_fast_and_the_router_moves_on(model_dir, tmp_pa
                 temperature=0.0,
                 timeout=60,
             )
-            next(iter(stream))
-            victim = next(d for d in decode if node_stats(d).running == 1)
+            next(iter(stream))  # the first token comes from the prefill node
+            deadline = time.monotonic() + 20
+            while not (busy := [d for d in decode if node_stats(d).running == 1]):
+                assert time.monotonic() < deadline, "no decode node started the request"
+                time.sleep(0.05)
+            victim = busy[0]
             victim.popen.kill()
             t0 = time.monotonic()
             with pytest.raises(SplitserveError):
