@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 from collections import Counter
@@ -57,6 +58,8 @@ def _ema(old: float | None, sample: float, weight: float = 0.5) -> float:
 
 
 FETCH_TIMEOUT_S = 10.0
+ENDPOINT_TTL_S = 60.0  # how long a decode node's transfer endpoint is trusted without a look-up
+CONNECT_WAIT_S = 2.0  # a request waits this long for a transfer path to be set up
 
 
 class _ShipError(Exception):
@@ -94,7 +97,8 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
             self.compute_rate = GPU_PREFILL_FLOPS_PRIOR / (2 * params)
         # KV transfer layer (transfer.KVSender): ipc/dist paths to decode nodes that offer them.
         self.sender = sender
-        self._endpoints: dict[str, bytes] = {}  # decode address → its transfer.Endpoint bytes
+        # decode address → (its transfer.Endpoint bytes, when looked up)
+        self._endpoints: dict[str, tuple[bytes, float]] = {}
         self.draining = False  # set on SIGTERM: new prefills are refused, in-flight ones finish
         self._active = 0  # Prefill calls in flight
         self._idle = asyncio.Event()
@@ -215,19 +219,27 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
         the gRPC byte stream (no layer, the node offers nothing better, or setting up failed)."""
         if self.sender is None:
             return "", ""
-        endpoint = self._endpoints.get(decode_address)
-        if endpoint is None:
+        endpoint, looked_up = self._endpoints.get(decode_address, (b"", -math.inf))
+        # Looked up again now and then: a node restarted at the same address may offer more.
+        if time.monotonic() - looked_up > ENDPOINT_TTL_S:
             try:
                 stats = await self._stub(decode_address).GetStats(
                     nodes_pb2.StatsRequest(), timeout=5.0
                 )
             except grpc.aio.AioRpcError:
                 return "", ""
-            endpoint = self._endpoints[decode_address] = stats.transfer_endpoint
+            endpoint = stats.transfer_endpoint
+            self._endpoints[decode_address] = (endpoint, time.monotonic())
         if not endpoint:
             return "", ""
         try:
-            path = await asyncio.to_thread(self.sender.connect, endpoint)
+            # Setting up a pair can take long (dist: a rendezvous); the request does not wait
+            # for it past CONNECT_WAIT_S: it ships as gRPC bytes, the setup completes meanwhile.
+            path = await asyncio.wait_for(
+                asyncio.shield(asyncio.to_thread(self.sender.connect, endpoint)), CONNECT_WAIT_S
+            )
+        except TimeoutError:
+            return "", ""
         except Exception as exc:
             logger.warning("kv transfer to %s: %s; sending gRPC bytes", decode_address, exc)
             self._endpoints.pop(decode_address, None)
