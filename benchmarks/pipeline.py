@@ -62,13 +62,14 @@ async def one(client: AsyncClient, prompt: list[int], gen: int) -> tuple[float, 
     return stamps[0] - t0, itl, n
 
 
-def shipped(addresses: tuple[str, ...]) -> float:
-    """KV bytes the prefill nodes have shipped so far."""
-    total = 0.0
+def prefill_counters(addresses, keys) -> dict[str, float]:
+    """The prefill nodes' counters ``keys``, summed over ``addresses`` (GetStats)."""
+    total = dict.fromkeys(keys, 0.0)
     for address in addresses:
         with grpc.insecure_channel(address) as channel:
             stats = nodes_pb2_grpc.PrefillNodeStub(channel).GetStats(nodes_pb2.StatsRequest())
-        total += stats.counters["bytes_shipped"]
+        for key in keys:
+            total[key] += stats.counters.get(key, 0.0)
     return total
 
 
@@ -114,11 +115,11 @@ def main() -> None:
     with LocalCluster(spec) as cluster:
         addr = cluster.addresses
         asyncio.run(load(addr.router, prompts[:2], 4))  # warm-up
-        bytes0 = shipped(addr.prefill)
+        bytes0 = prefill_counters(addr.prefill, ["bytes_shipped"])["bytes_shipped"]
         t0 = time.perf_counter()
         results = asyncio.run(load(addr.router, prompts, args.gen))
         wall = time.perf_counter() - t0
-        bytes1 = shipped(addr.prefill)
+        bytes1 = prefill_counters(addr.prefill, ["bytes_shipped"])["bytes_shipped"]
     ttft = [r[0] for r in results]
     itl = [x for r in results for x in r[1]]
     out_tokens = sum(r[2] for r in results)

@@ -28,11 +28,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import grpc
+from pipeline import prefill_counters
 
-from proto import nodes_pb2, nodes_pb2_grpc
 from splitserve.client import AsyncClient, SplitserveError
 from splitserve.launcher import ClusterSpec, LocalCluster, free_port
+
+COUNTERS = ("bytes_shipped", "transfer_seconds", "prefix_blocks_fetched", "blocks_shipped")
 
 
 async def one(client, prompt, gen):
@@ -50,18 +51,6 @@ async def one(client, prompt, gen):
         print(f"request failed: {exc}", file=sys.stderr, flush=True)
         return None
     return first, usage.prompt_tokens - usage.cached_tokens
-
-
-def node_counters(addresses) -> dict[str, float]:
-    """The nodes' transfer and prefix counters, summed (GetStats)."""
-    keys = ("bytes_shipped", "transfer_seconds", "prefix_blocks_fetched", "blocks_shipped")
-    total = dict.fromkeys(keys, 0.0)
-    for address in addresses:
-        with grpc.insecure_channel(address) as channel:
-            stats = nodes_pb2_grpc.PrefillNodeStub(channel).GetStats(nodes_pb2.StatsRequest())
-        for key in keys:
-            total[key] += stats.counters.get(key, 0.0)
-    return total
 
 
 async def workload(target, warm, prompts, gen):
@@ -112,7 +101,7 @@ def main() -> None:
             t0 = time.perf_counter()
             results = asyncio.run(workload(cluster.addresses.router, warm, prompts, args.gen))
             wall = time.perf_counter() - t0
-            counters = node_counters(cluster.addresses.prefill)
+            counters = prefill_counters(cluster.addresses.prefill, COUNTERS)
         failed = sum(r is None for r in results)
         results = [r for r in results if r is not None]
         ttft = sorted(r[0] for r in results)

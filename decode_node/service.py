@@ -26,6 +26,7 @@ from models.sampler import SamplingParams
 from proto import nodes_pb2, nodes_pb2_grpc
 from splitserve.metrics import LoadFigures
 from splitserve.protocol import sampling_from_proto
+from splitserve.serving import node_stats
 from transfer import TransferError as TransferLayerError
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
         self._background: set[asyncio.Task] = set()
         # KV transfer layer (transfer.KVReceiver): the ipc/dist paths this node offers senders.
         self.receiver = receiver
+        self._endpoint = receiver.endpoint().to_bytes() if receiver is not None else b""
         self.draining = False  # set on SIGTERM: new transfers are refused, accepted ones finish
         self._transfers = 0  # TransferKV calls in flight
 
@@ -150,21 +152,17 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
             header = first.header
             rid = header.request_id
             params, prompt = self._check_header(header)
-            if rid in self._in_transfer:
-                raise TransferError(
-                    grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already being transferred"
-                )
             self._in_transfer.add(rid)  # no await since the checks: the id is this transfer's
             owner = True
             hashes = list(header.block_hashes)
             await self._wait_for_receiving(hashes, context)
             reserved = True  # from here on the request id's blocks are this transfer's to free
-            missing, has_tail = await self._reserve_waiting(rid, hashes, len(prompt), context)
+            missing, has_tail, dest = await self._reserve_waiting(rid, hashes, len(prompt), context)
             for i in missing:
                 if hashes[i] not in self._receiving:
                     self._receiving[hashes[i]] = receiving
                     claimed.append(hashes[i])
-            res = await self._reserve_in_layer(header, rid, missing, has_tail, len(hashes))
+            res = self._reserve_in_layer(header, dest)
             yield nodes_pb2.TransferReply(
                 missing=missing, ticket=res.ticket.to_bytes() if res is not None else b""
             )
@@ -229,31 +227,22 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
                     "deadline passed waiting for another transfer of the same blocks",
                 )
 
-    async def _reserve_in_layer(self, header, rid, missing, has_tail, num_full):
+    def _reserve_in_layer(self, header, dest: list[int]):
         """For a sender that asked for the ipc/dist path to this very node: reserve the
-        destination blocks in the transfer layer (its ticket goes back in the reply). ``None``:
-        the blocks come as BlockData on this stream."""
+        destination blocks ``dest`` in the transfer layer (its ticket goes back in the reply).
+        ``None``: the blocks come as BlockData on this stream."""
         if self.receiver is None or not header.transfer_path:
             return None
         if header.receiver_id != self.receiver.node_id:
             self.counters["transfers_declined_stale_endpoint"] += 1
             return None
-        ids = await self.engine.call(self._dest_ids, rid, missing, has_tail, num_full)
         try:
-            return self.receiver.reserve(header.sender_id, ids, header.transfer_path)
+            return self.receiver.reserve(header.sender_id, dest, header.transfer_path)
         except (TransferLayerError, ValueError) as exc:
             logger.info(
                 "%s transfer from %s declined: %s", header.transfer_path, header.sender_id, exc
             )
             return None
-
-    def _dest_ids(self, rid: str, missing: list[int], has_tail: bool, num_full: int) -> list[int]:
-        """Engine thread: the block ids the sender writes, in the order of its source ids."""
-        blocks = self.engine.engine.kv.req_to_blocks[rid]
-        ids = [blocks[i].block_id for i in missing]
-        if has_tail:
-            ids.append(blocks[num_full].block_id)
-        return ids
 
     async def _receive_through_layer(self, res, request_iterator, context) -> None:
         """Wait for the sender's data (dist: until it is in the pool; ipc: the sender copies,
@@ -349,7 +338,15 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
         bad = grpc.StatusCode.INVALID_ARGUMENT
         if not header.request_id:
             raise TransferError(bad, "request_id is empty")
-        if header.request_id in self.pending or header.request_id in self.engine.engine.requests:
+        rid = header.request_id
+        # Also refused: an id being transferred, or whose blocks are still held (an unfinished
+        # ipc transfer's blocks wait IPC_FREE_GRACE_S before they are freed).
+        if (
+            rid in self.pending
+            or rid in self.engine.engine.requests
+            or rid in self._in_transfer
+            or rid in self.engine.engine.kv.req_to_blocks
+        ):
             raise TransferError(
                 grpc.StatusCode.ALREADY_EXISTS,
                 f"request {header.request_id!r} is already on this node",
@@ -378,8 +375,12 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
             raise TransferError(bad, "block_hashes do not match the prompt's chained hashes")
         return params, prompt
 
-    def _reserve(self, rid: str, hashes: list[bytes], prompt_len: int) -> tuple[list[int], bool]:
-        """Engine thread: touch cached hashes, allocate the rest and the tail block."""
+    def _reserve(
+        self, rid: str, hashes: list[bytes], prompt_len: int
+    ) -> tuple[list[int], bool, list[int]]:
+        """Engine thread: touch cached hashes, allocate the rest and the tail block. Returns the
+        indices of the hashes whose data must come, whether a tail block comes, and the block ids
+        that data goes to (missing blocks in order, then the tail)."""
         kv = self.engine.engine.kv
         to_write = kv.adopt_blocks(rid, hashes)
         if to_write is None or kv.allocate_slots(rid, prompt_len) is None:
@@ -392,7 +393,11 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
         blocks = kv.req_to_blocks[rid]
         new_ids = {id(b) for b in to_write}
         missing = [i for i, b in enumerate(blocks[: len(hashes)]) if id(b) in new_ids]
-        return missing, prompt_len % self.block_size != 0
+        has_tail = prompt_len % self.block_size != 0
+        dest = [blocks[i].block_id for i in missing]
+        if has_tail:
+            dest.append(blocks[len(hashes)].block_id)
+        return missing, has_tail, dest
 
     async def _receive(self, request_iterator, missing: set[int], has_tail: bool):
         bad = grpc.StatusCode.INVALID_ARGUMENT
@@ -498,20 +503,11 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
                 await self._free(rid)
 
     async def GetStats(self, request, context):
-        engine = self.engine.engine
-        return nodes_pb2.NodeStats(
-            role="decode",
-            model_root_hash=self.root,
-            model_identity=str(self.identity),
-            prefill_tokens_waiting=engine.pending_prefill_tokens,
-            num_blocks=engine.pool.num_blocks - 1,
-            num_free_blocks=engine.pool.num_free_blocks,
-            num_cached_blocks=engine.pool.num_cached_blocks,
-            running=len(engine.running),
-            waiting=len(engine.waiting),
-            pending_transfers=len(self.pending),
-            counters=self.all_counters(),
-            transfer_endpoint=(
-                self.receiver.endpoint().to_bytes() if self.receiver is not None else b""
-            ),
+        return node_stats(
+            "decode",
+            self.engine.engine,
+            self.identity,
+            self.load(),
+            self.all_counters(),
+            transfer_endpoint=self._endpoint,
         )

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 import uuid
 from collections import Counter
@@ -22,7 +21,8 @@ from models.engine_loop import AsyncEngine
 from proto import nodes_pb2, nodes_pb2_grpc
 from splitserve.metrics import LoadFigures
 from splitserve.protocol import sampling_from_proto
-from splitserve.serving import CHANNEL_OPTIONS
+from splitserve.serving import CHANNEL_OPTIONS, node_stats
+from transfer import GRPC, Endpoint
 from transfer import TransferError as TransferLayerError
 
 logger = logging.getLogger(__name__)
@@ -97,8 +97,8 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
             self.compute_rate = GPU_PREFILL_FLOPS_PRIOR / (2 * params)
         # KV transfer layer (transfer.KVSender): ipc/dist paths to decode nodes that offer them.
         self.sender = sender
-        # decode address → (its transfer.Endpoint bytes, when looked up)
-        self._endpoints: dict[str, tuple[bytes, float]] = {}
+        # decode address → (transfer path or "", its receiver id, when resolved)
+        self._routes: dict[str, tuple[str, str, float]] = {}
         self.draining = False  # set on SIGTERM: new prefills are refused, in-flight ones finish
         self._active = 0  # Prefill calls in flight
         self._idle = asyncio.Event()
@@ -216,39 +216,43 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
 
     async def _transfer_path(self, decode_address: str) -> tuple[str, str]:
         """(path, receiver id) to ``decode_address`` through the transfer layer: ("", "") for
-        the gRPC byte stream (no layer, the node offers nothing better, or setting up failed)."""
+        the gRPC byte stream. Resolved once and kept ENDPOINT_TTL_S (a node restarted at the
+        same address may offer more), so shipping itself only looks it up."""
         if self.sender is None:
             return "", ""
-        endpoint, looked_up = self._endpoints.get(decode_address, (b"", -math.inf))
-        # Looked up again now and then: a node restarted at the same address may offer more.
-        if time.monotonic() - looked_up > ENDPOINT_TTL_S:
-            try:
-                stats = await self._stub(decode_address).GetStats(
-                    nodes_pb2.StatsRequest(), timeout=5.0
-                )
-            except grpc.aio.AioRpcError:
-                return "", ""
-            endpoint = stats.transfer_endpoint
-            self._endpoints[decode_address] = (endpoint, time.monotonic())
-        if not endpoint:
+        cached = self._routes.get(decode_address)
+        if cached is not None and time.monotonic() - cached[2] < ENDPOINT_TTL_S:
+            return cached[0], cached[1]
+        route = await self._resolve_route(decode_address)
+        if route is None:
+            return "", ""
+        self._routes[decode_address] = (*route, time.monotonic())
+        return route
+
+    async def _resolve_route(self, decode_address: str) -> tuple[str, str] | None:
+        """Look up the decode node's transfer endpoint and set up the path to it; ``None``: not
+        settled yet (no answer, or the path still being set up): ship bytes, try next time."""
+        try:
+            stats = await self._stub(decode_address).GetStats(nodes_pb2.StatsRequest(), timeout=5.0)
+        except grpc.aio.AioRpcError:
+            return None
+        if not stats.transfer_endpoint:
             return "", ""
         try:
             # Setting up a pair can take long (dist: a rendezvous); the request does not wait
             # for it past CONNECT_WAIT_S: it ships as gRPC bytes, the setup completes meanwhile.
             path = await asyncio.wait_for(
-                asyncio.shield(asyncio.to_thread(self.sender.connect, endpoint)), CONNECT_WAIT_S
+                asyncio.shield(asyncio.to_thread(self.sender.connect, stats.transfer_endpoint)),
+                CONNECT_WAIT_S,
             )
         except TimeoutError:
-            return "", ""
+            return None
         except Exception as exc:
             logger.warning("kv transfer to %s: %s; sending gRPC bytes", decode_address, exc)
-            self._endpoints.pop(decode_address, None)
             return "", ""
-        if path == "grpc":
+        if path == GRPC:
             return "", ""
-        from transfer import Endpoint
-
-        return path, Endpoint.from_bytes(endpoint).node_id
+        return path, Endpoint.from_bytes(stats.transfer_endpoint).node_id
 
     async def _send_through_layer(self, ticket: bytes, src: list[int], timeout: float) -> int:
         """Move the blocks with the transfer layer; the copy is never left running behind a
@@ -310,7 +314,7 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
                         reply.ticket, src, timeout or self.deadline_s
                     )
                 except (TransferLayerError, ValueError) as exc:
-                    self._endpoints.pop(request.decode_address, None)
+                    self._routes.pop(request.decode_address, None)
                     raise _ShipError(
                         grpc.StatusCode.UNAVAILABLE, f"{path} transfer failed: {exc}"
                     ) from None
@@ -318,7 +322,7 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
                 runs = []
             else:
                 if path:  # the decode node declined (it restarted?): look it up afresh next time
-                    self._endpoints.pop(request.decode_address, None)
+                    self._routes.pop(request.decode_address, None)
                 runs = [(run, False) for run in batch_indices(missing, self.block_nbytes)]
                 if has_tail:
                     runs.append(([-1], True))
@@ -494,18 +498,7 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
 
     async def GetStats(self, request, context):
         engine = self.engine.engine
-        return nodes_pb2.NodeStats(
-            role="prefill",
-            model_root_hash=self.root,
-            model_identity=str(self.identity),
-            prefill_tokens_waiting=engine.pending_prefill_tokens,
-            num_blocks=engine.pool.num_blocks - 1,
-            num_free_blocks=engine.pool.num_free_blocks,
-            num_cached_blocks=engine.pool.num_cached_blocks,
-            running=len(engine.running),
-            waiting=len(engine.waiting),
-            counters=self.all_counters(),
-        )
+        return node_stats("prefill", engine, self.identity, self.load(), self.all_counters())
 
 
 def _prefix_counters(engine) -> dict[str, float]:

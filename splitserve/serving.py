@@ -256,3 +256,24 @@ def transfer_paths(config: NodeConfig) -> tuple[str, ...]:
     if not config.device.startswith("cuda"):
         names = [p for p in names if p != IPC]  # ipc maps CUDA memory only
     return (*[p for p in (IPC, DIST) if p in names], GRPC)
+
+
+def node_stats(role: str, engine, identity: ModelIdentity, load, counters, **extra):
+    """A node's ``GetStats`` answer: its identity, load figures (splitserve.metrics.LoadFigures)
+    and counters; ``extra``: role-specific fields."""
+    from proto import nodes_pb2
+
+    return nodes_pb2.NodeStats(
+        role=role,
+        model_root_hash=identity.root_hash,
+        model_identity=str(identity),
+        num_blocks=load.num_blocks,
+        num_free_blocks=load.num_free_blocks,
+        num_cached_blocks=engine.pool.num_cached_blocks,
+        running=load.running,
+        waiting=load.waiting,
+        prefill_tokens_waiting=load.prefill_tokens_waiting,
+        pending_transfers=load.pending_transfers,
+        counters=counters,
+        **extra,
+    )

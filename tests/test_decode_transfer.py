@@ -207,6 +207,29 @@ def test_concurrent_transfers_of_one_new_prefix_ship_it_once(decode):
         list(stub.Decode(nodes_pb2.DecodeRequest(request_id=rid), timeout=30))
 
 
+def test_a_second_transfer_of_a_request_in_transfer_is_refused(decode):
+    import threading
+
+    stub, root, nbytes = decode
+    idle = _stats(stub).num_free_blocks
+    gate, replies = threading.Event(), []
+    first = threading.Thread(
+        target=_transfer,
+        args=(stub, root, nbytes, "twice", _prompt()),
+        kwargs=dict(replies=replies, gate=gate),
+    )
+    first.start()
+    _wait_until(lambda: bool(replies))
+    with pytest.raises(grpc.RpcError) as err:
+        _transfer(stub, root, nbytes, "twice", _prompt())
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS, err.value.details()
+    gate.set()
+    first.join(30)
+    assert replies[-1].done  # the first one was not disturbed
+    list(stub.Decode(nodes_pb2.DecodeRequest(request_id="twice"), timeout=30))
+    assert _stats(stub).num_free_blocks == idle
+
+
 def test_decode_of_an_unknown_request_is_not_found(decode):
     stub, _, _ = decode
     with pytest.raises(grpc.RpcError) as err:
