@@ -29,9 +29,9 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import layout
-from kernels.decode_attention import DecodeConfig, paged_decode_attention
-from kernels.prefill_attention import PrefillConfig, paged_prefill_attention
+from splitserve.kernels import layout
+from splitserve.kernels.decode_attention import DecodeConfig, paged_decode_attention
+from splitserve.kernels.prefill_attention import PrefillConfig, paged_prefill_attention
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 SCALE = D**-0.5

@@ -26,7 +26,7 @@ import msgpack
 # the import path so that `import kvstore` finds the package.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-from kvstore import BlockPool, KVCacheManager, ModelIdentity, hash_request_tokens  # noqa: E402
+from splitserve.kvstore import BlockPool, KVCacheManager, ModelIdentity, hash_request_tokens  # noqa: E402
 
 Bench = tuple[Callable[[], None], int]  # (one timed round, units of work it does)
 

@@ -27,11 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shapes import llama3_8b_config
 
-from kvstore import ModelIdentity
-from models.engine import LLMEngine
-from models.loader import load_model, load_weights
-from models.runner import ModelRunner, RunnerConfig, SequenceInput
-from models.sampler import SamplingParams
+from splitserve.kvstore import ModelIdentity
+from splitserve.models.engine import LLMEngine
+from splitserve.models.loader import load_model, load_weights
+from splitserve.models.runner import ModelRunner, RunnerConfig, SequenceInput
+from splitserve.models.sampling_params import SamplingParams
 
 ROWS: list[dict] = []
 

@@ -29,13 +29,13 @@ import itertools
 import grpc
 from shapes import llama3_8b_config
 
-from proto import nodes_pb2, nodes_pb2_grpc
 from splitserve.client import AsyncClient
 from splitserve.launcher import ClusterSpec, LocalCluster, free_port
+from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 
 def make_8b(path: Path) -> Path:
-    from models.tiny import build_byte_tokenizer
+    from splitserve.models.tiny import build_byte_tokenizer
 
     path.mkdir(parents=True, exist_ok=True)
     llama3_8b_config(bos_token_id=256, eos_token_id=257).save_pretrained(path)
@@ -67,7 +67,9 @@ def prefill_counters(addresses, keys) -> dict[str, float]:
     total = dict.fromkeys(keys, 0.0)
     for address in addresses:
         with grpc.insecure_channel(address) as channel:
-            stats = nodes_pb2_grpc.PrefillNodeStub(channel).GetStats(nodes_pb2.StatsRequest())
+            stats = nodes_pb2_grpc.NodeStatsServiceStub(channel).GetStats(
+                nodes_pb2.GetStatsRequest()
+            )
         for key in keys:
             total[key] += stats.counters.get(key, 0.0)
     return total
@@ -94,7 +96,7 @@ def main() -> None:
         model = make_8b(Path(args.make_8b))
         node_args: tuple[str, ...] = ("--load-format", "dummy")
     else:
-        from models.tiny import ensure_tiny_model
+        from splitserve.models.tiny import ensure_tiny_model
 
         model = Path(args.model) if args.model else ensure_tiny_model()
         node_args = ()

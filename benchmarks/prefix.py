@@ -77,7 +77,7 @@ def main() -> None:
 
         model, node_args = make_8b(Path(args.make_8b)), ("--load-format", "dummy")
     else:
-        from models.tiny import ensure_tiny_model
+        from splitserve.models.tiny import ensure_tiny_model
 
         model, node_args = Path(args.model) if args.model else ensure_tiny_model(), ()
     rng = random.Random(0)

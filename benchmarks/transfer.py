@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from transfer import DIST, GRPC, IPC, KVReceiver
-from transfer.reservation import block_nbytes
-from transfer.testing import SenderProcess, block_checksums, fill_pool, make_pool
+from splitserve.transfer import DIST, GRPC, IPC, KVReceiver
+from splitserve.transfer.reservation import block_nbytes
+from splitserve.transfer.testing import SenderProcess, block_checksums, fill_pool, make_pool
 
 SENDER_SEED, RECEIVER_SEED = 11, 12
 GRPC_METHOD = "/splitserve.bench.KVTransfer/Ship"
@@ -86,10 +86,10 @@ def grpc_receiver_main(conn, pool_spec: dict) -> None:
 async def _grpc_serve(conn, pool: torch.Tensor) -> None:
     import grpc
 
-    from kernels.layout import write_blocks_bytes
-    from kvstore.codec import decode_blocks
-    from proto import nodes_pb2
-    from splitserve.serving import SERVER_OPTIONS
+    from splitserve.kernels.layout import write_blocks_bytes
+    from splitserve.kvstore.codec import decode_blocks
+    from splitserve.runtime.server import SERVER_OPTIONS
+    from splitserve.v1 import nodes_pb2
 
     nbytes = block_nbytes(pool)
 
@@ -142,9 +142,9 @@ async def _grpc_serve(conn, pool: torch.Tensor) -> None:
 
 
 async def grpc_ship(channel, pool: torch.Tensor, src: list[int], dst: list[int]) -> None:
-    from kernels.layout import read_blocks_bytes
-    from kvstore.codec import batch_indices, encode_blocks
-    from proto import nodes_pb2
+    from splitserve.kernels.layout import read_blocks_bytes
+    from splitserve.kvstore.codec import batch_indices, encode_blocks
+    from splitserve.v1 import nodes_pb2
 
     nbytes = block_nbytes(pool)
 
@@ -249,7 +249,7 @@ def run_grpc(args, spec: dict, counts: list[int], out: list[Case]) -> None:
 
     import grpc
 
-    from splitserve.serving import CHANNEL_OPTIONS
+    from splitserve.runtime.server import CHANNEL_OPTIONS
 
     device = "cuda:0" if args.device == "cuda" else "cpu"
     pool_blocks = max(counts) + 1

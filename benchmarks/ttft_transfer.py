@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc
 
-from proto import nodes_pb2, nodes_pb2_grpc
 from splitserve.client import AsyncClient
 from splitserve.launcher import ClusterSpec, LocalCluster, free_port
+from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 
 async def ttft(client: AsyncClient, prompt: list[int], gen: int) -> float:
@@ -50,7 +50,7 @@ async def workload(target: str, prompts: list[list[int]], gen: int) -> list[floa
 
 def decode_counters(address: str) -> dict[str, float]:
     with grpc.insecure_channel(address) as channel:
-        stats = nodes_pb2_grpc.DecodeNodeStub(channel).GetStats(nodes_pb2.StatsRequest())
+        stats = nodes_pb2_grpc.NodeStatsServiceStub(channel).GetStats(nodes_pb2.GetStatsRequest())
     return dict(stats.counters)
 
 
@@ -69,7 +69,7 @@ def main() -> None:
 
         model, node_args = make_8b(Path(args.make_8b)), ("--load-format", "dummy")
     else:
-        from models.tiny import ensure_tiny_model
+        from splitserve.models.tiny import ensure_tiny_model
 
         model, node_args = Path(args.model) if args.model else ensure_tiny_model(), ()
     paths = args.paths or (["none", "ipc"] if args.device.startswith("cuda") else ["none", "dist"])

@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import asyncio
 
-from decode_node.service import DecodeService
-from proto import nodes_pb2, nodes_pb2_grpc
-from splitserve.config import NodeConfig
-from splitserve.serving import serve_node, transfer_paths
+from splitserve.decode_node.service import DecodeService
+from splitserve.runtime.config import NodeConfig
+from splitserve.runtime.node import serve_node, transfer_paths
+from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
-SERVICE_NAME = nodes_pb2.DESCRIPTOR.services_by_name["DecodeNode"].full_name
+SERVICE_NAME = nodes_pb2.DESCRIPTOR.services_by_name["DecodeNodeService"].full_name
 
 
 def make_service(engine, identity, config: NodeConfig, address: str) -> DecodeService:
     import uuid
 
-    from transfer import DIST, IPC, KVReceiver
+    from splitserve.transfer import DIST, IPC, KVReceiver
 
     paths = transfer_paths(config)
     receiver = None
@@ -39,7 +39,7 @@ def serve(config: NodeConfig) -> None:
             config,
             "decode",
             make_service,
-            nodes_pb2_grpc.add_DecodeNodeServicer_to_server,
+            nodes_pb2_grpc.add_DecodeNodeServiceServicer_to_server,
             SERVICE_NAME,
         )
     )

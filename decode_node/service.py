@@ -17,17 +17,17 @@ from dataclasses import dataclass
 
 import grpc
 
-from kernels.layout import write_blocks_bytes
-from kvstore import ModelIdentity, hash_request_tokens
-from kvstore.codec import decode_blocks
-from models.engine import StepOutput
-from models.engine_loop import AsyncEngine
-from models.sampler import SamplingParams
-from proto import nodes_pb2, nodes_pb2_grpc
-from splitserve.metrics import LoadFigures
-from splitserve.protocol import sampling_from_proto
-from splitserve.serving import node_stats
-from transfer import TransferError as TransferLayerError
+from splitserve.kernels.layout import write_blocks_bytes
+from splitserve.kvstore import ModelIdentity, hash_request_tokens
+from splitserve.kvstore.codec import decode_blocks
+from splitserve.models.engine import StepOutput
+from splitserve.models.engine_loop import AsyncEngine
+from splitserve.models.sampling_params import SamplingParams
+from splitserve.runtime.metrics import LoadFigures
+from splitserve.runtime.node import node_stats
+from splitserve.runtime.protocol import sampling_from_proto
+from splitserve.transfer import TransferError as TransferLayerError
+from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class TransferError(Exception):
         self.code = code
 
 
-class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
+class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
     def __init__(
         self, engine: AsyncEngine, identity: ModelIdentity, deadline_s: float, receiver=None
     ) -> None:
@@ -163,7 +163,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
                     self._receiving[hashes[i]] = receiving
                     claimed.append(hashes[i])
             res = self._reserve_in_layer(header, dest)
-            yield nodes_pb2.TransferReply(
+            yield nodes_pb2.TransferKVResponse(
                 missing=missing, ticket=res.ticket.to_bytes() if res is not None else b""
             )
             if res is None:
@@ -189,7 +189,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServicer):
             self.counters["blocks_adopted"] += len(missing)
             self.counters["blocks_reused"] += reused
             self.counters["bytes_received"] += nbytes
-            yield nodes_pb2.TransferReply(done=True, blocks_reused=reused)
+            yield nodes_pb2.TransferKVResponse(done=True, blocks_reused=reused)
         except TransferError as exc:
             self.counters["transfers_failed"] += 1
             if reserved:

@@ -13,9 +13,9 @@ import argparse
 import asyncio
 import logging
 
-from models.tiny import ensure_tiny_model
 from splitserve.client import AsyncClient, Client
 from splitserve.launcher import ClusterSpec, LocalCluster, free_port
+from splitserve.models.tiny import ensure_tiny_model
 
 SYSTEM = "You are a helpful assistant. Answer briefly and precisely. " * 3
 

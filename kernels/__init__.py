@@ -4,14 +4,18 @@ Public surface: the dispatching ops (`kernels.ops`) and the pool layout / block 
 helpers (`kernels.layout`). See docs/kernels.md.
 """
 
-from kernels.layout import (
+from splitserve.kernels.layout import (
     NULL_BLOCK_ID,
     allocate_kv_pool,
     gather_blocks,
     layer_kv_views,
     scatter_blocks,
 )
-from kernels.ops import paged_decode_attention, paged_prefill_attention, reshape_and_cache
+from splitserve.kernels.ops import (
+    paged_decode_attention,
+    paged_prefill_attention,
+    reshape_and_cache,
+)
 
 __all__ = [
     "NULL_BLOCK_ID",

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import checks
+from splitserve.kernels import checks
 
 
 @triton.jit

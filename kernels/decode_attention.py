@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import check_decode
+from splitserve.kernels.checks import check_decode
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import reference
+from splitserve.kernels import reference
 
 
 def reshape_and_cache(
@@ -42,7 +42,7 @@ def reshape_and_cache(
     and outside the null block 0.
     """
     if key.is_cuda:
-        from kernels.cache_write import reshape_and_cache as triton_op
+        from splitserve.kernels.cache_write import reshape_and_cache as triton_op
 
         triton_op(key, value, key_cache, value_cache, slot_mapping, validate=validate)
     else:
@@ -69,7 +69,7 @@ def paged_decode_attention(
     `h // (Hq // Hkv)`. Returns (or fills `out`) `[B, Hq, D]`, dtype of query.
     """
     if query.is_cuda:
-        from kernels.decode_attention import paged_decode_attention as triton_op
+        from splitserve.kernels.decode_attention import paged_decode_attention as triton_op
 
         return triton_op(
             query, key_cache, value_cache, block_table, seq_lens, scale, out, validate=validate
@@ -102,7 +102,7 @@ def paged_prefill_attention(
     CUDA graph capture). Returns (or fills `out`) `[T, Hq, D]`, dtype of query.
     """
     if query.is_cuda:
-        from kernels.prefill_attention import paged_prefill_attention as triton_op
+        from splitserve.kernels.prefill_attention import paged_prefill_attention as triton_op
 
         return triton_op(
             query,
@@ -136,7 +136,7 @@ def rms_norm(
     """RMSNorm of ``x [T, N]`` times ``weight [N]``. With ``residual``, ``x + residual`` is written
     into ``residual`` first and normalised (the pre-norm decoder's residual stream)."""
     if x.is_cuda:
-        from kernels.elementwise import rms_norm as triton_op
+        from splitserve.kernels.elementwise import rms_norm as triton_op
 
         return triton_op(x, weight, eps, residual)
     return reference.rms_norm(x, weight, eps, residual)
@@ -151,7 +151,7 @@ def rotary_embedding(
 ) -> None:
     """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` in place by ``cos/sin[positions]``."""
     if q.is_cuda:
-        from kernels.elementwise import rotary_embedding as triton_op
+        from splitserve.kernels.elementwise import rotary_embedding as triton_op
 
         triton_op(positions, q, k, cos, sin)
     else:
@@ -161,7 +161,7 @@ def rotary_embedding(
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of ``gate_up [T, 2N]`` → ``[T, N]``."""
     if gate_up.is_cuda:
-        from kernels.elementwise import silu_and_mul as triton_op
+        from splitserve.kernels.elementwise import silu_and_mul as triton_op
 
         return triton_op(gate_up)
     return reference.silu_and_mul(gate_up)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import check_prefill
+from splitserve.kernels.checks import check_prefill
 
 LOG2E = 1.4426950408889634
 

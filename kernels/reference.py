@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import checks
+from splitserve.kernels import checks
 
 
 def reshape_and_cache(

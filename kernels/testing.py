@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels import layout
+from splitserve.kernels import layout
 
 
 class PagedKV(NamedTuple):

@@ -4,9 +4,15 @@ Plain Python only (no torch): the router imports the hashing part, and nodes dri
 their schedulers. The KV tensors themselves live in ``kernels``' KV pool, indexed by block id.
 """
 
-from kvstore.block import FreeKVCacheBlockQueue, KVCacheBlock
-from kvstore.block_pool import Adoption, BlockPool, BlockRemoved, BlockStored, KVCacheEvent
-from kvstore.hashing import (
+from splitserve.kvstore.block import FreeKVCacheBlockQueue, KVCacheBlock
+from splitserve.kvstore.block_pool import (
+    Adoption,
+    BlockPool,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
+from splitserve.kvstore.hashing import (
     BlockHash,
     ModelIdentity,
     encode_token_ids,
@@ -14,7 +20,7 @@ from kvstore.hashing import (
     hash_block_tokens,
     hash_request_tokens,
 )
-from kvstore.kv_cache_manager import ComputedBlocks, KVCacheManager, PrefixCacheStats
+from splitserve.kvstore.kv_cache_manager import ComputedBlocks, KVCacheManager, PrefixCacheStats
 
 __all__ = [
     "Adoption",

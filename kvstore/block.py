@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvstore.hashing import BlockHash
+from splitserve.kvstore.hashing import BlockHash
 
 
 @dataclass(slots=True, eq=False)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from kvstore.block import FreeKVCacheBlockQueue, KVCacheBlock
-from kvstore.hashing import BlockHash
+from splitserve.kvstore.block import FreeKVCacheBlockQueue, KVCacheBlock
+from splitserve.kvstore.hashing import BlockHash
 
 
 class BlockStored(NamedTuple):
@@ -72,6 +72,10 @@ class BlockPool:
     def get_usage(self) -> float:
         """Fraction of the usable blocks (null block excluded) held by running requests."""
         return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash with a cached block (a snapshot)."""
+        return list(self.cached_block_hash_to_block)
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)

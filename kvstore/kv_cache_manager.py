@@ -6,9 +6,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvstore.block import KVCacheBlock
-from kvstore.block_pool import BlockPool
-from kvstore.hashing import BlockHash
+from splitserve.kvstore.block import KVCacheBlock
+from splitserve.kvstore.block_pool import BlockPool
+from splitserve.kvstore.hashing import BlockHash
 
 
 class ComputedBlocks(NamedTuple):
@@ -173,6 +173,13 @@ class KVCacheManager:
         if blocks:
             blocks.reverse()
             self.block_pool.free_blocks(blocks)
+
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        """The request's blocks in order (a copy; empty when it holds none)."""
+        return list(self.req_to_blocks.get(request_id, ()))
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.req_to_blocks
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from kvstore.block_pool import BlockRemoved, BlockStored, KVCacheEvent
+from splitserve.kvstore.block_pool import BlockRemoved, BlockStored, KVCacheEvent
 
 logger = logging.getLogger(__name__)
 

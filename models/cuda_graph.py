@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from models.layers import AttentionMetadata
+from splitserve.models.layers import AttentionMetadata
 
 if TYPE_CHECKING:
-    from models.runner import ModelRunner
+    from splitserve.models.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

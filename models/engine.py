@@ -17,9 +17,16 @@ from typing import NamedTuple
 
 import torch
 
-from kvstore import BlockPool, KVCacheManager, ModelIdentity, extend_block_hashes
-from models.runner import ModelRunner, SequenceInput
-from models.sampler import Sampler, SamplingParams, check_stop, make_generator, skip_draws
+from splitserve.kvstore import BlockPool, KVCacheManager, ModelIdentity, extend_block_hashes
+from splitserve.models.kv_port import KVPort
+from splitserve.models.runner import ModelRunner, SequenceInput
+from splitserve.models.sampler import (
+    Sampler,
+    SamplingParams,
+    check_stop,
+    make_generator,
+    skip_draws,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +104,8 @@ class LLMEngine:
         self.held: dict[str, Request] = {}  # prefill_only: finished, blocks not yet released
         self.num_preemptions = 0
         self.last_num_scheduled = 0
+        # The door for code that moves KV between nodes (servicers, shippers, peer fetch).
+        self.kv_port = KVPort(self)
 
     # ------------------------------------------------------------------ requests
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from models.engine import LLMEngine, RequestDoesNotFit, StepOutput
+from splitserve.models.engine import LLMEngine, RequestDoesNotFit, StepOutput
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -5,9 +5,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.layout import layer_kv_views
-from models.config import ModelConfig
-from models.layers import AttentionMetadata, GatedMLP, PagedAttention, RMSNorm, RotaryEmbedding
+from splitserve.kernels.layout import layer_kv_views
+from splitserve.models.config import ModelConfig
+from splitserve.models.layers import (
+    AttentionMetadata,
+    GatedMLP,
+    PagedAttention,
+    RMSNorm,
+    RotaryEmbedding,
+)
 
 
 class DecoderLayer(nn.Module):

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from models.config import ModelConfig, parse_dtype
-from models.llama import LlamaForCausalLM
+from splitserve.models.config import ModelConfig, parse_dtype
+from splitserve.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 

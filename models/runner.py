@@ -11,10 +11,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.layout import allocate_kv_pool
-from models.config import ModelConfig
-from models.layers import AttentionMetadata
-from models.llama import LlamaForCausalLM
+from splitserve.kernels.layout import allocate_kv_pool
+from splitserve.models.config import ModelConfig
+from splitserve.models.layers import AttentionMetadata
+from splitserve.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._warmup()
         if self.device.type == "cuda" and runner_config.use_cuda_graph:
-            from models.cuda_graph import DecodeGraphs
+            from splitserve.models.cuda_graph import DecodeGraphs
 
             self.graphs = DecodeGraphs(self, runner_config.graph_batch_sizes)
 

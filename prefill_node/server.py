@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import asyncio
 
-from prefill_node.service import PrefillService
-from proto import nodes_pb2, nodes_pb2_grpc
-from splitserve.config import NodeConfig
-from splitserve.serving import serve_node, transfer_paths
+from splitserve.prefill_node.service import PrefillService
+from splitserve.runtime.config import NodeConfig
+from splitserve.runtime.node import serve_node, transfer_paths
+from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
-SERVICE_NAME = nodes_pb2.DESCRIPTOR.services_by_name["PrefillNode"].full_name
+SERVICE_NAME = nodes_pb2.DESCRIPTOR.services_by_name["PrefillNodeService"].full_name
 
 
 def make_service(engine, identity, config: NodeConfig, address: str) -> PrefillService:
-    from transfer import KVSender
+    from splitserve.transfer import KVSender
 
     paths = transfer_paths(config)
     sender = None
@@ -29,7 +29,7 @@ def serve(config: NodeConfig) -> None:
             config,
             "prefill",
             make_service,
-            nodes_pb2_grpc.add_PrefillNodeServicer_to_server,
+            nodes_pb2_grpc.add_PrefillNodeServiceServicer_to_server,
             SERVICE_NAME,
         )
     )

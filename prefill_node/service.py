@@ -13,17 +13,18 @@ from collections import Counter
 
 import grpc
 
-from kernels.layout import read_blocks_bytes, write_blocks_bytes
-from kvstore import ModelIdentity, hash_request_tokens
-from kvstore.codec import batch_indices, decode_blocks, encode_blocks
-from models.engine import RequestDoesNotFit, StepOutput
-from models.engine_loop import AsyncEngine
-from proto import nodes_pb2, nodes_pb2_grpc
-from splitserve.metrics import LoadFigures
-from splitserve.protocol import sampling_from_proto
-from splitserve.serving import CHANNEL_OPTIONS, node_stats
-from transfer import GRPC, Endpoint
-from transfer import TransferError as TransferLayerError
+from splitserve.kernels.layout import read_blocks_bytes, write_blocks_bytes
+from splitserve.kvstore import ModelIdentity, hash_request_tokens
+from splitserve.kvstore.codec import batch_indices, decode_blocks, encode_blocks
+from splitserve.models.engine import RequestDoesNotFit, StepOutput
+from splitserve.models.engine_loop import AsyncEngine
+from splitserve.runtime.metrics import LoadFigures
+from splitserve.runtime.node import node_stats
+from splitserve.runtime.protocol import sampling_from_proto
+from splitserve.runtime.server import CHANNEL_OPTIONS
+from splitserve.transfer import GRPC, Endpoint
+from splitserve.transfer import TransferError as TransferLayerError
+from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ class _ShipError(Exception):
         return self._details
 
 
-class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
+class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
     def __init__(
         self, engine: AsyncEngine, identity: ModelIdentity, deadline_s: float, sender=None
     ) -> None:
@@ -138,8 +139,8 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
             )
         return channel
 
-    def _stub(self, address: str) -> nodes_pb2_grpc.DecodeNodeStub:
-        return nodes_pb2_grpc.DecodeNodeStub(self._channel(address))
+    def _stub(self, address: str) -> nodes_pb2_grpc.DecodeNodeServiceStub:
+        return nodes_pb2_grpc.DecodeNodeServiceStub(self._channel(address))
 
     async def Prefill(self, request, context):
         if self.draining:
@@ -233,7 +234,9 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
         """Look up the decode node's transfer endpoint and set up the path to it; ``None``: not
         settled yet (no answer, or the path still being set up): ship bytes, try next time."""
         try:
-            stats = await self._stub(decode_address).GetStats(nodes_pb2.StatsRequest(), timeout=5.0)
+            stats = await nodes_pb2_grpc.NodeStatsServiceStub(
+                self._channel(decode_address)
+            ).GetStats(nodes_pb2.GetStatsRequest(), timeout=5.0)
         except grpc.aio.AioRpcError:
             return None
         if not stats.transfer_endpoint:
@@ -288,7 +291,7 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
         block_ids = self.engine.engine.kv.get_block_ids(req.request_id)
         has_tail = len(req.prompt_token_ids) % self.block_size != 0
         outbox: asyncio.Queue = asyncio.Queue()
-        outbox.put_nowait(nodes_pb2.TransferMessage(header=header))
+        outbox.put_nowait(nodes_pb2.TransferKVRequest(header=header))
 
         async def messages():
             while (msg := await outbox.get()) is not None:
@@ -332,9 +335,9 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
                 meta, data = await asyncio.to_thread(encode_blocks, run, data, tail)
                 nbytes += len(data)
                 outbox.put_nowait(
-                    nodes_pb2.TransferMessage(blocks=nodes_pb2.BlockData(meta=meta, data=data))
+                    nodes_pb2.TransferKVRequest(blocks=nodes_pb2.BlockData(meta=meta, data=data))
                 )
-            outbox.put_nowait(nodes_pb2.TransferMessage(end=nodes_pb2.TransferEnd()))
+            outbox.put_nowait(nodes_pb2.TransferKVRequest(end=nodes_pb2.TransferEnd()))
             outbox.put_nowait(None)
             reply = await call.read()
             if reply is grpc.aio.EOF or not reply.done:
@@ -401,7 +404,7 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
         got: dict[int, bytes] = {}
         try:
             call = self._peer_stub(request.peer_address).FetchBlocks(
-                nodes_pb2.FetchRequest(
+                nodes_pb2.FetchBlocksRequest(
                     block_hashes=want, model_root_hash=self.root, block_nbytes=self.block_nbytes
                 ),
                 timeout=min(FETCH_TIMEOUT_S, context.time_remaining() or FETCH_TIMEOUT_S),
@@ -460,8 +463,8 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServicer):
             kv.free(tmp)  # the blocks stay cached (LRU) for the request about to be scheduled
         return len(hashes)
 
-    def _peer_stub(self, address: str) -> nodes_pb2_grpc.PrefillNodeStub:
-        return nodes_pb2_grpc.PrefillNodeStub(self._channel(address))
+    def _peer_stub(self, address: str) -> nodes_pb2_grpc.PrefillNodeServiceStub:
+        return nodes_pb2_grpc.PrefillNodeServiceStub(self._channel(address))
 
     async def FetchBlocks(self, request, context):
         if request.model_root_hash != self.root or request.block_nbytes != self.block_nbytes:

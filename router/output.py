@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from router.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from splitserve.router.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
 class Delta(NamedTuple):

@@ -17,10 +17,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from redis.exceptions import RedisError
 
-from kvstore import ModelIdentity
-from kvstore.redis_index import NodeInfo, PrefixIndex
-from proto import nodes_pb2, nodes_pb2_grpc
-from splitserve.metrics import LoadFigures
+from splitserve.kvstore import ModelIdentity
+from splitserve.kvstore.redis_index import NodeInfo, PrefixIndex
+from splitserve.runtime.metrics import LoadFigures
+from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -206,19 +206,16 @@ class NodeRegistry:
             node.channel = grpc.aio.insecure_channel(node.address)
         return node.channel
 
-    def prefill_stub(self, node: Node) -> nodes_pb2_grpc.PrefillNodeStub:
-        return nodes_pb2_grpc.PrefillNodeStub(self.channel(node))
+    def prefill_stub(self, node: Node) -> nodes_pb2_grpc.PrefillNodeServiceStub:
+        return nodes_pb2_grpc.PrefillNodeServiceStub(self.channel(node))
 
-    def decode_stub(self, node: Node) -> nodes_pb2_grpc.DecodeNodeStub:
-        return nodes_pb2_grpc.DecodeNodeStub(self.channel(node))
+    def decode_stub(self, node: Node) -> nodes_pb2_grpc.DecodeNodeServiceStub:
+        return nodes_pb2_grpc.DecodeNodeServiceStub(self.channel(node))
 
-    async def stats(self, node: Node, timeout: float = 2.0) -> nodes_pb2.NodeStats:
+    async def stats(self, node: Node, timeout: float = 2.0) -> nodes_pb2.GetStatsResponse:
         """The node's GetStats (raises grpc.aio.AioRpcError)."""
-        if node.role == "prefill":
-            stub = nodes_pb2_grpc.PrefillNodeStub(self.channel(node))
-        else:
-            stub = nodes_pb2_grpc.DecodeNodeStub(self.channel(node))
-        return await stub.GetStats(nodes_pb2.StatsRequest(), timeout=timeout)
+        stub = nodes_pb2_grpc.NodeStatsServiceStub(self.channel(node))
+        return await stub.GetStats(nodes_pb2.GetStatsRequest(), timeout=timeout)
 
     async def probe(self, node: Node, timeout: float = 1.0) -> bool:
         """True when the node answers grpc.health.v1 Check with SERVING within ``timeout``."""

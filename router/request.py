@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# NOTE: models.sampler imports torch (CPU only here: SamplingParams is a plain dataclass). The
-# router reuses its validation so that the router and the nodes agree on what is valid.
-from models.sampler import SamplingParams
-from proto import router_pb2
-from splitserve.protocol import sampling_from_proto
+# NOTE: the router validates with the nodes' own SamplingParams (so both agree on what is valid);
+# models.sampling_params is plain Python: importing it loads no torch.
+from splitserve.models.sampling_params import SamplingParams
+from splitserve.runtime.protocol import sampling_from_proto
+from splitserve.v1 import router_pb2
 
 MAX_STOP_STRINGS = 16
 
@@ -65,23 +65,21 @@ class GenerateParams:
 
 def parse_request(request: router_pb2.GenerateRequest, model: ModelInfo) -> GenerateParams:
     """Check and tokenize ``request``; raise ``InvalidRequest`` on any user mistake."""
-    if request.prompt and request.prompt_token_ids:
-        raise InvalidRequest("give either prompt or prompt_token_ids, not both")
-    if request.prompt:
-        token_ids = tuple(model.tokenizer(request.prompt).input_ids)
-        field = "prompt"
-    else:
-        token_ids = tuple(request.prompt_token_ids)
-        field = "prompt_token_ids"
+    if request.WhichOneof("prompt") == "token_ids":
+        token_ids = tuple(request.token_ids.ids)
+        field = "token_ids"
         bad = [(i, t) for i, t in enumerate(token_ids) if t >= model.vocab_size]
         if bad:
             i, t = bad[0]
             raise InvalidRequest(
-                f"prompt_token_ids[{i}] = {t} is not a token of this model: ids must be in "
+                f"token_ids.ids[{i}] = {t} is not a token of this model: ids must be in "
                 f"[0, {model.vocab_size}) ({len(bad)} bad id(s))"
             )
+    else:
+        token_ids = tuple(model.tokenizer(request.text).input_ids) if request.text else ()
+        field = "text"
     if not token_ids:
-        raise InvalidRequest("the prompt is empty: give a non-empty prompt or prompt_token_ids")
+        raise InvalidRequest("the prompt is empty: give a non-empty text or token_ids")
     if len(token_ids) > model.max_prompt_tokens:
         raise InvalidRequest(
             f"{field} is {len(token_ids)} tokens long; the model's context is "

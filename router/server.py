@@ -7,20 +7,20 @@ import json
 import logging
 from pathlib import Path
 
-from kvstore import ModelIdentity
-from kvstore.redis_index import PrefixIndex
-from proto import router_pb2, router_pb2_grpc
-from router.registry import NodeRegistry
-from router.request import ModelInfo
-from router.service import RouterService
-from splitserve.config import RouterConfig
-from splitserve.metrics import RouterMetrics, serve_metrics
-from splitserve.serving import Server
+from splitserve.kvstore import ModelIdentity
+from splitserve.kvstore.redis_index import PrefixIndex
+from splitserve.router.registry import NodeRegistry
+from splitserve.router.request import ModelInfo
+from splitserve.router.service import RouterService
+from splitserve.runtime.config import RouterConfig
+from splitserve.runtime.metrics import RouterMetrics, serve_metrics
+from splitserve.runtime.server import Server
+from splitserve.v1 import router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 GRACE_S = 5.0  # in-flight streams get this long to finish on SIGTERM
-SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
 
 
 def build_router(
@@ -45,7 +45,7 @@ def build_router(
         metrics=metrics,
     )
     server = Server(config.host, config.port, [SERVICE_NAME])
-    router_pb2_grpc.add_RouterServicer_to_server(service, server.server)
+    router_pb2_grpc.add_RouterServiceServicer_to_server(service, server.server)
     return server, registry
 
 

@@ -23,19 +23,19 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvstore import hash_request_tokens
-from kvstore.redis_index import PrefixIndex
-from proto import common_pb2, nodes_pb2, router_pb2, router_pb2_grpc
-from router.output import Delta, OutputAssembler
-from router.registry import Node, NodePool, NodeRegistry, prompt_tokens_to_compute
-from router.request import (
+from splitserve.kvstore import hash_request_tokens
+from splitserve.kvstore.redis_index import PrefixIndex
+from splitserve.router.output import Delta, OutputAssembler
+from splitserve.router.registry import Node, NodePool, NodeRegistry, prompt_tokens_to_compute
+from splitserve.router.request import (
     GenerateParams,
     InvalidRequest,
     ModelInfo,
     parse_request,
 )
-from splitserve.metrics import RouterMetrics
-from splitserve.protocol import sampling_to_proto
+from splitserve.runtime.metrics import RouterMetrics
+from splitserve.runtime.protocol import sampling_to_proto
+from splitserve.v1 import common_pb2, nodes_pb2, router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class _LookupBatcher:
                     future.set_result(result)
 
 
-class RouterService(router_pb2_grpc.RouterServicer):
+class RouterService(router_pb2_grpc.RouterServiceServicer):
     def __init__(
         self,
         model: ModelInfo,

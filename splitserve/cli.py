@@ -71,7 +71,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _identity(args: argparse.Namespace):
-    from kvstore import ModelIdentity
+    from splitserve.kvstore import ModelIdentity
 
     return ModelIdentity(
         args.model, revision=args.revision, dtype=args.dtype, block_size=args.block_size
@@ -80,7 +80,7 @@ def _identity(args: argparse.Namespace):
 
 def cmd_hash(args: argparse.Namespace) -> int:
     """Print the chained block hashes of a token list: the keys a prefix is cached under."""
-    from kvstore import hash_request_tokens
+    from splitserve.kvstore import hash_request_tokens
 
     try:
         tokens = [int(t) for t in args.tokens.replace(",", " ").split()]
@@ -102,7 +102,7 @@ def cmd_hash(args: argparse.Namespace) -> int:
 
 def cmd_kv_demo(args: argparse.Namespace) -> int:
     """Drive the real KV cache manager with chat-like traffic and report prefix-cache figures."""
-    from kvstore import BlockPool, BlockStored, KVCacheManager, hash_request_tokens
+    from splitserve.kvstore import BlockPool, BlockStored, KVCacheManager, hash_request_tokens
 
     rng = random.Random(args.seed)
     identity = _identity(args)
@@ -160,12 +160,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from kvstore import ModelIdentity
-    from models.engine import LLMEngine
-    from models.loader import load_model
-    from models.runner import ModelRunner, RunnerConfig
-    from models.sampler import SamplingParams
-    from models.tiny import ensure_tiny_model
+    from splitserve.kvstore import ModelIdentity
+    from splitserve.models.engine import LLMEngine
+    from splitserve.models.loader import load_model
+    from splitserve.models.runner import ModelRunner, RunnerConfig
+    from splitserve.models.sampling_params import SamplingParams
+    from splitserve.models.tiny import ensure_tiny_model
 
     path = args.model_path or ensure_tiny_model()
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
@@ -243,7 +243,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
 def _model_path(args: argparse.Namespace) -> str:
     if args.model:
         return args.model
-    from models.tiny import ensure_tiny_model
+    from splitserve.models.tiny import ensure_tiny_model
 
     return str(ensure_tiny_model())
 
@@ -272,8 +272,8 @@ _NODE_FLAGS = (  # argparse dest -> NodeConfig field; unset flags keep NodeConfi
 
 def cmd_node(args: argparse.Namespace) -> int:
     """Run one prefill or decode node until SIGTERM/Ctrl-C."""
-    from splitserve.config import NodeConfig
-    from splitserve.gpus import GpuClaimError, claim_for_node
+    from splitserve.runtime.config import NodeConfig
+    from splitserve.runtime.gpus import GpuClaimError, claim_for_node
 
     given = {k: getattr(args, k) for k in _NODE_FLAGS if getattr(args, k) is not None}
     try:  # before anything starts CUDA: the claimed GPU must be the only one it sees
@@ -283,16 +283,16 @@ def cmd_node(args: argparse.Namespace) -> int:
         return 1
     config = NodeConfig(model_path=_model_path(args), **given)
     try:
-        from splitserve.serving import transfer_paths
+        from splitserve.runtime.node import transfer_paths
 
         transfer_paths(config)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.command == "prefill":
-        from prefill_node.server import serve
+        from splitserve.prefill_node.server import serve
     else:
-        from decode_node.server import serve
+        from splitserve.decode_node.server import serve
     serve(config)
     return 0
 
@@ -310,7 +310,7 @@ def _addresses(flag: str, value: str) -> tuple[str, ...]:
 
 def cmd_router(args: argparse.Namespace) -> int:
     """Run the router (the public Generate service) until SIGTERM/Ctrl-C."""
-    from splitserve.config import RouterConfig
+    from splitserve.runtime.config import RouterConfig
 
     if not args.redis_url and not (args.prefill and args.decode):
         print(
@@ -337,7 +337,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from router.server import serve
+    from splitserve.router.server import serve
 
     serve(config)
     return 0
@@ -345,7 +345,7 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 def cmd_health(args: argparse.Namespace) -> int:
     """Ask a component's grpc.health.v1 service: exit 0 if SERVING, else 1 (health checks)."""
-    from splitserve.health import check, check_address, default_address
+    from splitserve.runtime.health import check, check_address, default_address
 
     address = args.address or default_address()
     try:

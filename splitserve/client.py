@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 
-from proto import common_pb2, router_pb2, router_pb2_grpc
+from splitserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 __all__ = [
     "AsyncClient",
@@ -90,6 +90,10 @@ def _build_request(
     cannot be encoded at all fails here, with the same INVALID_ARGUMENT code."""
     if isinstance(stop, str):
         stop = [stop]
+    if prompt is not None and prompt_token_ids is not None:
+        raise SplitserveError(
+            grpc.StatusCode.INVALID_ARGUMENT, "give either prompt or prompt_token_ids, not both"
+        )
     try:
         sampling = common_pb2.SamplingParams(
             max_tokens=max_tokens,
@@ -101,14 +105,17 @@ def _build_request(
         )
         if seed is not None:
             sampling.seed = seed
-        return router_pb2.GenerateRequest(
-            prompt=prompt or "",
-            prompt_token_ids=prompt_token_ids or (),
+        request = router_pb2.GenerateRequest(
             sampling=sampling,
             stop=stop or (),
             cache_salt=cache_salt or "",
             request_id=request_id or "",
         )
+        if prompt_token_ids is not None:
+            request.token_ids.ids.extend(prompt_token_ids)
+        else:
+            request.text = prompt or ""
+        return request
     except (TypeError, ValueError) as exc:
         raise SplitserveError(grpc.StatusCode.INVALID_ARGUMENT, f"bad argument: {exc}") from None
 
@@ -173,7 +180,7 @@ class Client:
     def __init__(self, target: str, options: Sequence[tuple[str, Any]] = ()) -> None:
         self.target = target
         self._channel = grpc.insecure_channel(target, options=list(options))
-        self._stub = router_pb2_grpc.RouterStub(self._channel)
+        self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
 
     def generate(
         self,
@@ -257,12 +264,12 @@ class AsyncClient:
         self.target = target
         self._options = list(options)
         self._channel: grpc.aio.Channel | None = None
-        self._stub: router_pb2_grpc.RouterStub | None = None
+        self._stub: router_pb2_grpc.RouterServiceStub | None = None
 
-    def _get_stub(self) -> router_pb2_grpc.RouterStub:
+    def _get_stub(self) -> router_pb2_grpc.RouterServiceStub:
         if self._stub is None:
             self._channel = grpc.aio.insecure_channel(self.target, options=self._options)
-            self._stub = router_pb2_grpc.RouterStub(self._channel)
+            self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
         return self._stub
 
     async def generate(

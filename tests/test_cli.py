@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvstore import ModelIdentity, hash_request_tokens
+from splitserve.kvstore import ModelIdentity, hash_request_tokens
 
 EXE = shutil.which("splitserve", path=str(Path(sys.executable).parent))
 
@@ -43,7 +43,7 @@ def test_kv_demo_runs_and_reports_prefix_hits():
 
 
 def test_generate_runs_a_checkpoint_and_rejects_bad_options(tmp_path):
-    from models.tiny import write_random_checkpoint
+    from splitserve.models.tiny import write_random_checkpoint
 
     path = write_random_checkpoint(tmp_path / "m", with_tokenizer=True)
     proc = _run("generate", "--model-path", str(path), "--max-tokens", "5", "hi", "there")

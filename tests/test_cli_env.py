@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from splitserve import cli
-from splitserve.config import NodeConfig
+from splitserve.runtime.config import NodeConfig
 
 EXE = shutil.which("splitserve", path=str(Path(sys.executable).parent))
 

@@ -9,11 +9,11 @@ import threading
 import grpc
 import pytest
 
-from proto import common_pb2, router_pb2, router_pb2_grpc
 from splitserve.client import AsyncClient, Client, GenerateResult, SplitserveError, StreamChunk
+from splitserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 
-class FakeRouter(router_pb2_grpc.RouterServicer):
+class FakeRouter(router_pb2_grpc.RouterServiceServicer):
     """Answers the prompt's characters one chunk each (the 'token id' is the code point), or
     fails as the prompt says: "!invalid", "!slow" (sleeps), "!unavailable". Token ids in, "ids"
     out.
@@ -25,14 +25,14 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
 
     async def Generate(self, request, context):
         self.requests.append(request)
-        if request.prompt == "!invalid":
+        if request.text == "!invalid":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "temperature must be >= 0")
-        if request.prompt == "!unavailable":
+        if request.text == "!unavailable":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no prefill node is reachable")
-        text = (request.prompt or "ids")[: request.sampling.max_tokens]
+        text = (request.text or "ids")[: request.sampling.max_tokens]
         try:
             for i, char in enumerate(text):
-                if request.prompt.startswith("!slow"):
+                if request.text.startswith("!slow"):
                     await asyncio.sleep(0.05)
                 last = i == len(text) - 1
                 msg = router_pb2.GenerateResponse(
@@ -42,7 +42,7 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
                     msg.finish_reason = "length"
                     msg.usage.CopyFrom(
                         common_pb2.Usage(
-                            prompt_tokens=len(request.prompt),
+                            prompt_tokens=len(request.text),
                             cached_tokens=2,
                             completion_tokens=len(text),
                             time_to_first_token_s=0.01,
@@ -64,7 +64,7 @@ def router():
 
     async def main():
         server = grpc.aio.server()
-        router_pb2_grpc.add_RouterServicer_to_server(fake, server)
+        router_pb2_grpc.add_RouterServiceServicer_to_server(fake, server)
         holder["port"] = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         holder["stop"] = asyncio.Event()
@@ -97,7 +97,7 @@ def test_generate_returns_text_tokens_and_usage(router):
     with pytest.raises(AttributeError):
         result.text = "changed"  # frozen
     sent = fake.requests[-1]
-    assert sent.prompt == prompt and list(sent.stop) == ["x"]
+    assert sent.text == prompt and list(sent.stop) == ["x"]
     assert sent.sampling.max_tokens == 5 and sent.sampling.temperature == 0
     assert sent.sampling.seed == 7 and sent.sampling.top_k == -1
 
@@ -110,7 +110,7 @@ def test_request_carries_every_parameter_and_leaves_seed_unset_by_default(router
             prompt_token_ids=ids, top_p=0.5, top_k=3, ignore_eos=True, cache_salt="tenant"
         )
     sent = fake.requests[-1]
-    assert list(sent.prompt_token_ids) == ids and not sent.prompt
+    assert list(sent.token_ids.ids) == ids and sent.WhichOneof("prompt") == "token_ids"
     assert sent.sampling.top_p == 0.5 and sent.sampling.top_k == 3 and sent.sampling.ignore_eos
     assert sent.sampling.max_tokens == 16 and sent.sampling.temperature == 1.0
     assert not sent.sampling.HasField("seed") and sent.cache_salt == "tenant"
@@ -141,6 +141,9 @@ def test_errors_carry_the_grpc_code_and_message(router):
         # What cannot even be encoded fails the same way, before any call.
         with pytest.raises(SplitserveError) as err:
             client.generate(prompt_token_ids=[1, -2])
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(SplitserveError, match="either prompt or prompt_token_ids") as err:
+            client.generate("hi", prompt_token_ids=[1])
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 

@@ -10,10 +10,10 @@ import grpc
 import pytest
 from cluster import start_node, start_router, wait_healthy
 
-from models.tiny import write_random_checkpoint
-from proto import nodes_pb2, nodes_pb2_grpc
 from splitserve.client import Client
 from splitserve.launcher import free_port
+from splitserve.models.tiny import write_random_checkpoint
+from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,9 @@ def test_full_decode_node_is_refused_and_the_router_retries_elsewhere(model_dir,
                 r = client.generate(prompt_token_ids=[5] * 600, max_tokens=3, temperature=0.0)
                 assert len(r.token_ids) == 3
         with grpc.insecure_channel(small.address) as channel:
-            stats = nodes_pb2_grpc.DecodeNodeStub(channel).GetStats(nodes_pb2.StatsRequest())
+            stats = nodes_pb2_grpc.NodeStatsServiceStub(channel).GetStats(
+                nodes_pb2.GetStatsRequest()
+            )
         assert stats.counters["transfers_failed"] >= 1
         assert stats.num_free_blocks == stats.num_blocks  # nothing leaked by the refusals
     finally:

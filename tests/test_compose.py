@@ -126,7 +126,7 @@ def test_environment_names_are_options_of_the_command(service):
 
 
 def test_health_checks_reach_the_port_the_component_listens_on():
-    from splitserve.health import default_address
+    from splitserve.runtime.health import default_address
 
     for service in COMPONENTS:
         assert default_address(_env(service)) == "127.0.0.1:8000"
@@ -232,8 +232,6 @@ def test_dockerignore_keeps_what_the_install_needs_and_drops_the_rest():
 
     for path in (".venv", ".git", "tests", "x.whl", "__pycache__", "checkpoint"):
         assert ignored(path), path
-    packages = [
-        p.rstrip("*") for p in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]
-    ]
-    for path in ("pyproject.toml", "README.md", *packages):
+    folders = PYPROJECT["tool"]["setuptools"]["package-dir"].values()
+    for path in ("pyproject.toml", "README.md", *folders):
         assert (ROOT / path).exists() and not ignored(path), path

@@ -9,22 +9,23 @@ import grpc
 import pytest
 from cluster import start_node
 
-from kvstore import ModelIdentity, hash_request_tokens
-from kvstore.codec import encode_blocks
-from proto import common_pb2, nodes_pb2, nodes_pb2_grpc
+from splitserve.kvstore import ModelIdentity, hash_request_tokens
+from splitserve.kvstore.codec import encode_blocks
+from splitserve.v1 import common_pb2, nodes_pb2, nodes_pb2_grpc
 
 BS = 16
 
 
 @pytest.fixture(scope="module")
 def decode(tmp_path_factory):
-    from models.tiny import write_random_checkpoint
+    from splitserve.models.tiny import write_random_checkpoint
 
     tmp = tmp_path_factory.mktemp("decode")
     model = write_random_checkpoint(tmp / "model", with_tokenizer=True)
     node = start_node("decode", model, tmp)
     channel = grpc.insecure_channel(node.address)
-    stub = nodes_pb2_grpc.DecodeNodeStub(channel)
+    stub = nodes_pb2_grpc.DecodeNodeServiceStub(channel)
+    stub.GetStats = nodes_pb2_grpc.NodeStatsServiceStub(channel).GetStats  # both on one node
     config = __import__("json").loads((model / "config.json").read_text())
     block_nbytes = (
         config["num_hidden_layers"]
@@ -40,7 +41,7 @@ def decode(tmp_path_factory):
 
 
 def _stats(stub):
-    return stub.GetStats(nodes_pb2.StatsRequest(), timeout=10)
+    return stub.GetStats(nodes_pb2.GetStatsRequest(), timeout=10)
 
 
 def _transfer(
@@ -75,7 +76,7 @@ def _transfer(
     replies = [] if replies is None else replies
 
     def messages():
-        yield nodes_pb2.TransferMessage(header=header)
+        yield nodes_pb2.TransferKVRequest(header=header)
         while not replies:
             time.sleep(0.01)
         if stop_after_header:
@@ -90,11 +91,11 @@ def _transfer(
         if corrupt == "size":
             data = data[:-4]
         if missing:
-            yield nodes_pb2.TransferMessage(blocks=nodes_pb2.BlockData(meta=meta, data=data))
+            yield nodes_pb2.TransferKVRequest(blocks=nodes_pb2.BlockData(meta=meta, data=data))
         if len(prompt) % BS:
             meta, data = encode_blocks([-1], random.randbytes(nbytes), tail=True)
-            yield nodes_pb2.TransferMessage(blocks=nodes_pb2.BlockData(meta=meta, data=data))
-        yield nodes_pb2.TransferMessage(end=nodes_pb2.TransferEnd())
+            yield nodes_pb2.TransferKVRequest(blocks=nodes_pb2.BlockData(meta=meta, data=data))
+        yield nodes_pb2.TransferKVRequest(end=nodes_pb2.TransferEnd())
 
     for reply in stub.TransferKV(messages(), timeout=30):
         replies.append(reply)
@@ -242,7 +243,7 @@ def test_a_burst_waits_for_blocks_instead_of_failing(tmp_path):
     blocks are freed by its Decode, then succeeds; a prompt larger than the pool fails at once."""
     import threading
 
-    from models.tiny import write_random_checkpoint
+    from splitserve.models.tiny import write_random_checkpoint
 
     model = write_random_checkpoint(tmp_path / "model", with_tokenizer=True)
     node = start_node("decode", model, tmp_path, "--kv-cache-mb", "1")
@@ -250,7 +251,8 @@ def test_a_burst_waits_for_blocks_instead_of_failing(tmp_path):
     nbytes = 2 * 2 * BS * 2 * 32 * 4
     try:
         with grpc.insecure_channel(node.address) as channel:
-            stub = nodes_pb2_grpc.DecodeNodeStub(channel)
+            stub = nodes_pb2_grpc.DecodeNodeServiceStub(channel)
+            stub.GetStats = nodes_pb2_grpc.NodeStatsServiceStub(channel).GetStats
             assert _stats(stub).num_blocks == 63
             assert _transfer(stub, root, nbytes, "first", _prompt(640))[-1].done
             second: list = []

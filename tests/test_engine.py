@@ -6,12 +6,12 @@ import random
 import pytest
 import torch
 
-from kvstore import ModelIdentity, hash_request_tokens
-from models.engine import LLMEngine, RequestDoesNotFit
-from models.loader import load_model
-from models.runner import ModelRunner, RunnerConfig
-from models.sampler import SamplingParams
-from models.tiny import write_random_checkpoint
+from splitserve.kvstore import ModelIdentity, hash_request_tokens
+from splitserve.models.engine import LLMEngine, RequestDoesNotFit
+from splitserve.models.loader import load_model
+from splitserve.models.runner import ModelRunner, RunnerConfig
+from splitserve.models.sampling_params import SamplingParams
+from splitserve.models.tiny import write_random_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 

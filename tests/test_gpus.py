@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from splitserve import gpus
-from splitserve.gpus import GpuClaimError, claim_for_node, claim_gpu, visible_gpus
+from splitserve.runtime import gpus
+from splitserve.runtime.gpus import GpuClaimError, claim_for_node, claim_gpu, visible_gpus
 
 EXE = shutil.which("splitserve", path=str(Path(sys.executable).parent))
 UUIDS = [f"GPU-0000000{i}-aaaa-bbbb-cccc-dddddddddddd" for i in range(4)]

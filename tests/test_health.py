@@ -10,8 +10,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from splitserve.health import check, check_address, default_address
 from splitserve.launcher import free_port
+from splitserve.runtime.health import check, check_address, default_address
 
 EXE = shutil.which("splitserve", path=str(Path(sys.executable).parent))
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -9,9 +9,9 @@ import grpc
 import pytest
 from cluster import start_node, start_redis, start_router
 
-from models.tiny import write_random_checkpoint
-from proto import nodes_pb2, nodes_pb2_grpc
 from splitserve.client import Client
+from splitserve.models.tiny import write_random_checkpoint
+from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def model_dir(tmp_path_factory):
 
 def adopted(address: str) -> float:
     with grpc.insecure_channel(address) as channel:
-        stats = nodes_pb2_grpc.DecodeNodeStub(channel).GetStats(nodes_pb2.StatsRequest())
+        stats = nodes_pb2_grpc.NodeStatsServiceStub(channel).GetStats(nodes_pb2.GetStatsRequest())
     return stats.counters["transfers"]
 
 

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from kernels import elementwise, reference
+from splitserve.kernels import elementwise, reference
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",

@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-import kernels
-from kernels import layout, ops, reference
-from kernels.testing import make_paged_kv
+from splitserve import kernels
+from splitserve.kernels import layout, ops, reference
+from splitserve.kernels.testing import make_paged_kv
 
 BLOCK_SIZE = 16
 # Reference math is float32; the dense check is float64 on the same float32 inputs.
@@ -98,7 +98,7 @@ def test_reshape_and_cache_reference_writes_only_its_slots(gen):
 
 
 def test_ops_dispatch_to_reference_on_cpu(gen, monkeypatch):
-    from kernels import cache_write, decode_attention, prefill_attention
+    from splitserve.kernels import cache_write, decode_attention, prefill_attention
 
     def boom(*args, **kwargs):
         raise AssertionError("the Triton launcher must not run on CPU tensors")

@@ -11,11 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import reference
-from kernels.cache_write import reshape_and_cache
-from kernels.decode_attention import DecodeConfig, choose_num_splits, paged_decode_attention
-from kernels.prefill_attention import PrefillConfig, paged_prefill_attention
-from kernels.testing import make_paged_kv
+from splitserve.kernels import reference
+from splitserve.kernels.cache_write import reshape_and_cache
+from splitserve.kernels.decode_attention import (
+    DecodeConfig,
+    choose_num_splits,
+    paged_decode_attention,
+)
+from splitserve.kernels.prefill_attention import PrefillConfig, paged_prefill_attention
+from splitserve.kernels.testing import make_paged_kv
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",

@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from kvstore.block import FreeKVCacheBlockQueue, KVCacheBlock
-from kvstore.block_pool import BlockPool, BlockRemoved, BlockStored
-from kvstore.hashing import ModelIdentity, hash_request_tokens
+from splitserve.kvstore.block import FreeKVCacheBlockQueue, KVCacheBlock
+from splitserve.kvstore.block_pool import BlockPool, BlockRemoved, BlockStored
+from splitserve.kvstore.hashing import ModelIdentity, hash_request_tokens
 
 BS = 4
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from kvstore.hashing import (
+from splitserve.kvstore.hashing import (
     ModelIdentity,
     encode_token_ids,
     extend_block_hashes,
@@ -129,7 +129,7 @@ def test_bad_identity_raises():
 
 _CHILD = """
 import sys
-from kvstore.hashing import ModelIdentity, hash_request_tokens
+from splitserve.kvstore.hashing import ModelIdentity, hash_request_tokens
 tokens = [int(t) for t in sys.argv[1].split(",")]
 root = ModelIdentity("org/model", revision="abc", dtype="bfloat16").root_hash
 hashes = hash_request_tokens(tokens, 16, root, cache_salt="tenant")

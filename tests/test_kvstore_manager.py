@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from kvstore import BlockPool, KVCacheManager, ModelIdentity, hash_request_tokens
+from splitserve.kvstore import BlockPool, KVCacheManager, ModelIdentity, hash_request_tokens
 
 BS = 4
 ROOT = ModelIdentity("m", block_size=BS).root_hash

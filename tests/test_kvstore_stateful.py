@@ -10,7 +10,13 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvstore import BlockPool, BlockStored, KVCacheManager, ModelIdentity, hash_request_tokens
+from splitserve.kvstore import (
+    BlockPool,
+    BlockStored,
+    KVCacheManager,
+    ModelIdentity,
+    hash_request_tokens,
+)
 
 BS = 2
 ROOT = ModelIdentity("m", block_size=BS).root_hash

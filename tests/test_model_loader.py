@@ -6,10 +6,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.config import ModelConfig
-from models.loader import load_model, load_weights
-from models.runner import ModelRunner, RunnerConfig
-from models.tiny import build_byte_tokenizer, ensure_tiny_model, write_random_checkpoint
+from splitserve.models.config import ModelConfig
+from splitserve.models.loader import load_model, load_weights
+from splitserve.models.runner import ModelRunner, RunnerConfig
+from splitserve.models.tiny import build_byte_tokenizer, ensure_tiny_model, write_random_checkpoint
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ import torch
 from cluster import start_node
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from models.tiny import write_random_checkpoint
-from proto import common_pb2, nodes_pb2, nodes_pb2_grpc
+from splitserve.models.tiny import write_random_checkpoint
+from splitserve.v1 import common_pb2, nodes_pb2, nodes_pb2_grpc
 
 SAMPLING = common_pb2.SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 
@@ -52,7 +52,7 @@ def _greedy(hf, prompt):
 
 def _run(prefill, decode, rid, prompt, **hint):
     with grpc.insecure_channel(prefill.address) as pc, grpc.insecure_channel(decode.address) as dc:
-        resp = nodes_pb2_grpc.PrefillNodeStub(pc).Prefill(
+        resp = nodes_pb2_grpc.PrefillNodeServiceStub(pc).Prefill(
             nodes_pb2.PrefillRequest(
                 request_id=rid,
                 prompt_token_ids=prompt,
@@ -64,7 +64,7 @@ def _run(prefill, decode, rid, prompt, **hint):
         )
         tokens = [resp.first_token_id] + [
             t
-            for m in nodes_pb2_grpc.DecodeNodeStub(dc).Decode(
+            for m in nodes_pb2_grpc.DecodeNodeServiceStub(dc).Decode(
                 nodes_pb2.DecodeRequest(request_id=rid), timeout=60
             )
             for t in m.token_ids
@@ -74,7 +74,7 @@ def _run(prefill, decode, rid, prompt, **hint):
 
 def _stats(node):
     with grpc.insecure_channel(node.address) as channel:
-        return nodes_pb2_grpc.PrefillNodeStub(channel).GetStats(nodes_pb2.StatsRequest())
+        return nodes_pb2_grpc.NodeStatsServiceStub(channel).GetStats(nodes_pb2.GetStatsRequest())
 
 
 def test_prefix_fetched_from_peer_then_stale_and_dead_peers(setup):
@@ -103,7 +103,7 @@ def test_prefix_fetched_from_peer_then_stale_and_dead_peers(setup):
 
 
 def test_a_prefix_is_fetched_only_when_that_beats_computing_it():
-    from prefill_node.service import MIN_FETCH_BLOCKS, worth_fetching
+    from splitserve.prefill_node.service import MIN_FETCH_BLOCKS, worth_fetching
 
     mib = 1 << 20
     # Unknown compute speed (nothing measured yet, CPU): fetch anything worth a round trip.

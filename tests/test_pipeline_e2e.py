@@ -11,9 +11,9 @@ import torch
 from cluster import start_node, start_router
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from models.tiny import write_random_checkpoint
-from proto import nodes_pb2, nodes_pb2_grpc
 from splitserve.client import AsyncClient, Client, SplitserveError
+from splitserve.models.tiny import write_random_checkpoint
+from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 MAX_NEW = 8
 
@@ -71,12 +71,9 @@ def cluster(model_dir, tmp_path_factory):
 
 def node_stats(proc):
     with grpc.insecure_channel(proc.address) as channel:
-        stub_cls = (
-            nodes_pb2_grpc.PrefillNodeStub
-            if "prefill" in proc.log.name
-            else nodes_pb2_grpc.DecodeNodeStub
+        return nodes_pb2_grpc.NodeStatsServiceStub(channel).GetStats(
+            nodes_pb2.GetStatsRequest(), timeout=10
         )
-        return stub_cls(channel).GetStats(nodes_pb2.StatsRequest(), timeout=10)
 
 
 def wait_idle(nodes, idle, timeout=15.0):

@@ -10,10 +10,10 @@ import pytest
 from cluster import start_node, start_redis, start_router_discovering
 from reference import hf_greedy
 
-from kvstore import ModelIdentity
-from kvstore.redis_index import PrefixIndex
-from models.tiny import write_random_checkpoint
 from splitserve.client import Client
+from splitserve.kvstore import ModelIdentity
+from splitserve.kvstore.redis_index import PrefixIndex
+from splitserve.models.tiny import write_random_checkpoint
 
 GREEDY = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -108,7 +108,7 @@ def _ok(client):
 
 
 def _cached_blocks(node, redis_url, model_dir, tokens):
-    from kvstore import hash_request_tokens
+    from splitserve.kvstore import hash_request_tokens
 
     root = ModelIdentity.for_checkpoint(model_dir, "float32").root_hash
 

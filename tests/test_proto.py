@@ -1,5 +1,5 @@
-"""The generated protobuf modules are exactly what scripts/gen_proto.sh makes from proto/*.proto
-(they are never edited by hand), and they import with this grpcio."""
+"""The generated protobuf modules are exactly what scripts/gen_proto.sh makes from
+proto/splitserve/v1/*.proto (they are never edited by hand), and they import with this grpcio."""
 
 import subprocess
 import sys
@@ -14,15 +14,24 @@ def test_generated_stubs_are_up_to_date(tmp_path):
         check=True,
         env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"},
     )
-    generated = sorted(p.relative_to(tmp_path) for p in (tmp_path / "proto").glob("*_pb2*.py*"))
-    committed = sorted(p.relative_to(REPO) for p in (REPO / "proto").glob("*_pb2*.py*"))
+    stubs = "splitserve/v1/*_pb2*.py*"
+    generated = sorted(p.relative_to(tmp_path) for p in tmp_path.glob(stubs))
+    committed = sorted(p.relative_to(REPO / "proto") for p in (REPO / "proto").glob(stubs))
     assert generated == committed and len(generated) == 9
-    stale = [str(p) for p in generated if (tmp_path / p).read_bytes() != (REPO / p).read_bytes()]
+    stale = [
+        str(p)
+        for p in generated
+        if (tmp_path / p).read_bytes() != (REPO / "proto" / p).read_bytes()
+    ]
     assert not stale, f"regenerate with scripts/gen_proto.sh: {stale}"
 
 
 def test_stubs_import_and_name_the_services():
-    from proto import nodes_pb2, router_pb2
+    from splitserve.v1 import nodes_pb2, router_pb2
 
-    assert set(nodes_pb2.DESCRIPTOR.services_by_name) == {"PrefillNode", "DecodeNode"}
-    assert set(router_pb2.DESCRIPTOR.services_by_name) == {"Router"}
+    assert set(nodes_pb2.DESCRIPTOR.services_by_name) == {
+        "PrefillNodeService",
+        "DecodeNodeService",
+        "NodeStatsService",
+    }
+    assert set(router_pb2.DESCRIPTOR.services_by_name) == {"RouterService"}

@@ -6,9 +6,9 @@ import random
 import pytest
 from cluster import start_redis
 
-from kvstore import BlockPool, ModelIdentity, hash_request_tokens
-from kvstore.block_pool import BlockRemoved, BlockStored
-from kvstore.redis_index import IndexPublisher, NodeInfo, PrefixIndex
+from splitserve.kvstore import BlockPool, ModelIdentity, hash_request_tokens
+from splitserve.kvstore.block_pool import BlockRemoved, BlockStored
+from splitserve.kvstore.redis_index import IndexPublisher, NodeInfo, PrefixIndex
 
 ROOT = ModelIdentity("m").root_hash
 
@@ -123,7 +123,7 @@ def test_publisher_survives_redis_restart_and_republishes(tmp_path):
 
 
 def test_concurrent_router_lookups_share_round_trips(redis_url):
-    from router.service import _LookupBatcher
+    from splitserve.router.service import _LookupBatcher
 
     async def run():
         index = PrefixIndex(redis_url, ROOT)

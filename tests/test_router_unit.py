@@ -11,14 +11,14 @@ from collections.abc import Sequence
 import grpc
 import pytest
 
-from models.tiny import build_byte_tokenizer
-from proto import common_pb2, nodes_pb2, nodes_pb2_grpc, router_pb2, router_pb2_grpc
-from router.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from router.output import OutputAssembler
-from router.registry import MAX_IMBALANCE, NodePool, prompt_tokens_to_compute
-from router.request import InvalidRequest, ModelInfo, parse_request
-from router.server import start_router
-from splitserve.config import RouterConfig
+from splitserve.models.tiny import build_byte_tokenizer
+from splitserve.router.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from splitserve.router.output import OutputAssembler
+from splitserve.router.registry import MAX_IMBALANCE, NodePool, prompt_tokens_to_compute
+from splitserve.router.request import InvalidRequest, ModelInfo, parse_request
+from splitserve.router.server import start_router
+from splitserve.runtime.config import RouterConfig
+from splitserve.v1 import common_pb2, nodes_pb2, nodes_pb2_grpc, router_pb2, router_pb2_grpc
 
 TOKENIZER = build_byte_tokenizer()
 EOS = TOKENIZER.eos_token_id
@@ -210,6 +210,10 @@ MODEL = ModelInfo(tokenizer=TOKENIZER, vocab_size=320, max_model_len=64)
 
 def request(**kwargs) -> router_pb2.GenerateRequest:
     sampling = kwargs.pop("sampling", {})
+    if "prompt" in kwargs:
+        kwargs["text"] = kwargs.pop("prompt")
+    if "prompt_token_ids" in kwargs:
+        kwargs["token_ids"] = router_pb2.TokenIds(ids=kwargs.pop("prompt_token_ids"))
     return router_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(**sampling), **kwargs)
 
 
@@ -218,15 +222,14 @@ def request(**kwargs) -> router_pb2.GenerateRequest:
     [
         ({}, "empty"),
         ({"prompt": "x" * 64}, "at most 63"),
-        ({"prompt_token_ids": [1] * 64}, "prompt_token_ids"),
+        ({"prompt_token_ids": [1] * 64}, "token_ids"),
         ({"prompt": "hi", "sampling": {"max_tokens": 0}}, "max_tokens"),
         ({"prompt": "hi", "sampling": {"max_tokens": -3}}, "max_tokens"),
         ({"prompt": "hi", "sampling": {"temperature": -0.5}}, "temperature"),
         ({"prompt": "hi", "sampling": {"top_p": 0.0}}, "top_p"),
         ({"prompt": "hi", "sampling": {"top_k": -7}}, "top_k"),
         ({"prompt": "hi", "sampling": {"temperature": float("nan")}}, "temperature"),
-        ({"prompt_token_ids": [5, 320, 7]}, "prompt_token_ids[1] = 320"),
-        ({"prompt": "hi", "prompt_token_ids": [1]}, "either prompt or prompt_token_ids"),
+        ({"prompt_token_ids": [5, 320, 7]}, "token_ids.ids[1] = 320"),
         ({"prompt": "hi", "stop": ["ok", ""]}, "stop[1]"),
     ],
 )
@@ -260,7 +263,7 @@ class FakeCluster:
         self.live_decode: set[str] = set()
 
 
-class FakePrefill(nodes_pb2_grpc.PrefillNodeServicer):
+class FakePrefill(nodes_pb2_grpc.PrefillNodeServiceServicer):
     def __init__(self, cluster: FakeCluster) -> None:
         self.cluster = cluster
         self.address = ""
@@ -285,7 +288,7 @@ class FakePrefill(nodes_pb2_grpc.PrefillNodeServicer):
         )
 
 
-class FakeDecode(nodes_pb2_grpc.DecodeNodeServicer):
+class FakeDecode(nodes_pb2_grpc.DecodeNodeServiceServicer):
     def __init__(self, cluster: FakeCluster) -> None:
         self.cluster = cluster
 
@@ -327,13 +330,13 @@ async def with_cluster(test, num_prefill=2, num_decode=2, dead_prefill=0, dead_d
     for _ in range(num_prefill):
         servicer = FakePrefill(cluster)
         server, servicer.address = await start_fake_node(
-            servicer, nodes_pb2_grpc.add_PrefillNodeServicer_to_server
+            servicer, nodes_pb2_grpc.add_PrefillNodeServiceServicer_to_server
         )
         servers.append(server)
         prefill.append(servicer.address)
     for _ in range(num_decode):
         server, address = await start_fake_node(
-            FakeDecode(cluster), nodes_pb2_grpc.add_DecodeNodeServicer_to_server
+            FakeDecode(cluster), nodes_pb2_grpc.add_DecodeNodeServiceServicer_to_server
         )
         servers.append(server)
         decode.append(address)
@@ -344,7 +347,7 @@ async def with_cluster(test, num_prefill=2, num_decode=2, dead_prefill=0, dead_d
     router, registry = await start_router(config, MODEL)
     channel = grpc.aio.insecure_channel(router.address)
     try:
-        await test(router_pb2_grpc.RouterStub(channel), cluster, registry)
+        await test(router_pb2_grpc.RouterServiceStub(channel), cluster, registry)
     finally:
         await channel.close()
         await router.stop(0)

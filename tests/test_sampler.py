@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from models.sampler import (
+from splitserve.models.sampler import (
     Sampler,
     SamplingParams,
     apply_penalties,

@@ -13,10 +13,10 @@ import grpc
 import pytest
 from cluster import start_node, start_redis, start_router_discovering
 
-from models.tiny import write_random_checkpoint
-from proto import nodes_pb2, nodes_pb2_grpc
 from splitserve.client import Client, SplitserveError
 from splitserve.launcher import free_port
+from splitserve.models.tiny import write_random_checkpoint
+from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +68,8 @@ class Traffic:
 
 def counter(address: str, role: str, name: str) -> float:
     with grpc.insecure_channel(address) as channel:
-        stub = (
-            nodes_pb2_grpc.PrefillNodeStub if role == "prefill" else nodes_pb2_grpc.DecodeNodeStub
-        )(channel)
-        return stub.GetStats(nodes_pb2.StatsRequest(), timeout=10).counters[name]
+        stub = nodes_pb2_grpc.NodeStatsServiceStub(channel)
+        return stub.GetStats(nodes_pb2.GetStatsRequest(), timeout=10).counters[name]
 
 
 def wait_for(predicate, timeout: float) -> float:

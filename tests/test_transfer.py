@@ -10,7 +10,7 @@ import socket
 import pytest
 import torch
 
-from transfer import (
+from splitserve.transfer import (
     DIST,
     GRPC,
     IPC,
@@ -29,8 +29,8 @@ from transfer import (
     export_pool,
     local_endpoint,
 )
-from transfer.reservation import block_nbytes
-from transfer.testing import SenderProcess, fill_pool, make_pool
+from splitserve.transfer.reservation import block_nbytes
+from splitserve.transfer.testing import SenderProcess, fill_pool, make_pool
 
 SPEC = dict(num_blocks=24, num_layers=2, block_size=16, num_kv_heads=2, head_dim=8)
 SENDER_SEED = 1234

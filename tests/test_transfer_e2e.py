@@ -10,9 +10,9 @@ import pytest
 from cluster import start_node, start_router
 from reference import hf_greedy
 
-from models.tiny import write_random_checkpoint
-from proto import nodes_pb2, nodes_pb2_grpc
 from splitserve.client import Client
+from splitserve.models.tiny import write_random_checkpoint
+from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def model_dir(tmp_path_factory):
 
 def counters(address):
     with grpc.insecure_channel(address) as channel:
-        stats = nodes_pb2_grpc.DecodeNodeStub(channel).GetStats(nodes_pb2.StatsRequest())
+        stats = nodes_pb2_grpc.NodeStatsServiceStub(channel).GetStats(nodes_pb2.GetStatsRequest())
     return stats.counters
 
 

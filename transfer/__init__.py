@@ -7,9 +7,9 @@ pair: NCCL on CUDA, gloo on CPU) and ``grpc`` (the services' gRPC byte stream, `
 See docs/transfer.md.
 """
 
-from transfer.api import KVReceiver, KVSender
-from transfer.dist import DistReceiver, DistSender, make_pair_group, prepare_backend
-from transfer.endpoint import (
+from splitserve.transfer.api import KVReceiver, KVSender
+from splitserve.transfer.dist import DistReceiver, DistSender, make_pair_group, prepare_backend
+from splitserve.transfer.endpoint import (
     DIST,
     GRPC,
     IPC,
@@ -21,9 +21,15 @@ from transfer.endpoint import (
     choose_path,
     local_endpoint,
 )
-from transfer.errors import ChannelClosed, NotConnected, PeerLost, TransferError, TransferTimeout
-from transfer.ipc import IpcHandle, IpcWriter, export_pool, open_pool
-from transfer.reservation import Reservation, Ticket, check_block_ids
+from splitserve.transfer.errors import (
+    ChannelClosed,
+    NotConnected,
+    PeerLost,
+    TransferError,
+    TransferTimeout,
+)
+from splitserve.transfer.ipc import IpcHandle, IpcWriter, export_pool, open_pool
+from splitserve.transfer.reservation import Reservation, Ticket, check_block_ids
 
 __all__ = [
     "DIST",

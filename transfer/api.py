@@ -29,8 +29,8 @@ import time
 
 import torch
 
-from transfer.dist import DistReceiver, DistSender
-from transfer.endpoint import (
+from splitserve.transfer.dist import DistReceiver, DistSender
+from splitserve.transfer.endpoint import (
     DIST,
     GRPC,
     IPC,
@@ -40,9 +40,9 @@ from transfer.endpoint import (
     choose_path,
     local_endpoint,
 )
-from transfer.errors import NotConnected
-from transfer.ipc import IpcWriter, export_pool
-from transfer.reservation import Reservation, Ticket
+from splitserve.transfer.errors import NotConnected
+from splitserve.transfer.ipc import IpcWriter, export_pool
+from splitserve.transfer.reservation import Reservation, Ticket
 
 logger = logging.getLogger(__name__)
 

@@ -41,9 +41,15 @@ from datetime import timedelta
 import msgpack
 import torch
 
-from transfer.endpoint import BACKEND_FOR_DEVICE, DIST, DistAddress, dtype_name
-from transfer.errors import ChannelClosed, NotConnected, PeerLost, TransferError, TransferTimeout
-from transfer.reservation import (
+from splitserve.transfer.endpoint import BACKEND_FOR_DEVICE, DIST, DistAddress, dtype_name
+from splitserve.transfer.errors import (
+    ChannelClosed,
+    NotConnected,
+    PeerLost,
+    TransferError,
+    TransferTimeout,
+)
+from splitserve.transfer.reservation import (
     Reservation,
     Ticket,
     block_nbytes,

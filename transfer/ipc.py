@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import msgpack
 import torch
 
-from transfer.endpoint import device_uuid, dtype_name, local_device_index
-from transfer.reservation import block_nbytes, check_block_ids, check_source_ids
+from splitserve.transfer.endpoint import device_uuid, dtype_name, local_device_index
+from splitserve.transfer.reservation import block_nbytes, check_block_ids, check_source_ids
 
 _VERSION = 1
 

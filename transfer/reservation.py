@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import msgpack
 import torch
 
-from transfer.errors import TransferError
+from splitserve.transfer.errors import TransferError
 
 NULL_BLOCK_ID = 0  # kernels.layout.NULL_BLOCK_ID: never written
 

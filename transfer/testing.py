@@ -58,7 +58,7 @@ def block_checksums(kv_pool: torch.Tensor, block_ids: list[int]) -> list[int]:
 
 
 def sender_main(conn, node_id: str, pool_spec: dict, seed: int, connect_timeout: float = 10.0):
-    from transfer import KVSender, Ticket, dist
+    from splitserve.transfer import KVSender, Ticket, dist
 
     if pool_spec.get("device", "cpu").startswith("cuda"):
         torch.cuda.set_device(torch.device(pool_spec["device"]))

@@ -4,7 +4,7 @@ same CUDA tensors (skipped without a GPU; CPU counterpart: tests/test_kernels_el
 import pytest
 import torch
 
-from kernels import elementwise, reference
+from splitserve.kernels import elementwise, reference
 
 pytestmark = [
     pytest.mark.gpu,

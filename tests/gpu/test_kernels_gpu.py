@@ -10,11 +10,11 @@ import random
 import pytest
 import torch
 
-import kernels
-from kernels import layout, reference
-from kernels.decode_attention import paged_decode_attention
-from kernels.prefill_attention import paged_prefill_attention
-from kernels.testing import make_paged_kv
+from splitserve import kernels
+from splitserve.kernels import layout, reference
+from splitserve.kernels.decode_attention import paged_decode_attention
+from splitserve.kernels.prefill_attention import paged_prefill_attention
+from splitserve.kernels.testing import make_paged_kv
 
 pytestmark = [
     pytest.mark.gpu,

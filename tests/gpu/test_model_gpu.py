@@ -7,12 +7,12 @@ import random
 import pytest
 import torch
 
-from kvstore import ModelIdentity
-from models.engine import LLMEngine
-from models.loader import load_model
-from models.runner import ModelRunner, RunnerConfig, SequenceInput
-from models.sampler import SamplingParams
-from models.tiny import write_random_checkpoint
+from splitserve.kvstore import ModelIdentity
+from splitserve.models.engine import LLMEngine
+from splitserve.models.loader import load_model
+from splitserve.models.runner import ModelRunner, RunnerConfig, SequenceInput
+from splitserve.models.sampling_params import SamplingParams
+from splitserve.models.tiny import write_random_checkpoint
 
 pytestmark = [
     pytest.mark.gpu,

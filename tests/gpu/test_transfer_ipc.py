@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from transfer import DIST, IPC, KVReceiver, Ticket, TransferError
-from transfer.reservation import block_nbytes
-from transfer.testing import SenderProcess, fill_pool, make_pool
+from splitserve.transfer import DIST, IPC, KVReceiver, Ticket, TransferError
+from splitserve.transfer.reservation import block_nbytes
+from splitserve.transfer.testing import SenderProcess, fill_pool, make_pool
 
 pytestmark = [
     pytest.mark.gpu,

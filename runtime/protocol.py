@@ -3,8 +3,8 @@ servicers)."""
 
 from __future__ import annotations
 
-from models.sampler import SamplingParams
-from proto import common_pb2
+from splitserve.models.sampling_params import SamplingParams
+from splitserve.v1 import common_pb2
 
 _OPTIONAL = (
     "temperature",

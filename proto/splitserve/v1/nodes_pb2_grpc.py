@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto import nodes_pb2 as proto_dot_nodes__pb2
+from splitserve.v1 import nodes_pb2 as splitserve_dot_v1_dot_nodes__pb2
 
 GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/nodes_pb2_grpc.py depends on'
+        + ' but the generated code in splitserve/v1/nodes_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class PrefillNodeStub:
+class PrefillNodeServiceStub:
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -35,23 +35,18 @@ class PrefillNodeStub:
             channel: A grpc.Channel.
         """
         self.Prefill = channel.unary_unary(
-                '/splitserve.v1.PrefillNode/Prefill',
-                request_serializer=proto_dot_nodes__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=proto_dot_nodes__pb2.PrefillResponse.FromString,
+                '/splitserve.v1.PrefillNodeService/Prefill',
+                request_serializer=splitserve_dot_v1_dot_nodes__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_nodes__pb2.PrefillResponse.FromString,
                 _registered_method=True)
         self.FetchBlocks = channel.unary_stream(
-                '/splitserve.v1.PrefillNode/FetchBlocks',
-                request_serializer=proto_dot_nodes__pb2.FetchRequest.SerializeToString,
-                response_deserializer=proto_dot_nodes__pb2.BlockData.FromString,
-                _registered_method=True)
-        self.GetStats = channel.unary_unary(
-                '/splitserve.v1.PrefillNode/GetStats',
-                request_serializer=proto_dot_nodes__pb2.StatsRequest.SerializeToString,
-                response_deserializer=proto_dot_nodes__pb2.NodeStats.FromString,
+                '/splitserve.v1.PrefillNodeService/FetchBlocks',
+                request_serializer=splitserve_dot_v1_dot_nodes__pb2.FetchBlocksRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_nodes__pb2.FetchBlocksResponse.FromString,
                 _registered_method=True)
 
 
-class PrefillNodeServicer:
+class PrefillNodeServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Prefill(self, request, context):
@@ -64,46 +59,35 @@ class PrefillNodeServicer:
 
     def FetchBlocks(self, request, context):
         """Serve cached blocks to a peer: the longest leading run of the asked hashes this node still
-        holds, as BlockData messages (indices into block_hashes). A hint can be stale: fewer blocks
+        holds, as FetchBlocksResponse messages (indices into block_hashes). A hint can be stale: fewer blocks
         (or none) is a normal answer.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def GetStats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
 
-
-def add_PrefillNodeServicer_to_server(servicer, server):
+def add_PrefillNodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=proto_dot_nodes__pb2.PrefillRequest.FromString,
-                    response_serializer=proto_dot_nodes__pb2.PrefillResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_nodes__pb2.PrefillRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_nodes__pb2.PrefillResponse.SerializeToString,
             ),
             'FetchBlocks': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchBlocks,
-                    request_deserializer=proto_dot_nodes__pb2.FetchRequest.FromString,
-                    response_serializer=proto_dot_nodes__pb2.BlockData.SerializeToString,
-            ),
-            'GetStats': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetStats,
-                    request_deserializer=proto_dot_nodes__pb2.StatsRequest.FromString,
-                    response_serializer=proto_dot_nodes__pb2.NodeStats.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_nodes__pb2.FetchBlocksRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_nodes__pb2.FetchBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'splitserve.v1.PrefillNode', rpc_method_handlers)
+            'splitserve.v1.PrefillNodeService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('splitserve.v1.PrefillNode', rpc_method_handlers)
+    server.add_registered_method_handlers('splitserve.v1.PrefillNodeService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class PrefillNode:
+class PrefillNodeService:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
@@ -120,9 +104,9 @@ class PrefillNode:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/splitserve.v1.PrefillNode/Prefill',
-            proto_dot_nodes__pb2.PrefillRequest.SerializeToString,
-            proto_dot_nodes__pb2.PrefillResponse.FromString,
+            '/splitserve.v1.PrefillNodeService/Prefill',
+            splitserve_dot_v1_dot_nodes__pb2.PrefillRequest.SerializeToString,
+            splitserve_dot_v1_dot_nodes__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -147,36 +131,9 @@ class PrefillNode:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/splitserve.v1.PrefillNode/FetchBlocks',
-            proto_dot_nodes__pb2.FetchRequest.SerializeToString,
-            proto_dot_nodes__pb2.BlockData.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def GetStats(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/splitserve.v1.PrefillNode/GetStats',
-            proto_dot_nodes__pb2.StatsRequest.SerializeToString,
-            proto_dot_nodes__pb2.NodeStats.FromString,
+            '/splitserve.v1.PrefillNodeService/FetchBlocks',
+            splitserve_dot_v1_dot_nodes__pb2.FetchBlocksRequest.SerializeToString,
+            splitserve_dot_v1_dot_nodes__pb2.FetchBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -188,7 +145,7 @@ class PrefillNode:
             _registered_method=True)
 
 
-class DecodeNodeStub:
+class DecodeNodeServiceStub:
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -198,23 +155,18 @@ class DecodeNodeStub:
             channel: A grpc.Channel.
         """
         self.TransferKV = channel.stream_stream(
-                '/splitserve.v1.DecodeNode/TransferKV',
-                request_serializer=proto_dot_nodes__pb2.TransferMessage.SerializeToString,
-                response_deserializer=proto_dot_nodes__pb2.TransferReply.FromString,
+                '/splitserve.v1.DecodeNodeService/TransferKV',
+                request_serializer=splitserve_dot_v1_dot_nodes__pb2.TransferKVRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_nodes__pb2.TransferKVResponse.FromString,
                 _registered_method=True)
         self.Decode = channel.unary_stream(
-                '/splitserve.v1.DecodeNode/Decode',
-                request_serializer=proto_dot_nodes__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=proto_dot_nodes__pb2.DecodeResponse.FromString,
-                _registered_method=True)
-        self.GetStats = channel.unary_unary(
-                '/splitserve.v1.DecodeNode/GetStats',
-                request_serializer=proto_dot_nodes__pb2.StatsRequest.SerializeToString,
-                response_deserializer=proto_dot_nodes__pb2.NodeStats.FromString,
+                '/splitserve.v1.DecodeNodeService/Decode',
+                request_serializer=splitserve_dot_v1_dot_nodes__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_nodes__pb2.DecodeResponse.FromString,
                 _registered_method=True)
 
 
-class DecodeNodeServicer:
+class DecodeNodeServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def TransferKV(self, request_iterator, context):
@@ -234,39 +186,28 @@ class DecodeNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def GetStats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
 
-
-def add_DecodeNodeServicer_to_server(servicer, server):
+def add_DecodeNodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'TransferKV': grpc.stream_stream_rpc_method_handler(
                     servicer.TransferKV,
-                    request_deserializer=proto_dot_nodes__pb2.TransferMessage.FromString,
-                    response_serializer=proto_dot_nodes__pb2.TransferReply.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_nodes__pb2.TransferKVRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_nodes__pb2.TransferKVResponse.SerializeToString,
             ),
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
-                    request_deserializer=proto_dot_nodes__pb2.DecodeRequest.FromString,
-                    response_serializer=proto_dot_nodes__pb2.DecodeResponse.SerializeToString,
-            ),
-            'GetStats': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetStats,
-                    request_deserializer=proto_dot_nodes__pb2.StatsRequest.FromString,
-                    response_serializer=proto_dot_nodes__pb2.NodeStats.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_nodes__pb2.DecodeRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_nodes__pb2.DecodeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'splitserve.v1.DecodeNode', rpc_method_handlers)
+            'splitserve.v1.DecodeNodeService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('splitserve.v1.DecodeNode', rpc_method_handlers)
+    server.add_registered_method_handlers('splitserve.v1.DecodeNodeService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class DecodeNode:
+class DecodeNodeService:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
@@ -283,9 +224,9 @@ class DecodeNode:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/splitserve.v1.DecodeNode/TransferKV',
-            proto_dot_nodes__pb2.TransferMessage.SerializeToString,
-            proto_dot_nodes__pb2.TransferReply.FromString,
+            '/splitserve.v1.DecodeNodeService/TransferKV',
+            splitserve_dot_v1_dot_nodes__pb2.TransferKVRequest.SerializeToString,
+            splitserve_dot_v1_dot_nodes__pb2.TransferKVResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -310,9 +251,9 @@ class DecodeNode:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/splitserve.v1.DecodeNode/Decode',
-            proto_dot_nodes__pb2.DecodeRequest.SerializeToString,
-            proto_dot_nodes__pb2.DecodeResponse.FromString,
+            '/splitserve.v1.DecodeNodeService/Decode',
+            splitserve_dot_v1_dot_nodes__pb2.DecodeRequest.SerializeToString,
+            splitserve_dot_v1_dot_nodes__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -322,6 +263,54 @@ class DecodeNode:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class NodeStatsServiceStub:
+    """Served by both node kinds: load, cache and identity figures the router routes by.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.GetStats = channel.unary_unary(
+                '/splitserve.v1.NodeStatsService/GetStats',
+                request_serializer=splitserve_dot_v1_dot_nodes__pb2.GetStatsRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_nodes__pb2.GetStatsResponse.FromString,
+                _registered_method=True)
+
+
+class NodeStatsServiceServicer:
+    """Served by both node kinds: load, cache and identity figures the router routes by.
+    """
+
+    def GetStats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_NodeStatsServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'GetStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStats,
+                    request_deserializer=splitserve_dot_v1_dot_nodes__pb2.GetStatsRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_nodes__pb2.GetStatsResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'splitserve.v1.NodeStatsService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('splitserve.v1.NodeStatsService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class NodeStatsService:
+    """Served by both node kinds: load, cache and identity figures the router routes by.
+    """
 
     @staticmethod
     def GetStats(request,
@@ -337,9 +326,9 @@ class DecodeNode:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/splitserve.v1.DecodeNode/GetStats',
-            proto_dot_nodes__pb2.StatsRequest.SerializeToString,
-            proto_dot_nodes__pb2.NodeStats.FromString,
+            '/splitserve.v1.NodeStatsService/GetStats',
+            splitserve_dot_v1_dot_nodes__pb2.GetStatsRequest.SerializeToString,
+            splitserve_dot_v1_dot_nodes__pb2.GetStatsResponse.FromString,
             options,
             channel_credentials,
             insecure,

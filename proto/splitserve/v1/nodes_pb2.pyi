@@ -1,4 +1,4 @@
-from proto import common_pb2 as _common_pb2
+from splitserve.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -45,7 +45,7 @@ class PrefillResponse(_message.Message):
     blocks_fetched: int
     def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., blocks_shipped: _Optional[int] = ..., blocks_reused: _Optional[int] = ..., bytes_shipped: _Optional[int] = ..., blocks_fetched: _Optional[int] = ...) -> None: ...
 
-class FetchRequest(_message.Message):
+class FetchBlocksRequest(_message.Message):
     __slots__ = ("block_hashes", "model_root_hash", "block_nbytes")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     MODEL_ROOT_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -55,7 +55,7 @@ class FetchRequest(_message.Message):
     block_nbytes: int
     def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., model_root_hash: _Optional[bytes] = ..., block_nbytes: _Optional[int] = ...) -> None: ...
 
-class TransferMessage(_message.Message):
+class TransferKVRequest(_message.Message):
     __slots__ = ("header", "blocks", "end")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -105,7 +105,15 @@ class TransferEnd(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class TransferReply(_message.Message):
+class FetchBlocksResponse(_message.Message):
+    __slots__ = ("meta", "data")
+    META_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    meta: bytes
+    data: bytes
+    def __init__(self, meta: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class TransferKVResponse(_message.Message):
     __slots__ = ("missing", "done", "blocks_reused", "ticket")
     MISSING_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
@@ -133,11 +141,11 @@ class DecodeResponse(_message.Message):
     finish_reason: str
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
-class StatsRequest(_message.Message):
+class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class NodeStats(_message.Message):
+class GetStatsResponse(_message.Message):
     __slots__ = ("role", "num_blocks", "num_free_blocks", "num_cached_blocks", "running", "waiting", "pending_transfers", "counters", "model_root_hash", "model_identity", "prefill_tokens_waiting", "transfer_endpoint")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")

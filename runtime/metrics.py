@@ -44,11 +44,12 @@ class LoadFigures:
     @classmethod
     def of_engine(cls, engine, pending_transfers: int = 0) -> LoadFigures:
         """The figures of a live ``models.engine.LLMEngine``."""
+        pool = engine.kv_port.stats()
         return cls(
             running=len(engine.running),
             waiting=len(engine.waiting),
-            num_blocks=engine.pool.num_blocks - 1,
-            num_free_blocks=engine.pool.num_free_blocks,
+            num_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free_blocks,
             prefill_tokens_waiting=engine.pending_prefill_tokens,
             pending_transfers=pending_transfers,
         )

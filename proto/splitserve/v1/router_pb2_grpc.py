@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto import router_pb2 as proto_dot_router__pb2
+from splitserve.v1 import router_pb2 as splitserve_dot_v1_dot_router__pb2
 
 GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/router_pb2_grpc.py depends on'
+        + ' but the generated code in splitserve/v1/router_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class RouterStub:
+class RouterServiceStub:
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -35,13 +35,13 @@ class RouterStub:
             channel: A grpc.Channel.
         """
         self.Generate = channel.unary_stream(
-                '/splitserve.v1.Router/Generate',
-                request_serializer=proto_dot_router__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=proto_dot_router__pb2.GenerateResponse.FromString,
+                '/splitserve.v1.RouterService/Generate',
+                request_serializer=splitserve_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_router__pb2.GenerateResponse.FromString,
                 _registered_method=True)
 
 
-class RouterServicer:
+class RouterServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
@@ -53,22 +53,22 @@ class RouterServicer:
         raise NotImplementedError('Method not implemented!')
 
 
-def add_RouterServicer_to_server(servicer, server):
+def add_RouterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=proto_dot_router__pb2.GenerateRequest.FromString,
-                    response_serializer=proto_dot_router__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_router__pb2.GenerateRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_router__pb2.GenerateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'splitserve.v1.Router', rpc_method_handlers)
+            'splitserve.v1.RouterService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('splitserve.v1.Router', rpc_method_handlers)
+    server.add_registered_method_handlers('splitserve.v1.RouterService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class Router:
+class RouterService:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
@@ -85,9 +85,9 @@ class Router:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/splitserve.v1.Router/Generate',
-            proto_dot_router__pb2.GenerateRequest.SerializeToString,
-            proto_dot_router__pb2.GenerateResponse.FromString,
+            '/splitserve.v1.RouterService/Generate',
+            splitserve_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
+            splitserve_dot_v1_dot_router__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,

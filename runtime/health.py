@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.config import WILDCARD_HOSTS
+from splitserve.runtime.config import WILDCARD_HOSTS
 
 DEFAULT_PORT = 8000  # the image's SPLITSERVE_PORT and the router's default
 

@@ -1,0 +1,153 @@
+"""KVPort: the one door into an engine's KV for code that moves blocks between nodes.
+
+Servicers, block shippers and receivers, peer fetch and the Redis publisher use this and nothing
+else of the engine's pool and KV cache manager (vLLM V1 keeps the KV cache manager as the only
+door into its block pool in the same way). Every method runs on the engine thread
+(``AsyncEngine.call``): the engine holds no locks, so nothing here may run concurrently with a
+step.
+
+The sequence for blocks that come from elsewhere, whoever sends them, is always
+``reserve`` → ``write`` (or a transfer layer writes the reserved ids) → ``register`` → later
+``free``; ``adopt`` is that whole sequence for blocks that arrive complete (a peer's prefix).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+from splitserve.kernels.layout import read_blocks_bytes, write_blocks_bytes
+from splitserve.kvstore import BlockHash, KVCacheBlock
+
+if TYPE_CHECKING:
+    from splitserve.models.engine import LLMEngine
+
+
+class Reserved(NamedTuple):
+    """Blocks reserved for a request whose KV comes from elsewhere.
+
+    ``missing``: indices into its block hashes whose data must be written (the others were
+    cached here and are now pinned by the request); ``dest``: the block ids that data goes to,
+    in order — the missing full blocks, then the partial tail block when ``has_tail``.
+    """
+
+    missing: list[int]
+    has_tail: bool
+    dest: list[int]
+
+
+class PoolFigures(NamedTuple):
+    num_blocks: int  # usable blocks (the null block excluded)
+    num_free_blocks: int
+    num_cached_blocks: int
+
+
+class KVPort:
+    def __init__(self, engine: LLMEngine) -> None:
+        self._kv = engine.kv
+        self._pool = engine.pool
+        self.kv_pool = engine.runner.kv_pool  # the transfer layer maps/sends this tensor
+        self.block_size = engine.block_size
+        self.block_nbytes = self.kv_pool[0].numel() * self.kv_pool.element_size()
+        self.num_usable_blocks = self._pool.num_blocks - 1
+
+    # ------------------------------------------------------------------ blocks from elsewhere
+
+    def reserve(
+        self, request_id: str, block_hashes: Sequence[BlockHash], num_tokens: int
+    ) -> Reserved | None:
+        """Blocks for request ``request_id`` of ``num_tokens`` prompt tokens whose full blocks
+        hash to ``block_hashes``: hashes cached here are touched, the others get new blocks
+        (unregistered until ``register``), plus the partial tail block. ``None`` when the pool is
+        short; then nothing is held for the request."""
+        to_write = self._kv.adopt_blocks(request_id, block_hashes)
+        if to_write is None or self._kv.allocate_slots(request_id, num_tokens) is None:
+            self._kv.free(request_id)
+            return None
+        blocks = self._kv.get_blocks(request_id)
+        new = {id(b) for b in to_write}
+        missing = [i for i, b in enumerate(blocks[: len(block_hashes)]) if id(b) in new]
+        has_tail = num_tokens % self.block_size != 0
+        dest = [blocks[i].block_id for i in missing]
+        if has_tail:
+            dest.append(blocks[len(block_hashes)].block_id)
+        return Reserved(missing, has_tail, dest)
+
+    def write(self, block_ids: Sequence[int], data: bytes) -> None:
+        """Write whole blocks' bytes (over all layers, block-major) into ``block_ids``."""
+        write_blocks_bytes(self.kv_pool, list(block_ids), data)
+
+    def register(self, request_id: str, block_hashes: Sequence[BlockHash]) -> None:
+        """The request's full blocks now hold their data: make them findable by hash."""
+        self._kv.cache_blocks(request_id, block_hashes, len(block_hashes) * self.block_size)
+
+    def adopt(self, block_hashes: Sequence[BlockHash], blocks_data: Sequence[bytes]) -> int:
+        """Cache complete blocks that came from elsewhere (``blocks_data[i]`` is the block of
+        ``block_hashes[i]``): reserve, write the ones not cached here, register, and leave them
+        in the LRU as prefix cache. Returns how many are cached (0: the pool was short)."""
+        tmp = f"adopt-{uuid.uuid4().hex}"
+        reserved = self.reserve(tmp, block_hashes, len(block_hashes) * self.block_size)
+        if reserved is None:
+            return 0
+        try:
+            if reserved.missing:
+                self.write(reserved.dest, b"".join(blocks_data[i] for i in reserved.missing))
+            self.register(tmp, block_hashes)
+        finally:
+            self._kv.free(tmp)
+        return len(block_hashes)
+
+    # ------------------------------------------------------------------ blocks held here
+
+    def read(self, block_ids: Sequence[int]) -> bytes:
+        """The blocks' bytes, over all layers, in order."""
+        return read_blocks_bytes(self.kv_pool, list(block_ids))
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """The request's blocks in order (empty when it holds none)."""
+        return self._kv.get_block_ids(request_id)
+
+    def holds(self, request_id: str) -> bool:
+        """Whether blocks are held under ``request_id``."""
+        return self._kv.has_request(request_id)
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks (full ones stay cached); idempotent."""
+        self._kv.free(request_id)
+
+    def count_cached(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many leading ``block_hashes`` are cached here."""
+        n = 0
+        while n < len(block_hashes) and self._pool.get_cached_block(block_hashes[n]) is not None:
+            n += 1
+        return n
+
+    def pin(self, block_hashes: Sequence[BlockHash]) -> list[KVCacheBlock]:
+        """Take a reference on the longest leading run of ``block_hashes`` cached here, so no
+        allocation evicts them while they are read; give them back with ``unpin``."""
+        blocks = []
+        for block_hash in block_hashes:
+            block = self._pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        self._pool.touch(blocks)
+        return blocks
+
+    def unpin(self, blocks: Sequence[KVCacheBlock]) -> None:
+        self._pool.free_blocks(blocks)
+
+    # ------------------------------------------------------------------ figures and events
+
+    def stats(self) -> PoolFigures:
+        pool = self._pool
+        return PoolFigures(pool.num_blocks - 1, pool.num_free_blocks, pool.num_cached_blocks)
+
+    def take_events(self) -> list:
+        """Stored/evicted hash events since the last call (for the Redis index)."""
+        return self._pool.take_events()
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash cached here (a full snapshot for the Redis index)."""
+        return self._pool.cached_hashes()

@@ -1,0 +1,101 @@
+"""What every gRPC process of splitserve does the same way: health and reflection services, the
+bound port written to a file for launchers, graceful stop on SIGTERM/SIGINT. Torch-free (the
+router runs it); a node's life on top of it is ``runtime.node``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+logger = logging.getLogger(__name__)
+
+# Shipped KV blocks travel in messages of a few MB; allow generous headroom.
+MAX_MESSAGE_BYTES = 256 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+# NOTE: no SO_REUSEPORT: a second process must fail to bind a taken port, not share it silently.
+SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
+
+
+class Server:
+    def __init__(self, host: str, port: int, service_names: Sequence[str]) -> None:
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, self.server)
+        self.service_names = tuple(service_names)
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {host}:{port}")
+        self.address = f"{host}:{self.port}"
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def start(self, port_file: str | None = None) -> None:
+        """Start serving, mark SERVING, then write the bound port to ``port_file`` (atomically:
+        a launcher polling it never reads half a number)."""
+        await self.server.start()
+        await self.set_serving(True)
+        if port_file:
+            tmp = Path(port_file).with_suffix(".tmp")
+            tmp.write_text(str(self.port))
+            tmp.replace(port_file)
+        logger.info("serving %s on %s", ", ".join(self.service_names), self.address)
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """NOT_SERVING first (so health checks steer traffic away), then a graceful stop."""
+        await self.set_serving(False)
+        await self.server.stop(grace_s)
+
+    async def run(
+        self,
+        port_file: str | None = None,
+        on_stop: Callable[[], Awaitable[None]] | None = None,
+        grace_s: float = 5.0,
+        drain: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        """Start, serve until SIGTERM/SIGINT, drain, stop, then ``on_stop``.
+
+        On the first signal health turns NOT_SERVING and ``drain`` runs (it stops taking work and
+        waits for in-flight requests); a second signal cuts the drain short.
+        """
+        await self.start(port_file)
+        signals = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, signals.put_nowait, sig)
+        await signals.get()
+        await self.set_serving(False)
+        if drain is not None:
+            logger.info("draining %s", self.address)
+            draining = asyncio.create_task(drain())
+            again = asyncio.create_task(signals.get())
+            await asyncio.wait((draining, again), return_when=asyncio.FIRST_COMPLETED)
+            if not draining.done():
+                logger.warning("second signal: not waiting for in-flight requests")
+                draining.cancel()
+            again.cancel()
+            await asyncio.gather(draining, again, return_exceptions=True)
+        logger.info("stopping %s", self.address)
+        await self.stop(grace_s)
+        if on_stop is not None:
+            await on_stop()
