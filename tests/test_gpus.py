@@ -76,7 +76,7 @@ def test_a_lock_held_by_another_process_is_skipped_and_released_when_it_ends(tmp
         [
             sys.executable,
             "-c",
-            "import sys; from splitserve.gpus import claim_gpu; "
+            "import sys; from splitserve.runtime.gpus import claim_gpu; "
             f"print(claim_gpu({str(locks)!r}, ['a', 'b'])[0], flush=True); sys.stdin.read()",
         ],
         stdin=subprocess.PIPE,
