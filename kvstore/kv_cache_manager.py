@@ -89,7 +89,8 @@ class KVCacheManager:
 
         ``computed_blocks`` (from ``get_computed_blocks``) are only accepted for a request that has
         no blocks yet. Returns the newly allocated blocks, or ``None`` when the pool is short, in
-        which case nothing changed (no partial allocation, no reference taken).
+        which case nothing changed (no partial allocation, no reference taken). Prefix blocks that
+        are not this pool's raise ``ValueError``, also with nothing changed.
         """
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be non-negative, got {num_tokens}")
@@ -110,11 +111,17 @@ class KVCacheManager:
             num_free_needed += sum(1 for b in prefix if b.ref_cnt == 0)
         if num_free_needed > pool.num_free_blocks:
             return None
+        if prefix:
+            # NOTE: touched before the request gets an entry: ``touch`` checks every block first
+            # (another pool's block, the null block: ValueError) and then changes nothing, so a
+            # refused prefix leaves no trace of the request here (a decode node would otherwise
+            # refuse a retry of the same id as "already on this node"). Touching before
+            # ``get_new_blocks`` also keeps that allocation from evicting these free prefix blocks.
+            pool.touch(prefix)
         if blocks is None:
             blocks = self.req_to_blocks[request_id] = []
             self.num_cached_blocks[request_id] = 0
         if prefix:
-            pool.touch(prefix)
             blocks.extend(prefix)
             self.num_cached_blocks[request_id] = len(prefix)
         if num_new <= 0:

@@ -38,6 +38,47 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unsupported dtype {dtype!r}; use float32, float16 or bfloat16") from None
 
 
+def _supported_architecture(hf_config: Any) -> str:
+    """The checkpoint's architecture name, or ``ValueError`` for anything this decoder does not
+    compute exactly (another architecture, rope type or activation)."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(
+            f"unsupported architecture {archs or hf_config.model_type!r}; splitserve runs "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"unsupported hidden_act {act!r}; Llama-family models use 'silu'")
+    return arch
+
+
+def _max_model_len(hf_config: Any, arch: str) -> int:
+    max_len = hf_config.max_position_embeddings
+    window = getattr(hf_config, "sliding_window", None)
+    uses_window = window is not None and (
+        arch == "MistralForCausalLM" or getattr(hf_config, "use_sliding_window", False)
+    )
+    if uses_window and window < max_len:
+        # NOTE: sliding-window attention is not implemented; below the window it is plain
+        # causal attention, so capping the context keeps outputs exact.
+        logger.warning(
+            "sliding_window=%d < max_position_embeddings=%d: context capped at %d",
+            window,
+            max_len,
+            window,
+        )
+        max_len = window
+    return max_len
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """The shape of a Llama-family decoder, independent of where its weights come from."""
@@ -73,22 +114,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> ModelConfig:
-        archs = list(getattr(hf_config, "architectures", None) or [])
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(
-                f"unsupported architecture {archs or hf_config.model_type!r}; splitserve runs "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        rope = dict(getattr(hf_config, "rope_parameters", None) or {})
-        rope_type = rope.get("rope_type", "default")
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(
-                f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-            )
-        act = getattr(hf_config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r}; Llama-family models use 'silu'")
+        arch = _supported_architecture(hf_config)
         num_heads = hf_config.num_attention_heads
         num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
         if num_heads % num_kv_heads:
@@ -97,21 +123,6 @@ class ModelConfig:
                 f"num_key_value_heads {num_kv_heads}"
             )
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-        max_len = hf_config.max_position_embeddings
-        window = getattr(hf_config, "sliding_window", None)
-        uses_window = window is not None and (
-            arch == "MistralForCausalLM" or getattr(hf_config, "use_sliding_window", False)
-        )
-        if uses_window and window < max_len:
-            # NOTE: sliding-window attention is not implemented; below the window it is plain
-            # causal attention, so capping the context keeps outputs exact.
-            logger.warning(
-                "sliding_window=%d < max_position_embeddings=%d: context capped at %d",
-                window,
-                max_len,
-                window,
-            )
-            max_len = window
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         eos = getattr(hf_config, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
@@ -130,7 +141,7 @@ class ModelConfig:
             qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
             o_bias=attention_bias and arch != "Qwen2ForCausalLM",
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
-            max_model_len=max_len,
+            max_model_len=_max_model_len(hf_config, arch),
             checkpoint_dtype=parse_dtype(ckpt_dtype) if ckpt_dtype else torch.float32,
             eos_token_ids=eos_ids,
             hf_config=hf_config,

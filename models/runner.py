@@ -211,18 +211,7 @@ class ModelRunner:
                 f"a sequence of {int(seq_lens.max())} tokens exceeds max_model_len "
                 f"{self.config.max_model_len}"
             )
-        width = int(-(-seq_lens.max() // bs))
-        block_table = np.zeros((num_seqs, width), dtype=np.int32)
-        for i, s in enumerate(seqs):
-            need = -(-int(seq_lens[i]) // bs)
-            if len(s.block_ids) < need:
-                raise ValueError(
-                    f"sequence {i} has {len(s.block_ids)} blocks for "
-                    f"{int(seq_lens[i])} tokens ({need} needed)"
-                )
-            block_table[i, :need] = s.block_ids[:need]
-        if block_table.max() >= self.num_blocks or block_table.min() < 0:
-            raise ValueError(f"block ids must be in [0, {self.num_blocks})")
+        block_table = self._block_table(seqs, seq_lens)
         cu = np.zeros(num_seqs + 1, dtype=np.int32)
         np.cumsum(q_lens, out=cu[1:])
         seq_idx = np.repeat(np.arange(num_seqs), q_lens)
@@ -238,12 +227,7 @@ class ModelRunner:
         if input_ids.min() < 0 or input_ids.max() >= self.config.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.config.vocab_size})")
         is_decode = bool((q_lens == 1).all())
-        dev = self.device
-
-        def put(a: np.ndarray) -> torch.Tensor:
-            t = torch.from_numpy(a)
-            return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
-
+        put = self._to_device
         meta = AttentionMetadata(
             slot_mapping=put(slots),
             block_table=put(block_table),
@@ -253,6 +237,30 @@ class ModelRunner:
             is_decode=is_decode,
         )
         return put(input_ids), put(positions), meta, is_decode
+
+    def _block_table(self, seqs: Sequence[SequenceInput], seq_lens: np.ndarray) -> np.ndarray:
+        """``[num_seqs, widest table]`` block ids, zero-padded (block 0 is the null block);
+        ``ValueError`` when a table is too short for its sequence or names a block not here."""
+        bs = self.block_size
+        block_table = np.zeros((len(seqs), int(-(-seq_lens.max() // bs))), dtype=np.int32)
+        for i, s in enumerate(seqs):
+            need = -(-int(seq_lens[i]) // bs)
+            if len(s.block_ids) < need:
+                raise ValueError(
+                    f"sequence {i} has {len(s.block_ids)} blocks for "
+                    f"{int(seq_lens[i])} tokens ({need} needed)"
+                )
+            block_table[i, :need] = s.block_ids[:need]
+        if block_table.max() >= self.num_blocks or block_table.min() < 0:
+            raise ValueError(f"block ids must be in [0, {self.num_blocks})")
+        return block_table
+
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(a)
+        # NOTE: through pinned memory so the copy is asynchronous; on CPU the array is used as is.
+        return (
+            t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+        )
 
     @torch.inference_mode()
     def execute(self, seqs: Sequence[SequenceInput]) -> torch.Tensor:

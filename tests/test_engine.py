@@ -1,5 +1,6 @@
 """LLMEngine behaviours the nodes rely on: prefill-only holding, joining transferred requests,
-and a request larger than the whole pool failing alone."""
+a request larger than the whole pool failing alone, one prompt validation, and the queues that
+read through to the scheduler."""
 
 import random
 
@@ -71,3 +72,45 @@ def test_a_request_larger_than_the_pool_fails_alone(model):
     assert err.value.request_id == "huge" and "does not fit" in str(err.value)
     (ok,) = engine.generate([[2] * 20], GREEDY)
     assert len(ok.output_token_ids) == 6
+
+
+def test_add_request_validates_exactly_as_check_prompt(model):
+    config, _ = model
+    engine = _engine(model)
+    vocab, max_len = config.vocab_size, config.max_model_len
+    bad_id = random.choice([-1 - random.randrange(5), vocab + random.randrange(5)])
+    cases = [
+        ([], "the prompt is empty"),
+        ([1, 2, bad_id, 3], rf"token id {bad_id} is outside the vocabulary \[0, {vocab}\)"),
+        ([1] * max_len, f"prompt of {max_len} tokens leaves no room"),
+    ]
+    for prompt, match in cases:
+        with pytest.raises(ValueError, match=match) as checked:
+            engine.check_prompt(prompt)
+        with pytest.raises(ValueError) as added:
+            engine.add_request("r", prompt, GREEDY)
+        assert str(added.value) == str(checked.value)
+    assert not engine.requests and not engine.has_unfinished()
+    engine.add_request("r", [1, 2, 3], GREEDY)
+    with pytest.raises(ValueError, match="'r' is already in use"):
+        engine.add_request("r", [4], GREEDY)
+
+
+def test_queues_read_through_to_the_scheduler(model):
+    engine = _engine(model, max_num_seqs=1)
+    a = engine.add_request("a", [random.randrange(300) for _ in range(20)], GREEDY)
+    b = engine.add_request("b", [random.randrange(300) for _ in range(20)], GREEDY)
+    assert list(engine.waiting) == [a, b] and len(engine.running) == 0
+    engine.step()
+    assert engine.last_num_scheduled == 1 and engine.max_num_seqs == 1
+    assert a in engine.running and b in engine.waiting and a not in engine.waiting
+    assert engine.pending_prefill_tokens == 20
+    # A transferred request is refused while max_num_seqs run, and leaves nothing behind.
+    with pytest.raises(RuntimeError, match="max_num_seqs"):
+        engine.add_transferred("t", [1] * 17, 5, GREEDY)
+    assert "t" not in engine.requests and len(engine.running) == 1
+    engine.abort("a")
+    assert not engine.running and list(engine.waiting) == [b] and "a" not in engine.requests
+    engine.abort("b")
+    assert not engine.has_unfinished()
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks - 1

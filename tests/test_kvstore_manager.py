@@ -4,7 +4,13 @@ import random
 
 import pytest
 
-from splitserve.kvstore import BlockPool, KVCacheManager, ModelIdentity, hash_request_tokens
+from splitserve.kvstore import (
+    BlockPool,
+    ComputedBlocks,
+    KVCacheManager,
+    ModelIdentity,
+    hash_request_tokens,
+)
 
 BS = 4
 ROOT = ModelIdentity("m", block_size=BS).root_hash
@@ -101,6 +107,37 @@ def test_allocation_is_all_or_nothing():
     pool.check_invariants()
     assert mgr.allocate_slots("b", 8 * BS, computed) is not None
     assert pool.num_free_blocks == 0
+
+
+@pytest.mark.parametrize("bad", ["foreign", "null"])
+def test_refused_prefix_leaves_no_trace_of_the_request(bad):
+    pool = BlockPool(16)
+    mgr = KVCacheManager(pool, BS)
+    _run_prefill(mgr, "other", _prompt(2 * BS + 1))  # some blocks in use, some cached
+    tokens = _prompt(random.randrange(2 * BS + 1, 5 * BS))
+    if bad == "foreign":
+        elsewhere = KVCacheManager(BlockPool(16), BS)
+        hashes, _ = _run_prefill(elsewhere, "x", tokens)
+        computed = elsewhere.get_computed_blocks(hashes, len(tokens))
+        assert computed.blocks  # really blocks of the other pool
+    else:
+        computed = ComputedBlocks([pool.null_block], BS)
+    before = [(b.ref_cnt, b.block_hash) for b in pool.blocks]
+    num_free = pool.num_free_blocks
+    with pytest.raises(ValueError):
+        mgr.allocate_slots("r", len(tokens), computed)
+    assert not mgr.has_request("r") and mgr.get_blocks("r") == [] and mgr.num_requests == 1
+    assert [(b.ref_cnt, b.block_hash) for b in pool.blocks] == before
+    assert pool.num_free_blocks == num_free
+    pool.check_invariants()
+    # The same id is then allocated normally, from this pool's own lookup.
+    hashes, computed = _run_prefill(mgr, "r", tokens)
+    assert hashes is not None and mgr.has_request("r")
+    assert len(mgr.get_block_ids("r")) == -(-len(tokens) // BS)
+    mgr.free("r")
+    mgr.free("other")
+    pool.check_invariants()
+    assert pool.num_free_blocks == 15
 
 
 def test_free_is_idempotent_for_unknown_ids_and_returns_everything():

@@ -1,0 +1,192 @@
+"""Scheduler: which requests take part in the next forward, and how many tokens each computes.
+
+Running requests come first (one token each when decoding, the next chunk when a long prompt is
+mid-prefill), then waiting ones are admitted in arrival order under the token budget and
+``max_num_seqs``, each starting from its longest cached prefix. When the pool runs short the most
+recently admitted running request is preempted: its blocks are freed and it goes back to the
+front of the queue, to be recomputed later from its prompt and the tokens it already produced
+(the same output, since its sampler state lives in the request).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from splitserve.kvstore import BlockHash, KVCacheManager, extend_block_hashes
+from splitserve.models.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None = None
+    generator: torch.Generator | None = None
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    admitted: bool = False
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+
+class ScheduledRequest(NamedTuple):
+    request: Request
+    num_new_tokens: int  # tokens whose KV this step computes, from ``num_computed_tokens`` on
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; allocates KV through ``kv`` for each step.
+
+    ``schedule`` → (the caller runs the forward) → ``update_after_forward`` is one step; the
+    caller ends requests with ``finish`` or ``remove``.
+    """
+
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        root_hash: BlockHash,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> None:
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.root_hash = root_hash
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        # NOTE: in admission order; the last one is the first preempted (it has the least work
+        # to redo, and the oldest requests keep making progress).
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ queues
+
+    def add_waiting(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def add_running(self, req: Request) -> None:
+        """Join a request whose KV is already allocated under its id (a transferred prefill)."""
+        if len(self.running) >= self.max_num_seqs:
+            raise RuntimeError(f"{len(self.running)} requests are running (max_num_seqs)")
+        self.running.append(req)
+
+    def finish(self, req: Request) -> None:
+        """Take a running request out of the schedule; its blocks are the caller's to free."""
+        self.running.remove(req)
+
+    def remove(self, req: Request) -> None:
+        """Take a request out of whichever queue holds it (an abort); unknown ones are ignored."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def hash_blocks(self, req: Request, num_tokens: int) -> None:
+        """Extend the request's block hashes to the full blocks of its first ``num_tokens``."""
+        if num_tokens // self.block_size > len(req.block_hashes):
+            extend_block_hashes(
+                req.block_hashes,
+                req.token_ids[:num_tokens],
+                self.block_size,
+                self.root_hash,
+                req.cache_salt,
+            )
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> list[ScheduledRequest]:
+        """The requests of the next forward, running ones first, and their KV slots allocated."""
+        scheduled: list[ScheduledRequest] = []
+        budget = self._schedule_running(self.max_num_batched_tokens, scheduled)
+        self._schedule_waiting(budget, scheduled)
+        return scheduled
+
+    def update_after_forward(self, scheduled: list[ScheduledRequest]) -> list[int]:
+        """Record the KV the forward wrote and cache the newly full blocks. Returns the indices
+        into ``scheduled`` of the requests whose known tokens are now all computed: they sample
+        (a prompt chunk that is not the last does not)."""
+        ready = []
+        for i, (req, num_new) in enumerate(scheduled):
+            req.num_computed_tokens += num_new
+            self.hash_blocks(req, req.num_computed_tokens)
+            self.kv.cache_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
+            if req.num_computed_tokens == len(req.token_ids):
+                ready.append(i)
+        return ready
+
+    def pop_unfittable(self, num_usable_blocks: int) -> Request | None:
+        """After a step that scheduled nothing: the head of the queue when it can never run.
+
+        Blocks held elsewhere (shipping, transfers) come back, so only a request with nothing
+        running beside it that needs more than the whole pool is dropped (and returned)."""
+        if not self.waiting or self.running:
+            return None
+        req = self.waiting[0]
+        if -(-len(req.token_ids) // self.block_size) <= num_usable_blocks:
+            return None
+        return self.waiting.popleft()
+
+    # ------------------------------------------------------------------ internals
+
+    def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req not in self.running:  # preempted below for an earlier request
+                continue
+            num_new = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            total = req.num_computed_tokens + num_new
+            while self.kv.allocate_slots(req.request_id, total) is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is req:
+                    break
+            else:
+                scheduled.append(ScheduledRequest(req, num_new))
+                budget -= num_new
+        return budget
+
+    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            self.hash_blocks(req, len(req.token_ids))
+            # NOTE: lookup and allocation in the same step: a cached free block found here may
+            # be evicted by any allocation in between.
+            computed = self.kv.get_computed_blocks(req.block_hashes, len(req.token_ids))
+            num_new = min(len(req.token_ids) - computed.num_computed_tokens, budget)
+            total = computed.num_computed_tokens + num_new
+            if self.kv.allocate_slots(req.request_id, total, computed) is None:
+                break  # strict arrival order: no later request overtakes the head
+            self.waiting.popleft()
+            if not req.admitted:
+                req.num_cached_tokens = computed.num_computed_tokens
+                req.admitted = True
+            req.num_computed_tokens = computed.num_computed_tokens
+            self.running.append(req)
+            scheduled.append(ScheduledRequest(req, num_new))
+            budget -= num_new
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+        logger.debug("preempted %s (%d tokens)", req.request_id, len(req.token_ids))
