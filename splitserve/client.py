@@ -16,11 +16,11 @@ KV blocks at once.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
+from splitserve.types import Collector, GenerateResult, SplitserveError, StreamChunk, Usage
 from splitserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 __all__ = [
@@ -31,45 +31,6 @@ __all__ = [
     "StreamChunk",
     "Usage",
 ]
-
-
-class SplitserveError(Exception):
-    """A request failed. ``code`` is a ``grpc.StatusCode``; ``message`` says what went wrong."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
-        self.message = message
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    prompt_tokens: int
-    cached_tokens: int  # prompt tokens whose KV came from a cache instead of being computed
-    completion_tokens: int
-    time_to_first_token_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class StreamChunk:
-    """One piece of a streamed completion; the last one has ``finish_reason`` and ``usage``."""
-
-    text: str  # complete UTF-8 characters only
-    token_ids: tuple[int, ...]
-    finish_reason: str | None = None  # "stop", "length" or "abort" on the last chunk
-    usage: Usage | None = None
-    logprobs: tuple[float, ...] = ()
-    request_id: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class GenerateResult:
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: str
-    usage: Usage
-    logprobs: tuple[float, ...] = ()
-    request_id: str = ""
 
 
 def _build_request(
@@ -137,37 +98,6 @@ def _chunk(msg: router_pb2.GenerateResponse) -> StreamChunk:
     )
 
 
-class _Collector:
-    """Joins a stream's chunks into a ``GenerateResult``."""
-
-    def __init__(self) -> None:
-        self.text: list[str] = []
-        self.token_ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.last: StreamChunk | None = None
-
-    def add(self, chunk: StreamChunk) -> None:
-        self.text.append(chunk.text)
-        self.token_ids.extend(chunk.token_ids)
-        self.logprobs.extend(chunk.logprobs)
-        self.last = chunk
-
-    def result(self) -> GenerateResult:
-        last = self.last
-        if last is None or last.finish_reason is None or last.usage is None:
-            raise SplitserveError(
-                grpc.StatusCode.INTERNAL, "the server ended the stream without a finish reason"
-            )
-        return GenerateResult(
-            text="".join(self.text),
-            token_ids=tuple(self.token_ids),
-            finish_reason=last.finish_reason,
-            usage=last.usage,
-            logprobs=tuple(self.logprobs),
-            request_id=last.request_id,
-        )
-
-
 def _error(exc: grpc.RpcError) -> SplitserveError:
     code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
     details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
@@ -200,7 +130,7 @@ class Client:
         request_id: str | None = None,
     ) -> GenerateResult:
         """Run one request to completion. Parameters as ``stream``."""
-        collector = _Collector()
+        collector = Collector()
         for chunk in self.stream(
             prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop,
             ignore_eos, cache_salt, timeout, logprobs=logprobs, request_id=request_id,
@@ -290,7 +220,7 @@ class AsyncClient:
         request_id: str | None = None,
     ) -> GenerateResult:
         """Run one request to completion. Parameters as ``Client.stream``."""
-        collector = _Collector()
+        collector = Collector()
         async for chunk in self.stream(
             prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop,
             ignore_eos, cache_salt, timeout, logprobs=logprobs, request_id=request_id,

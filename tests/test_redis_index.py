@@ -123,7 +123,7 @@ def test_publisher_survives_redis_restart_and_republishes(tmp_path):
 
 
 def test_concurrent_router_lookups_share_round_trips(redis_url):
-    from splitserve.router.service import _LookupBatcher
+    from splitserve.router.prefix import LookupBatcher
 
     async def run():
         index = PrefixIndex(redis_url, ROOT)
@@ -139,7 +139,7 @@ def test_concurrent_router_lookups_share_round_trips(redis_url):
             return await many(queries)
 
         index.longest_prefixes_many = counted
-        batcher = _LookupBatcher(index)
+        batcher = LookupBatcher(index)
         got = await asyncio.gather(*(batcher.lookup(["a", "b"], c) for c in chains))
         assert got == [{"a": i % 5, "b": 4 if i == 3 else 0} for i in range(20)]
         assert sum(pipelines) == 20 and len(pipelines) <= 3, pipelines  # not one per request

@@ -1,0 +1,127 @@
+"""The decode stage of a request: relay D's token stream, and free D's blocks when abandoned.
+
+The Decode stream failing mid-request cannot be retried (tokens were already sent): the client
+gets ``UNAVAILABLE`` and D is marked down. A client cancel or disconnect cancels the Decode
+call; the node frees the request's blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from splitserve.router.errors import UNREACHABLE, GenerateError
+from splitserve.router.pool import Node
+from splitserve.router.prefill_stage import Prefilled
+from splitserve.router.registry import NodeRegistry
+from splitserve.v1 import nodes_pb2
+
+CANCEL_WAIT_S = 5.0  # how long an abandoned Decode call waits for the node's first answer
+
+
+class DecodeStage:
+    """Opens Decode calls; owns the background tasks that cancel abandoned ones."""
+
+    def __init__(self, registry: NodeRegistry) -> None:
+        self._registry = registry
+        self._background: set[asyncio.Task] = set()
+
+    def open(self, prefilled: Prefilled, deadline: float) -> DecodeCall:
+        """Start D's Decode stream at once (so that it overlaps with relaying the first token);
+        read it with ``DecodeCall.read``, and always ``close`` it."""
+        stub = self._registry.decode_stub(prefilled.decode_node)
+        call = stub.Decode(
+            nodes_pb2.DecodeRequest(request_id=prefilled.node_request_id),
+            timeout=max(deadline - time.monotonic(), 0.001),
+        )
+        return DecodeCall(self, prefilled.decode_node, call, deadline)
+
+    def discard(self, prefilled: Prefilled) -> None:
+        """Free a transferred request on its decode node without waiting for its deadline:
+        start its Decode and cancel it (in the background; the client has its answer)."""
+        stub = self._registry.decode_stub(prefilled.decode_node)
+        call = stub.Decode(nodes_pb2.DecodeRequest(request_id=prefilled.node_request_id))
+        self.cancel_once_started(call, asyncio.ensure_future(call.read()))
+
+    def cancel_once_started(self, call: grpc.aio.UnaryStreamCall, first_read: asyncio.Future):
+        """Cancel ``call`` in the background once the node has answered (so its handler runs
+        and sees the cancel), or after CANCEL_WAIT_S at the latest."""
+
+        async def cancel() -> None:
+            try:
+                await asyncio.wait_for(first_read, CANCEL_WAIT_S)
+            except (Exception, asyncio.CancelledError):
+                pass  # timed out, failed or ended: cancel in any case
+            finally:
+                call.cancel()
+
+        task = asyncio.create_task(cancel())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def error(self, node: Node, exc: grpc.aio.AioRpcError, deadline: float) -> GenerateError:
+        """What the client hears of a failed Decode stream (D is marked down if unreachable)."""
+        code, details = exc.code(), exc.details()
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() >= deadline:
+            return GenerateError(code, "the request's deadline passed while decoding")
+        if code in UNREACHABLE:
+            self._registry.decode.mark_down(node, f"{code.name}: {details}")
+            return GenerateError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"decode node {node.address} failed mid-request ({details}); retry the request",
+            )
+        if code == grpc.StatusCode.NOT_FOUND:
+            return GenerateError(
+                grpc.StatusCode.INTERNAL,
+                f"decode node {node.address} no longer holds the request's KV ({details})",
+            )
+        return GenerateError(code, f"decode node {node.address}: {details}")
+
+
+class DecodeCall:
+    """One request's Decode stream on D.
+
+    NOTE: a cancel that reaches D before its Decode handler has started is dropped by gRPC, and
+    D would hold the blocks until its transfer deadline. Until D has answered once, the read is
+    shielded from our own cancellation, and an abandoned call is cancelled only once D has
+    answered (see ``DecodeStage.cancel_once_started``).
+    """
+
+    def __init__(
+        self,
+        stage: DecodeStage,
+        node: Node,
+        call: grpc.aio.UnaryStreamCall,
+        deadline: float,
+    ) -> None:
+        self._stage = stage
+        self._node = node
+        self._call = call
+        self._deadline = deadline
+        self._first_read: asyncio.Future | None = asyncio.ensure_future(call.read())
+
+    async def read(self) -> nodes_pb2.DecodeResponse:
+        """D's next batch of tokens; raises ``GenerateError`` when the stream fails or ends
+        before the request finished."""
+        try:
+            if self._first_read is not None:
+                reply = await asyncio.shield(self._first_read)
+                self._first_read = None
+            else:
+                reply = await self._call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise self._stage.error(self._node, exc, self._deadline) from None
+        if reply is grpc.aio.EOF:
+            raise GenerateError(
+                grpc.StatusCode.INTERNAL,
+                f"decode node {self._node.address} ended the stream without finishing",
+            )
+        return reply
+
+    def close(self) -> None:
+        if self._first_read is None:
+            self._call.cancel()  # no-op when the call has finished
+        else:
+            self._stage.cancel_once_started(self._call, self._first_read)

@@ -1,0 +1,18 @@
+"""How a request ends when it cannot be served: a gRPC status and a message for the client."""
+
+from __future__ import annotations
+
+import grpc
+
+# A node that did not answer (as opposed to one that answered with an error): it is marked down
+# and, where the stage allows, the request is retried elsewhere.
+UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class GenerateError(Exception):
+    """Ends a request with a gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message

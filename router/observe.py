@@ -1,0 +1,44 @@
+"""The router's request metrics, observed on the public stream as the client receives it."""
+
+from __future__ import annotations
+
+import time
+
+from splitserve.router.output import Usage
+from splitserve.runtime.metrics import RouterMetrics
+
+
+class RequestObserver:
+    """Time to first token, inter-token latency, token counts, and how the request ended."""
+
+    def __init__(self, metrics: RouterMetrics, start: float) -> None:
+        self._m = metrics
+        self._start = start
+        self._last: float | None = None
+        self.code = "CANCELLED"  # unless the stream ends otherwise: the client went away
+
+    def tokens(self, count: int) -> None:
+        """``count`` tokens (one message's) are about to reach the client."""
+        if not count:
+            return
+        now = time.monotonic()
+        if self._last is None:
+            self._m.ttft.observe(now - self._start)
+        else:
+            for _ in range(count):  # a batch's tokens share the gap since the previous one
+                self._m.itl.observe((now - self._last) / count)
+        self._last = now
+
+    def finished(self, usage: Usage) -> None:
+        self.code = "OK"
+        self._m.prompt_tokens.inc(usage.prompt_tokens)
+        self._m.cached_tokens.inc(usage.cached_tokens)
+        self._m.generation_tokens.inc(usage.completion_tokens)
+
+    def failed(self, code: str) -> None:
+        self.code = code
+
+    def end(self) -> None:
+        """The stream is over, however it ended."""
+        self._m.requests.labels(self.code).inc()
+        self._m.latency.observe(time.monotonic() - self._start)

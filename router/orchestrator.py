@@ -1,0 +1,85 @@
+"""One request end to end: prefill on P shipping to D, then relay D's stream as public deltas.
+
+The stages own their failure handling (``router.prefill_stage``, ``router.decode_stage``); this
+joins them, keeps D counted as in flight while the request uses it, and turns the nodes' tokens
+into text (``router.output``). Plain values out: the servicer makes the protobuf messages.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import NamedTuple
+
+from splitserve.router.decode_stage import DecodeStage
+from splitserve.router.output import Delta, OutputAssembler, Usage
+from splitserve.router.prefill_stage import PrefillStage
+from splitserve.router.registry import NodeRegistry
+from splitserve.router.request import GenerateParams, ModelInfo
+
+
+class Step(NamedTuple):
+    """One public stream message's content; ``usage`` only on the last one."""
+
+    delta: Delta
+    usage: Usage | None
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        model: ModelInfo,
+        registry: NodeRegistry,
+        prefill: PrefillStage,
+        decode: DecodeStage,
+    ) -> None:
+        self._model = model
+        self._registry = registry
+        self._prefill = prefill
+        self._decode = decode
+
+    async def run(
+        self, params: GenerateParams, start: float, deadline: float
+    ) -> AsyncIterator[Step]:
+        """The request's output; raises ``GenerateError`` when it cannot be served."""
+        prefilled = await self._prefill.run(params, deadline)
+        decode_pool = self._registry.decode
+        node = prefilled.decode_node
+        try:
+            first = prefilled.response
+            usage = Usage(
+                prompt_tokens=len(params.prompt_token_ids),
+                cached_tokens=first.cached_tokens,
+                completion_tokens=0,
+                time_to_first_token_s=time.monotonic() - start,
+            )
+            output = OutputAssembler(self._model.tokenizer, params.stop)
+
+            def step(delta: Delta) -> Step:
+                if not delta.finish_reason:
+                    return Step(delta, None)
+                return Step(delta, usage._replace(completion_tokens=output.num_tokens))
+
+            delta = output.add([first.first_token_id], [first.first_logprob], first.finish_reason)
+            if output.finished:
+                decode_pool.release(node)
+                node = None
+                # NOTE: a stop string on the first token: D holds the shipped blocks until
+                # its transfer deadline unless told; a Decode call cancelled at once frees them.
+                if not first.finish_reason:
+                    self._decode.discard(prefilled)
+                yield step(delta)
+                return
+            call = self._decode.open(prefilled, deadline)
+            try:
+                yield step(delta)
+                while True:
+                    reply = await call.read()
+                    yield step(output.add(reply.token_ids, reply.logprobs, reply.finish_reason))
+                    if output.finished:
+                        return
+            finally:
+                call.close()
+        finally:
+            if node is not None:
+                decode_pool.release(node)

@@ -1,0 +1,174 @@
+"""The nodes of one role as the router sees them: their load, which are down, and the pick rules.
+
+Pure bookkeeping (no I/O): ``NodePool.pick`` chooses a node for a request; the registry
+(``router.registry``) keeps the pools' membership and health current.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DOWN_S = 3.0  # how long a failed node is skipped before it is tried again
+MAX_IMBALANCE = 2  # a node with the prefix is preferred while its in-flight count is at most
+# this much above the least loaded node's (see docs/redis.md, "Cache-aware routing")
+
+
+@dataclass(slots=True, eq=False)  # identity semantics: nodes go in sets
+class Node:
+    """One prefill or decode node. ``in_flight`` counts router requests using it right now."""
+
+    address: str
+    role: str  # "prefill" or "decode"
+    in_flight: int = 0
+    queued_tokens: int = 0  # prefill: prompt tokens its in-flight requests must compute there
+    down_until: float = 0.0  # clock time before which the node is skipped
+    last_error: str = ""
+    channel: grpc.aio.Channel | None = field(default=None, repr=False)
+    discovered: bool = False  # from the Redis registry (dropped when its heartbeat expires)
+    verified: bool = False  # its model identity was checked against the router's
+    rejected: str = ""  # why it is never routed to (a model identity mismatch)
+    leaving: bool = False  # left the registry (draining) while requests were still in flight
+
+    def is_up(self, now: float) -> bool:
+        return now >= self.down_until
+
+
+def prompt_tokens_to_compute(prompt_tokens: int, cached_blocks: int, block_size: int) -> int:
+    """Tokens a prefill node computes for a prompt of which it caches ``cached_blocks`` leading
+    blocks (at least the last token, whose logits give the first output token)."""
+    return max(prompt_tokens - cached_blocks * block_size, 1)
+
+
+class NodePool:
+    """The nodes of one role and the least-loaded choice among them.
+
+    ``pick`` returns the up node with the fewest in-flight requests, round-robin among ties,
+    skipping ``exclude`` (nodes this request already tried). When no up node is left it falls
+    back to the down ones (oldest failure first): a node that came back is then found at once
+    and "no node reachable" is reported only after really trying.
+    """
+
+    def __init__(
+        self,
+        role: str,
+        addresses: Sequence[str],
+        clock: Callable[[], float] = time.monotonic,
+        down_s: float = DEFAULT_DOWN_S,
+    ) -> None:
+        if len(set(addresses)) != len(addresses):
+            raise ValueError(f"{role} node addresses repeat: {', '.join(addresses)}")
+        self.role = role
+        self.nodes = [Node(address, role) for address in addresses]
+        self._clock = clock
+        self._down_s = down_s
+        self._rr = 0
+
+    def pick(
+        self,
+        exclude: Collection[Node] = (),
+        cached: Mapping[str, int] | None = None,
+        prompt_tokens: int | None = None,
+        block_size: int = 16,
+    ) -> Node | None:
+        """The up node with the fewest in-flight requests; with ``cached`` (address → leading
+        blocks of the prompt the node holds), the one holding the longest prefix among those
+        within ``MAX_IMBALANCE`` of the least loaded. Round robin among ties.
+
+        With ``prompt_tokens`` (prefill), the node where the prompt would be computed soonest:
+        least ``queued_tokens`` plus the tokens it would compute for this prompt
+        (``prompt_tokens_to_compute``); fewest in flight, then round robin among ties."""
+        now = self._clock()
+        candidates = [
+            n for n in self.nodes if n not in exclude and not n.rejected and not n.leaving
+        ]
+        up = [n for n in candidates if n.is_up(now)]
+        if not up:
+            if not candidates:
+                return None
+            return min(candidates, key=lambda n: n.down_until)
+        if prompt_tokens is not None:
+            cached = cached or {}
+            score = {
+                n: n.queued_tokens
+                + prompt_tokens_to_compute(prompt_tokens, cached.get(n.address, 0), block_size)
+                for n in up
+            }
+            best = min(score.values())
+            up = [n for n in up if score[n] == best]
+        least = min(n.in_flight for n in up)
+        if cached and prompt_tokens is None:
+            eligible = [n for n in up if n.in_flight <= least + MAX_IMBALANCE]
+            best = max(cached.get(n.address, 0) for n in eligible)
+            if best > 0:
+                up = [n for n in eligible if cached.get(n.address, 0) == best]
+                least = min(n.in_flight for n in up)
+        ties = [n for n in up if n.in_flight == least]
+        node = ties[self._rr % len(ties)]
+        self._rr += 1
+        return node
+
+    def sync(self, addresses: Collection[str]) -> None:
+        """Make the discovered nodes exactly ``addresses`` (static ones always stay)."""
+        known = {n.address for n in self.nodes}
+        for address in sorted(set(addresses) - known):
+            logger.info("%s node %s registered", self.role, address)
+            self.nodes.append(Node(address, self.role, discovered=True))
+        for node in self.nodes:
+            if node.leaving and node.address in addresses:
+                logger.info("%s node %s registered again", self.role, node.address)
+                node.leaving = False
+        for node in [n for n in self.nodes if n.discovered and n.address not in addresses]:
+            if node.in_flight == 0:
+                logger.info("%s node %s left the registry", self.role, node.address)
+                self.nodes.remove(node)
+            elif not node.leaving:
+                # Draining: no new work, its in-flight requests finish; removed once idle.
+                logger.info("%s node %s is leaving the registry", self.role, node.address)
+                node.leaving = True
+
+    def acquire(self, node: Node, tokens: int = 0) -> None:
+        """Count one more in-flight request on ``node`` (and ``tokens`` to compute there); pair
+        every call with ``release`` of the same tokens."""
+        node.in_flight += 1
+        node.queued_tokens += tokens
+
+    def release(self, node: Node, tokens: int = 0) -> None:
+        node.in_flight -= 1
+        node.queued_tokens -= tokens
+        assert node.in_flight >= 0, f"{node.address}: released more than acquired"
+
+    def mark_down(self, node: Node, reason: str) -> None:
+        if node.is_up(self._clock()):
+            logger.warning("%s node %s marked down: %s", self.role, node.address, reason)
+        node.down_until = self._clock() + self._down_s
+        node.last_error = reason
+
+    def mark_up(self, node: Node) -> None:
+        if not node.is_up(self._clock()):
+            logger.info("%s node %s is back", self.role, node.address)
+        node.down_until = 0.0
+
+    def reject(self, node: Node, reason: str) -> None:
+        """Never route to ``node`` again (its KV would not be this model's)."""
+        logger.error("%s node %s is not used: %s", self.role, node.address, reason)
+        node.rejected = reason
+
+    def describe(self) -> str:
+        """For error messages: every node with its state."""
+        now = self._clock()
+        parts = []
+        for n in self.nodes:
+            if n.rejected:
+                parts.append(f"{n.address} (rejected: {n.rejected})")
+            elif not n.is_up(now):
+                parts.append(f"{n.address} (down: {n.last_error})")
+            else:
+                parts.append(n.address)
+        return ", ".join(parts)

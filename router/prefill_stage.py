@@ -1,0 +1,211 @@
+"""The prefill stage of a request: Prefill on some P shipping to some D, retried elsewhere.
+
+- ``RESOURCE_EXHAUSTED`` (P or D full): try another pair, up to ``max_attempts``, with a short
+  back-off when a node that refused must be asked again.
+- ``UNAVAILABLE`` / ``DEADLINE_EXCEEDED`` (before the request's own deadline): P is probed with
+  grpc.health.v1; a healthy P means D was unreachable. The failed node is marked down and the
+  stage retried elsewhere. No node left → ``UNAVAILABLE`` naming every node's state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from typing import NamedTuple
+
+import grpc
+
+from splitserve.router.errors import UNREACHABLE, GenerateError
+from splitserve.router.pool import Node, NodePool, prompt_tokens_to_compute
+from splitserve.router.prefix import PrefixLookup
+from splitserve.router.registry import NodeRegistry
+from splitserve.router.request import GenerateParams
+from splitserve.runtime.metrics import RouterMetrics
+from splitserve.runtime.protocol import sampling_to_proto
+from splitserve.v1 import nodes_pb2
+
+logger = logging.getLogger(__name__)
+
+
+class Prefilled(NamedTuple):
+    response: nodes_pb2.PrefillResponse
+    decode_node: Node  # still counted as in flight: the caller releases it
+    node_request_id: str
+
+
+class _Tried(NamedTuple):
+    """The nodes a request already tried: those that failed and those that only refused."""
+
+    unreachable: set[Node]
+    busy: set[Node]
+
+
+class PrefillStage:
+    def __init__(
+        self,
+        registry: NodeRegistry,
+        metrics: RouterMetrics,
+        max_attempts: int,
+        block_size: int,
+        lookup: PrefixLookup | None,
+    ) -> None:
+        self._registry = registry
+        self._metrics = metrics
+        self._max_attempts = max_attempts
+        self._block_size = block_size
+        self._lookup = lookup
+
+    async def run(self, params: GenerateParams, deadline: float) -> Prefilled:
+        """Run Prefill on some P shipping to some D, retrying elsewhere on refusals/failures."""
+        tried = _Tried(set(), set())
+        error = GenerateError(grpc.StatusCode.UNAVAILABLE, "no attempt made")
+        cached = await self._cached_blocks(params)
+        for attempt in range(self._max_attempts):
+            if attempt:
+                self._metrics.retries.inc()
+            p, d = self._choose_pair(params, tried, cached)
+            if attempt and (p in tried.busy or d in tried.busy):
+                await asyncio.sleep(min(0.05 * 2**attempt, max(deadline - time.monotonic(), 0)))
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise GenerateError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed in prefill"
+                )
+            result = await self._attempt(params, (p, d), cached, tried, deadline, remaining)
+            if isinstance(result, Prefilled):
+                return result
+            error = result
+            logger.info(
+                "request %s: prefill attempt %d/%d failed: %s",
+                params.request_id,
+                attempt + 1,
+                self._max_attempts,
+                error.message,
+            )
+        raise error
+
+    async def _cached_blocks(self, params: GenerateParams) -> dict[str, int]:
+        """Leading blocks of the prompt each node holds; empty without an index."""
+        if self._lookup is None:
+            return {}
+        reg = self._registry
+        addresses = [n.address for pool in (reg.prefill, reg.decode) for n in pool.nodes]
+        return await self._lookup.cached_blocks(
+            params.prompt_token_ids, params.cache_salt, addresses
+        )
+
+    def _choose_pair(
+        self, params: GenerateParams, tried: _Tried, cached: dict[str, int]
+    ) -> tuple[Node, Node]:
+        reg = self._registry
+        n_prompt = len(params.prompt_token_ids)
+        p = _choose(reg.prefill, tried, cached, n_prompt, self._block_size)
+        d = _choose(reg.decode, tried, cached)
+        if p is None or d is None:
+            pool = reg.prefill if p is None else reg.decode
+            raise GenerateError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"no {pool.role} node is reachable ({pool.describe()}); "
+                "start one or check the router's --prefill/--decode addresses",
+            )
+        return p, d
+
+    async def _attempt(
+        self,
+        params: GenerateParams,
+        pair: tuple[Node, Node],
+        cached: dict[str, int],
+        tried: _Tried,
+        deadline: float,
+        remaining: float,
+    ) -> Prefilled | GenerateError:
+        """One Prefill call; the error when another pair may succeed (raised when none can)."""
+        reg = self._registry
+        p, d = pair
+        node_request_id = f"{params.request_id}-{secrets.token_hex(4)}"
+        request = nodes_pb2.PrefillRequest(
+            request_id=node_request_id,
+            prompt_token_ids=params.prompt_token_ids,
+            sampling=sampling_to_proto(params.sampling),
+            cache_salt=params.cache_salt,
+            decode_address=d.address,
+            **_peer_hint(reg.prefill, p, cached, tried.unreachable),
+        )
+        n_prompt = len(params.prompt_token_ids)
+        work = prompt_tokens_to_compute(n_prompt, cached.get(p.address, 0), self._block_size)
+        reg.prefill.acquire(p, work)
+        reg.decode.acquire(d)
+        ok = False
+        try:
+            call = reg.prefill_stub(p).Prefill(request, timeout=remaining)
+            try:
+                response = await call
+            finally:
+                call.cancel()
+            ok = True
+            return Prefilled(response, d, node_request_id)
+        except grpc.aio.AioRpcError as exc:
+            # NOTE: classified while p and d still count this request: a probe may take a while.
+            return await self._classify(p, d, exc, deadline, tried)
+        finally:
+            reg.prefill.release(p, work)
+            if not ok:
+                reg.decode.release(d)
+
+    async def _classify(
+        self, p: Node, d: Node, exc: grpc.aio.AioRpcError, deadline: float, tried: _Tried
+    ) -> GenerateError:
+        """Classify a failed Prefill; raise when retrying cannot help, else return the error."""
+        code, details = exc.code(), exc.details()
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            tried.busy.update((p, d))
+            return GenerateError(
+                code, f"every node tried is full (last: {details}); retry later or add nodes"
+            )
+        if code not in UNREACHABLE:
+            raise GenerateError(code, details or f"prefill node {p.address} failed: {code.name}")
+        if time.monotonic() >= deadline:
+            raise GenerateError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed in prefill"
+            )
+        reason = f"{code.name}: {details}"
+        probe_timeout = min(1.0, max(deadline - time.monotonic(), 0.01))
+        if await self._registry.probe(p, timeout=probe_timeout):
+            culprit, pool = d, self._registry.decode  # P answers: its target D was the problem
+        else:
+            culprit, pool = p, self._registry.prefill
+        pool.mark_down(culprit, reason)
+        tried.unreachable.add(culprit)
+        return GenerateError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"no {pool.role} node reachable: {culprit.address} failed ({details}); "
+            f"nodes: {pool.describe()}",
+        )
+
+
+def _peer_hint(
+    pool: NodePool, chosen: Node, cached: dict[str, int], unreachable: set[Node]
+) -> dict:
+    """When another prefill node holds a longer prefix than the chosen one (the imbalance guard
+    sent the request elsewhere), name it: the chosen node fetches those blocks from it rather
+    than computing them."""
+    here = cached.get(chosen.address, 0)
+    peers = [n for n in pool.nodes if n is not chosen and n not in unreachable]
+    best = max(peers, key=lambda n: cached.get(n.address, 0), default=None)
+    if best is None or cached.get(best.address, 0) <= here:
+        return {}
+    return {"peer_address": best.address, "peer_blocks": cached[best.address]}
+
+
+def _choose(
+    pool: NodePool,
+    tried: _Tried,
+    cached: dict[str, int],
+    prompt_tokens: int | None = None,
+    block_size: int = 16,
+) -> Node | None:
+    """A node not yet tried by this request if any, else one that only refused (full)."""
+    args = (cached, prompt_tokens, block_size)
+    return pool.pick(tried.unreachable | tried.busy, *args) or pool.pick(tried.unreachable, *args)

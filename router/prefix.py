@@ -1,0 +1,85 @@
+"""Which leading blocks of a prompt each node already holds, per the prefix index in Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from splitserve.kvstore import hash_request_tokens
+from splitserve.kvstore.redis_index import PrefixIndex
+
+logger = logging.getLogger(__name__)
+
+LOOKUP_TIMEOUT_S = 0.5  # a slower index is treated as unreachable: routing must not wait on it
+
+
+class LookupBatcher:
+    """Coalesces the prefix-index lookups of concurrent requests: the first lookup goes out at
+    once; those arriving while it is in flight go together in the next pipeline. A burst of
+    requests then costs a few Redis round trips on one connection instead of one each (and a
+    connection each: the pool would grow to the burst)."""
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self._index = index
+        self._queue: list[tuple[list[str], list[bytes], asyncio.Future]] = []
+        self._flusher: asyncio.Task | None = None
+
+    async def lookup(self, node_ids: list[str], hashes: list[bytes]) -> dict[str, int]:
+        future = asyncio.get_running_loop().create_future()
+        self._queue.append((node_ids, hashes, future))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush())
+        return await future
+
+    async def _flush(self) -> None:
+        while self._queue:
+            batch, self._queue = self._queue, []
+            try:
+                results = await self._index.longest_prefixes_many([(n, h) for n, h, _ in batch])
+            except Exception as exc:  # every caller hears of it (and routes by load)
+                for *_, future in batch:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            except BaseException:  # cancelled (the router is stopping): nobody waits forever
+                for *_, future in batch:
+                    future.cancel()
+                raise
+            for (*_, future), result in zip(batch, results, strict=True):
+                if not future.done():  # the caller may have timed out
+                    future.set_result(result)
+
+
+class PrefixLookup:
+    """The cached prefix of a prompt on every node, or nothing while Redis is unreachable (the
+    router then routes by load alone, and says so once)."""
+
+    def __init__(self, index: PrefixIndex, block_size: int) -> None:
+        self._index = index
+        self._batcher = LookupBatcher(index)
+        self._block_size = block_size
+        self._ok = True
+
+    async def cached_blocks(
+        self, prompt_token_ids: Sequence[int], cache_salt: str, addresses: list[str]
+    ) -> dict[str, int]:
+        """Node address → leading blocks of the prompt it holds (one round trip)."""
+        hashes = hash_request_tokens(
+            prompt_token_ids, self._block_size, self._index.root_hash, cache_salt or None
+        )
+        if not hashes:
+            return {}
+        try:
+            cached = await asyncio.wait_for(
+                self._batcher.lookup(addresses, hashes), LOOKUP_TIMEOUT_S
+            )
+        except Exception as exc:  # Redis down or slow, or anything else: route by load
+            if self._ok:
+                logger.warning("prefix index unreachable (%s): routing by load only", exc)
+            self._ok = False
+            return {}
+        if not self._ok:
+            logger.info("prefix index reachable again")
+        self._ok = True
+        return cached

@@ -1,0 +1,25 @@
+"""What the router's tests share: the byte tokenizer, a tiny model's info, request messages."""
+
+from __future__ import annotations
+
+from splitserve.models.tiny import build_byte_tokenizer
+from splitserve.router.request import ModelInfo
+from splitserve.v1 import common_pb2, router_pb2
+
+TOKENIZER = build_byte_tokenizer()
+EOS = TOKENIZER.eos_token_id
+MODEL = ModelInfo(tokenizer=TOKENIZER, vocab_size=320, max_model_len=64)
+
+
+def byte_ids(text: str) -> list[int]:
+    return list(text.encode())
+
+
+def request(**kwargs) -> router_pb2.GenerateRequest:
+    """A public request; ``prompt``/``prompt_token_ids`` as the client SDK names them."""
+    sampling = kwargs.pop("sampling", {})
+    if "prompt" in kwargs:
+        kwargs["text"] = kwargs.pop("prompt")
+    if "prompt_token_ids" in kwargs:
+        kwargs["token_ids"] = router_pb2.TokenIds(ids=kwargs.pop("prompt_token_ids"))
+    return router_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(**sampling), **kwargs)

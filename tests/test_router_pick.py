@@ -1,0 +1,80 @@
+"""The router's node choice: least loaded, cache-aware within the imbalance guard, down nodes."""
+
+from __future__ import annotations
+
+from splitserve.router.pool import MAX_IMBALANCE, NodePool, prompt_tokens_to_compute
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_pick_least_loaded_with_round_robin_among_ties():
+    pool = NodePool("decode", ["a:1", "b:2", "c:3"], clock=FakeClock())
+    a, b, c = pool.nodes
+    picked = [pool.pick() for _ in range(6)]
+    assert [n.address for n in picked] == ["a:1", "b:2", "c:3"] * 2
+    pool.acquire(a)
+    pool.acquire(b)
+    assert pool.pick() is c
+    pool.acquire(c)
+    pool.acquire(c)
+    assert {pool.pick(), pool.pick()} == {a, b}
+    pool.release(a)
+    assert pool.pick() is a
+    assert pool.pick(exclude={a}) is b
+
+
+def test_cache_aware_pick_on_decode_keeps_within_the_imbalance_guard():
+    pool = NodePool("decode", ["a:1", "b:2"], clock=FakeClock())
+    a, b = pool.nodes
+    cached = {"a:1": 5}
+    for _ in range(MAX_IMBALANCE):
+        assert pool.pick(cached=cached) is a
+        pool.acquire(a)
+    assert pool.pick(cached=cached) is a  # at the guard's limit: still the node with the blocks
+    pool.acquire(a)
+    assert pool.pick(cached=cached) is b  # beyond it: the burst goes elsewhere
+
+
+def test_prefill_pick_weighs_cached_prefix_against_queued_work():
+    pool = NodePool("prefill", ["a:1", "b:2"], clock=FakeClock())
+    a, b = pool.nodes
+    cached = {"a:1": 18}  # a holds 288 of the prompt's 320 tokens: 32 to compute there
+    order = []
+    for _ in range(12):
+        node = pool.pick(cached=cached, prompt_tokens=320)
+        work = prompt_tokens_to_compute(320, cached.get(node.address, 0), 16)
+        pool.acquire(node, work)
+        order.append(node.address)
+    # a takes requests until its queue (9 x 32 = 288 tokens) plus 32 reaches b's 320; then b.
+    assert order[:9] == ["a:1"] * 9 and "b:2" in order[9:11]
+    assert b.queued_tokens == 320 and a.queued_tokens == 32 * order.count("a:1")
+    pool.release(b, 320)
+    assert b.queued_tokens == 0
+    # Without an index: the node with less queued work, whatever the request counts.
+    assert pool.pick(prompt_tokens=100) is b
+    assert prompt_tokens_to_compute(320, 20, 16) == 1  # the last token is always computed
+
+
+def test_down_nodes_are_skipped_then_tried_again():
+    clock = FakeClock()
+    pool = NodePool("prefill", ["a:1", "b:2"], clock=clock, down_s=3.0)
+    a, b = pool.nodes
+    pool.acquire(b)  # b is busier, but a is down
+    pool.mark_down(a, "UNAVAILABLE: connection refused")
+    assert all(pool.pick() is b for _ in range(3))
+    assert "a:1 (down: UNAVAILABLE" in pool.describe()
+    clock.now += 3.0
+    assert pool.pick() is a  # back after the down period
+    pool.mark_down(a, "again")
+    clock.now += 1.0
+    pool.mark_down(b, "b too")
+    assert pool.pick() is a  # all down: the oldest failure is tried rather than none
+    assert pool.pick(exclude={a, b}) is None
+    pool.mark_up(b)
+    assert pool.pick() is b
