@@ -25,17 +25,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
-from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from splitserve.kernels import layout
+import kernels_report as report
+from kernels_setup import DTYPE, HKV, HQ, SCALE, D, bench, graphed, paged_copy, rel_err
+
 from splitserve.kernels.decode_attention import DecodeConfig, paged_decode_attention
 from splitserve.kernels.prefill_attention import PrefillConfig, paged_prefill_attention
 
-HQ, HKV, D, BS = 32, 8, 128, 16
-SCALE = D**-0.5
-DTYPE = torch.bfloat16
 DECODE_SHAPES = [(1, 32768), (16, 4096), (64, 4096), (256, 1024), (64, 16384)]
 PREFILL_LENS = [2048, 8192]
 # Measured 2026-11-29 on the same H200 (/work/shared/anchors): SDPA, contiguous KV.
@@ -65,49 +63,6 @@ PREFILL_VARIANTS = {
 # `--sweep splits` times explicit split counts with the default tiling on these shapes.
 SPLIT_SWEEP_SHAPES = [*DECODE_SHAPES, (4, 8192), (8, 2048), (32, 2048), (2, 131072), (128, 512)]
 SPLIT_SWEEP = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64]
-
-
-def bench(fn) -> float:
-    """Median milliseconds."""
-    return do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def graphed(fn):
-    """Capture `fn` (already warmed up) in a CUDA graph; returns its replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.float() - want.float()).norm() / want.float().norm())
-
-
-def paged_copy(batch: int, ctx: int, contiguous: bool = True):
-    """A 2-layer pool holding `batch` sequences of `ctx` random tokens in shuffled blocks, and
-    the same K/V contiguous as SDPA wants them ([B, Hkv, ctx, D])."""
-    per_seq = ctx // BS
-    num_blocks = 1 + batch * per_seq
-    pool = layout.allocate_kv_pool(num_blocks, 2, BS, HKV, D, DTYPE, "cuda")
-    pool.normal_()
-    key_cache, value_cache = layout.layer_kv_views(pool, 1)
-    ids = torch.randperm(num_blocks - 1, device="cuda") + 1
-    block_table = ids.view(batch, per_seq).to(torch.int32)
-    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-
-    def to_sdpa(cache):
-        return cache[block_table.long()].reshape(batch, ctx, HKV, D).transpose(1, 2).contiguous()
-
-    if not contiguous:
-        return pool, key_cache, value_cache, block_table, seq_lens, None, None
-    sdpa_k, sdpa_v = to_sdpa(key_cache), to_sdpa(value_cache)
-    return pool, key_cache, value_cache, block_table, seq_lens, sdpa_k, sdpa_v
 
 
 def run_decode(variants: dict[str, DecodeConfig | None], eager: bool, emit) -> None:
@@ -182,49 +137,42 @@ def run_split_sweep(emit) -> None:
         torch.cuda.empty_cache()
 
 
+def prefill_call(q, kc, vc, table, cu, seq_lens, length, config, out):
+    """Our prefill of one sequence of ``length`` tokens into ``out`` (for timing)."""
+
+    def call():
+        paged_prefill_attention(
+            q, kc, vc, table, cu, seq_lens, SCALE, out=out, max_query_len=length, config=config
+        )
+
+    return call
+
+
+def sdpa_prefill(q, k, v):
+    """SDPA causal on the contiguous copy: its output ([L, Hq, D]) and its median ms."""
+    qs = q.transpose(0, 1)[None]
+    want = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=SCALE, enable_gqa=True)[
+        0
+    ].transpose(0, 1)
+    sdpa_ms = bench(
+        lambda qs=qs, k=k, v=v: F.scaled_dot_product_attention(
+            qs, k, v, is_causal=True, scale=SCALE, enable_gqa=True
+        )
+    )
+    return want, sdpa_ms
+
+
 def run_prefill(variants: dict[str, PrefillConfig | None], emit) -> None:
     for length in PREFILL_LENS:
         pool, kc, vc, table, seq_lens, k, v = paged_copy(1, length)
         q = torch.randn(length, HQ, D, dtype=DTYPE, device="cuda")
         cu = torch.tensor([0, length], dtype=torch.int32, device="cuda")
         flops = 4 * length * length * HQ * D / 2
-        qs = q.transpose(0, 1)[None]
-        want = F.scaled_dot_product_attention(
-            qs, k, v, is_causal=True, scale=SCALE, enable_gqa=True
-        )[0].transpose(0, 1)
-        sdpa_ms = bench(
-            lambda qs=qs, k=k, v=v: F.scaled_dot_product_attention(
-                qs, k, v, is_causal=True, scale=SCALE, enable_gqa=True
-            )
-        )
+        want, sdpa_ms = sdpa_prefill(q, k, v)
         sdpa = flops / sdpa_ms / 1e9
         for name, config in variants.items():
             out = torch.empty_like(q)
-
-            def call(
-                config=config,
-                out=out,
-                q=q,
-                kc=kc,
-                vc=vc,
-                table=table,
-                cu=cu,
-                seq_lens=seq_lens,
-                length=length,
-            ):
-                paged_prefill_attention(
-                    q,
-                    kc,
-                    vc,
-                    table,
-                    cu,
-                    seq_lens,
-                    SCALE,
-                    out=out,
-                    max_query_len=length,
-                    config=config,
-                )
-
+            call = prefill_call(q, kc, vc, table, cu, seq_lens, length, config, out)
             try:
                 call()
             except Exception as ex:  # a config that does not fit (shared memory) on this GPU
@@ -260,7 +208,7 @@ def run_once() -> None:
     torch.cuda.synchronize()
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="also print one JSON line per row")
     parser.add_argument(
@@ -276,7 +224,33 @@ def main() -> None:
         help="run decode (64, 4096) and prefill 8192 once each, untimed "
         "(for a profiler: ncu --clock-control none ... --once)",
     )
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def measure(sweeps: list[str], emit) -> None:
+    """Emit the env row, then every row of the default runs and the requested sweeps."""
+    props = torch.cuda.get_device_properties(0)
+    emit(
+        kind="env",
+        gpu=props.name,
+        sms=props.multi_processor_count,
+        torch=torch.__version__,
+        triton=triton.__version__,
+    )
+    decode = {"default": None}
+    prefill = {"default": None}
+    if "decode" in sweeps:
+        decode.update(DECODE_VARIANTS)
+    if "prefill" in sweeps:
+        prefill.update(PREFILL_VARIANTS)
+    run_decode(decode, eager=True, emit=emit)
+    run_prefill(prefill, emit)
+    if "splits" in sweeps:
+        run_split_sweep(emit)
+
+
+def main() -> None:
+    args = parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA GPU")
     if args.once:
@@ -289,59 +263,11 @@ def main() -> None:
         if args.json:
             print(json.dumps(row), flush=True)
 
-    props = torch.cuda.get_device_properties(0)
-    emit(
-        kind="env",
-        gpu=props.name,
-        sms=props.multi_processor_count,
-        torch=torch.__version__,
-        triton=triton.__version__,
-    )
-    decode = {"default": None}
-    prefill = {"default": None}
-    if "decode" in args.sweep:
-        decode.update(DECODE_VARIANTS)
-    if "prefill" in args.sweep:
-        prefill.update(PREFILL_VARIANTS)
-    run_decode(decode, eager=True, emit=emit)
-    run_prefill(prefill, emit)
-    if "splits" in args.sweep:
-        run_split_sweep(emit)
-
-    env = rows[0]
-    print(f"\n{env['gpu']} ({env['sms']} SMs), torch {env['torch']}, triton {env['triton']}")
-    print(
-        f"{'decode':<16}{'B':>5}{'ctx':>7}{'us':>9}{'TB/s':>7}{'SDPA':>7}{'ratio':>7}"
-        f"{'vs anchor':>10}{'eager':>7}{'eag-nv':>7}{'relerr':>9}"
-    )
-    for r in rows:
-        if r["kind"] == "decode":
-            print(
-                f"{r['variant']:<16}{r['batch']:>5}{r['ctx']:>7}{r['ms'] * 1e3:>9.1f}"
-                f"{r['TBps']:>7.2f}{r['sdpa_TBps']:>7.2f}{r['ratio']:>7.2f}"
-                f"{r['anchor_ratio']:>10.2f}{r['eager_TBps']:>7.2f}"
-                f"{r['eager_novalidate_TBps']:>7.2f}{r['rel_err']:>9.1e}"
-            )
-    print(
-        f"{'prefill':<18}{'L':>6}{'us':>9}{'TFLOP/s':>9}{'SDPA':>7}{'ratio':>7}"
-        f"{'vs anchor':>10}{'relerr':>9}"
-    )
-    for r in rows:
-        if r["kind"] == "prefill" and "error" not in r:
-            print(
-                f"{r['variant']:<18}{r['L']:>6}{r['ms'] * 1e3:>9.1f}{r['TFLOPs']:>9.0f}"
-                f"{r['sdpa_TFLOPs']:>7.0f}{r['ratio']:>7.2f}{r['anchor_ratio']:>10.2f}"
-                f"{r['rel_err']:>9.1e}"
-            )
-        elif r["kind"] == "prefill":
-            print(f"{r['variant']:<18}{r['L']:>6}  failed: {r['error']}")
-    sweep = [r for r in rows if r["kind"] == "splits"]
-    if sweep:
-        print("decode TB/s by explicit num_splits (default tiling)")
-        print(f"{'B':>5}{'ctx':>7}" + "".join(f"{s:>6}" for s in SPLIT_SWEEP))
-        for batch, ctx in SPLIT_SWEEP_SHAPES:
-            tb = [r["TBps"] for r in sweep if (r["batch"], r["ctx"]) == (batch, ctx)]
-            print(f"{batch:>5}{ctx:>7}" + "".join(f"{t:>6.2f}" for t in tb))
+    measure(args.sweep, emit)
+    report.print_env(rows[0])
+    report.print_decode(rows)
+    report.print_prefill(rows)
+    report.print_split_sweep(rows, SPLIT_SWEEP_SHAPES, SPLIT_SWEEP)
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ async def load(target: str, prompts: list[list[int]], gen: int):
         return await asyncio.gather(*(one(client, p, gen) for p in prompts))
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--make-8b", default=None, metavar="DIR")
@@ -91,7 +91,10 @@ def main() -> None:
     ap.add_argument("--prompt-range", type=int, nargs=2, default=[128, 1024])
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--redis-url", default=None, help="default: the launcher starts one")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def cluster_spec(args) -> ClusterSpec:
     if args.make_8b:
         model = make_8b(Path(args.make_8b))
         node_args: tuple[str, ...] = ("--load-format", "dummy")
@@ -100,7 +103,7 @@ def main() -> None:
 
         model = Path(args.model) if args.model else ensure_tiny_model()
         node_args = ()
-    spec = ClusterSpec(
+    return ClusterSpec(
         model_path=str(model),
         num_prefill=args.num_prefill,
         num_decode=args.num_decode,
@@ -109,6 +112,32 @@ def main() -> None:
         node_args=node_args,
         redis_url=args.redis_url,
     )
+
+
+def summary(args, prompts, results, wall: float, shipped: float) -> dict:
+    """The figures of one run: ``results`` of ``one`` per prompt, ``shipped`` KV bytes."""
+    ttft = [r[0] for r in results]
+    itl = [x for r in results for x in r[1]]
+    out_tokens = sum(r[2] for r in results)
+    return dict(
+        requests=args.requests,
+        prompt_tokens=sum(map(len, prompts)),
+        output_tokens=out_tokens,
+        wall_s=wall,
+        out_tok_s=out_tokens / wall,
+        ttft_mean_s=statistics.mean(ttft),
+        ttft_p50_s=pct(ttft, 0.5),
+        ttft_p99_s=pct(ttft, 0.99),
+        itl_mean_ms=statistics.mean(itl) * 1e3 if itl else None,
+        itl_p99_ms=pct(itl, 0.99) * 1e3 if itl else None,
+        kv_bytes_shipped=shipped,
+        kv_gbps_wall=shipped / wall / 1e9,
+    )
+
+
+def main() -> None:
+    args = parse_args()
+    spec = cluster_spec(args)
     random.seed(0)
     lo, hi = args.prompt_range
     prompts = [
@@ -122,23 +151,7 @@ def main() -> None:
         results = asyncio.run(load(addr.router, prompts, args.gen))
         wall = time.perf_counter() - t0
         bytes1 = prefill_counters(addr.prefill, ["bytes_shipped"])["bytes_shipped"]
-    ttft = [r[0] for r in results]
-    itl = [x for r in results for x in r[1]]
-    out_tokens = sum(r[2] for r in results)
-    row = dict(
-        requests=args.requests,
-        prompt_tokens=sum(map(len, prompts)),
-        output_tokens=out_tokens,
-        wall_s=wall,
-        out_tok_s=out_tokens / wall,
-        ttft_mean_s=statistics.mean(ttft),
-        ttft_p50_s=pct(ttft, 0.5),
-        ttft_p99_s=pct(ttft, 0.99),
-        itl_mean_ms=statistics.mean(itl) * 1e3 if itl else None,
-        itl_p99_ms=pct(itl, 0.99) * 1e3 if itl else None,
-        kv_bytes_shipped=bytes1 - bytes0,
-        kv_gbps_wall=(bytes1 - bytes0) / wall / 1e9,
-    )
+    row = summary(args, prompts, results, wall, bytes1 - bytes0)
     print(json.dumps(row))
     print("\n| figure | value |\n|---|---|")
     for key, value in row.items():

@@ -60,7 +60,7 @@ async def workload(target, warm, prompts, gen):
         return await asyncio.gather(*(one(client, p, gen) for p in prompts))
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--make-8b", default=None, metavar="DIR")
@@ -71,52 +71,53 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=320)
     ap.add_argument("--shared", type=float, default=0.9)
     ap.add_argument("--gen", type=int, default=8)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def model_and_args(args) -> tuple[Path, tuple[str, ...]]:
     if args.make_8b:
         from pipeline import make_8b
 
-        model, node_args = make_8b(Path(args.make_8b)), ("--load-format", "dummy")
-    else:
-        from splitserve.models.tiny import ensure_tiny_model
+        return make_8b(Path(args.make_8b)), ("--load-format", "dummy")
+    from splitserve.models.tiny import ensure_tiny_model
 
-        model, node_args = Path(args.model) if args.model else ensure_tiny_model(), ()
-    rng = random.Random(0)
-    shared = [rng.randrange(250) for _ in range(int(args.prompt_len * args.shared))]
-    tail = args.prompt_len - len(shared)
-    warm = [*shared, *[rng.randrange(250) for _ in range(tail)]]
-    prompts = [[*shared, *[rng.randrange(250) for _ in range(tail)]] for _ in range(args.requests)]
-    rows = {}
-    for mode in ("cold", "off", "on"):
-        extra = ("--no-prefix-caching",) if mode == "cold" else ()
-        spec = ClusterSpec(
-            model_path=str(model),
-            num_prefill=args.num_prefill,
-            num_decode=args.num_decode,
-            port=free_port(),
-            device=args.device,
-            node_args=(*node_args, *extra),
-            prefix_index=mode == "on",
-        )
-        with LocalCluster(spec) as cluster:
-            t0 = time.perf_counter()
-            results = asyncio.run(workload(cluster.addresses.router, warm, prompts, args.gen))
-            wall = time.perf_counter() - t0
-            counters = prefill_counters(cluster.addresses.prefill, COUNTERS)
-        failed = sum(r is None for r in results)
-        results = [r for r in results if r is not None]
-        ttft = sorted(r[0] for r in results)
-        rows[mode] = dict(
-            ttft_mean_s=statistics.mean(ttft),
-            ttft_p99_s=ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
-            prefill_tokens_computed=sum(r[1] for r in results),
-            prompt_tokens=len(results) * args.prompt_len,
-            failed=failed,
-            wall_s=wall,
-            gb_shipped=counters["bytes_shipped"] / 1e9,
-            transfer_s=counters["transfer_seconds"],
-            blocks_fetched_from_peers=counters["prefix_blocks_fetched"],
-        )
-        print(json.dumps({"mode": mode, **rows[mode]}), flush=True)
+    return Path(args.model) if args.model else ensure_tiny_model(), ()
+
+
+def run_mode(args, mode, model, node_args, warm, prompts) -> dict:
+    """One cluster in ``mode`` (cold: no prefix caching; off/on: without/with the index)."""
+    extra = ("--no-prefix-caching",) if mode == "cold" else ()
+    spec = ClusterSpec(
+        model_path=str(model),
+        num_prefill=args.num_prefill,
+        num_decode=args.num_decode,
+        port=free_port(),
+        device=args.device,
+        node_args=(*node_args, *extra),
+        prefix_index=mode == "on",
+    )
+    with LocalCluster(spec) as cluster:
+        t0 = time.perf_counter()
+        results = asyncio.run(workload(cluster.addresses.router, warm, prompts, args.gen))
+        wall = time.perf_counter() - t0
+        counters = prefill_counters(cluster.addresses.prefill, COUNTERS)
+    failed = sum(r is None for r in results)
+    results = [r for r in results if r is not None]
+    ttft = sorted(r[0] for r in results)
+    return dict(
+        ttft_mean_s=statistics.mean(ttft),
+        ttft_p99_s=ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
+        prefill_tokens_computed=sum(r[1] for r in results),
+        prompt_tokens=len(results) * args.prompt_len,
+        failed=failed,
+        wall_s=wall,
+        gb_shipped=counters["bytes_shipped"] / 1e9,
+        transfer_s=counters["transfer_seconds"],
+        blocks_fetched_from_peers=counters["prefix_blocks_fetched"],
+    )
+
+
+def print_table(rows: dict[str, dict]) -> None:
     cold, off, on = rows["cold"], rows["off"], rows["on"]
     print(
         "\n| mode | TTFT mean s | TTFT p99 s | prefill tokens computed | of prompt tokens "
@@ -136,6 +137,21 @@ def main() -> None:
             f"TTFT mean {name}/on: {base['ttft_mean_s'] / on['ttft_mean_s']:.2f}x; "
             f"prefill tokens computed on/{name}: {ratio:.1%}"
         )
+
+
+def main() -> None:
+    args = parse_args()
+    model, node_args = model_and_args(args)
+    rng = random.Random(0)
+    shared = [rng.randrange(250) for _ in range(int(args.prompt_len * args.shared))]
+    tail = args.prompt_len - len(shared)
+    warm = [*shared, *[rng.randrange(250) for _ in range(tail)]]
+    prompts = [[*shared, *[rng.randrange(250) for _ in range(tail)]] for _ in range(args.requests)]
+    rows = {}
+    for mode in ("cold", "off", "on"):
+        rows[mode] = run_mode(args, mode, model, node_args, warm, prompts)
+        print(json.dumps({"mode": mode, **rows[mode]}), flush=True)
+    print_table(rows)
 
 
 if __name__ == "__main__":

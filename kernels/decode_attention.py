@@ -8,6 +8,11 @@ each token's K/V row through the block table, with an online softmax (float32 ru
 sum and accumulator, base-2 exponentials). With one split it writes the output directly;
 otherwise it writes a normalised partial output and its log-sum-exp, and a second kernel
 (grid `(batch, Hq)`) combines the splits of each sequence (flash-decoding).
+
+`_decode_kernel` and its launcher `paged_decode_attention` stay single functions over 60 lines:
+one kernel is one launch (a Triton helper is inlined anyway, and splitting the body would cost
+registers and scatter one online-softmax loop over several places), and the launcher is the
+one place that checks inputs, picks splits and tiling and launches the kernel(s).
 """
 
 from __future__ import annotations

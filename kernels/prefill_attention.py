@@ -7,6 +7,11 @@ the whole context `[0, seq_len)` - the cached prefix and the new tokens, already
 the cache - gathered `BLOCK_N` tokens at a time through the block table. The key loop has two
 parts: tiles every row of the query tile fully sees (no mask), then the diagonal tiles with the
 causal mask. Query tiles are launched last-first, so the longest programs start first.
+
+`_prefill_kernel` and its launcher `paged_prefill_attention` stay single functions over 60
+lines: one kernel is one launch (a Triton helper is inlined anyway, and splitting the body would
+cost registers and scatter one online-softmax loop over several places), and the launcher is
+the one place that checks inputs, picks the tiling and launches.
 """
 
 from __future__ import annotations

@@ -1,0 +1,11 @@
+"""Shared by the CPU transfer tests (test_transfer*.py): the pool spec, seeds and a byte view."""
+
+import torch
+
+SPEC = dict(num_blocks=24, num_layers=2, block_size=16, num_kv_heads=2, head_dim=8)
+SENDER_SEED = 1234
+RECEIVER_SEED = 99
+
+
+def u8(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)

@@ -1,0 +1,129 @@
+"""The dist path's channel (one pair's group on one side) and its framing: a transfer is a
+header tensor then the data tensor, on two tags. Protocol: ``transfer.dist``."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from datetime import timedelta
+
+import torch
+
+from splitserve.transfer.errors import ChannelClosed, PeerLost, TransferError, TransferTimeout
+from splitserve.transfer.reservation import Reservation
+
+MAGIC = 0x53504B56  # "SPKV"
+HEADER_LEN = 6  # magic, gen, seq, n blocks, elements per block, element size
+TAG_HEADER = 0
+TAG_DATA = 1
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
+
+
+def header(gen: int, seq: int, n: int, kv_pool: torch.Tensor, device) -> torch.Tensor:
+    """The header announcing ``n`` blocks of ``kv_pool`` for reservation ``seq`` of ``gen``."""
+    values = [MAGIC, gen, seq, n, kv_pool[0].numel(), kv_pool.element_size()]
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def device_guard(kv_pool: torch.Tensor):
+    """Make the pool's GPU current for group construction and ops (no-op on CPU)."""
+    if kv_pool.device.type == "cuda":
+        return torch.cuda.device(kv_pool.device)
+    return contextlib.nullcontext()
+
+
+class Channel:
+    """One pair's group on one side. ``lock`` serializes a transfer's ops (header, data);
+    ``mu`` guards the bookkeeping. Closed once, by the first failure or ``close``; the group is
+    destroyed by whoever holds ``lock`` then (never under a thread blocked in an op)."""
+
+    def __init__(self, peer_id, gen, rank, group, store, device, backend) -> None:
+        self.peer_id = peer_id
+        self.gen = gen
+        self.rank = rank
+        self.group = group
+        self.store = store
+        self.device = device
+        self.backend = backend
+        self.lock = threading.Lock()
+        self.mu = threading.Lock()
+        self.outstanding: dict[int, Reservation] = {}
+        self.next_seq = 0
+        self.closed: TransferError | None = None
+
+    def __repr__(self) -> str:
+        return f"<channel to {self.peer_id!r} gen {self.gen}>"
+
+    def post(self, op: str, tensor: torch.Tensor, tag: int):
+        peer = 1 - self.rank
+        if op == "send":
+            return self.group.send([tensor], peer, tag)
+        return self.group.recv([tensor], peer, tag)
+
+    def run(self, op: str, tensor: torch.Tensor, tag: int, deadline: float, what: str) -> None:
+        """Post one send/recv and wait for it until ``deadline``; failures become
+        ``TransferTimeout`` (deadline passed) or ``PeerLost`` (anything else)."""
+        try:
+            work = self.post(op, tensor, tag)
+            work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        except Exception as exc:
+            if time.monotonic() >= deadline - 0.01 or "timed out" in str(exc).lower():
+                raise TransferTimeout(
+                    f"{what} with {self.peer_id!r}: no completion within the deadline"
+                ) from exc
+            raise PeerLost(f"{what} with {self.peer_id!r} failed: {first_line(exc)}") from exc
+
+    def close(self, error: TransferError) -> None:
+        """Fail every outstanding reservation and tear the group down (now if no op is in
+        flight on this side, else when the op ends)."""
+        with self.mu:
+            if self.closed is not None:
+                return
+            self.closed = error
+            pending = list(self.outstanding.values())
+            self.outstanding.clear()
+        for res in pending:
+            res._fail(ChannelClosed(f"channel to {self.peer_id!r} closed: {error}"))
+        if self.lock.acquire(blocking=False):
+            self.release()
+
+    def release(self) -> None:
+        try:
+            if self.closed is not None and self.group is not None:
+                group, self.group = self.group, None
+                if self.backend == "nccl":
+                    with contextlib.suppress(Exception):
+                        group.abort()
+                del group
+                self.store = None
+        finally:
+            self.lock.release()
+
+    def check_open(self) -> None:
+        if self.closed is not None:
+            raise ChannelClosed(f"channel to {self.peer_id!r} is closed: {self.closed}")
+
+
+class ChannelTable:
+    """The open channels of one side, by peer id (``_channels``, guarded by ``_mu``)."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, Channel] = {}
+        self._mu = threading.Lock()
+
+    def _forget(self, channel: Channel) -> None:
+        with self._mu:
+            if self._channels.get(channel.peer_id) is channel:
+                del self._channels[channel.peer_id]
+
+    def _install(self, channel: Channel) -> Channel | None:
+        """Make ``channel`` the one of its peer; returns the one it replaced, if any."""
+        with self._mu:
+            old = self._channels.get(channel.peer_id)
+            self._channels[channel.peer_id] = channel
+        return old

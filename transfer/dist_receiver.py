@@ -1,0 +1,295 @@
+"""The dist path's receiver (decode node) side: hosts the rendezvous store, accepts senders
+(their hello, the layout check, the ack, the pair group) and receives transfers into
+reservations. Protocol: ``transfer.dist``."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import msgpack
+import torch
+
+from splitserve.transfer.dist_channel import (
+    HEADER_LEN,
+    MAGIC,
+    TAG_DATA,
+    TAG_HEADER,
+    Channel,
+    ChannelTable,
+    device_guard,
+    first_line,
+)
+from splitserve.transfer.dist_group import (
+    KEY,
+    POLL_S,
+    check_backend,
+    default_backend,
+    default_host,
+    logger,
+    make_pair_group,
+    prepare_backend,
+    store_client,
+)
+from splitserve.transfer.endpoint import DIST, DistAddress, dtype_name
+from splitserve.transfer.errors import ChannelClosed, NotConnected, TransferError, TransferTimeout
+from splitserve.transfer.reservation import Reservation
+
+
+class DistReceiver(ChannelTable):
+    """Receiver (decode node) side: hosts the rendezvous store, accepts senders, receives."""
+
+    def __init__(
+        self,
+        kv_pool: torch.Tensor,
+        node_id: str,
+        *,
+        host: str | None = None,
+        port: int = 0,
+        backend: str | None = None,
+        connect_timeout: float = 30.0,
+    ) -> None:
+        from torch.distributed import TCPStore
+
+        super().__init__()
+        self.kv_pool = kv_pool
+        self.node_id = node_id
+        self.backend = backend or default_backend(kv_pool.device)
+        check_backend(self.backend, kv_pool)
+        prepare_backend(self.backend)
+        self.host = host or default_host()
+        self.connect_timeout = connect_timeout
+        self._store = TCPStore(
+            self.host,
+            port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=connect_timeout),
+        )
+        self.port = int(self._store.port)
+        self._stop = threading.Event()
+        self._acceptor = threading.Thread(
+            target=self._accept_loop, name=f"kv-accept-{node_id}", daemon=True
+        )
+        self._acceptor.start()
+
+    @property
+    def address(self) -> DistAddress:
+        return DistAddress(self.host, self.port, self.backend)
+
+    def peers(self) -> list[str]:
+        with self._mu:
+            return [p for p, ch in self._channels.items() if ch.closed is None]
+
+    # -------------------------------------------------------------- accepting senders
+
+    def _accept_loop(self) -> None:
+        try:
+            client = store_client(self.host, self.port, self.connect_timeout)
+        except Exception:
+            logger.exception("transfer: cannot reach our own rendezvous store")
+            return
+        n = 1
+        stuck_since = None
+        while not self._stop.is_set():
+            key = f"{KEY}/join/{n}"
+            try:
+                if not client.check([key]):
+                    # A sender that took number n and died before announcing itself must not
+                    # block the ones after it.
+                    if client.add(f"{KEY}/joins", 0) > n:
+                        stuck_since = stuck_since or time.monotonic()
+                        if time.monotonic() - stuck_since > self.connect_timeout:
+                            n, stuck_since = n + 1, None
+                    self._stop.wait(POLL_S)
+                    continue
+                hello = client.get(key)
+                client.delete_key(key)
+            except Exception:
+                if self._stop.is_set():
+                    break
+                logger.exception("transfer: reading join %d", n)
+                self._stop.wait(1.0)
+                continue
+            stuck_since = None
+            threading.Thread(
+                target=self._accept, args=(n, hello), name=f"kv-join-{n}", daemon=True
+            ).start()
+            n += 1
+
+    def _refusal(self, hello: dict) -> str | None:
+        """Why a sender announcing ``hello`` cannot pair with this node (None: it can)."""
+        if hello["backend"] != self.backend:
+            return f"backend {hello['backend']!r}, this node runs {self.backend!r}"
+        if tuple(hello["block_shape"]) != tuple(self.kv_pool.shape[1:]) or hello[
+            "dtype"
+        ] != dtype_name(self.kv_pool.dtype):
+            return (
+                f"block layout {hello['block_shape']} {hello['dtype']} differs from "
+                f"{list(self.kv_pool.shape[1:])} {dtype_name(self.kv_pool.dtype)}"
+            )
+        return None
+
+    def _accept(self, n: int, hello_bytes: bytes) -> None:
+        peer_id = "?"
+        try:
+            hello = msgpack.unpackb(hello_bytes, raw=False)
+            peer_id = str(hello["node_id"])
+            reason = self._refusal(hello)
+            store = store_client(self.host, self.port, self.connect_timeout)
+            store.set(f"{KEY}/ack/{n}", msgpack.packb({"ok": reason is None, "reason": reason}))
+            if reason is not None:
+                logger.warning("transfer: refused %s: %s", peer_id, reason)
+                return
+            from torch.distributed import PrefixStore
+
+            prefixed = PrefixStore(f"{KEY}/pair/{n}/", store)
+            with self._device_guard():
+                group = make_pair_group(
+                    prefixed, 0, self.backend, self.connect_timeout, host=self.host
+                )
+            channel = Channel(peer_id, n, 0, group, prefixed, self._wire_device(), self.backend)
+            old = self._install(channel)
+            if old is not None:
+                old.close(ChannelClosed(f"{peer_id!r} connected again"))
+            if self._stop.is_set():
+                channel.close(ChannelClosed("receiver shut down"))
+                return
+            store.set(f"{KEY}/ready/{n}", b"1")
+            logger.info("transfer: %s connected (%s, generation %d)", peer_id, self.backend, n)
+        except Exception:
+            logger.exception("transfer: accepting %s (join %d) failed", peer_id, n)
+
+    def _wire_device(self) -> torch.device:
+        return self.kv_pool.device
+
+    def _device_guard(self):
+        return device_guard(self.kv_pool)
+
+    # -------------------------------------------------------------- transfers
+
+    def reserve(self, peer_id: str, block_ids) -> Reservation:
+        """Reserve destination ``block_ids`` for the next transfer from ``peer_id``.
+        ``ValueError`` on bad ids; ``NotConnected`` if the peer has no open channel."""
+        with self._mu:
+            channel = self._channels.get(peer_id)
+        if channel is None or channel.closed is not None:
+            raise NotConnected(f"no open dist channel from {peer_id!r}")
+        with channel.mu:
+            seq = channel.next_seq
+            channel.next_seq += 1
+        res = Reservation(
+            self.kv_pool, self.node_id, peer_id, DIST, block_ids, gen=channel.gen, seq=seq
+        )
+        res._channel = channel
+        if not res.block_ids:
+            res._complete()
+            return res
+        with channel.mu:
+            if channel.closed is not None:
+                raise NotConnected(f"dist channel from {peer_id!r} closed: {channel.closed}")
+            channel.outstanding[seq] = res
+        return res
+
+    def receive(self, res: Reservation, timeout: float) -> None:
+        """Block until the sender's blocks are in the reserved ids (on CUDA: the copy has
+        finished), or raise: ``TransferTimeout`` past ``timeout`` seconds, ``PeerLost`` /
+        ``ChannelClosed`` if the pair broke, ``TransferError`` otherwise. On any error nothing
+        was written and the reservation has ended (its blocks may be freed)."""
+        if res.path != DIST or res._channel is None:
+            raise ValueError(f"{res!r} is not a dist reservation")
+        channel: Channel = res._channel
+        deadline = time.monotonic() + timeout
+        while not res.ended:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._expire(channel, res)
+                break
+            if not channel.lock.acquire(timeout=min(remaining, POLL_S)):
+                continue
+            try:
+                if res.ended:
+                    break
+                if channel.closed is not None:
+                    res._fail(ChannelClosed(f"channel to {res.peer_id!r}: {channel.closed}"))
+                    break
+                self._receive_turn(channel, res, deadline)
+            finally:
+                channel.release()
+        res.result()
+
+    def _receive_turn(self, channel: Channel, res: Reservation, deadline: float) -> None:
+        """One turn holding ``channel.lock``: receive the next transfer; a failure ends ``res``
+        and the channel (a pair that broke mid-transfer cannot be resynchronized)."""
+        try:
+            with self._device_guard():
+                self._receive_one(channel, deadline)
+        except Exception as exc:
+            error = (
+                exc
+                if isinstance(exc, TransferError)
+                else TransferError(f"receiving from {res.peer_id!r}: {first_line(exc)}")
+            )
+            res._fail(error)
+            channel.close(error)
+            self._forget(channel)
+
+    def _receive_one(self, channel: Channel, deadline: float) -> None:
+        """Receive the next transfer on ``channel`` and fill the reservation it names."""
+        pool = self.kv_pool
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=channel.device)
+        channel.run("recv", header, TAG_HEADER, deadline, "receiving a header")
+        magic, gen, seq, n, numel, esize = (int(x) for x in header.tolist())
+        if (magic, gen, numel, esize) != (MAGIC, channel.gen, pool[0].numel(), pool.element_size()):
+            raise TransferError(
+                f"bad transfer header from {channel.peer_id!r}: {[magic, gen, seq, n, numel]}"
+            )
+        if not 0 < n < pool.shape[0]:
+            raise TransferError(f"bad block count {n} in a header from {channel.peer_id!r}")
+        staging = torch.empty((n, *pool.shape[1:]), dtype=pool.dtype, device=channel.device)
+        channel.run("recv", staging, TAG_DATA, deadline, "receiving blocks")
+        with channel.mu:
+            res = channel.outstanding.pop(seq, None)
+        if res is None:
+            logger.info("transfer: dropped %d blocks of ended seq %d from %s", n, seq, channel)
+            return
+        if n != len(res.block_ids):
+            res._fail(
+                TransferError(f"{channel.peer_id!r} sent {n} blocks for {len(res.block_ids)}")
+            )
+            return
+        try:
+            res._fill(staging)
+        except Exception as exc:
+            res._fail(TransferError(f"writing received blocks failed: {exc}"))
+
+    def _expire(self, channel: Channel, res: Reservation) -> None:
+        with channel.mu:
+            channel.outstanding.pop(res.ticket.seq, None)
+        res._fail(TransferTimeout(f"no blocks from {res.peer_id!r} within the deadline"))
+
+    def cancel(self, res: Reservation) -> None:
+        """Abandon a reservation; after this returns nothing writes into it."""
+        channel = res._channel
+        if channel is not None:
+            with channel.mu:
+                channel.outstanding.pop(res.ticket.seq, None)
+        res._cancel()
+
+    def close(self, peer_id: str) -> None:
+        """Tear down the pair with ``peer_id`` (it left); its reservations fail."""
+        with self._mu:
+            channel = self._channels.pop(peer_id, None)
+        if channel is not None:
+            channel.close(ChannelClosed(f"{peer_id!r} closed by {self.node_id!r}"))
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._acceptor.join(timeout=2.0)
+        with self._mu:
+            channels = list(self._channels.values())
+            self._channels.clear()
+        for channel in channels:
+            channel.close(ChannelClosed("receiver shut down"))
+        self._store = None

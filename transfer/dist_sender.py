@@ -1,0 +1,175 @@
+"""The dist path's sender (prefill node) side: joins a receiver's rendezvous store on demand,
+builds the pair group and sends header + blocks. Protocol: ``transfer.dist``."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import msgpack
+import torch
+
+from splitserve.transfer.dist_channel import (
+    TAG_DATA,
+    TAG_HEADER,
+    Channel,
+    ChannelTable,
+    device_guard,
+    first_line,
+    header,
+)
+from splitserve.transfer.dist_group import (
+    KEY,
+    check_backend,
+    default_backend,
+    local_address_towards,
+    make_pair_group,
+    prepare_backend,
+    store_client,
+)
+from splitserve.transfer.endpoint import DIST, DistAddress, dtype_name
+from splitserve.transfer.errors import (
+    ChannelClosed,
+    NotConnected,
+    PeerLost,
+    TransferError,
+    TransferTimeout,
+)
+from splitserve.transfer.reservation import Ticket, block_nbytes, check_source_ids
+
+
+class DistSender(ChannelTable):
+    """Sender (prefill node) side: connects to receivers on demand and sends blocks."""
+
+    def __init__(
+        self,
+        kv_pool: torch.Tensor,
+        node_id: str,
+        *,
+        backend: str | None = None,
+        connect_timeout: float = 30.0,
+    ) -> None:
+        super().__init__()
+        self.kv_pool = kv_pool
+        self.node_id = node_id
+        self.backend = backend or default_backend(kv_pool.device)
+        check_backend(self.backend, kv_pool)
+        prepare_backend(self.backend)
+        self.connect_timeout = connect_timeout
+        self._connecting: dict[str, threading.Lock] = {}
+
+    def connected(self, peer_id: str) -> bool:
+        with self._mu:
+            channel = self._channels.get(peer_id)
+        return channel is not None and channel.closed is None
+
+    def connect(self, peer_id: str, address: DistAddress) -> None:
+        """Build the pair group with receiver ``peer_id`` at ``address`` unless one is open."""
+        if address.backend != self.backend:
+            raise ValueError(f"receiver runs {address.backend!r}, this sender {self.backend!r}")
+        with self._mu:
+            lock = self._connecting.setdefault(peer_id, threading.Lock())
+        with lock:
+            if self.connected(peer_id):
+                return
+            try:
+                channel = self._open(peer_id, address)
+            except TransferError:
+                raise
+            except Exception as exc:
+                raise PeerLost(
+                    f"connecting to {peer_id!r} at {address.host}:{address.port}: {first_line(exc)}"
+                ) from exc
+            old = self._install(channel)
+            if old is not None:
+                old.close(ChannelClosed("reconnected"))
+
+    def _open(self, peer_id: str, address: DistAddress) -> Channel:
+        from torch.distributed import PrefixStore
+
+        timeout = timedelta(seconds=self.connect_timeout)
+        store = store_client(address.host, address.port, self.connect_timeout)
+        n = int(store.add(f"{KEY}/joins", 1))
+        hello = {
+            "node_id": self.node_id,
+            "backend": self.backend,
+            "block_shape": list(self.kv_pool.shape[1:]),
+            "dtype": dtype_name(self.kv_pool.dtype),
+        }
+        store.set(f"{KEY}/join/{n}", msgpack.packb(hello))
+        store.wait([f"{KEY}/ack/{n}"], timeout)
+        ack = msgpack.unpackb(store.get(f"{KEY}/ack/{n}"), raw=False)
+        store.delete_key(f"{KEY}/ack/{n}")
+        if not ack["ok"]:
+            raise TransferError(f"{peer_id!r} refused the connection: {ack['reason']}")
+        prefixed = PrefixStore(f"{KEY}/pair/{n}/", store)
+        host = local_address_towards(address.host, address.port)
+        with self._device_guard():
+            group = make_pair_group(prefixed, 1, self.backend, self.connect_timeout, host=host)
+        store.wait([f"{KEY}/ready/{n}"], timeout)
+        store.delete_key(f"{KEY}/ready/{n}")
+        return Channel(peer_id, n, 1, group, prefixed, self.kv_pool.device, self.backend)
+
+    def _device_guard(self):
+        return device_guard(self.kv_pool)
+
+    def send(self, peer_id: str, src_block_ids, ticket: Ticket | bytes, timeout: float) -> int:
+        """Send our blocks ``src_block_ids`` (one per id of the ticket, in its order) to fill the
+        receiver's reservation; returns the bytes sent. Returns once the data has left (the
+        receiver signals its own completion). On failure the pair is torn down and the error
+        raised (``TransferTimeout``, ``PeerLost``, ``ChannelClosed``); reconnect to retry."""
+        if isinstance(ticket, bytes | bytearray):
+            ticket = Ticket.from_bytes(bytes(ticket))
+        if ticket.path != DIST:
+            raise ValueError(f"not a dist ticket: {ticket.path!r}")
+        with self._mu:
+            channel = self._channels.get(peer_id)
+        if channel is None:
+            raise NotConnected(f"no dist channel to {peer_id!r}")
+        channel.check_open()
+        if ticket.gen != channel.gen:
+            raise ChannelClosed(
+                f"ticket for generation {ticket.gen} of the pair, which is now {channel.gen}"
+            )
+        src = check_source_ids(src_block_ids, self.kv_pool.shape[0])
+        if len(src) != len(ticket.block_ids):
+            raise ValueError(f"{len(src)} source blocks for {len(ticket.block_ids)} reserved")
+        if not src:
+            return 0
+        self._send_blocks(channel, src, ticket.seq, time.monotonic() + timeout)
+        return len(src) * block_nbytes(self.kv_pool)
+
+    def _send_blocks(self, channel: Channel, src: list[int], seq: int, deadline: float) -> None:
+        """Gather ``src`` and send header + blocks as one turn on ``channel``; a failure tears
+        the pair down (the receiver cannot resynchronize a half-sent transfer)."""
+        with self._device_guard():
+            index = torch.tensor(src, dtype=torch.int64, device=self.kv_pool.device)
+            buffer = self.kv_pool.index_select(0, index)
+            head = header(channel.gen, seq, len(src), self.kv_pool, channel.device)
+            if not channel.lock.acquire(timeout=max(deadline - time.monotonic(), 0)):
+                raise TransferTimeout(f"the channel to {channel.peer_id!r} stayed busy")
+            try:
+                channel.check_open()
+                try:
+                    channel.run("send", head, TAG_HEADER, deadline, "sending a header")
+                    channel.run("send", buffer, TAG_DATA, deadline, "sending blocks")
+                except TransferError as exc:
+                    channel.close(exc)
+                    self._forget(channel)
+                    raise
+            finally:
+                channel.release()
+
+    def close(self, peer_id: str) -> None:
+        """Tear down the pair with receiver ``peer_id`` (it left)."""
+        with self._mu:
+            channel = self._channels.pop(peer_id, None)
+        if channel is not None:
+            channel.close(ChannelClosed(f"closed by {self.node_id!r}"))
+
+    def close_all(self) -> None:
+        with self._mu:
+            peers = list(self._channels)
+        for peer in peers:
+            self.close(peer)
