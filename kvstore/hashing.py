@@ -19,6 +19,7 @@ process.
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 from array import array
 from collections.abc import Sequence
@@ -39,19 +40,48 @@ _blake2b = hashlib.blake2b
 _DIGEST = 32
 
 
+DEFAULT_BLOCK_SIZE = 16
+"""Tokens per KV block, unless configured otherwise (the same on the router and every node)."""
+
+KV_LAYOUT = "block-major/v1"
+
+# The dtype names a checkpoint or an option may give (models.config accepts the same), each
+# mapped to the one name that enters the identity.
+_DTYPE_NAMES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+}
+
+
+def canonical_dtype(dtype: object) -> str:
+    """``float32``, ``float16`` or ``bfloat16`` for any accepted spelling (``fp16``,
+    ``torch.bfloat16``, a ``torch.dtype``, ...); ``ValueError`` for anything else."""
+    name = str(dtype).removeprefix("torch.")
+    try:
+        return _DTYPE_NAMES[name]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype!r}; use float32, float16 or bfloat16") from None
+
+
 @dataclass(frozen=True, slots=True)
 class ModelIdentity:
     """What makes KV bytes of one model incompatible with another's.
 
-    Every process that computes hashes for a cluster (router, prefill and decode nodes) must build
-    the same identity; :attr:`root_hash` is what they compare at start-up.
+    Every process that computes hashes for a cluster (router, prefill and decode nodes, and
+    ``splitserve hash``) builds it with :meth:`for_checkpoint`; :attr:`root_hash` is what they
+    compare at start-up.
     """
 
     name: str
     revision: str = "main"
     dtype: str = "float32"
-    block_size: int = 16
-    kv_layout: str = "block-major/v1"
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_layout: str = KV_LAYOUT
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -61,19 +91,30 @@ class ModelIdentity:
 
     @classmethod
     def for_checkpoint(
-        cls, path: str | Path, dtype: str, block_size: int = 16, kv_layout: str = "block-major/v1"
+        cls,
+        path: str | Path,
+        dtype: object = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        kv_layout: str = KV_LAYOUT,
     ) -> ModelIdentity:
-        """The identity of a checkpoint folder: its name and a digest of its ``config.json`` (so
-        the router and every node agree without sharing a path)."""
+        """The identity of a checkpoint folder served in ``dtype`` with ``block_size``: its name
+        and a digest of its ``config.json`` (so the router and every node agree without sharing
+        a path). ``dtype`` None is the checkpoint's own, by the model loader's rule: its
+        ``config.json``'s ``dtype`` (or legacy ``torch_dtype``), else float32. Torch-free."""
         path = Path(path)
         try:
-            config = (path / "config.json").read_bytes()
-        except OSError as exc:
+            raw = (path / "config.json").read_bytes()
+            config = json.loads(raw)
+        except (OSError, ValueError) as exc:
             raise ValueError(f"{path} is not a model folder: {exc}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{path}/config.json is not a JSON object")
+        if dtype is None:
+            dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
         return cls(
             path.name or str(path),
-            hashlib.sha256(config).hexdigest()[:16],
-            dtype.removeprefix("torch."),
+            hashlib.sha256(raw).hexdigest()[:16],
+            canonical_dtype(dtype),
             block_size,
             kv_layout,
         )

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from splitserve.kernels.layout import allocate_kv_pool
+from splitserve.kvstore.hashing import DEFAULT_BLOCK_SIZE
 from splitserve.models.config import ModelConfig
 from splitserve.models.layers import AttentionMetadata
 from splitserve.models.llama import LlamaForCausalLM
@@ -37,7 +38,7 @@ class SequenceInput:
 
 @dataclass(frozen=True, slots=True)
 class RunnerConfig:
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     gpu_memory_utilization: float = 0.9

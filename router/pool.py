@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from splitserve.kvstore.hashing import DEFAULT_BLOCK_SIZE
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_DOWN_S = 3.0  # how long a failed node is skipped before it is tried again
@@ -75,7 +77,7 @@ class NodePool:
         exclude: Collection[Node] = (),
         cached: Mapping[str, int] | None = None,
         prompt_tokens: int | None = None,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> Node | None:
         """The up node with the fewest in-flight requests; with ``cached`` (address → leading
         blocks of the prompt the node holds), the one holding the longest prefix among those

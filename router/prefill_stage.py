@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import grpc
 
+from splitserve.kvstore.hashing import DEFAULT_BLOCK_SIZE
 from splitserve.router.errors import UNREACHABLE, GenerateError
 from splitserve.router.pool import Node, NodePool, prompt_tokens_to_compute
 from splitserve.router.prefix import PrefixLookup
@@ -204,7 +205,7 @@ def _choose(
     tried: _Tried,
     cached: dict[str, int],
     prompt_tokens: int | None = None,
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> Node | None:
     """A node not yet tried by this request if any, else one that only refused (full)."""
     args = (cached, prompt_tokens, block_size)

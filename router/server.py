@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from pathlib import Path
 
 from splitserve.kvstore import ModelIdentity
 from splitserve.kvstore.redis_index import PrefixIndex
@@ -60,18 +58,9 @@ def prefix_index(config: RouterConfig) -> PrefixIndex | None:
 
 
 def model_identity(config: RouterConfig) -> ModelIdentity:
-    """What the nodes must serve: every node's root hash is checked against this one's."""
-    dtype = config.dtype or checkpoint_dtype(config.model_path)
-    return ModelIdentity.for_checkpoint(config.model_path, dtype, config.block_size)
-
-
-def checkpoint_dtype(model_path: str) -> str:
-    """The dtype a node loads the checkpoint in by default (see models.config)."""
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    name = str(config.get("dtype") or config.get("torch_dtype") or "float32")
-    return {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}.get(
-        name, name
-    )
+    """What the nodes must serve: every node's root hash is checked against this one's. Built
+    as the nodes build theirs (same checkpoint, dtype - None: the checkpoint's - and block size)."""
+    return ModelIdentity.for_checkpoint(config.model_path, config.dtype, config.block_size)
 
 
 async def start_router(config: RouterConfig, model: ModelInfo) -> tuple[Server, NodeRegistry]:

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from splitserve.kvstore.hashing import DEFAULT_BLOCK_SIZE
 from splitserve.kvstore.redis_index import PrefixIndex
 from splitserve.router.decode_stage import DecodeStage
 from splitserve.router.errors import GenerateError
@@ -32,7 +33,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         max_attempts: int = 3,
         request_timeout_s: float = 600.0,
         index: PrefixIndex | None = None,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         metrics: RouterMetrics | None = None,
     ) -> None:
         if max_attempts < 1:

@@ -1,9 +1,15 @@
-"""One frozen config per process kind, built by the CLI and passed down."""
+"""One frozen config per process kind, built by the CLI and passed down.
+
+Each option is declared here once, with its default and help: ``splitserve prefill|decode|router``
+derive their flags and SPLITSERVE_<OPTION> variables from these fields (runtime.options)."""
 
 from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
+
+from splitserve.kvstore.hashing import DEFAULT_BLOCK_SIZE
+from splitserve.runtime.options import option
 
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
 
@@ -20,34 +26,73 @@ def default_advertise_host(listen_host: str) -> str:
     return name
 
 
+def parse_addresses(value: str) -> tuple[str, ...]:
+    """``host:port,host:port,...`` as a tuple (empty for an empty string)."""
+    if not value:
+        return ()
+    addresses = tuple(a.strip() for a in value.split(",") if a.strip())
+    for address in addresses:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"{address!r} is not host:port")
+    if not addresses:
+        raise ValueError("give at least one host:port")
+    return addresses
+
+
+_MODEL_HELP = "checkpoint folder (default: the embedded tiny model)"
+_PORT_FILE_HELP = "write the bound port here once serving (for launchers)"
+_METRICS_HELP = "serve Prometheus /metrics on this port (0: any free one; default: none)"
+_REDIS_HELP = "node registry + prefix index: discovery and cache-aware routing (default: none)"
+_BLOCK_HELP = "tokens per KV block, part of the model identity (the same everywhere)"
+
+
 @dataclass(frozen=True, slots=True)
 class NodeConfig:
     """A prefill or decode node."""
 
-    model_path: str  # checkpoint folder (config.json, safetensors, tokenizer)
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: pick a free port (the chosen one is logged and written to port_file)
-    port_file: str | None = None  # write the bound port here once serving (for launchers)
-    device: str = "cpu"  # "cpu" or "cuda[:N]"
-    dtype: str | None = None  # default: the checkpoint's
-    kv_cache_mb: int = 256  # CPU KV cache size; on CUDA the pool is sized from free memory
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    block_size: int = 16
-    load_format: str = "auto"  # or "dummy" (random weights, for benchmarks)
-    transfer_deadline_s: float = 30.0  # decode: free a transferred request not claimed by then
-    redis_url: str | None = None  # prefix index + registry; None: no index (static routing)
-    enable_prefix_caching: bool = True  # False: every prompt is computed and shipped in full
-    # The host other processes reach this node at (what it registers in Redis); None: the listen
-    # host, or this machine's name when that is a wildcard (default_advertise_host).
-    advertise_host: str | None = None
+    model_path: str = option(help=_MODEL_HELP, flag="--model", cli_default=None)
+    host: str = option("127.0.0.1", "listen address")
+    advertise_host: str | None = option(
+        None,
+        "the host other processes reach this node at, registered in Redis (default: --host, or "
+        "this machine's name when --host is 0.0.0.0 or ::; see default_advertise_host)",
+    )
+    port: int = option(0, "listen port; 0: a free one (logged and written to --port-file)")
+    port_file: str | None = option(None, _PORT_FILE_HELP)
     # SIGTERM: stop taking work, let in-flight requests finish for up to this long, then exit.
-    drain_timeout_s: float = 30.0
-    metrics_port: int | None = None  # Prometheus /metrics on this port (0: any free one)
-    # KV transfer paths this node may use besides the gRPC byte stream (always available):
-    # "ipc" (same host, CUDA), "dist" (torch.distributed: NCCL on GPUs, gloo on CPU).
-    kv_transfer: str = "ipc"
+    drain_timeout_s: float = option(
+        30.0, "on SIGTERM, how long in-flight requests may take to finish"
+    )
+    metrics_port: int | None = option(None, _METRICS_HELP)
+    device: str = option("cpu", "cpu or cuda[:N]")
+    kv_transfer: str = option(
+        "ipc",
+        "KV transfer paths besides gRPC bytes (always available), comma-separated: ipc (same "
+        "host, CUDA), dist (torch.distributed: NCCL on GPUs, gloo on CPU), or none",
+    )
+    dtype: str | None = option(None, "float32, float16 or bfloat16 (default: the checkpoint's)")
+    kv_cache_mb: int = option(256, "CPU KV cache size in MiB (on CUDA: sized from free memory)")
+    gpu_memory_utilization: float = option(0.9, "share of the GPU's memory this node may use")
+    max_num_seqs: int = option(256, "requests in a batch at most")
+    max_num_batched_tokens: int = option(8192, "tokens in a batch at most")
+    block_size: int = option(DEFAULT_BLOCK_SIZE, _BLOCK_HELP)
+    load_format: str = option(
+        "auto",
+        "auto (safetensors) or dummy (random weights, for benchmarks)",
+        choices=("auto", "dummy"),
+    )
+    transfer_deadline_s: float = option(
+        30.0, "decode: free a transferred request not claimed by then (seconds)"
+    )
+    redis_url: str | None = option(
+        None, "publish the prefix index and register in the node registry (default: no index)"
+    )
+    enable_prefix_caching: bool = option(
+        True,
+        "compute and ship every prompt in full (a cold baseline for benchmarks)",
+        flag="--no-prefix-caching",
+    )
 
     @property
     def address(self) -> str:
@@ -61,15 +106,32 @@ class NodeConfig:
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
-    model_path: str  # for the tokenizer
-    prefill_addresses: tuple[str, ...]
-    decode_addresses: tuple[str, ...]
-    host: str = "127.0.0.1"
-    port: int = 0
-    port_file: str | None = None
-    request_timeout_s: float = 600.0
-    max_attempts: int = 3  # per stage: a failed or refusing node is retried elsewhere
-    redis_url: str | None = None  # node registry + prefix index: discovery, cache-aware routing
-    dtype: str | None = None  # the nodes' KV dtype (part of the model identity); default: ckpt's
-    metrics_port: int | None = None  # Prometheus /metrics on this port (0: any free one)
-    block_size: int = 16  # the nodes' KV block size (part of the model identity, hashing)
+    model_path: str = option(
+        help="checkpoint folder, for the tokenizer and the model identity (default: the "
+        "embedded tiny model)",
+        flag="--model",
+        cli_default=None,
+    )
+    prefill_addresses: tuple[str, ...] = option(
+        help="static prefill nodes, host:port,host:port,...",
+        flag="--prefill",
+        cli_default="",
+        convert=parse_addresses,
+    )
+    decode_addresses: tuple[str, ...] = option(
+        help="static decode nodes, host:port,host:port,...",
+        flag="--decode",
+        cli_default="",
+        convert=parse_addresses,
+    )
+    host: str = option("127.0.0.1", "listen address")
+    port: int = option(0, "listen port (0: a free one)", cli_default=8000)
+    port_file: str | None = option(None, _PORT_FILE_HELP)
+    request_timeout_s: float = option(600.0, "seconds a request may take in all")
+    max_attempts: int = option(3, "per stage: a failed or refusing node is retried elsewhere")
+    redis_url: str | None = option(None, _REDIS_HELP)
+    dtype: str | None = option(
+        None, "the nodes' dtype, part of the model identity (default: the checkpoint's)"
+    )
+    metrics_port: int | None = option(None, _METRICS_HELP)
+    block_size: int = option(DEFAULT_BLOCK_SIZE, _BLOCK_HELP)

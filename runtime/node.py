@@ -52,7 +52,9 @@ def build_engine(config: NodeConfig, prefill_only: bool) -> tuple[LLMEngine, Mod
             kv_cache_bytes=None if config.device.startswith("cuda") else config.kv_cache_mb << 20,
         ),
     )
-    identity = ModelIdentity.for_checkpoint(config.model_path, str(runner.dtype), config.block_size)
+    identity = ModelIdentity.for_checkpoint(config.model_path, config.dtype, config.block_size)
+    if identity.dtype != str(runner.dtype).removeprefix("torch."):  # the router computes the same
+        raise RuntimeError(f"{identity} does not match the loaded dtype {runner.dtype}")
     engine = LLMEngine(
         runner,
         identity,

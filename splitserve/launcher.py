@@ -19,8 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from splitserve.runtime.options import option
 
 logger = logging.getLogger(__name__)
 
@@ -29,19 +28,25 @@ DEFAULT_GPU_SHARE = 0.9  # of one GPU's memory, split among the nodes sharing it
 
 @dataclass(frozen=True, slots=True)
 class ClusterSpec:
-    """What ``splitserve up`` starts."""
+    """What ``splitserve up`` starts (its options are these fields; see runtime.options)."""
 
-    model_path: str
-    num_prefill: int = 1
-    num_decode: int = 1
-    host: str = "127.0.0.1"
-    port: int = 8000  # the router's
-    redis_url: str | None = None  # None: start a private redis-server
+    model_path: str = option(
+        help="checkpoint folder (default: the embedded tiny model)",
+        flag="--model",
+        cli_default=None,
+    )
+    num_prefill: int = option(1, "prefill nodes")
+    num_decode: int = option(1, "decode nodes")
+    host: str = option("127.0.0.1", "listen address of every component")
+    port: int = option(8000, "the router's port")
+    redis_url: str | None = option(None, "a Redis to use (default: start a private redis-server)")
     prefix_index: bool = True  # False: no Redis at all (static routing by load, local caches)
-    device: str = "cpu"
-    gpu_memory_utilization: float | None = None  # per node; None on CUDA: an even share
+    device: str = option("cpu", "cpu or cuda[:N] (all nodes on it)")
+    gpu_memory_utilization: float | None = option(
+        None, "per node (default on CUDA: 0.9 / number of nodes)"
+    )
     node_args: tuple[str, ...] = ()  # further flags for every node, e.g. ("--kv-cache-mb", "512")
-    startup_timeout_s: float = 600.0
+    startup_timeout_s: float = option(600.0, "seconds", flag="--startup-timeout")
     stop_grace_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -167,6 +172,9 @@ class LocalCluster:
 
     def _wait_ready(self, proc: _Process, deadline: float) -> str:
         """Wait for the port file, then for health SERVING; return host:port."""
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
         assert proc.port_file is not None
         while True:
             self._check_alive(proc)

@@ -15,15 +15,26 @@ def _run(*args):
     return subprocess.run([EXE, *args], capture_output=True, text=True, timeout=60)
 
 
-def test_hash_prints_the_same_hashes_as_the_library():
-    tokens = [random.randrange(1000) for _ in range(3 * 16 + 5)]
-    proc = _run("hash", "--model", "org/m", "--salt", "t", ",".join(map(str, tokens)))
+def test_hash_prints_the_hashes_of_the_checkpoints_identity(tmp_path):
+    from splitserve.models.tiny import write_random_checkpoint
+
+    path = write_random_checkpoint(tmp_path / "m", num_hidden_layers=1)
+    tokens = [random.randrange(1000) for _ in range(2 * 32 + 5)]
+    args = ("--block-size", "32", "--salt", "t", ",".join(map(str, tokens)))
+    proc = _run("hash", "--model", str(path), *args)
     assert proc.returncode == 0, proc.stderr
-    identity = ModelIdentity("org/m")
-    expected = hash_request_tokens(tokens, 16, identity.root_hash, "t")
+    identity = ModelIdentity.for_checkpoint(path, block_size=32)  # as a node serving it builds it
+    expected = hash_request_tokens(tokens, 32, identity.root_hash, "t")
     printed = [line.split()[-1] for line in proc.stdout.splitlines() if line.startswith("block")]
     assert printed == [h.hex() for h in expected]
+    assert proc.stdout.startswith(f"root {identity.root_hash.hex()}")
     assert "5 tokens in the partial tail block" in proc.stdout
+
+
+def test_hash_rejects_a_folder_without_a_checkpoint(tmp_path):
+    proc = _run("hash", "--model", str(tmp_path), "1,2,3")
+    assert proc.returncode == 2 and "not a model folder" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_hash_rejects_negative_token_ids_with_a_clear_message():

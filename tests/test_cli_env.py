@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from splitserve import cli
-from splitserve.runtime.config import NodeConfig
+from splitserve.kvstore.hashing import DEFAULT_BLOCK_SIZE
+from splitserve.runtime.config import NodeConfig, RouterConfig
 
 EXE = shutil.which("splitserve", path=str(Path(sys.executable).parent))
 
@@ -39,13 +40,13 @@ def test_node_options_come_from_the_environment(monkeypatch):
     for role in ("prefill", "decode"):
         args = parse(role)
         assert args.redis_url == "redis://redis:6379"
-        assert args.model == "/models"
+        assert args.model_path == "/models"
         assert args.device == "cuda"
         assert args.port == 9000 and isinstance(args.port, int)
         assert args.gpu_memory_utilization == 0.5
         assert args.load_format == "dummy"
         assert args.advertise_host == "node-7.example"
-        assert args.kv_cache_mb is None  # unset: NodeConfig's default applies
+        assert args.kv_cache_mb == NodeConfig("m").kv_cache_mb  # unset: NodeConfig's default
 
 
 def test_the_command_line_wins_over_the_environment(monkeypatch):
@@ -64,8 +65,8 @@ def test_router_options_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("SPLITSERVE_HOST", "0.0.0.0")
     args = parse("router")
     assert args.request_timeout_s == 30.0 and args.max_attempts == 5
-    assert args.prefill == "p1:1,p2:2" and args.host == "0.0.0.0"
-    assert args.decode == ""  # unset: the parser's own default
+    assert args.prefill_addresses == "p1:1,p2:2" and args.host == "0.0.0.0"
+    assert args.decode_addresses == ""  # unset: the parser's own default
 
 
 @pytest.mark.parametrize(
@@ -79,14 +80,14 @@ def test_a_switch_is_on_for_true_words(monkeypatch, raw, expected):
 @pytest.mark.parametrize("raw", ["0", "false", "no", "off", ""])
 def test_a_switch_is_off_for_false_words_and_empty(monkeypatch, raw):
     monkeypatch.setenv("SPLITSERVE_NO_PREFIX_CACHING", raw)
-    assert parse("decode").enable_prefix_caching is None  # the flag's default
+    assert parse("decode").enable_prefix_caching is True  # the flag's default
 
 
 def test_empty_variables_count_as_unset(monkeypatch):
     monkeypatch.setenv("SPLITSERVE_PORT", "")
     monkeypatch.setenv("SPLITSERVE_DTYPE", "")
     monkeypatch.setenv("SPLITSERVE_MAX_ATTEMPTS", "  ")
-    assert parse("prefill").port is None and parse("prefill").dtype is None
+    assert parse("prefill").port == 0 and parse("prefill").dtype is None
     assert parse("router").port == 8000 and parse("router").max_attempts == 3
 
 
@@ -95,7 +96,7 @@ def test_the_environment_is_read_at_each_parse(monkeypatch):
     monkeypatch.setenv("SPLITSERVE_PORT", "9000")
     assert parser.parse_args(["prefill"]).port == 9000
     monkeypatch.delenv("SPLITSERVE_PORT")
-    assert parser.parse_args(["prefill"]).port is None
+    assert parser.parse_args(["prefill"]).port == 0
 
 
 @pytest.mark.parametrize(
@@ -154,10 +155,53 @@ def test_every_option_of_the_deployed_commands_has_a_variable():
     assert "SPLITSERVE_ADVERTISE_HOST" not in cli.env_names("router")
 
 
-def test_node_flags_are_node_config_fields():
-    fields = {f.name for f in dataclasses.fields(NodeConfig)}
-    assert set(cli._NODE_FLAGS) <= fields
-    assert "advertise_host" in cli._NODE_FLAGS
+def test_options_are_config_fields():
+    """Every option of router/prefill/decode is a field of its config (its dest is the field's
+    name), and the field's default is the option's, so each is declared once."""
+    sub = cli.build_parser()._subparsers._group_actions[0]
+    fields = {f.name: f for f in dataclasses.fields(NodeConfig)}
+    for command in ("prefill", "decode"):
+        for action in sub.choices[command]._actions:
+            if action.dest in ("help", "gpu_lock_dir"):  # the lock is taken before the config
+                continue
+            assert action.dest in fields, action.dest
+            if action.dest != "model_path":  # None: the embedded tiny model
+                assert action.default == fields[action.dest].default, action.dest
+    router = {a.dest: a for a in sub.choices["router"]._actions}
+    assert set(router) - {"help"} == {f.name for f in dataclasses.fields(RouterConfig)}
+    assert router["port"].default == 8000  # a router has a well-known port; a node a free one
+    assert router["block_size"].default == NodeConfig("m").block_size == DEFAULT_BLOCK_SIZE
+
+
+def test_up_forwards_the_node_options_given_and_only_those(monkeypatch):
+    import signal
+
+    from splitserve import launcher
+
+    specs = []
+
+    class Cluster:  # records the spec instead of starting processes
+        def __init__(self, spec):
+            specs.append(spec)
+
+        def start(self):
+            raise RuntimeError("not starting a cluster in this test")
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(launcher, "LocalCluster", Cluster)
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        for argv in (["--dtype", "bf16", "--kv-cache-mb", "64"], []):
+            args = parse("up", "--model", "/m", "--num-decode", "2", *argv)
+            assert args.func(args) == 1
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    given, unset = specs
+    assert given.node_args == ("--dtype", "bf16", "--kv-cache-mb", "64")
+    assert (given.model_path, given.num_decode, given.startup_timeout_s) == ("/m", 2, 600.0)
+    assert unset.node_args == ()
 
 
 def test_advertised_host(monkeypatch):
