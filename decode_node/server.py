@@ -4,33 +4,30 @@ SIGTERM, then drain."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 from splitserve.decode_node.service import DecodeService
 from splitserve.runtime.config import NodeConfig
 from splitserve.runtime.node import serve_node, transfer_paths
+from splitserve.transfer import DIST, IPC, KVReceiver
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 SERVICE_NAME = nodes_pb2.DESCRIPTOR.services_by_name["DecodeNodeService"].full_name
 
 
 def make_service(engine, identity, config: NodeConfig, address: str) -> DecodeService:
-    import uuid
-
-    from splitserve.transfer import DIST, IPC, KVReceiver
-
     paths = transfer_paths(config)
-    receiver = None
-    if len(paths) > 1:
-        # A new id per process life: a sender still holding a restarted node's old pool mapping
-        # or pair group never mistakes it for this one.
-        receiver = KVReceiver(
-            engine.engine.runner.kv_pool,
-            f"{address}#{uuid.uuid4().hex[:8]}",
-            ipc=False if IPC not in paths else None,
-            dist=DIST in paths,
-            dist_host=config.advertised_host() if DIST in paths else None,
-        )
-    return DecodeService(engine, identity, config.transfer_deadline_s, receiver=receiver)
+    # Always a receiver: gRPC bytes go through its reservations too; ipc/dist only if allowed.
+    # A new id per process life: a sender still holding a restarted node's old pool mapping or
+    # pair group never mistakes it for this one.
+    receiver = KVReceiver(
+        engine.engine.kv_port.kv_pool,
+        f"{address}#{uuid.uuid4().hex[:8]}",
+        ipc=False if IPC not in paths else None,
+        dist=DIST in paths,
+        dist_host=config.advertised_host() if DIST in paths else None,
+    )
+    return DecodeService(engine, identity, config.transfer_deadline_s, receiver)
 
 
 def serve(config: NodeConfig) -> None:

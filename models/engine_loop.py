@@ -3,6 +3,12 @@
 Every engine operation (steps, adds, aborts, KV reads and writes) runs on one dedicated thread, in
 the order submitted, so the engine needs no locks and the event loop never blocks on the model.
 Per-request outputs are delivered through asyncio queues.
+
+Releases must happen whatever interrupts them. ``await call(free, rid)`` is not enough: cancelling
+the awaiting task (a client cancel, then the call torn down while it cleans up) cancels the
+executor job too, and a job still queued behind a step is then dropped — the blocks stay
+allocated for good. Releases, reservations and pins therefore go through ``call_to_end`` (or
+``acquire``), which queue the job first and wait for it through any number of cancellations.
 """
 
 from __future__ import annotations
@@ -40,6 +46,35 @@ class AsyncEngine:
     async def call(self, fn: Callable[..., T], *args) -> T:
         """Run ``fn(*args)`` on the engine thread, between steps."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def submit(self, fn: Callable[..., T], *args) -> asyncio.Future[T]:
+        """Queue ``fn(*args)`` on the engine thread now. Cancelling the future drops a job still
+        queued behind a step (harmless for a read, a leak for a release): await it with
+        ``settle`` or shielded where the job must run."""
+        return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def call_to_end(self, fn: Callable[..., T], *args) -> T:
+        """``call`` that a cancellation of the caller cannot stop half way: ``fn`` runs, and the
+        cancellation is raised once it has (so the caller's cleanup goes on in order). For
+        releases (make them idempotent: a caller may retry one that already ran) and for
+        allocations whose result the caller must free if it is cancelled."""
+        return await settle(self.submit(fn, *args))
+
+    async def acquire(self, fn: Callable[..., T], undo: Callable[[T], object], *args) -> T:
+        """Run ``fn(*args)`` on the engine thread and return what it took (e.g. pinned blocks);
+        a caller cancelled before it hears the result has ``undo(result)`` queued for it as
+        soon as ``fn`` is done, so nothing taken is left behind."""
+        future = self.submit(fn, *args)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+
+            def undo_when_done(done: asyncio.Future) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    self.submit(undo, done.result())
+
+            future.add_done_callback(undo_when_done)
+            raise
 
     def subscribe(self, request_id: str) -> asyncio.Queue[StepOutput | BaseException]:
         queue: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
@@ -85,3 +120,24 @@ class AsyncEngine:
                 # Nothing could be scheduled (the pool is held by transfers in flight): wait a
                 # little instead of spinning; else just let the event loop run.
                 await asyncio.sleep(0.002 if engine.last_num_scheduled == 0 else 0)
+
+
+async def settle(future: asyncio.Future[T]) -> T:
+    """Await ``future`` to its end through any number of cancellations of the caller (for work
+    that must not be abandoned half way: a release, a copy into another node's blocks), then
+    raise the cancellation, if there was one, or return its result."""
+    interrupted = False
+    while not future.done():
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError:
+            if future.cancelled():  # the work itself was cancelled (the engine is stopping)
+                raise
+            interrupted = True
+        except Exception:
+            break  # raised below by result(), unless a cancellation is owed
+    if interrupted:
+        if not future.cancelled():
+            future.exception()  # retrieved: the caller hears of its cancellation instead
+        raise asyncio.CancelledError
+    return future.result()

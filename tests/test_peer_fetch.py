@@ -103,7 +103,7 @@ def test_prefix_fetched_from_peer_then_stale_and_dead_peers(setup):
 
 
 def test_a_prefix_is_fetched_only_when_that_beats_computing_it():
-    from splitserve.prefill_node.service import MIN_FETCH_BLOCKS, worth_fetching
+    from splitserve.prefill_node.rates import MIN_FETCH_BLOCKS, worth_fetching
 
     mib = 1 << 20
     # Unknown compute speed (nothing measured yet, CPU): fetch anything worth a round trip.

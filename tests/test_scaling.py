@@ -138,28 +138,27 @@ def test_scale_out_and_drain_lose_no_request(model_dir, tmp_path):
         traffic.stop()
         assert traffic.failures == [], traffic.failures[:5]
 
-        # Metrics moved with the traffic.
-        after = scrape(router_metrics)
-        key = "splitserve_time_to_first_token_seconds_count"
-        assert after[key] - before.get(key, 0) == traffic.ok
-        assert after["splitserve_inter_token_latency_seconds_count"] >= 11 * traffic.ok
-        assert after['splitserve_requests_total{code="OK"}'] >= traffic.ok
-        assert after["splitserve_request_latency_seconds_sum"] > 0
-        node = scrape(node_metrics)
-        assert node['splitserve_transfers_total{role="decode"}'] > 0
-        assert 'splitserve_kv_usage{role="decode"}' in node
-        wait_for(
-            lambda: (
-                f'splitserve_node_running{{node="{d2.address}",role="decode"}}'
-                in scrape(router_metrics)
-            ),
-            10,
-        )
+        check_metrics(router_metrics, before, node_metrics, d2.address, traffic.ok)
     finally:
         if traffic is not None:
             traffic.stop()
         for proc in reversed(procs):
             proc.stop()
+
+
+def check_metrics(router_port: int, before: dict, node_port: int, d2: str, ok: int) -> None:
+    """The router's and decode node d2's /metrics moved with the ``ok`` requests served."""
+    after = scrape(router_port)
+    key = "splitserve_time_to_first_token_seconds_count"
+    assert after[key] - before.get(key, 0) == ok
+    assert after["splitserve_inter_token_latency_seconds_count"] >= 11 * ok
+    assert after['splitserve_requests_total{code="OK"}'] >= ok
+    assert after["splitserve_request_latency_seconds_sum"] > 0
+    node = scrape(node_port)
+    assert node['splitserve_transfers_total{role="decode"}'] > 0
+    assert 'splitserve_kv_usage{role="decode"}' in node
+    running = f'splitserve_node_running{{node="{d2}",role="decode"}}'
+    wait_for(lambda: running in scrape(router_port), 10)
 
 
 def _ok(client) -> bool:

@@ -1,0 +1,66 @@
+"""Checks of a ``TransferHeader`` before anything is reserved for it.
+
+A sender's header is a claim: the model, the block layout, the prompt and the block hashes must
+all be what this node would compute itself, or the transfer is refused before a block is touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import grpc
+
+from splitserve.kvstore import ModelIdentity, hash_request_tokens
+from splitserve.models.sampling_params import SamplingParams
+from splitserve.runtime.protocol import sampling_from_proto
+
+
+class TransferRefused(Exception):
+    """A transfer this node refuses (or gives up on); ``code`` is its gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def check_header(
+    header,
+    core,
+    identity: ModelIdentity,
+    block_nbytes: int,
+    in_use: Callable[[str], bool],
+) -> tuple[SamplingParams, list[int]]:
+    """The request's sampling parameters and prompt, or ``TransferRefused``. ``core``: the
+    ``LLMEngine`` (prompt and vocabulary checks); ``in_use(rid)``: the id is taken here."""
+    bad = grpc.StatusCode.INVALID_ARGUMENT
+    if not header.request_id:
+        raise TransferRefused(bad, "request_id is empty")
+    if in_use(header.request_id):
+        raise TransferRefused(
+            grpc.StatusCode.ALREADY_EXISTS,
+            f"request {header.request_id!r} is already on this node",
+        )
+    if header.model_root_hash != identity.root_hash:
+        raise TransferRefused(
+            bad,
+            f"model identity mismatch: this decode node serves "
+            f"{identity}; the sender computed a different root hash",
+        )
+    if header.block_nbytes != block_nbytes:
+        raise TransferRefused(bad, f"block_nbytes {header.block_nbytes} != {block_nbytes}")
+    try:
+        params = sampling_from_proto(header.sampling)
+        prompt = core.check_prompt(header.prompt_token_ids)
+    except ValueError as exc:
+        raise TransferRefused(bad, str(exc)) from None
+    vocab = core.runner.config.vocab_size
+    if header.first_token_id >= vocab:
+        raise TransferRefused(bad, f"first_token_id {header.first_token_id} >= vocab {vocab}")
+    # The hashes must be the chain of these very tokens, or a later prompt would read this
+    # sender's blocks under hashes they do not belong to.
+    expected = hash_request_tokens(
+        prompt, identity.block_size, identity.root_hash, header.cache_salt or None
+    )
+    if list(header.block_hashes) != expected:
+        raise TransferRefused(bad, "block_hashes do not match the prompt's chained hashes")
+    return params, prompt

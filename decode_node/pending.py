@@ -1,0 +1,59 @@
+"""Requests whose KV has arrived, waiting for the router's ``Decode`` call.
+
+An entry that is not claimed by its deadline (the router died, the client left between prefill
+and decode) is dropped and its blocks freed, so an orphaned transfer cannot hold the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from splitserve.models.sampling_params import SamplingParams
+
+EXPIRY_POLL_S = 1.0
+
+
+@dataclass(slots=True)
+class Pending:
+    """A request whose KV is adopted, waiting for ``Decode``."""
+
+    prompt: list[int]
+    first_token: int
+    params: SamplingParams
+    cache_salt: str | None
+    deadline: float  # time.monotonic()
+
+
+class PendingTable:
+    def __init__(self) -> None:
+        self._items: dict[str, Pending] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, request_id: str, pending: Pending) -> None:
+        self._items[request_id] = pending
+
+    def pop(self, request_id: str) -> Pending | None:
+        return self._items.pop(request_id, None)
+
+    def take_expired(self, now: float) -> list[str]:
+        """Remove and return the ids whose deadline has passed."""
+        expired = [rid for rid, p in self._items.items() if p.deadline < now]
+        for rid in expired:
+            del self._items[rid]
+        return expired
+
+    async def expire_forever(self, free: Callable[[str], Awaitable[None]], on_expired) -> None:
+        """Every second: drop expired entries, ``on_expired()`` and ``free(request_id)`` each."""
+        while True:
+            await asyncio.sleep(EXPIRY_POLL_S)
+            for rid in self.take_expired(time.monotonic()):
+                on_expired()
+                await free(rid)

@@ -1,0 +1,272 @@
+"""The decode node's receiving side: every transfer, whichever path its bytes take, goes through
+one ``transfer.KVReceiver`` reservation of the blocks the KV port reserved.
+
+    inbox.begin(header) → transfer.reserve() → [transfer.write(BlockData)…] / transfer.wait_data()
+        → transfer.commit() (registers) → on any failure or cancel: transfer.release()
+
+gRPC bytes are checked message by message (``kvstore.codec``) and written through a ``grpc``
+reservation; ipc and dist senders write the reserved blocks themselves. Hashes are registered
+only in ``commit``, once every block has arrived and checked out, so a failed transfer leaves
+nothing findable: its blocks are freed (an ipc reservation its sender never finished only after
+IPC_FREE_GRACE_S, since the sender's GPU may still have a copy into them queued).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+
+import grpc
+
+from splitserve.decode_node.cleanup import Signal
+from splitserve.decode_node.header import TransferRefused, check_header
+from splitserve.decode_node.pending import PendingTable
+from splitserve.kvstore import ModelIdentity
+from splitserve.kvstore.codec import decode_blocks
+from splitserve.models.engine_loop import AsyncEngine
+from splitserve.models.kv_port import Reserved
+from splitserve.transfer import DIST, GRPC, IPC, KVReceiver, Reservation
+from splitserve.transfer import TransferError as TransferLayerError
+
+logger = logging.getLogger(__name__)
+
+RESERVE_WAIT_S = 30.0  # a transfer waits this long for blocks held by other requests to free
+# An ipc transfer that ended without the sender's TransferEnd: its blocks may still be the target
+# of a copy the sender's GPU has queued; they are freed only after this long.
+IPC_FREE_GRACE_S = 10.0
+BAD = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class KVInbox:
+    """What the transfers of one decode node share: the layer's receiver, the KV port, which
+    block hashes are being received, which request ids are in transfer."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        rx: KVReceiver,
+        identity: ModelIdentity,
+        pending: PendingTable,
+        counters: Counter[str],
+    ) -> None:
+        self.engine = engine
+        self.port = engine.engine.kv_port
+        self.rx = rx
+        self.identity = identity
+        self.pending = pending
+        self.counters = counters
+        self.freed = Signal()  # notified whenever this node frees a request's blocks
+        # Block hashes whose data an in-flight transfer is receiving → done when it ends. A
+        # transfer of the same prefix waits for it and then reuses the blocks, rather than
+        # having the same bytes shipped again (a burst of prompts with a new shared prefix).
+        self.receiving: dict[bytes, asyncio.Future] = {}
+        self.in_transfer: set[str] = set()  # request ids with a TransferKV call in progress
+        self._quarantined: set[asyncio.Task] = set()
+        offered = rx.endpoint()
+        # Senders look a path up only if this node offers one besides the gRPC bytes.
+        has_path = offered.ipc_handle is not None or offered.dist is not None
+        self.endpoint = offered.to_bytes() if has_path else b""
+
+    def begin(self, header) -> Transfer:
+        """Check ``header`` and claim its request id (``TransferRefused`` otherwise)."""
+        params, prompt = check_header(
+            header, self.engine.engine, self.identity, self.port.block_nbytes, self._in_use
+        )
+        self.in_transfer.add(header.request_id)  # no await since the check: the id is ours
+        return Transfer(self, header, params, prompt)
+
+    def _in_use(self, rid: str) -> bool:
+        return rid in self.pending or rid in self.engine.engine.requests or rid in self.in_transfer
+
+    async def free(self, rid: str) -> None:
+        await self.engine.call_to_end(self.port.free, rid)
+        self.freed.notify()
+
+    def quarantine(self, rid: str, num_blocks: int) -> None:
+        self.counters["ipc_blocks_quarantined"] += num_blocks
+
+        async def free_later() -> None:
+            await asyncio.sleep(IPC_FREE_GRACE_S)
+            await self.free(rid)
+
+        task = asyncio.create_task(free_later())
+        self._quarantined.add(task)
+        task.add_done_callback(self._quarantined.discard)
+
+    async def wait_for_receiving(self, hashes: list[bytes], deadline: float | None) -> None:
+        """Wait until no other transfer is receiving any of ``hashes``; they are then cached
+        here (or, if that transfer failed, missing and shipped by this one)."""
+        waited = False
+        while pending := {self.receiving[h] for h in hashes if h in self.receiving}:
+            if not waited:
+                self.counters["transfers_waited_for_same_blocks"] += 1
+                waited = True
+            timeout = None if deadline is None else max(deadline - time.monotonic(), 0)
+            await asyncio.wait(pending, timeout=timeout)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TransferRefused(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    "deadline passed waiting for another transfer of the same blocks",
+                )
+
+    async def reserve_blocks(
+        self, rid: str, hashes: list[bytes], prompt_len: int, deadline: float | None
+    ) -> Reserved:
+        """Reserve the transfer's blocks; while the pool is short only because other requests
+        hold blocks (a burst), wait for them to free — up to RESERVE_WAIT_S and the caller's
+        deadline — rather than fail work the prefill node has already done."""
+        need = len(hashes) + (prompt_len % self.port.block_size != 0)
+        usable = self.port.num_usable_blocks
+        if need > usable:
+            raise TransferRefused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the prompt needs {need} KV blocks, this decode node has {usable} in all",
+            )
+        now = time.monotonic()
+        wait_s = RESERVE_WAIT_S if deadline is None else min(RESERVE_WAIT_S, deadline - now)
+        give_up = now + wait_s
+        waited = False
+        while True:
+            # To the end even if cancelled: the caller's release then frees what it allocated.
+            reserved = await self.engine.call_to_end(self.port.reserve, rid, hashes, prompt_len)
+            if reserved is not None:
+                return reserved
+            left = give_up - time.monotonic()
+            if left <= 0:
+                raise TransferRefused(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"decode node is out of KV blocks (waited up to {RESERVE_WAIT_S:.0f} s for "
+                    "other requests to free some); retry on another node",
+                )
+            if not waited:
+                self.counters["transfers_waited_for_blocks"] += 1
+                waited = True
+            # Requests finishing on the engine thread free blocks too: look again soon.
+            await self.freed.wait(min(left, 0.05))
+
+    def reserve_in_layer(self, header, dest: list[int]) -> Reservation:
+        """The layer's reservation of ``dest``: the path the sender asked for when it is this
+        very node's and can be served, else ``grpc`` (the blocks come as BlockData)."""
+        path = header.transfer_path
+        if path and header.receiver_id != self.rx.node_id:
+            self.counters["transfers_declined_stale_endpoint"] += 1
+        elif path and path != GRPC:
+            try:
+                return self.rx.reserve(header.sender_id, dest, path)
+            except (TransferLayerError, ValueError) as exc:
+                logger.info("%s transfer from %s declined: %s", path, header.sender_id, exc)
+        return self.rx.reserve(header.sender_id, dest, GRPC)
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.rx.shutdown)
+
+
+class Transfer:
+    """One TransferKV call's hold on this node; ``release`` undoes whatever it still holds."""
+
+    def __init__(self, inbox: KVInbox, header, params, prompt: list[int]) -> None:
+        self.inbox = inbox
+        self.header = header
+        self.rid: str = header.request_id
+        self.params = params
+        self.prompt = prompt
+        self.hashes = list(header.block_hashes)
+        self.missing: list[int] = []
+        self.res: Reservation | None = None
+        self.adopted = False  # registered and handed to the pending table: not ours to free
+        self._dest: dict[int, int] = {}  # grpc: block index (-1: tail) → reserved block id
+        self._received: set[int] = set()
+        self._claimed: list[bytes] = []
+        self._receiving = asyncio.get_running_loop().create_future()
+        self._owns_blocks = False
+        self._released = False
+
+    @property
+    def path(self) -> str:
+        return self.res.path if self.res is not None else GRPC
+
+    @property
+    def ticket(self) -> bytes:
+        """For the sender: empty when the blocks come as BlockData on the stream."""
+        return self.res.ticket.to_bytes() if self.res is not None and self.path != GRPC else b""
+
+    async def reserve(self, time_remaining: float | None) -> None:
+        inbox = self.inbox
+        # Blocks still held under the id: an unfinished ipc transfer's, freed after the grace.
+        if await inbox.engine.call(inbox.port.holds, self.rid):
+            raise TransferRefused(
+                grpc.StatusCode.ALREADY_EXISTS, f"request {self.rid!r} is already on this node"
+            )
+        deadline = None if time_remaining is None else time.monotonic() + time_remaining
+        await inbox.wait_for_receiving(self.hashes, deadline)
+        self._owns_blocks = True  # from here on the id's blocks are this transfer's to free
+        reserved = await inbox.reserve_blocks(self.rid, self.hashes, len(self.prompt), deadline)
+        self.missing = reserved.missing
+        for i in self.missing:
+            if self.hashes[i] not in inbox.receiving:
+                inbox.receiving[self.hashes[i]] = self._receiving
+                self._claimed.append(self.hashes[i])
+        indices = [*self.missing, *([-1] if reserved.has_tail else [])]
+        self._dest = dict(zip(indices, reserved.dest, strict=True))
+        self.res = inbox.reserve_in_layer(self.header, reserved.dest)
+
+    async def write(self, meta: bytes, data: bytes) -> None:
+        """grpc: check one BlockData message and write its blocks into the reservation."""
+        block_nbytes = self.inbox.port.block_nbytes
+        try:
+            # Checksumming MBs is CPU work: off the event loop (zlib releases the GIL).
+            batch = await asyncio.to_thread(decode_blocks, meta, data, block_nbytes)
+        except ValueError as exc:
+            raise TransferRefused(BAD, str(exc)) from None
+        wanted = {-1} if batch.tail else set(self.missing)
+        ids = []
+        for index in batch.indices:
+            if index not in wanted or index not in self._dest or index in self._received:
+                raise TransferRefused(BAD, f"block index {index} was not asked for")
+            self._received.add(index)
+            ids.append(self._dest[index])
+        # On the engine thread, between steps, like every other write into the pool.
+        await self.inbox.engine.call(self.inbox.rx.write, self.res, ids, batch.data)
+
+    async def wait_data(self, timeout: float) -> None:
+        """dist: until the sender's blocks are in the pool."""
+        try:
+            await asyncio.to_thread(self.inbox.rx.receive, self.res, timeout)
+        except TransferLayerError as exc:
+            raise TransferRefused(grpc.StatusCode.UNAVAILABLE, f"dist transfer: {exc}") from None
+
+    async def commit(self) -> None:
+        """Every block arrived: end the reservation as done and register the hashes."""
+        if self.path == GRPC and len(self._received) != len(self._dest):
+            left = len(self._dest) - len(self._received)
+            raise TransferRefused(BAD, f"transfer incomplete: {left} blocks missing")
+        if self.path != DIST:  # dist reservations end as done in receive
+            self.inbox.rx.complete(self.res)
+        await self.inbox.engine.call(self.inbox.port.register, self.rid, self.hashes)
+        self.adopted = True
+
+    async def release(self) -> None:
+        """Free what this transfer holds unless it was adopted, drop its claims and wake the
+        transfers waiting for its blocks. Idempotent; completes even if cancelled meanwhile."""
+        if self._released:
+            return
+        self._released = True
+        try:
+            if self._owns_blocks and not self.adopted:
+                await self._free_blocks()
+        finally:
+            for block_hash in self._claimed:
+                del self.inbox.receiving[block_hash]
+            self._receiving.set_result(None)
+            self.inbox.in_transfer.discard(self.rid)
+
+    async def _free_blocks(self) -> None:
+        res = self.res
+        if res is not None and not res.ended:
+            self.inbox.rx.cancel(res)  # first: no later data of the layer lands in the blocks
+            if res.path == IPC:  # the sender's GPU may still have a copy into them queued
+                self.inbox.quarantine(self.rid, len(res.block_ids))
+                return
+        await self.inbox.free(self.rid)

@@ -1,0 +1,137 @@
+"""Peer prefix reuse: fetch a prompt's prefix blocks from a peer prefill node that holds them
+(per the router's index hint) instead of computing them, and serve ``FetchBlocks`` to peers.
+
+Blocks are addressed by chained hash, so a stale hint or a dead peer never gives a wrong answer:
+whatever is not fetched is computed. Pool access is the engine's KVPort only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+
+import grpc
+
+from splitserve.kvstore import hash_request_tokens
+from splitserve.kvstore.codec import batch_indices, decode_blocks, encode_blocks
+from splitserve.models.engine_loop import AsyncEngine
+from splitserve.models.kv_port import KVPort
+from splitserve.prefill_node.channels import Channels
+from splitserve.prefill_node.rates import MIN_FETCH_BLOCKS, Rates
+from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+FETCH_TIMEOUT_S = 10.0
+
+
+class PeerFetcher:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        root_hash: bytes,
+        rates: Rates,
+        channels: Channels,
+        counters: Counter[str],
+    ) -> None:
+        self.engine = engine
+        self.port: KVPort = engine.engine.kv_port
+        self.root = root_hash
+        self.block_size, self.block_nbytes = self.port.block_size, self.port.block_nbytes
+        self.rates, self.channels, self.counters = rates, channels, counters
+        self._fetching: dict[bytes, asyncio.Future] = {}  # last hash of a run → its fetch
+
+    # ------------------------------------------------------------------ client
+
+    async def fetch(
+        self, peer: str, peer_blocks: int, prompt: list[int], salt, timeout: float | None
+    ) -> int:
+        """Fetch the prompt's prefix blocks ``peer`` holds (up to ``peer_blocks``) into the
+        prefix cache; returns how many were adopted. Any failure: 0, and the prompt is simply
+        computed."""
+        hashes = hash_request_tokens(prompt, self.block_size, self.root, salt)
+        # The last prompt token is always computed (its logits), as in get_computed_blocks.
+        hashes = hashes[: min(peer_blocks, (len(prompt) - 1) // self.block_size)]
+        if not hashes:
+            return 0
+        # NOTE: single flight: concurrent prompts with one prefix wait for the first fetch of it
+        # (then find the blocks cached here) instead of each fetching the same blocks.
+        key = hashes[-1]
+        while (pending := self._fetching.get(key)) is not None:
+            await asyncio.shield(pending)
+        done = asyncio.get_running_loop().create_future()
+        self._fetching[key] = done
+        try:
+            return await self._fetch_missing(peer, hashes, timeout)
+        finally:
+            del self._fetching[key]
+            done.set_result(None)
+
+    async def _fetch_missing(self, peer: str, hashes: list[bytes], timeout) -> int:
+        local = await self.engine.call(self.port.count_cached, hashes)
+        want = hashes[local:]
+        if not self.rates.worth_fetching(len(want)):
+            if len(want) >= MIN_FETCH_BLOCKS:
+                self.counters["prefix_fetch_skipped_slower"] += 1
+            return 0
+        t0 = time.perf_counter()
+        try:
+            got = await self._receive(peer, want, min(FETCH_TIMEOUT_S, timeout or FETCH_TIMEOUT_S))
+        except (grpc.aio.AioRpcError, ValueError) as exc:
+            self.counters["prefix_fetch_failed"] += 1
+            logger.warning("prefix fetch from %s failed, computing instead: %s", peer, exc)
+            return 0
+        n = 0
+        while n in got:
+            n += 1
+        if n == 0:
+            return 0
+        # One engine call reserves, writes, registers and releases: nothing to leak if the
+        # caller is cancelled meanwhile.
+        adopted = await self.engine.call(self.port.adopt, want[:n], [got[i] for i in range(n)])
+        self.rates.fetched(n * self.block_nbytes, time.perf_counter() - t0)
+        self.counters["prefix_blocks_fetched"] += adopted
+        return adopted
+
+    async def _receive(self, peer: str, want: list[bytes], timeout: float) -> dict[int, bytes]:
+        """The blocks ``peer`` sends of ``want``, by index."""
+        stub = nodes_pb2_grpc.PrefillNodeServiceStub(self.channels.get(peer))
+        call = stub.FetchBlocks(
+            nodes_pb2.FetchBlocksRequest(
+                block_hashes=want, model_root_hash=self.root, block_nbytes=self.block_nbytes
+            ),
+            timeout=timeout,
+        )
+        got: dict[int, bytes] = {}
+        size = self.block_nbytes
+        async for msg in call:
+            batch = await asyncio.to_thread(decode_blocks, msg.meta, msg.data, size)
+            for j, index in enumerate(batch.indices):
+                if not 0 <= index < len(want):
+                    raise ValueError(f"peer sent block index {index}")
+                got[index] = batch.data[j * size : (j + 1) * size]
+        return got
+
+    # ------------------------------------------------------------------ server
+
+    def accepts(self, request) -> bool:
+        """The peer's model identity and block size are this node's."""
+        return request.model_root_hash == self.root and request.block_nbytes == self.block_nbytes
+
+    async def serve(self, request):
+        """``FetchBlocks``: the longest leading run of the requested blocks held here, as
+        BlockData messages; the blocks are pinned while they are read."""
+        hashes = list(request.block_hashes)
+        pinned = await self.engine.acquire(self.port.pin, self.port.unpin, hashes)
+        try:
+            for run in batch_indices(list(range(len(pinned))), self.block_nbytes):
+                ids = [pinned[i].block_id for i in run]
+                data = await self.engine.call(self.port.read, ids)
+                meta, data = await asyncio.to_thread(encode_blocks, run, data)
+                yield nodes_pb2.FetchBlocksResponse(meta=meta, data=data)
+            self.counters["blocks_served_to_peers"] += len(pinned)
+        finally:
+            # Submitted once, and run even if the call is cancelled again meanwhile.
+            await self.engine.call_to_end(self.port.unpin, pinned)

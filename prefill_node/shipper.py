@@ -1,0 +1,256 @@
+"""KVShipper: ships a prefilled prompt's KV into a decode node — only the blocks it lacks.
+
+One ``TransferKV`` stream per request: the header (tokens, block hashes, model identity), the
+decode node's answer (the hashes it lacks, and a ticket when a transfer-layer path was agreed),
+then either the blocks through the transfer layer (``transfer.KVSender``: ipc/dist) or as
+``BlockData`` bytes (``kvstore.codec``, ~4 MB messages), then ``TransferEnd`` and the decode
+node's confirmation. Blocks are read through the engine's KVPort only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections import Counter
+from typing import NamedTuple
+
+import grpc
+
+from splitserve.kvstore.codec import batch_indices, encode_blocks
+from splitserve.models.engine_loop import AsyncEngine, settle
+from splitserve.models.kv_port import KVPort
+from splitserve.prefill_node.channels import Channels
+from splitserve.transfer import GRPC, Endpoint
+from splitserve.transfer import TransferError as TransferLayerError
+from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+ENDPOINT_TTL_S = 60.0  # how long a decode node's transfer endpoint is trusted without a look-up
+CONNECT_WAIT_S = 2.0  # a request waits this long for a transfer path to be set up
+
+
+class ShipError(Exception):
+    """A failed shipment, with the status the Prefill call answers (AioRpcError's accessors)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class Shipped(NamedTuple):
+    blocks_shipped: int
+    blocks_reused: int  # full blocks the decode node already held
+    bytes_shipped: int
+
+
+class _Stream:
+    """The request side of one TransferKV call, fed from an outbox."""
+
+    def __init__(self, stub, header: nodes_pb2.TransferHeader, timeout: float | None) -> None:
+        self.outbox: asyncio.Queue = asyncio.Queue()
+        self.outbox.put_nowait(nodes_pb2.TransferKVRequest(header=header))
+        self.call = stub.TransferKV(self._messages(), timeout=timeout)
+
+    async def _messages(self):
+        while (msg := await self.outbox.get()) is not None:
+            yield msg
+
+    def send(self, msg: nodes_pb2.TransferKVRequest) -> None:
+        self.outbox.put_nowait(msg)
+
+    async def read(self, error: grpc.StatusCode, what: str):
+        reply = await self.call.read()
+        if reply is grpc.aio.EOF:
+            raise grpc.aio.AioRpcError(error, None, None, what)
+        return reply
+
+    def abandon(self) -> None:
+        self.outbox.put_nowait(None)  # end the request stream before cancelling the call
+        self.call.cancel()
+
+
+class KVShipper:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        root_hash: bytes,
+        deadline_s: float,
+        channels: Channels,
+        counters: Counter[str],
+        sender=None,
+    ) -> None:
+        self.engine = engine
+        self.port: KVPort = engine.engine.kv_port
+        self.root = root_hash
+        self.block_size, self.block_nbytes = self.port.block_size, self.port.block_nbytes
+        self.deadline_s = deadline_s
+        self.channels, self.counters = channels, counters
+        # KV transfer layer (transfer.KVSender): ipc/dist paths to decode nodes that offer them.
+        self.sender = sender
+        # decode address → (transfer path or "", its receiver id, when resolved)
+        self._routes: dict[str, tuple[str, str, float]] = {}
+
+    async def close(self) -> None:
+        if self.sender is not None:
+            await asyncio.to_thread(self.sender.close_all)
+
+    async def ship(self, request, req, first_token: int, timeout: float | None) -> Shipped:
+        """Ship request ``req``'s prompt KV (``request``: its PrefillRequest) into the decode
+        node; ``ShipError`` says why not."""
+        address = request.decode_address
+        hashes = list(req.block_hashes[: len(req.prompt_token_ids) // self.block_size])
+        # The block ids come from the engine thread while the decode node answers the header.
+        block_ids = self.engine.submit(self.port.block_ids, req.request_id)
+        path, receiver_id = await self._transfer_path(address)
+        header = self._header(request, req, first_token, hashes, path, receiver_id)
+        stream = _Stream(
+            nodes_pb2_grpc.DecodeNodeServiceStub(self.channels.get(address)), header, timeout
+        )
+        t0 = time.perf_counter()
+        try:
+            missing, nbytes = await self._exchange(
+                stream, address, block_ids, hashes, len(req.prompt_token_ids), path, timeout
+            )
+        except (grpc.aio.AioRpcError, ShipError) as exc:
+            stream.abandon()
+            self.counters["transfers_failed"] += 1
+            code = exc.code()
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise ShipError(
+                    code, f"decode node {address} unreachable: {exc.details()}"
+                ) from None
+            raise ShipError(code, f"decode node {address}: {exc.details()}") from None
+        except BaseException:
+            stream.abandon()
+            raise
+        reused = len(hashes) - missing
+        self.counters["blocks_shipped"] += missing
+        self.counters["blocks_reused_on_decode"] += reused
+        self.counters["bytes_shipped"] += nbytes
+        self.counters["transfer_seconds"] += time.perf_counter() - t0
+        return Shipped(missing, reused, nbytes)
+
+    def _header(self, request, req, first_token, hashes, path, receiver_id):
+        return nodes_pb2.TransferHeader(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            first_token_id=first_token,
+            block_hashes=hashes,
+            model_root_hash=self.root,
+            sampling=request.sampling,
+            cache_salt=request.cache_salt,
+            block_nbytes=self.block_nbytes,
+            deadline_s=self.deadline_s,
+            sender_id=self.sender.node_id if self.sender is not None else "",
+            transfer_path=path,
+            receiver_id=receiver_id,
+        )
+
+    async def _exchange(self, stream, address, block_ids, hashes, num_tokens, path, timeout):
+        """The stream after the header; returns (full blocks shipped, bytes shipped)."""
+        reply = await stream.read(grpc.StatusCode.UNAVAILABLE, "decode node closed the transfer")
+        missing = list(reply.missing)
+        ids = await block_ids
+        # The partial tail block (if any) follows the full ones in the request's blocks.
+        tail = [ids[len(hashes)]] if num_tokens % self.block_size else []
+        if reply.ticket:
+            src = [ids[i] for i in missing] + tail
+            nbytes = await self._send_through_layer(address, path, reply.ticket, src, timeout)
+        else:
+            if path:  # the decode node declined (it restarted?): look it up afresh next time
+                self._routes.pop(address, None)
+            nbytes = await self._send_bytes(stream, missing, ids, tail)
+        stream.send(nodes_pb2.TransferKVRequest(end=nodes_pb2.TransferEnd()))
+        stream.send(None)
+        reply = await stream.read(
+            grpc.StatusCode.INTERNAL, "decode node did not confirm the transfer"
+        )
+        if not reply.done:
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.INTERNAL, None, None, "decode node did not confirm the transfer"
+            )
+        return len(missing), nbytes
+
+    async def _send_bytes(self, stream: _Stream, missing, ids, tail: list[int]) -> int:
+        """The ``missing`` full blocks (indices into the block hashes; ``ids``: the request's
+        blocks) as BlockData messages in runs, then the tail block."""
+        runs = [(run, False) for run in batch_indices(missing, self.block_nbytes)]
+        if tail:
+            runs.append(([-1], True))
+        nbytes = 0
+        for run, is_tail in runs:
+            src = tail if is_tail else [ids[i] for i in run]
+            data = await self.engine.call(self.port.read, src)
+            meta, data = await asyncio.to_thread(encode_blocks, run, data, is_tail)
+            nbytes += len(data)
+            stream.send(
+                nodes_pb2.TransferKVRequest(blocks=nodes_pb2.BlockData(meta=meta, data=data))
+            )
+        return nbytes
+
+    # ------------------------------------------------------------------ transfer layer
+
+    async def _send_through_layer(self, address, path, ticket: bytes, src, timeout) -> int:
+        """Move the blocks with the transfer layer. The copy is never left running behind a
+        closed stream (ipc writes straight into the decode node's blocks): it is awaited to its
+        end however often the request is cancelled meanwhile."""
+        send = functools.partial(self.sender.send, ticket, src, timeout=timeout or self.deadline_s)
+        sending = asyncio.get_running_loop().run_in_executor(None, send)
+        try:
+            nbytes = await settle(sending)
+        except (TransferLayerError, ValueError) as exc:
+            self._routes.pop(address, None)
+            raise ShipError(grpc.StatusCode.UNAVAILABLE, f"{path} transfer failed: {exc}") from None
+        self.counters[f"transfers_{path}"] += 1
+        return nbytes
+
+    async def _transfer_path(self, decode_address: str) -> tuple[str, str]:
+        """(path, receiver id) to ``decode_address`` through the transfer layer: ("", "") for
+        the gRPC byte stream. Resolved once and kept ENDPOINT_TTL_S (a node restarted at the
+        same address may offer more), so shipping itself only looks it up."""
+        if self.sender is None:
+            return "", ""
+        cached = self._routes.get(decode_address)
+        if cached is not None and time.monotonic() - cached[2] < ENDPOINT_TTL_S:
+            return cached[0], cached[1]
+        route = await self._resolve_route(decode_address)
+        if route is None:
+            return "", ""
+        self._routes[decode_address] = (*route, time.monotonic())
+        return route
+
+    async def _resolve_route(self, decode_address: str) -> tuple[str, str] | None:
+        """Look up the decode node's transfer endpoint and set up the path to it; ``None``: not
+        settled yet (no answer, or the path still being set up): ship bytes, try next time."""
+        try:
+            stats = await nodes_pb2_grpc.NodeStatsServiceStub(
+                self.channels.get(decode_address)
+            ).GetStats(nodes_pb2.GetStatsRequest(), timeout=5.0)
+        except grpc.aio.AioRpcError:
+            return None
+        if not stats.transfer_endpoint:
+            return "", ""
+        try:
+            # Setting up a pair can take long (dist: a rendezvous); the request does not wait
+            # for it past CONNECT_WAIT_S: it ships as gRPC bytes, the setup completes meanwhile.
+            path = await asyncio.wait_for(
+                asyncio.shield(asyncio.to_thread(self.sender.connect, stats.transfer_endpoint)),
+                CONNECT_WAIT_S,
+            )
+        except TimeoutError:
+            return None
+        except Exception as exc:
+            logger.warning("kv transfer to %s: %s; sending gRPC bytes", decode_address, exc)
+            return "", ""
+        if path == GRPC:
+            return "", ""
+        return path, Endpoint.from_bytes(stats.transfer_endpoint).node_id
