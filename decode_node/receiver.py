@@ -52,7 +52,7 @@ class KVInbox:
         counters: Counter[str],
     ) -> None:
         self.engine = engine
-        self.port = engine.engine.kv_port
+        self.port = engine.kv_port
         self.rx = rx
         self.identity = identity
         self.pending = pending

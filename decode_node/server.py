@@ -21,7 +21,7 @@ def make_service(engine, identity, config: NodeConfig, address: str) -> DecodeSe
     # A new id per process life: a sender still holding a restarted node's old pool mapping or
     # pair group never mistakes it for this one.
     receiver = KVReceiver(
-        engine.engine.kv_port.kv_pool,
+        engine.kv_port.kv_pool,
         f"{address}#{uuid.uuid4().hex[:8]}",
         ipc=False if IPC not in paths else None,
         dist=DIST in paths,

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from splitserve.models.engine import LLMEngine, RequestDoesNotFit, StepOutput
+from splitserve.models.kv_port import KVPort
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -33,6 +34,11 @@ class AsyncEngine:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.steps = 0
+
+    @property
+    def kv_port(self) -> KVPort:
+        """The engine's KV port (its methods run on the engine thread: pass them to ``call``)."""
+        return self.engine.kv_port
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")

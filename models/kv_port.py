@@ -144,6 +144,15 @@ class KVPort:
         pool = self._pool
         return PoolFigures(pool.num_blocks - 1, pool.num_free_blocks, pool.num_cached_blocks)
 
+    def prefix_stats(self) -> dict[str, float]:
+        """Prefix-cache look-ups since start: queries, tokens asked for, tokens found."""
+        stats = self._kv.stats
+        return {
+            "prefix_queries": stats.requests,
+            "prefix_queried_tokens": stats.queried_tokens,
+            "prefix_hit_tokens": stats.hit_tokens,
+        }
+
     def take_events(self) -> list:
         """Stored/evicted hash events since the last call (for the Redis index)."""
         return self._pool.take_events()

@@ -37,7 +37,7 @@ class PeerFetcher:
         counters: Counter[str],
     ) -> None:
         self.engine = engine
-        self.port: KVPort = engine.engine.kv_port
+        self.port: KVPort = engine.kv_port
         self.root = root_hash
         self.block_size, self.block_nbytes = self.port.block_size, self.port.block_nbytes
         self.rates, self.channels, self.counters = rates, channels, counters

@@ -19,7 +19,7 @@ def make_service(engine, identity, config: NodeConfig, address: str) -> PrefillS
     paths = transfer_paths(config)
     sender = None
     if len(paths) > 1:
-        sender = KVSender(engine.engine.kv_port.kv_pool, address, paths=paths)
+        sender = KVSender(engine.kv_port.kv_pool, address, paths=paths)
     return PrefillService(engine, identity, config.transfer_deadline_s, sender=sender)
 
 

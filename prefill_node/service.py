@@ -36,7 +36,7 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
     ) -> None:
         self.engine = engine
         self.identity = identity
-        port = engine.engine.kv_port
+        port = engine.kv_port
         self.counters: Counter[str] = Counter()
         self.channels = Channels()
         # Fetch or compute a peer's prefix: by measured rates (priors until measured).
@@ -74,7 +74,7 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
         return LoadFigures.of_engine(self.engine.engine)
 
     def all_counters(self) -> dict[str, float]:
-        return {**self.counters, **_prefix_counters(self.engine.engine), "steps": self.engine.steps}
+        return {**self.counters, **self.engine.kv_port.prefix_stats(), "steps": self.engine.steps}
 
     # ------------------------------------------------------------------ Prefill
 
@@ -184,13 +184,3 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
     async def GetStats(self, request, context):
         engine = self.engine.engine
         return node_stats("prefill", engine, self.identity, self.load(), self.all_counters())
-
-
-def _prefix_counters(engine) -> dict[str, float]:
-    # NOTE: prefix-query figures are the KV cache manager's; KVPort has no accessor for them.
-    stats = engine.kv.stats
-    return {
-        "prefix_queries": stats.requests,
-        "prefix_queried_tokens": stats.queried_tokens,
-        "prefix_hit_tokens": stats.hit_tokens,
-    }

@@ -89,7 +89,7 @@ class KVShipper:
         sender=None,
     ) -> None:
         self.engine = engine
-        self.port: KVPort = engine.engine.kv_port
+        self.port: KVPort = engine.kv_port
         self.root = root_hash
         self.block_size, self.block_nbytes = self.port.block_size, self.port.block_nbytes
         self.deadline_s = deadline_s

@@ -10,6 +10,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
+
 
 class Proc:
     def __init__(self, popen: subprocess.Popen, address: str, log: Path) -> None:
@@ -23,6 +25,13 @@ class Proc:
             except subprocess.TimeoutExpired:
                 self.popen.kill()
                 self.popen.wait()
+
+
+def node_stats(proc: Proc, timeout: float = 10.0):
+    """The node's NodeStatsService.GetStats answer."""
+    with grpc.insecure_channel(proc.address) as channel:
+        stub = nodes_pb2_grpc.NodeStatsServiceStub(channel)
+        return stub.GetStats(nodes_pb2.GetStatsRequest(), timeout=timeout)
 
 
 def wait_healthy(address: str, timeout: float = 120.0) -> None:

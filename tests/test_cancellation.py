@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from cluster import start_node, start_router
+from cluster import node_stats, start_node, start_router
 
 from splitserve.client import AsyncClient, Client
 from splitserve.kvstore import hash_request_tokens
@@ -54,20 +54,13 @@ def cluster(tmp_path_factory):
             proc.stop()
 
 
-def stats(proc):
-    with grpc.insecure_channel(proc.address) as channel:
-        return nodes_pb2_grpc.NodeStatsServiceStub(channel).GetStats(
-            nodes_pb2.GetStatsRequest(), timeout=10
-        )
-
-
 def settled(nodes, idle: list[int], timeout: float) -> list[tuple[int, int, int]]:
     """Each node's (free blocks, running, pending transfers), polled until it is (idle, 0, 0)
     everywhere or ``timeout`` passed."""
     want = [(free, 0, 0) for free in idle]
     deadline = time.monotonic() + timeout
     while True:
-        now = [(s.num_free_blocks, s.running, s.pending_transfers) for s in map(stats, nodes)]
+        now = [(s.num_free_blocks, s.running, s.pending_transfers) for s in map(node_stats, nodes)]
         if now == want or time.monotonic() > deadline:
             return now
         time.sleep(0.2)
@@ -80,7 +73,9 @@ def assert_settled(nodes, idle: list[int], timeout: float = 10) -> None:
 
 
 def idle_free_blocks(nodes) -> list[int]:
-    return [free for free, _, _ in settled(nodes, [stats(n).num_free_blocks for n in nodes], 5)]
+    return [
+        free for free, _, _ in settled(nodes, [node_stats(n).num_free_blocks for n in nodes], 5)
+    ]
 
 
 class Sender:
@@ -176,7 +171,7 @@ def test_abandoned_transfers_and_cancelled_decodes_free_their_blocks(cluster):
     _, nodes, block_nbytes = cluster
     decode = nodes[1]
     idle = idle_free_blocks([decode])
-    root = stats(decode).model_root_hash
+    root = node_stats(decode).model_root_hash
     results = asyncio.run(abandon_on_a_busy_node(decode.address, root, block_nbytes))
     unexpected = [r for r in results if r is not None and not isinstance(r, grpc.aio.AioRpcError)]
     assert not unexpected, unexpected[:3]

@@ -8,12 +8,11 @@ import time
 import grpc
 import pytest
 import torch
-from cluster import start_node, start_router
+from cluster import node_stats, start_node, start_router
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from splitserve.client import AsyncClient, Client, SplitserveError
 from splitserve.models.tiny import write_random_checkpoint
-from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 MAX_NEW = 8
 
@@ -67,13 +66,6 @@ def cluster(model_dir, tmp_path_factory):
     finally:
         for proc in reversed(procs):
             proc.stop()
-
-
-def node_stats(proc):
-    with grpc.insecure_channel(proc.address) as channel:
-        return nodes_pb2_grpc.NodeStatsServiceStub(channel).GetStats(
-            nodes_pb2.GetStatsRequest(), timeout=10
-        )
 
 
 def wait_idle(nodes, idle, timeout=15.0):

@@ -10,6 +10,7 @@ from datetime import timedelta
 
 import torch
 
+from splitserve.transfer.dist_group import check_backend, default_backend, prepare_backend
 from splitserve.transfer.errors import ChannelClosed, PeerLost, TransferError, TransferTimeout
 from splitserve.transfer.reservation import Reservation
 
@@ -110,9 +111,18 @@ class Channel:
 
 
 class ChannelTable:
-    """The open channels of one side, by peer id (``_channels``, guarded by ``_mu``)."""
+    """One side of the dist path: its pool, id and backend, and its open channels by peer id
+    (``_channels``, guarded by ``_mu``)."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, kv_pool: torch.Tensor, node_id: str, backend: str | None, connect_timeout: float
+    ) -> None:
+        self.kv_pool = kv_pool
+        self.node_id = node_id
+        self.backend = backend or default_backend(kv_pool.device)
+        check_backend(self.backend, kv_pool)
+        prepare_backend(self.backend)
+        self.connect_timeout = connect_timeout
         self._channels: dict[str, Channel] = {}
         self._mu = threading.Lock()
 

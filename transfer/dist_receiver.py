@@ -24,12 +24,9 @@ from splitserve.transfer.dist_channel import (
 from splitserve.transfer.dist_group import (
     KEY,
     POLL_S,
-    check_backend,
-    default_backend,
     default_host,
     logger,
     make_pair_group,
-    prepare_backend,
     store_client,
 )
 from splitserve.transfer.endpoint import DIST, DistAddress, dtype_name
@@ -52,14 +49,8 @@ class DistReceiver(ChannelTable):
     ) -> None:
         from torch.distributed import TCPStore
 
-        super().__init__()
-        self.kv_pool = kv_pool
-        self.node_id = node_id
-        self.backend = backend or default_backend(kv_pool.device)
-        check_backend(self.backend, kv_pool)
-        prepare_backend(self.backend)
+        super().__init__(kv_pool, node_id, backend, connect_timeout)
         self.host = host or default_host()
-        self.connect_timeout = connect_timeout
         self._store = TCPStore(
             self.host,
             port,

@@ -21,11 +21,8 @@ from splitserve.transfer.dist_channel import (
 )
 from splitserve.transfer.dist_group import (
     KEY,
-    check_backend,
-    default_backend,
     local_address_towards,
     make_pair_group,
-    prepare_backend,
     store_client,
 )
 from splitserve.transfer.endpoint import DIST, DistAddress, dtype_name
@@ -50,13 +47,7 @@ class DistSender(ChannelTable):
         backend: str | None = None,
         connect_timeout: float = 30.0,
     ) -> None:
-        super().__init__()
-        self.kv_pool = kv_pool
-        self.node_id = node_id
-        self.backend = backend or default_backend(kv_pool.device)
-        check_backend(self.backend, kv_pool)
-        prepare_backend(self.backend)
-        self.connect_timeout = connect_timeout
+        super().__init__(kv_pool, node_id, backend, connect_timeout)
         self._connecting: dict[str, threading.Lock] = {}
 
     def connected(self, peer_id: str) -> bool:
