@@ -1,1 +1,2 @@
-"""decode_node"""
+"""The decode pool's node: receives shipped KV blocks (``receiver``), then decodes the request with
+continuous batching and streams its tokens."""

@@ -1,4 +1,4 @@
-"""Decode node process: load the model, serve DecodeNode (+ health, reflection, metrics) until
+"""Decode node process: load the model, serve DecodeNodeService (+ health, reflection, metrics) until
 SIGTERM, then drain."""
 
 from __future__ import annotations

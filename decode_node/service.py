@@ -1,4 +1,4 @@
-"""DecodeNode servicer: turns TransferKV, Decode and GetStats messages into calls.
+"""DecodeNodeService servicer: turns TransferKV, Decode and GetStats messages into calls.
 
 Receiving KV (any path) is ``receiver.KVInbox`` / ``Transfer``; requests waiting for their
 Decode call are ``pending.PendingTable``. An adopted request joins the continuous-batching engine

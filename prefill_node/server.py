@@ -1,4 +1,4 @@
-"""Prefill node process: load the model, serve PrefillNode (+ health, reflection, metrics) until
+"""Prefill node process: load the model, serve PrefillNodeService (+ health, reflection, metrics) until
 SIGTERM, then drain."""
 
 from __future__ import annotations

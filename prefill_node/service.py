@@ -1,4 +1,4 @@
-"""PrefillNode servicer: computes prompts' KV (batched with other prompts under the token budget,
+"""PrefillNodeService servicer: computes prompts' KV (batched with other prompts under the token budget,
 reusing cached prefix blocks), samples the first token, and ships the full blocks by hash plus the
 partial tail block into the chosen decode node — only the blocks that node lacks.
 

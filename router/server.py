@@ -1,4 +1,4 @@
-"""The router process: ``Router`` + grpc.health.v1 + reflection on one grpc.aio server."""
+"""The router process: ``RouterService`` + grpc.health.v1 + reflection on one grpc.aio server."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The public ``Router.Generate`` servicer: protobuf in, a checked request to the orchestrator,
+"""The public ``RouterService.Generate`` servicer: protobuf in, a checked request to the orchestrator,
 its plain output back out as protobuf (``router.orchestrator`` serves the request)."""
 
 from __future__ import annotations
