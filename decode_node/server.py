@@ -1,5 +1,5 @@
-"""Decode node process: load the model, serve DecodeNodeService (+ health, reflection, metrics) until
-SIGTERM, then drain."""
+"""Decode node process: load the model, serve DecodeNodeService (+ NodeStatsService, health,
+reflection, metrics) until SIGTERM, then drain."""
 
 from __future__ import annotations
 

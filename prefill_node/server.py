@@ -1,5 +1,5 @@
-"""Prefill node process: load the model, serve PrefillNodeService (+ health, reflection, metrics) until
-SIGTERM, then drain."""
+"""Prefill node process: load the model, serve PrefillNodeService (+ NodeStatsService, health,
+reflection, metrics) until SIGTERM, then drain."""
 
 from __future__ import annotations
 

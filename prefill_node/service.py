@@ -1,6 +1,6 @@
-"""PrefillNodeService servicer: computes prompts' KV (batched with other prompts under the token budget,
-reusing cached prefix blocks), samples the first token, and ships the full blocks by hash plus the
-partial tail block into the chosen decode node — only the blocks that node lacks.
+"""PrefillNodeService servicer: computes prompts' KV (batched with other prompts under the token
+budget, reusing cached prefix blocks), samples the first token, and ships the full blocks by hash
+plus the partial tail block into the chosen decode node — only the blocks that node lacks.
 
 The servicer turns protobuf into calls: shipping is ``shipper.KVShipper``, peer prefix reuse
 (fetching and serving ``FetchBlocks``) is ``peer_fetch.PeerFetcher``."""

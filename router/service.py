@@ -1,5 +1,5 @@
-"""The public ``RouterService.Generate`` servicer: protobuf in, a checked request to the orchestrator,
-its plain output back out as protobuf (``router.orchestrator`` serves the request)."""
+"""The public ``RouterService.Generate`` servicer: protobuf in, a checked request to the
+orchestrator, its plain output back out as protobuf (``router.orchestrator`` serves the request)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,13 @@
 import os
 
-# Triton kernels run under the interpreter (on CPU tensors) where there is no GPU, e.g. in CI.
-# Triton reads this when a kernel is *defined*, so it must be set before any test imports
-# `kernels`. Harmless for CPU-only code: no Triton kernel launches on CPU tensors otherwise.
-# tests/gpu/ are exempt: their conftest imports compiled copies of the kernel modules for them,
-# whatever this says (one variable cannot serve both kinds in one process).
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+# Triton chooses interpreter or compiler when a kernel is *defined* (its module imported), from
+# TRITON_INTERPRET at that moment, once per process: so the suite picks one before any test
+# imports `kernels`. Where there is no GPU (CI): the interpreter, on CPU tensors
+# (tests/test_kernels_triton.py, test_kernels_elementwise.py). Where CUDA is present: compiled,
+# so tests/gpu run the real kernels whether started alone or with the whole suite; the
+# interpreter tests then skip (tests/gpu cover the same kernels compiled). An explicit
+# TRITON_INTERPRET wins either way.
+if "TRITON_INTERPRET" not in os.environ:
+    os.environ["TRITON_INTERPRET"] = "0" if torch.cuda.is_available() else "1"
