@@ -11,6 +11,7 @@ Every import counts, those inside functions too: a lazy import still runs back u
 from __future__ import annotations
 
 import ast
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -123,8 +124,13 @@ def test_torch_free_modules(module):
 
 @pytest.mark.slow
 def test_wheel_installs_only_the_splitserve_package(tmp_path):
+    # From a copy: building in the checkout would leave build/ there, whose stale modules a later
+    # wheel would pick up.
+    src = tmp_path / "src"
+    skip = shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__", ".gpu-*")
+    shutil.copytree(ROOT, src, ignore=skip)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(src)],
         check=True,
         capture_output=True,
     )
