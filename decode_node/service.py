@@ -94,6 +94,10 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
 
     async def TransferKV(self, request_iterator, context):
         if self.draining:
+            # NOTE: the header is read before refusing: a bidirectional call ended while the
+            # client is still writing can reach the client as INTERNAL "Internal error from
+            # Core" instead of this status, and only UNAVAILABLE is retried elsewhere.
+            await anext(request_iterator, None)
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, "decode node is draining; ship to another node"
             )

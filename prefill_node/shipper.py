@@ -30,6 +30,10 @@ logger = logging.getLogger(__name__)
 
 ENDPOINT_TTL_S = 60.0  # how long a decode node's transfer endpoint is trusted without a look-up
 CONNECT_WAIT_S = 2.0  # a request waits this long for a transfer path to be set up
+# What grpc's asyncio client reports when a write fails because the server already ended the
+# call (e.g. a decode node that refused the transfer or stopped): the server's own status is
+# lost. Answered as UNAVAILABLE, so the router retries on another pair.
+TRANSPORT_BROKE = "Internal error from Core"
 
 
 class ShipError(Exception):
@@ -124,6 +128,8 @@ class KVShipper:
             stream.abandon()
             self.counters["transfers_failed"] += 1
             code = exc.code()
+            if code == grpc.StatusCode.INTERNAL and exc.details() == TRANSPORT_BROKE:
+                code = grpc.StatusCode.UNAVAILABLE  # the stream broke, not the transfer
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise ShipError(
                     code, f"decode node {address} unreachable: {exc.details()}"
