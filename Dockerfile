@@ -5,22 +5,43 @@
 # Options also come from SPLITSERVE_<OPTION> variables (docs/deploy.md); compose.yaml runs a
 # whole cluster from it.
 #
-# Base: the official PyTorch image with torch 2.11.0 on CUDA 12.8 / cuDNN 9 (the runtime flavour),
-# the torch the project's GPU machines run (pyproject.toml: torch>=2.11,<2.14, triton==3.6.0).
-# Another base works if it has Python >= 3.11 and a CUDA build of torch in that range:
-#   docker build --build-arg BASE_IMAGE=pytorch/pytorch:2.11.0-cuda13.0-cudnn9-runtime .
+# Two bases, every other step shared (BASE_IMAGE):
+# - GPU hosts (default): the official PyTorch image with torch 2.11.0 on CUDA 12.8 / cuDNN 9, the
+#   torch the project's GPU machines run (pyproject.toml: torch>=2.11,<2.14, triton==3.6.0).
+#   Another CUDA base works if it has Python >= 3.11 and a CUDA build of torch in that range:
+#     docker build --build-arg BASE_IMAGE=pytorch/pytorch:2.11.0-cuda13.0-cudnn9-runtime .
+# - CPU (laptops, tests): a plain Debian bookworm with python3, python3-venv and redis-server;
+#   torch is installed from TORCH_SPEC (its CPU build: name an index or a folder of wheels):
+#     docker build --build-arg BASE_IMAGE=debian-python:bookworm \
+#       --build-arg PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu -t splitserve:cpu .
+#   scripts/build_cpu_image.sh makes that base without any image registry (debootstrap) and
+#   builds the CPU image with podman (docs/deploy.md).
 ARG BASE_IMAGE=pytorch/pytorch:2.11.0-cuda12.8-cudnn9-runtime
 FROM ${BASE_IMAGE}
+
+# Where torch comes from on a base without it. PIP_* arguments reach pip as its settings while the
+# image builds (unset unless given), e.g. PIP_FIND_LINKS=/wheels with a folder of wheels mounted.
+ARG TORCH_SPEC=torch==2.13.0
+ARG PIP_FIND_LINKS
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_CERT
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PIP_ROOT_USER_ACTION=ignore
+    PIP_ROOT_USER_ACTION=ignore \
+    PATH=/opt/splitserve/bin:$PATH
 
-# Triton builds a small C launcher per kernel signature at run time: it needs a C compiler, which
-# older runtime images lack.
-RUN if ! command -v gcc >/dev/null 2>&1; then \
+# NOTE: one virtualenv on both bases. --system-site-packages lets it use the PyTorch base's torch
+# as it is (pip keeps a torch already in range); on the CPU base it installs TORCH_SPEC.
+RUN python3 -m venv --system-site-packages /opt/splitserve \
+    && (python -c "import torch" 2>/dev/null || python -m pip install "$TORCH_SPEC")
+
+# Triton builds a small C launcher per kernel signature at run time on a GPU: it needs a C
+# compiler, which older runtime images lack. CPU nodes never launch Triton kernels.
+RUN if python -c "import sys, torch; sys.exit(torch.version.cuda is None)" \
+        && ! command -v gcc >/dev/null 2>&1; then \
         apt-get update \
         && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev \
         && rm -rf /var/lib/apt/lists/*; \
@@ -49,6 +70,10 @@ ENV HOME=/home/splitserve \
     SPLITSERVE_HOST=0.0.0.0 \
     SPLITSERVE_PORT=8000
 EXPOSE 8000
+
+# The embedded tiny model (what runs without SPLITSERVE_MODEL), written once here so that every
+# container of the image serves the very same weights.
+RUN python -c "from splitserve.models.tiny import ensure_tiny_model; print(ensure_tiny_model())"
 
 # grpc.health.v1 Check of this container's component (127.0.0.1:$SPLITSERVE_PORT): 0 = SERVING.
 # Loading a large model takes minutes, hence the long start period.
