@@ -8,9 +8,11 @@ Without ``--address`` it asks the component of this container: ``127.0.0.1:$SPLI
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -27,7 +29,8 @@ class HealthResult:
 
 
 def default_address(environ: Mapping[str, str] | None = None) -> str:
-    """The address of the component configured by SPLITSERVE_HOST/SPLITSERVE_PORT."""
+    """The address of the component configured by SPLITSERVE_HOST/SPLITSERVE_PORT (a port of 0:
+    the one the component wrote to SPLITSERVE_PORT_FILE)."""
     env = os.environ if environ is None else environ
     host = env.get("SPLITSERVE_HOST", "").strip()
     if host in WILDCARD_HOSTS:
@@ -35,6 +38,11 @@ def default_address(environ: Mapping[str, str] | None = None) -> str:
     elif ":" in host and not host.startswith("["):
         host = f"[{host}]"  # an IPv6 literal
     port = env.get("SPLITSERVE_PORT", "").strip() or str(DEFAULT_PORT)
+    port_file = env.get("SPLITSERVE_PORT_FILE", "").strip()
+    if port == "0" and port_file:  # a port picked at start: the component wrote it there
+        # Not written yet: the check then fails as "not reachable", as it should.
+        with contextlib.suppress(OSError):
+            port = Path(port_file).read_text().strip() or port
     return f"{host}:{port}"
 
 

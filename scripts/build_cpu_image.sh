@@ -28,9 +28,10 @@ if [ "$(label "$BASE" splitserve.base-key)" != "$base_key" ]; then
     rm -rf "$rootfs"
 fi
 
-# Everything the image is built from: the tracked files as committed or changed, and the inputs.
-source_key=$( (git ls-files -s; git diff HEAD; echo "$base_key ${SPLITSERVE_TORCH:-}") \
-    | sha256sum | cut -c1-16)
+# Everything the image is built from: every file git tracks or would (not the ignored ones), as it
+# is in the working tree, and the inputs.
+source_key=$( (git ls-files -co --exclude-standard -z | xargs -0 sha256sum; \
+    echo "$base_key ${SPLITSERVE_TORCH:-}") | sha256sum | cut -c1-16)
 if [ "$(label "$IMAGE" splitserve.source-key)" = "$source_key" ]; then
     log "$IMAGE is up to date ($source_key)"
     exit 0

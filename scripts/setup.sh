@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up everything splitserve needs on a CPU machine, idempotently:
 #   .venv/ with the CPU build of torch, the project (editable) and its test tools,
-#   and a redis-server binary (from the distribution's packages) for the tests.
+#   a redis-server binary (from the distribution's packages) for the tests, and as root podman,
+#   runc and debootstrap for the container tests.
 # A second run finds the stamp of the first and takes seconds.
 #
 # Environment: PYTHON (default python3, must be >= 3.11);
@@ -40,13 +41,23 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
     echo "$want" > "$STAMP"
 fi
 
-if ! command -v redis-server >/dev/null 2>&1; then
-    log "installing redis-server"
+# Debian packages: redis-server for the tests (required); podman, runc and debootstrap for the
+# container tests (tests/test_containers.py builds the CPU image and runs compose.cpu.yaml; it
+# skips, saying why, where they are missing).
+wanted=()
+command -v redis-server >/dev/null 2>&1 || wanted+=(redis-server)
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    for tool in podman runc debootstrap; do
+        command -v "$tool" >/dev/null 2>&1 || wanted+=("$tool")
+    done
+fi
+if [ ${#wanted[@]} -gt 0 ]; then
+    log "installing ${wanted[*]}"
     if [ "$(id -u)" = 0 ]; then SUDO=(); elif command -v sudo >/dev/null; then SUDO=(sudo); else
-        log "redis-server is missing and this user cannot install packages: install it and rerun"
+        log "${wanted[*]} missing and this user cannot install packages: install them and rerun"
         exit 1
     fi
     "${SUDO[@]}" apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive "${SUDO[@]}" apt-get install -y -qq redis-server >/dev/null
+    DEBIAN_FRONTEND=noninteractive "${SUDO[@]}" apt-get install -y -qq "${wanted[@]}" >/dev/null
 fi
 log "ready: $(.venv/bin/python -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'), $(redis-server --version | cut -d' ' -f1-3)"

@@ -83,6 +83,15 @@ def test_default_address_follows_the_components_variables():
     assert default_address({"SPLITSERVE_HOST": "::"}) == "127.0.0.1:8000"
 
 
+def test_default_address_of_a_port_picked_at_start_comes_from_the_port_file(tmp_path):
+    port_file = tmp_path / "port"
+    env = {"SPLITSERVE_PORT": "0", "SPLITSERVE_PORT_FILE": str(port_file)}
+    assert default_address(env) == "127.0.0.1:0"  # not written yet: unreachable, so unhealthy
+    port_file.write_text("43117")
+    assert default_address(env) == "127.0.0.1:43117"
+    assert default_address({**env, "SPLITSERVE_PORT": "9001"}) == "127.0.0.1:9001"
+
+
 def test_check_address():
     assert check_address("router:8000") == "router:8000"
     for bad in ("router", "router:", ":8000", "router:http", "router:70000"):
