@@ -91,6 +91,16 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--prompt-range", type=int, nargs=2, default=[128, 1024])
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--redis-url", default=None, help="default: the launcher starts one")
+    ap.add_argument(
+        "--target",
+        default=None,
+        help="measure a running deployment's router (host:port) instead of starting a cluster",
+    )
+    ap.add_argument(
+        "--prefill",
+        default="",
+        help="with --target: its prefill nodes (host:port,...), to count the KV bytes shipped",
+    )
     return ap.parse_args()
 
 
@@ -135,23 +145,32 @@ def summary(args, prompts, results, wall: float, shipped: float) -> dict:
     )
 
 
+def measure(router: str, prefill, prompts, gen: int):
+    """Warm up, then send every prompt at once: (per-request results, wall s, KV bytes shipped)."""
+    asyncio.run(load(router, prompts[:2], 4))
+    bytes0 = prefill_counters(prefill, ["bytes_shipped"])["bytes_shipped"]
+    t0 = time.perf_counter()
+    results = asyncio.run(load(router, prompts, gen))
+    wall = time.perf_counter() - t0
+    bytes1 = prefill_counters(prefill, ["bytes_shipped"])["bytes_shipped"]
+    return results, wall, bytes1 - bytes0
+
+
 def main() -> None:
     args = parse_args()
-    spec = cluster_spec(args)
     random.seed(0)
     lo, hi = args.prompt_range
     prompts = [
         [random.randrange(250) for _ in range(random.randint(lo, hi))] for _ in range(args.requests)
     ]
-    with LocalCluster(spec) as cluster:
-        addr = cluster.addresses
-        asyncio.run(load(addr.router, prompts[:2], 4))  # warm-up
-        bytes0 = prefill_counters(addr.prefill, ["bytes_shipped"])["bytes_shipped"]
-        t0 = time.perf_counter()
-        results = asyncio.run(load(addr.router, prompts, args.gen))
-        wall = time.perf_counter() - t0
-        bytes1 = prefill_counters(addr.prefill, ["bytes_shipped"])["bytes_shipped"]
-    row = summary(args, prompts, results, wall, bytes1 - bytes0)
+    if args.target:
+        prefill = [a.strip() for a in args.prefill.split(",") if a.strip()]
+        results, wall, shipped = measure(args.target, prefill, prompts, args.gen)
+    else:
+        with LocalCluster(cluster_spec(args)) as cluster:
+            addr = cluster.addresses
+            results, wall, shipped = measure(addr.router, addr.prefill, prompts, args.gen)
+    row = summary(args, prompts, results, wall, shipped)
     print(json.dumps(row))
     print("\n| figure | value |\n|---|---|")
     for key, value in row.items():

@@ -29,9 +29,10 @@ if [ "$(label "$BASE" splitserve.base-key)" != "$base_key" ]; then
 fi
 
 # Everything the image is built from: every file git tracks or would (not the ignored ones), as it
-# is in the working tree, and the inputs.
-source_key=$( (git ls-files -co --exclude-standard -z | xargs -0 sha256sum; \
-    echo "$base_key ${SPLITSERVE_TORCH:-}") | sha256sum | cut -c1-16)
+# is in the working tree, but for the folders .dockerignore keeps out of the image; and the inputs.
+source_key=$( (git ls-files -co --exclude-standard | grep -vE '^(tests|benchmarks|examples|docs)/' \
+    | tr '\n' '\0' | xargs -0 sha256sum; echo "$base_key ${SPLITSERVE_TORCH:-}") \
+    | sha256sum | cut -c1-16)
 if [ "$(label "$IMAGE" splitserve.source-key)" = "$source_key" ]; then
     log "$IMAGE is up to date ($source_key)"
     exit 0
