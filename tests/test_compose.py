@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -168,6 +169,24 @@ def test_docker_compose_accepts_the_file():
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("name", ["compose.yaml", "compose.cpu.yaml"])
+def test_podman_compose_reads_both_files(name):
+    # podman-compose is a test dependency: both files must be valid for it as well as for docker.
+    proc = subprocess.run(
+        [sys.executable, "-m", "podman_compose", "-f", str(ROOT / name), "config"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    services = yaml.safe_load(proc.stdout)["services"]
+    assert set(services) == {"redis", "router", "prefill", "decode"}
+    if name == "compose.cpu.yaml":
+        assert all(s["network_mode"] == "host" for s in services.values())
+        assert len({s["hostname"] for s in services.values()}) == 4
 
 
 def _dockerfile() -> list[tuple[str, str]]:
