@@ -92,6 +92,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--redis-url", default=None, help="default: the launcher starts one")
     ap.add_argument(
+        "--node-hostnames",
+        action="store_true",
+        help="each node under its own host name (root): one container per node, emulated",
+    )
+    ap.add_argument(
         "--target",
         default=None,
         help="measure a running deployment's router (host:port) instead of starting a cluster",
@@ -121,6 +126,7 @@ def cluster_spec(args) -> ClusterSpec:
         device=args.device,
         node_args=node_args,
         redis_url=args.redis_url,
+        node_hostnames=args.node_hostnames,
     )
 
 

@@ -5,8 +5,8 @@ is GPU 0 for every replica of a scaled service), so scaled node containers reser
 host's GPUs and each node claims one here: it takes an exclusive ``flock`` on a file named after
 the GPU in a directory that every node of the host shares, trying the GPUs in order, and holds it
 for as long as the process lives (the kernel drops the lock when the process ends, however it
-ends). Then it sets ``CUDA_VISIBLE_DEVICES`` to that GPU alone, before CUDA starts, so the node
-runs on ``cuda:0`` and never touches another node's GPU.
+ends). It then computes on that GPU (``cuda:I``) and allocates nothing on the others, which stay
+visible so that KV can be copied straight into a peer's pool on another GPU (ipc).
 
 The GPUs tried, in order: the entries of ``CUDA_VISIBLE_DEVICES`` when it is set; else the UUIDs
 of the NVIDIA GPUs whose device node this process can see (from the driver's
@@ -125,14 +125,20 @@ def claim_gpu(lock_dir: str | Path, gpus: list[str]) -> tuple[str, int]:
 def claim_for_node(
     device: str, lock_dir: str | None, environ: MutableMapping[str, str] | None = None
 ) -> str | None:
-    """With a lock directory and ``device == "cuda"``: claim a GPU of its own for this process
-    and make it the only one CUDA sees (the node's "cuda" is then that GPU); return it. Else
-    claim nothing and return None (an explicit ``cuda:N`` or ``cpu`` is used as given)."""
+    """With a lock directory and ``device == "cuda"``: claim a GPU of its own for this process and
+    return the device to compute on, ``cuda:I``. Every GPU stays visible — a prefill node maps a
+    decode node's pool on another GPU of the host (ipc: a peer copy over NVLink/PCIe) — in the
+    order tried, pinned in ``CUDA_VISIBLE_DEVICES`` before CUDA starts, so that index I is the
+    claimed GPU whatever CUDA's own device order. Else claim nothing and return None (an explicit
+    ``cuda:N`` or ``cpu`` is used as given)."""
     if not lock_dir or device != "cuda":
         return None
     env = os.environ if environ is None else environ
-    gpu, fd = claim_gpu(lock_dir, visible_gpus(env))
+    gpus = visible_gpus(env)
+    gpu, fd = claim_gpu(lock_dir, gpus)
     _held.append(fd)
-    env["CUDA_VISIBLE_DEVICES"] = gpu
-    logger.info("claimed GPU %s (lock in %s): CUDA_VISIBLE_DEVICES=%s", gpu, lock_dir, gpu)
-    return gpu
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    index = gpus.index(gpu)
+    logger.info("claimed GPU %s (lock in %s): computing on cuda:%d of %s", gpu, lock_dir, index,
+                env["CUDA_VISIBLE_DEVICES"])  # fmt: skip
+    return f"cuda:{index}"

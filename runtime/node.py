@@ -23,6 +23,34 @@ logger = logging.getLogger(__name__)
 STATS_SERVICE_NAME = nodes_pb2.DESCRIPTOR.services_by_name["NodeStatsService"].full_name
 
 
+def use_device(device: str):
+    """Check that ``device`` ("cpu", "cuda" or "cuda:N") exists here and make it the current
+    device; ``ValueError`` says what to change. NOTE: the current CUDA device must be the node's
+    before any kernel runs — Triton launches on the current device, and a node on cuda:1 with
+    cuda:0 current fails at warm-up ("Pointer argument cannot be accessed from Triton")."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device!r}: give cpu, cuda or cuda:N") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ValueError(f"--device {device!r}: give cpu, cuda or cuda:N")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise ValueError(f"--device {device}: this machine has no CUDA device visible")
+    index = 0 if dev.index is None else dev.index
+    if index >= count:
+        raise ValueError(
+            f"--device {device}: no such device, this process sees {count} CUDA device(s) "
+            f"(cuda:0..cuda:{count - 1})"
+        )
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
 def build_engine(config: NodeConfig, prefill_only: bool) -> tuple[LLMEngine, ModelIdentity]:
     """Load the model of a node and wrap it in an engine (blocking: call before serving)."""
     import torch
@@ -32,6 +60,7 @@ def build_engine(config: NodeConfig, prefill_only: bool) -> tuple[LLMEngine, Mod
     from splitserve.models.loader import load_model
     from splitserve.models.runner import ModelRunner, RunnerConfig
 
+    use_device(config.device)
     if config.device == "cpu":
         # Several node processes share the machine's cores; one thread each avoids thrashing.
         torch.set_num_threads(1)

@@ -37,15 +37,17 @@ def cmd_node(args: argparse.Namespace) -> int:
     """Run one prefill or decode node until SIGTERM/Ctrl-C."""
     from splitserve.runtime.gpus import GpuClaimError, claim_for_node
 
-    try:  # before anything starts CUDA: the claimed GPU must be the only one it sees
-        claim_for_node(args.device, args.gpu_lock_dir)
+    try:  # before anything starts CUDA: it fixes the order CUDA numbers the GPUs in
+        claimed = claim_for_node(args.device, args.gpu_lock_dir)
     except GpuClaimError as exc:
         return _error(str(exc), 1)
-    config = NodeConfig(**config_kwargs(NodeConfig, args, model_path=model_path(args.model_path)))
+    kwargs = config_kwargs(NodeConfig, args, model_path=model_path(args.model_path))
+    config = NodeConfig(**{**kwargs, "device": claimed or kwargs["device"]})
     try:
-        from splitserve.runtime.node import transfer_paths
+        from splitserve.runtime.node import transfer_paths, use_device
 
         transfer_paths(config)
+        use_device(config.device)  # after the GPU claim: it fixes what CUDA sees
     except ValueError as exc:
         return _error(str(exc), 2)
     if args.command == "prefill":

@@ -47,6 +47,11 @@ class ClusterSpec:
     )
     node_args: tuple[str, ...] = ()  # further flags for every node, e.g. ("--kv-cache-mb", "512")
     startup_timeout_s: float = option(600.0, "seconds", flag="--startup-timeout")
+    node_hostnames: bool = option(
+        False,
+        "run each node under a host name of its own (a UTS namespace, `unshare --uts`; needs "
+        "root): the layout of one container per node, on one kernel",
+    )
     stop_grace_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -121,6 +126,10 @@ class LocalCluster:
         port_file = self._workdir / f"{name}.port"
         argv = [sys.executable, "-m", "splitserve.cli", role, "--model", self.spec.model_path]
         argv += ["--host", self.spec.host, "--port-file", str(port_file), *extra]
+        if self.spec.node_hostnames and role != "router":
+            # NOTE: a new UTS namespace gets the new host name before the node starts; the node
+            # still shares the kernel, loopback and GPUs, like a container with host networking.
+            argv = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', name, *argv]
         return self._spawn(name, argv, port_file)
 
     def start(self) -> ClusterAddresses:

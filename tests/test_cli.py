@@ -64,3 +64,14 @@ def test_generate_runs_a_checkpoint_and_rejects_bad_options(tmp_path):
     assert lines[-1].startswith("10 tokens in")
     bad = _run("generate", "--model-path", str(path), "--temperature", "-1")
     assert bad.returncode == 2 and "temperature" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_node_refuses_a_device_that_does_not_exist_before_loading_anything():
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for device, named in ((f"cuda:{count + 3}", f"cuda:{count + 3}"), ("tpu", "cpu, cuda")):
+        proc = _run("decode", "--device", device)
+        assert proc.returncode == 2, proc.stderr
+        assert named in proc.stderr and "error: --device" in proc.stderr
+        assert "Traceback" not in proc.stderr

@@ -110,10 +110,10 @@ def test_claim_for_node(tmp_path, release_held):
     assert claim_for_node("cuda:1", str(tmp_path), env) is None
     assert claim_for_node("cuda", None, env) is None
     assert env == {"CUDA_VISIBLE_DEVICES": "3,4"}
-    assert claim_for_node("cuda", str(tmp_path), env) == "3"
-    assert env == {"CUDA_VISIBLE_DEVICES": "3"}  # the node's cuda:0 is that GPU
+    assert claim_for_node("cuda", str(tmp_path), env) == "cuda:0"  # GPU "3"
+    assert env == {"CUDA_VISIBLE_DEVICES": "3,4"}  # every GPU stays visible, in the order tried
     env = {"CUDA_VISIBLE_DEVICES": "3,4"}
-    assert claim_for_node("cuda", str(tmp_path), env) == "4"
+    assert claim_for_node("cuda", str(tmp_path), env) == "cuda:1"  # "3" is held: GPU "4"
 
 
 def test_a_node_with_no_gpu_left_exits_with_the_reason(tmp_path):

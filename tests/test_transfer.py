@@ -58,9 +58,14 @@ def receiver_endpoint(**overrides) -> Endpoint:
 
 CASES = {
     "same host, CUDA, handle offered": ({}, {}, IPC),
-    "same host, other boot": ({}, {"boot_id": "boot-2"}, DIST),
+    "same host name, other boot": ({}, {"boot_id": "boot-2"}, DIST),
+    "another container of this host: other host name, same kernel": (
+        {},
+        {"hostname": "decode-container"},
+        IPC,
+    ),
     "same process": ({}, {"pid": 100}, DIST),
-    "other host": ({}, {"hostname": "host-b"}, DIST),
+    "other host": ({}, {"hostname": "host-b", "boot_id": "boot-2"}, DIST),
     "no boot id": ({"boot_id": ""}, {"boot_id": ""}, DIST),
     "no handle offered": ({}, {"ipc_handle": None}, DIST),
     "peer GPU not visible here": ({"visible_devices": ("GPU-0",)}, {}, DIST),
@@ -84,6 +89,7 @@ CASES = {
         {"device": "cpu", "device_uuid": None, "dist_backends": ("gloo",)},
         {
             "hostname": "host-b",
+            "boot_id": "boot-2",
             "device": "cpu",
             "device_uuid": None,
             "ipc_handle": None,
@@ -96,11 +102,15 @@ CASES = {
         {},
         GRPC,
     ),
-    "no dist address": ({}, {"hostname": "host-b", "dist": None}, GRPC),
-    "backend not available here": ({"dist_backends": ()}, {"hostname": "host-b"}, GRPC),
+    "no dist address": ({}, {"hostname": "host-b", "boot_id": "boot-2", "dist": None}, GRPC),
+    "backend not available here": (
+        {"dist_backends": ()},
+        {"hostname": "host-b", "boot_id": "boot-2"},
+        GRPC,
+    ),
     "backend of the wrong device kind": (
         {"dist_backends": ("nccl", "gloo")},
-        {"hostname": "host-b", "dist": DistAddress("10.0.0.2", 1, "gloo")},
+        {"hostname": "host-b", "boot_id": "boot-2", "dist": DistAddress("10.0.0.2", 1, "gloo")},
         GRPC,
     ),
     "block layouts differ": ({}, {"block_shape": (32, 2, 16, 8, 64)}, GRPC),
@@ -119,7 +129,10 @@ def test_choose_path_respects_allowed():
     assert choose_path(local, peer, allowed=(DIST, GRPC)) == DIST
     assert choose_path(local, peer, allowed=(IPC,)) == IPC
     assert choose_path(local, peer, allowed=(GRPC,)) == GRPC
-    assert choose_path(local, receiver_endpoint(hostname="host-b"), allowed=(IPC,)) == GRPC
+    assert (
+        choose_path(local, receiver_endpoint(hostname="host-b", boot_id="boot-2"), allowed=(IPC,))
+        == GRPC
+    )
 
 
 def test_handshake_bytes_round_trip():

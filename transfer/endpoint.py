@@ -53,11 +53,11 @@ class Endpoint:
     dist: DistAddress | None = None  # receiver only: its rendezvous store
 
     def same_host(self, other: Endpoint) -> bool:
-        """Same machine and same boot: hostname and a non-empty, equal kernel boot id."""
-        return bool(self.boot_id) and (self.hostname, self.boot_id) == (
-            other.hostname,
-            other.boot_id,
-        )
+        """Same kernel: a non-empty, equal boot id. NOTE: not the host name — containers of one
+        host each have their own host name and share the kernel (and its boot id), and CUDA IPC
+        works between them when they share a PID namespace and see each other's GPU
+        (docs/deploy.md)."""
+        return bool(self.boot_id) and self.boot_id == other.boot_id
 
     def to_bytes(self) -> bytes:
         fields = {
@@ -113,7 +113,7 @@ class Endpoint:
 def choose_path(local: Endpoint, peer: Endpoint, allowed: Collection[str] = PATHS) -> str:
     """The path the sender ``local`` uses to ship KV blocks into the receiver ``peer``.
 
-    - ``ipc`` when both pools are on CUDA, on the same host (hostname and boot id) but in
+    - ``ipc`` when both pools are on CUDA, on the same host (kernel boot id) but in
       different processes, the peer offers its exported pool, and its GPU is visible to this
       process;
     - ``dist`` when the peer advertises a rendezvous address whose backend this process runs for
