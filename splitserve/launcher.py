@@ -41,7 +41,13 @@ class ClusterSpec:
     port: int = option(8000, "the router's port")
     redis_url: str | None = option(None, "a Redis to use (default: start a private redis-server)")
     prefix_index: bool = True  # False: no Redis at all (static routing by load, local caches)
-    device: str = option("cpu", "cpu or cuda[:N] (all nodes on it)")
+    device: str = option(
+        "cpu",
+        "cpu, cuda (nodes spread over --gpus, one per GPU while they last) or cuda:N (all on N)",
+    )
+    gpus: str | None = option(
+        None, "with --device cuda: the GPUs to place nodes on, round robin (default: all visible)"
+    )
     gpu_memory_utilization: float | None = option(
         None, "per node (default on CUDA: 0.9 / number of nodes)"
     )
@@ -58,14 +64,30 @@ class ClusterSpec:
         if self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError("--num-prefill and --num-decode must be >= 1")
 
-    @property
-    def node_gpu_memory_utilization(self) -> float | None:
-        if self.gpu_memory_utilization is not None:
-            return self.gpu_memory_utilization
-        if self.device.startswith("cuda"):
-            # NOTE: every node runs on the same GPU here; each sizes its KV pool from its share.
-            return round(DEFAULT_GPU_SHARE / (self.num_prefill + self.num_decode), 4)
-        return None
+    def placement(self, num_gpus: int) -> list[tuple[str, float | None]]:
+        """(device, memory share) of each node, prefill nodes first. ``--device cuda`` spreads the
+        nodes round robin over ``--gpus`` (default: the ``num_gpus`` visible), as a compose
+        deployment has one node per GPU; nodes that share a GPU split its memory evenly."""
+        nodes = self.num_prefill + self.num_decode
+        if self.device == "cuda":
+            gpus = parse_gpus(self.gpus) if self.gpus else list(range(max(num_gpus, 1)))
+            devices = [f"cuda:{gpus[i % len(gpus)]}" for i in range(nodes)]
+        else:
+            devices = [self.device] * nodes
+        if self.gpu_memory_utilization is not None or not self.device.startswith("cuda"):
+            return [(d, self.gpu_memory_utilization) for d in devices]
+        # NOTE: each node sizes its KV pool from its share of its GPU.
+        return [(d, round(DEFAULT_GPU_SHARE / devices.count(d), 4)) for d in devices]
+
+
+def parse_gpus(text: str) -> list[int]:
+    try:
+        gpus = [int(g) for g in text.split(",") if g.strip()]
+    except ValueError:
+        raise ValueError(f"--gpus {text!r}: give GPU indices, e.g. 0,1,2") from None
+    if not gpus or min(gpus) < 0:
+        raise ValueError(f"--gpus {text!r}: give GPU indices, e.g. 0,1,2")
+    return gpus
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +103,12 @@ class _Process:
     name: str
     popen: subprocess.Popen
     port_file: Path | None = None
+
+
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -143,12 +171,16 @@ class LocalCluster:
         if spec.prefix_index:
             redis_url = spec.redis_url or self._start_redis(deadline)
         index_flags = ["--redis-url", redis_url] if redis_url else []
-        node_flags = ["--port", "0", "--device", spec.device, *index_flags]
-        if (share := spec.node_gpu_memory_utilization) is not None:
-            node_flags += ["--gpu-memory-utilization", str(share)]
-        node_flags += list(spec.node_args)
-        prefill = [self._component("prefill", i, node_flags) for i in range(spec.num_prefill)]
-        decode = [self._component("decode", i, node_flags) for i in range(spec.num_decode)]
+        placement = spec.placement(_visible_gpus() if spec.device == "cuda" else 0)
+        roles = ["prefill"] * spec.num_prefill + ["decode"] * spec.num_decode
+        procs = []
+        for i, (role, (device, share)) in enumerate(zip(roles, placement, strict=True)):
+            flags = ["--port", "0", "--device", device, *index_flags]
+            if share is not None:
+                flags += ["--gpu-memory-utilization", str(share)]
+            index = i if role == "prefill" else i - spec.num_prefill
+            procs.append(self._component(role, index, [*flags, *spec.node_args]))
+        prefill, decode = procs[: spec.num_prefill], procs[spec.num_prefill :]
         prefill_addrs = tuple(self._wait_ready(p, deadline) for p in prefill)
         decode_addrs = tuple(self._wait_ready(p, deadline) for p in decode)
         router_flags = ["--port", str(spec.port), *index_flags]
