@@ -43,7 +43,7 @@ class ClusterSpec:
     prefix_index: bool = True  # False: no Redis at all (static routing by load, local caches)
     device: str = option(
         "cpu",
-        "cpu, cuda (nodes spread over --gpus, one per GPU while they last) or cuda:N (all on N)",
+        "cpu, cuda (the nodes spread over --gpus, round robin) or cuda:N (all on GPU N)",
     )
     gpus: str | None = option(
         None, "with --device cuda: the GPUs to place nodes on, round robin (default: all visible)"
