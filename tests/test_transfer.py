@@ -177,3 +177,14 @@ def test_sender_falls_back_to_grpc_when_no_pair_can_be_built():
 
 
 # ------------------------------------------------------------------------------- reservations
+
+
+def test_the_reason_a_pair_is_not_on_ipc_is_named():
+    from splitserve.transfer.endpoint import why_not_ipc
+
+    local = endpoint()
+    assert why_not_ipc(local, receiver_endpoint()) is None
+    assert "another kernel" in why_not_ipc(local, receiver_endpoint(boot_id="boot-2"))
+    assert why_not_ipc(local, receiver_endpoint(hostname="elsewhere")) is None  # a container
+    assert "not visible" in why_not_ipc(endpoint(visible_devices=("GPU-0",)), receiver_endpoint())
+    assert "offers no ipc" in why_not_ipc(local, receiver_endpoint(ipc_handle=None))

@@ -39,6 +39,7 @@ from splitserve.transfer.endpoint import (
     available_backends,
     choose_path,
     local_endpoint,
+    why_not_ipc,
 )
 from splitserve.transfer.errors import NotConnected
 from splitserve.transfer.ipc import IpcWriter, export_pool
@@ -233,6 +234,15 @@ class KVSender:
                 logger.warning("transfer: %s path to %s unavailable: %s", path, peer.node_id, exc)
                 allowed.remove(path)
                 failed = True
+        if known != peer:  # once per peer (and again if it restarted)
+            why = why_not_ipc(self._endpoint, peer) if path != IPC else None
+            logger.info(
+                "transfer to %s (host %s): %s%s",
+                peer.node_id,
+                peer.hostname,
+                path,
+                f"; not ipc: {why}" if why else "",
+            )
         with self._mu:
             self._paths[peer.node_id] = path
             self._peers[peer.node_id] = peer

@@ -150,6 +150,23 @@ def choose_path(local: Endpoint, peer: Endpoint, allowed: Collection[str] = PATH
     return GRPC
 
 
+def why_not_ipc(local: Endpoint, peer: Endpoint) -> str | None:
+    """Why ``choose_path`` cannot take ``ipc`` from ``local`` to ``peer`` (None: it can); for the
+    log line a sender writes once per peer."""
+    checks = (
+        (local.device == peer.device == "cuda", "a pool is not on CUDA"),
+        (local.same_host(peer), "another kernel (boot id): another host"),
+        (local.pid != peer.pid, "the same process"),
+        (bool(peer.ipc_handle), "the receiver offers no ipc (disabled, or its export failed)"),
+        (
+            peer.device_uuid is not None and peer.device_uuid in local.visible_devices,
+            "the receiver's GPU is not visible to the sender (CUDA_VISIBLE_DEVICES, container "
+            "devices)",
+        ),
+    )
+    return next((why for ok, why in checks if not ok), None)
+
+
 # ---------------------------------------------------------------------------- host identity
 
 
