@@ -29,7 +29,16 @@ T = TypeVar("T")
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        device = engine.runner.device if engine is not None else None
+        # NOTE: CUDA's current device is per thread, and Triton launches on it: the engine thread
+        # must make the node's GPU current itself (a node on cuda:1 whose steps ran with cuda:0
+        # current would launch its kernels on the wrong GPU).
+        self._executor = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="engine",
+            initializer=_bind_device,
+            initargs=(device,),
+        )
         self._queues: dict[str, asyncio.Queue[StepOutput | BaseException]] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -147,3 +156,11 @@ async def settle(future: asyncio.Future[T]) -> T:
             future.exception()  # retrieved: the caller hears of its cancellation instead
         raise asyncio.CancelledError
     return future.result()
+
+
+def _bind_device(device) -> None:
+    """Engine thread: make the node's CUDA device current (nothing on CPU)."""
+    if device is not None and device.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)

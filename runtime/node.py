@@ -60,14 +60,14 @@ def build_engine(config: NodeConfig, prefill_only: bool) -> tuple[LLMEngine, Mod
     from splitserve.models.loader import load_model
     from splitserve.models.runner import ModelRunner, RunnerConfig
 
-    use_device(config.device)
+    device = use_device(config.device)  # cuda → cuda:I, the current device
     if config.device == "cpu":
         # Several node processes share the machine's cores; one thread each avoids thrashing.
         torch.set_num_threads(1)
     model_config, model = load_model(
         config.model_path,
         dtype=config.dtype,
-        device=config.device,
+        device=device,
         load_format=config.load_format,
     )
     runner = ModelRunner(

@@ -13,6 +13,7 @@ debootstrap, no podman-compose). scripts/setup.sh installs them on a Debian mach
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -48,7 +49,12 @@ def _why_not() -> str | None:
     except ImportError:
         return "podman-compose is not installed (pip install podman-compose)"
     env = {**os.environ, "CONTAINERS_CONF": str(ROOT / "scripts/containers.conf")}
-    info = subprocess.run(["podman", "info"], capture_output=True, text=True, env=env)
+    try:
+        info = subprocess.run(
+            ["podman", "info"], capture_output=True, text=True, env=env, timeout=60
+        )
+    except subprocess.TimeoutExpired:
+        return "podman info did not answer within 60 s"
     if info.returncode != 0:
         return f"podman cannot run here: {info.stderr.strip()[-300:]}"
     return None
@@ -148,8 +154,9 @@ def deployment():
         print(f"cluster in containers: serving in {time.monotonic() - started:.0f} s")
         yield d
     finally:
-        subprocess.run([*COMPOSE, "-p", d.project, "down", "-t", "10"], env=d.env, cwd=ROOT,
-                       capture_output=True, timeout=300)  # fmt: skip
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            subprocess.run([*COMPOSE, "-p", d.project, "down", "-t", "10"], env=d.env, cwd=ROOT,
+                           capture_output=True, timeout=300)  # fmt: skip
         left = d.containers(running=False)
         if left:  # never leave anything behind, even when down missed some
             subprocess.run(["podman", "rm", "-f", *left], env=d.env, capture_output=True)
