@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 STATS_SERVICE_NAME = nodes_pb2.DESCRIPTOR.services_by_name["NodeStatsService"].full_name
+WITHDRAW_TIMEOUT_S = 5.0  # a draining node waits this long to leave the registry and the index
 
 
 def use_device(device: str):
@@ -170,10 +171,8 @@ async def serve_node(config: NodeConfig, role: str, make_service, add_servicer, 
     async def withdraw() -> None:
         nonlocal publishing
         if publishing is not None:
-            publishing.cancel()
-            await asyncio.gather(publishing, return_exceptions=True)
-            publishing = None
-            await publisher.stop()  # deregisters and withdraws the index entries
+            task, publishing = publishing, None
+            await leave_registry(task, publisher)
 
     async def drain() -> None:
         service.draining = True
@@ -189,6 +188,26 @@ async def serve_node(config: NodeConfig, role: str, make_service, add_servicer, 
         await service.close()
 
     await server.run(config.port_file, on_stop, drain=drain)
+
+
+async def leave_registry(publishing: asyncio.Task, publisher: IndexPublisher) -> None:
+    """Stop publishing, then deregister and withdraw the node's index entries. NOTE: bounded: a
+    drain must go on even if Redis (or a connection a cancelled command left behind) does not
+    answer; the entries then expire with their TTL, and routers still sending here are refused
+    with UNAVAILABLE and retry elsewhere."""
+
+    async def leave() -> None:
+        publishing.cancel()
+        await asyncio.gather(publishing, return_exceptions=True)
+        await publisher.stop()
+
+    try:
+        await asyncio.wait_for(leave(), WITHDRAW_TIMEOUT_S)
+    except TimeoutError:
+        logger.warning(
+            "leaving the registry took over %.0f s: its entries expire on their own",
+            WITHDRAW_TIMEOUT_S,
+        )
 
 
 def transfer_paths(config: NodeConfig) -> tuple[str, ...]:
