@@ -126,6 +126,13 @@ class ChannelTable:
         self._channels: dict[str, Channel] = {}
         self._mu = threading.Lock()
 
+    def close(self, peer_id: str) -> None:
+        """Tear down the pair with ``peer_id`` (it left); its reservations and sends fail."""
+        with self._mu:
+            channel = self._channels.pop(peer_id, None)
+        if channel is not None:
+            channel.close(ChannelClosed(f"{peer_id!r} closed by {self.node_id!r}"))
+
     def _forget(self, channel: Channel) -> None:
         with self._mu:
             if self._channels.get(channel.peer_id) is channel:

@@ -268,13 +268,6 @@ class DistReceiver(ChannelTable):
                 channel.outstanding.pop(res.ticket.seq, None)
         res._cancel()
 
-    def close(self, peer_id: str) -> None:
-        """Tear down the pair with ``peer_id`` (it left); its reservations fail."""
-        with self._mu:
-            channel = self._channels.pop(peer_id, None)
-        if channel is not None:
-            channel.close(ChannelClosed(f"{peer_id!r} closed by {self.node_id!r}"))
-
     def shutdown(self) -> None:
         self._stop.set()
         self._acceptor.join(timeout=2.0)

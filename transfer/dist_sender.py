@@ -152,13 +152,6 @@ class DistSender(ChannelTable):
             finally:
                 channel.release()
 
-    def close(self, peer_id: str) -> None:
-        """Tear down the pair with receiver ``peer_id`` (it left)."""
-        with self._mu:
-            channel = self._channels.pop(peer_id, None)
-        if channel is not None:
-            channel.close(ChannelClosed(f"closed by {self.node_id!r}"))
-
     def close_all(self) -> None:
         with self._mu:
             peers = list(self._channels)
