@@ -130,8 +130,16 @@ def cluster_spec(args) -> ClusterSpec:
     )
 
 
-def summary(args, prompts, results, wall: float, shipped: float) -> dict:
-    """The figures of one run: ``results`` of ``one`` per prompt, ``shipped`` KV bytes."""
+COUNTED = ("bytes_shipped", "transfers_ipc", "transfers_dist", "transfers_tcp", "transfers_failed")
+
+
+def summary(args, prompts, results, wall: float, counted: dict[str, float]) -> dict:
+    """The figures of one run: ``results`` of ``one`` per prompt, ``counted``: the prefill
+    pool's counters over the run (KV bytes shipped, transfers per path)."""
+    shipped = counted["bytes_shipped"]
+    paths = {
+        k.removeprefix("transfers_"): int(v) for k, v in counted.items() if k != "bytes_shipped"
+    }
     ttft = [r[0] for r in results]
     itl = [x for r in results for x in r[1]]
     out_tokens = sum(r[2] for r in results)
@@ -148,18 +156,20 @@ def summary(args, prompts, results, wall: float, shipped: float) -> dict:
         itl_p99_ms=pct(itl, 0.99) * 1e3 if itl else None,
         kv_bytes_shipped=shipped,
         kv_gbps_wall=shipped / wall / 1e9,
+        kv_transfers=" ".join(f"{k}:{v}" for k, v in paths.items() if v) or "grpc bytes only",
     )
 
 
 def measure(router: str, prefill, prompts, gen: int):
-    """Warm up, then send every prompt at once: (per-request results, wall s, KV bytes shipped)."""
+    """Warm up, then send every prompt at once: (per-request results, wall s, the prefill pool's
+    counters over the run)."""
     asyncio.run(load(router, prompts[:2], 4))
-    bytes0 = prefill_counters(prefill, ["bytes_shipped"])["bytes_shipped"]
+    before = prefill_counters(prefill, COUNTED)
     t0 = time.perf_counter()
     results = asyncio.run(load(router, prompts, gen))
     wall = time.perf_counter() - t0
-    bytes1 = prefill_counters(prefill, ["bytes_shipped"])["bytes_shipped"]
-    return results, wall, bytes1 - bytes0
+    after = prefill_counters(prefill, COUNTED)
+    return results, wall, {k: after[k] - before[k] for k in COUNTED}
 
 
 def main() -> None:

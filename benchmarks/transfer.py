@@ -1,6 +1,6 @@
 """KV block transfer between two processes, per path of the transfer layer (transfer/).
 
-    python benchmarks/transfer.py --device cuda [--paths ipc dist grpc] [--blocks 1 16 256 4096]
+    python benchmarks/transfer.py --device cuda [--paths ipc dist tcp grpc] [--blocks 1 16 256 4096]
     python benchmarks/transfer.py --device cpu --blocks 1 16 --small     # a quick check on CPU
 
 Blocks of Llama-3-8B's KV shape (32 layers, 8 KV heads, head_dim 128, block size 16, bf16: 2 MiB
@@ -14,6 +14,9 @@ destination blocks against the source (per-block checksums across the processes)
   the mapped pool, synchronize), timed in the sender.
 - ``dist`` (gloo on CPU; NCCL on CUDA, which needs two GPUs: receiver cuda:0, sender cuda:1):
   from the command to the sender until ``KVReceiver.receive`` returned (blocks in the pool).
+- ``tcp`` (CPU or CUDA, both processes on one GPU): the raw-socket byte path, from the command
+  to the sender until ``KVReceiver.receive`` returned (blocks in the pool): gather into pinned
+  memory, 16 MiB CRC-32 checked chunks over 4 loopback connections, one scatter per chunk.
 - ``grpc``: the services' byte path over a loopback gRPC stream (``kvstore.codec`` messages of
   ~4 MB, CRC-32 checked, staged, then one ``write_blocks_bytes``), from the first message until
   the receiver answered.
@@ -37,7 +40,7 @@ import torch
 from transfer_cases import RECEIVER_SEED, SENDER_SEED, Case, pick_ids, verify
 from transfer_grpc import run_grpc
 
-from splitserve.transfer import DIST, GRPC, IPC, KVReceiver
+from splitserve.transfer import DIST, GRPC, IPC, RECEIVED_PATHS, TCP, KVReceiver
 from splitserve.transfer.reservation import block_nbytes
 from splitserve.transfer.testing import SenderProcess, block_checksums, fill_pool, make_pool
 
@@ -69,7 +72,7 @@ def gpu_available_bytes(index: int) -> int:
 
 
 def run_layer_path(path: str, args, spec: dict, counts: list[int], out: list[Case]) -> None:
-    """ipc or dist: this process receives (KVReceiver), a spawned process sends (KVSender)."""
+    """ipc, dist or tcp: this process receives (KVReceiver), a spawned process sends (KVSender)."""
     device = args.device
     pool_blocks = max(counts) + 1
     rx_device = "cuda:0" if device == "cuda" else "cpu"
@@ -84,6 +87,7 @@ def run_layer_path(path: str, args, spec: dict, counts: list[int], out: list[Cas
         ipc=path == IPC,
         dist=path == DIST,
         dist_host="127.0.0.1",
+        tcp=path == TCP,
         connect_timeout=60.0,
     )
     tx_spec = dict(num_blocks=pool_blocks, **spec, device=tx_device)
@@ -101,7 +105,7 @@ def run_layer_path(path: str, args, spec: dict, counts: list[int], out: list[Cas
                 res = rx.reserve(sender.node_id, dst, path)
                 t0 = time.perf_counter()
                 sender.request("send", res.ticket.to_bytes(), src, 300.0)
-                if path == DIST:
+                if path in RECEIVED_PATHS:
                     rx.receive(res, 300.0)
                     elapsed = time.perf_counter() - t0
                     sender.reply(timeout=300)
@@ -130,9 +134,9 @@ def fits(path: str, device: str, n: int, nbytes: int, small_cpu_default: bool) -
         need = 3 * size if path == IPC else 2 * size
         if need > 0.85 * gpu_available_bytes(0):
             return f"needs {need / (1 << 30):.1f} GiB on the GPU"
-        host_need = 6 * size if path == GRPC else 0
+        host_need = {GRPC: 6 * size, TCP: 2 * size}.get(path, 0)
     else:
-        host_need = {IPC: 0, DIST: 4 * size, GRPC: 7 * size}[path]
+        host_need = {IPC: 0, DIST: 4 * size, TCP: 4 * size, GRPC: 7 * size}[path]
     if host_need > 0.8 * host_available_bytes():
         return f"needs {host_need / (1 << 30):.1f} GiB of host memory"
     return None
@@ -142,7 +146,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
     ap.add_argument("--device", choices=["cpu", "cuda"], default=default_device)
-    ap.add_argument("--paths", nargs="+", choices=[IPC, DIST, GRPC], default=[IPC, DIST, GRPC])
+    paths = [IPC, DIST, TCP, GRPC]
+    ap.add_argument("--paths", nargs="+", choices=paths, default=paths)
     ap.add_argument("--blocks", nargs="+", type=int, default=None, help="default: 1 16 256 4096")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--small", action="store_true", help="a small block (16 KiB) for quick checks")

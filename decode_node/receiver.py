@@ -27,7 +27,7 @@ from splitserve.kvstore import ModelIdentity
 from splitserve.kvstore.codec import decode_blocks
 from splitserve.models.engine_loop import AsyncEngine
 from splitserve.models.kv_port import Reserved
-from splitserve.transfer import DIST, GRPC, IPC, KVReceiver, Reservation
+from splitserve.transfer import GRPC, IPC, RECEIVED_PATHS, KVReceiver, Reservation
 from splitserve.transfer import TransferError as TransferLayerError
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class KVInbox:
         self._quarantined: set[asyncio.Task] = set()
         offered = rx.endpoint()
         # Senders look a path up only if this node offers one besides the gRPC bytes.
-        has_path = offered.ipc_handle is not None or offered.dist is not None
+        has_path = any(x is not None for x in (offered.ipc_handle, offered.dist, offered.tcp))
         self.endpoint = offered.to_bytes() if has_path else b""
 
     def begin(self, header) -> Transfer:
@@ -237,12 +237,21 @@ class Transfer:
         except TransferLayerError as exc:
             raise TransferRefused(grpc.StatusCode.UNAVAILABLE, f"dist transfer: {exc}") from None
 
+    def check_received(self) -> None:
+        """tcp: the sender said it finished; every block must be in the pool by now."""
+        if not self.res.ended:
+            raise TransferRefused(BAD, "TransferEnd came before every tcp chunk had arrived")
+        try:
+            self.inbox.rx.receive(self.res, 0)
+        except TransferLayerError as exc:
+            raise TransferRefused(grpc.StatusCode.UNAVAILABLE, f"tcp transfer: {exc}") from None
+
     async def commit(self) -> None:
         """Every block arrived: end the reservation as done and register the hashes."""
         if self.path == GRPC and len(self._received) != len(self._dest):
             left = len(self._dest) - len(self._received)
             raise TransferRefused(BAD, f"transfer incomplete: {left} blocks missing")
-        if self.path != DIST:  # dist reservations end as done in receive
+        if self.path not in RECEIVED_PATHS:  # dist/tcp reservations end as done in receive
             self.inbox.rx.complete(self.res)
         await self.inbox.engine.call(self.inbox.port.register, self.rid, self.hashes)
         self.adopted = True

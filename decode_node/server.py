@@ -9,7 +9,7 @@ import uuid
 from splitserve.decode_node.service import DecodeService
 from splitserve.runtime.config import NodeConfig
 from splitserve.runtime.node import serve_node, transfer_paths
-from splitserve.transfer import DIST, IPC, KVReceiver
+from splitserve.transfer import DIST, IPC, TCP, KVReceiver
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 SERVICE_NAME = nodes_pb2.DESCRIPTOR.services_by_name["DecodeNodeService"].full_name
@@ -17,7 +17,7 @@ SERVICE_NAME = nodes_pb2.DESCRIPTOR.services_by_name["DecodeNodeService"].full_n
 
 def make_service(engine, identity, config: NodeConfig, address: str) -> DecodeService:
     paths = transfer_paths(config)
-    # Always a receiver: gRPC bytes go through its reservations too; ipc/dist only if allowed.
+    # Always a receiver: gRPC bytes go through its reservations too; the others only if allowed.
     # A new id per process life: a sender still holding a restarted node's old pool mapping or
     # pair group never mistakes it for this one.
     receiver = KVReceiver(
@@ -26,6 +26,8 @@ def make_service(engine, identity, config: NodeConfig, address: str) -> DecodeSe
         ipc=False if IPC not in paths else None,
         dist=DIST in paths,
         dist_host=config.advertised_host() if DIST in paths else None,
+        tcp=TCP in paths,
+        tcp_host=config.advertised_host() if TCP in paths else None,
     )
     return DecodeService(engine, identity, config.transfer_deadline_s, receiver)
 

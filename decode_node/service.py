@@ -22,7 +22,7 @@ from splitserve.models.engine import StepOutput
 from splitserve.models.engine_loop import AsyncEngine
 from splitserve.runtime.metrics import LoadFigures
 from splitserve.runtime.node import node_stats
-from splitserve.transfer import DIST, GRPC, KVReceiver
+from splitserve.transfer import DIST, GRPC, TCP, KVReceiver
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -134,8 +134,8 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
 
     async def _receive(self, transfer: Transfer, request_iterator, context) -> None:
         """The sender's messages after our reply: BlockData until TransferEnd for gRPC bytes;
-        for ipc/dist only TransferEnd, once the sender has written the blocks (dist: once
-        they are in the pool)."""
+        for ipc/dist/tcp only TransferEnd, once the sender has written the blocks (dist: once
+        they are in the pool; tcp: the sender sends it once every chunk was acknowledged)."""
         if transfer.path != GRPC:
             if transfer.path == DIST:
                 await transfer.wait_data(context.time_remaining() or self.deadline_s)
@@ -143,6 +143,8 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             if end is None or end.WhichOneof("kind") != "end":
                 path = transfer.path
                 raise TransferRefused(BAD, f"expected TransferEnd after the {path} transfer")
+            if transfer.path == TCP:
+                transfer.check_received()
             return
         async for msg in request_iterator:
             kind = msg.WhichOneof("kind")

@@ -67,9 +67,10 @@ class NodeConfig:
     metrics_port: int | None = option(None, _METRICS_HELP)
     device: str = option("cpu", "cpu or cuda[:N]")
     kv_transfer: str = option(
-        "ipc",
-        "KV transfer paths besides gRPC bytes (always available), comma-separated: ipc (same "
-        "host, CUDA), dist (torch.distributed: NCCL on GPUs, gloo on CPU), or none",
+        "ipc,dist,tcp",
+        "KV transfer paths besides gRPC bytes (always available), comma-separated, taken in this "
+        "order where they work: ipc (same kernel, CUDA), dist (torch.distributed: NCCL on GPUs, "
+        "gloo on CPU), tcp (raw sockets); or none",
     )
     dtype: str | None = option(None, "float32, float16 or bfloat16 (default: the checkpoint's)")
     kv_cache_mb: int = option(256, "CPU KV cache size in MiB (on CUDA: sized from free memory)")

@@ -212,17 +212,19 @@ async def leave_registry(publishing: asyncio.Task, publisher: IndexPublisher) ->
 
 def transfer_paths(config: NodeConfig) -> tuple[str, ...]:
     """The KV transfer paths a node may use (``--kv-transfer``); gRPC bytes always remain."""
-    from splitserve.transfer import DIST, GRPC, IPC
+    from splitserve.transfer import DIST, GRPC, IPC, TCP
 
     names = [p.strip() for p in config.kv_transfer.split(",") if p.strip()]
     if names == ["none"]:
         return (GRPC,)
-    unknown = set(names) - {IPC, DIST, GRPC}
+    unknown = set(names) - {IPC, DIST, TCP, GRPC}
     if unknown:
-        raise ValueError(f"--kv-transfer: unknown path(s) {sorted(unknown)}; use ipc, dist or none")
+        raise ValueError(
+            f"--kv-transfer: unknown path(s) {sorted(unknown)}; use ipc, dist, tcp or none"
+        )
     if not config.device.startswith("cuda"):
         names = [p for p in names if p != IPC]  # ipc maps CUDA memory only
-    return (*[p for p in (IPC, DIST) if p in names], GRPC)
+    return (*[p for p in (IPC, DIST, TCP) if p in names], GRPC)
 
 
 def node_stats(role: str, engine, identity: ModelIdentity, load, counters, **extra):

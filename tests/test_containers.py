@@ -190,7 +190,7 @@ def test_containers_serve_token_exact_with_their_own_host_names(deployment):
     assert got == _reference(prompts)
     for container in d.containers("decode"):
         counters = d.stats(container).counters
-        paths = {p: int(counters.get(f"transfers_{p}", 0)) for p in ("ipc", "dist")}
+        paths = {p: int(counters.get(f"transfers_{p}", 0)) for p in ("ipc", "dist", "tcp")}
         paths["grpc"] = int(counters.get("transfers", 0)) - sum(paths.values())
         print(f"{container}: transfers by path {paths}")
 

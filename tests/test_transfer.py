@@ -14,10 +14,12 @@ from splitserve.transfer import (
     DIST,
     GRPC,
     IPC,
+    TCP,
     DistAddress,
     Endpoint,
     IpcHandle,
     KVSender,
+    TcpAddress,
     Ticket,
     choose_path,
     export_pool,
@@ -113,6 +115,27 @@ CASES = {
         {"hostname": "host-b", "boot_id": "boot-2", "dist": DistAddress("10.0.0.2", 1, "gloo")},
         GRPC,
     ),
+    "same GPU, no handle, a tcp listener: raw sockets rather than gRPC": (
+        {},
+        {"ipc_handle": None, "device_uuid": "GPU-0", "tcp": TcpAddress("10.0.0.2", 4000)},
+        TCP,
+    ),
+    "other host, no dist, a tcp listener": (
+        {},
+        {"hostname": "host-b", "boot_id": "boot-2", "dist": None, "tcp": TcpAddress("h", 1)},
+        TCP,
+    ),
+    "CPU sender, CUDA receiver with a tcp listener": (
+        {"device": "cpu", "device_uuid": None, "dist_backends": ("gloo",)},
+        {"tcp": TcpAddress("10.0.0.2", 4000)},
+        TCP,
+    ),
+    "dist beats tcp": ({}, {"hostname": "h", "boot_id": "b", "tcp": TcpAddress("h", 1)}, DIST),
+    "tcp listener, but layouts differ": (
+        {},
+        {"block_shape": (32, 2, 16, 8, 64), "tcp": TcpAddress("h", 1)},
+        GRPC,
+    ),
     "block layouts differ": ({}, {"block_shape": (32, 2, 16, 8, 64)}, GRPC),
     "dtypes differ": ({}, {"dtype": "float16"}, GRPC),
 }
@@ -138,8 +161,15 @@ def test_choose_path_respects_allowed():
 def test_handshake_bytes_round_trip():
     ep = receiver_endpoint()
     assert Endpoint.from_bytes(ep.to_bytes()) == ep
+    ep = receiver_endpoint(tcp=TcpAddress("10.1.2.3", 40000))
+    assert Endpoint.from_bytes(ep.to_bytes()) == ep
     ticket = Ticket(DIST, "decode-0", "prefill-0", (5, 3, 9), gen=2, seq=17)
     assert Ticket.from_bytes(ticket.to_bytes()) == ticket
+    ticket = Ticket(TCP, "decode-0", "prefill-0", (5, 3, 9), token=b"t" * 16)
+    assert Ticket.from_bytes(ticket.to_bytes()) == ticket
+    bad_port = receiver_endpoint(tcp=TcpAddress("h", 70000)).to_bytes()
+    with pytest.raises(ValueError, match="tcp port"):
+        Endpoint.from_bytes(bad_port)
     handle = IpcHandle(
         "GPU-1", (10, 2, 2, 16, 2, 8), (2048, 1024, 512, 16, 8, 1), 0, "bfloat16",
         b"\x01" * 64, 40960, 512, b"/torch_1_2", 3, b"\x02" * 64, True,

@@ -1,9 +1,10 @@
 """KV block transfer between a prefill node (sender) and a decode node (receiver).
 
-One interface (``KVSender`` / ``KVReceiver``), three paths chosen per pair at handshake
+One interface (``KVSender`` / ``KVReceiver``), four paths chosen per pair at handshake
 (``choose_path``): ``ipc`` (same host, CUDA: the sender writes into the receiver's pool mapped
 through a CUDA IPC handle), ``dist`` (torch.distributed point-to-point in a two-rank group per
-pair: NCCL on CUDA, gloo on CPU) and ``grpc`` (the services' gRPC byte stream, ``kvstore.codec``).
+pair: NCCL on CUDA, gloo on CPU), ``tcp`` (raw sockets from pinned memory, several connections,
+CRC-checked chunks) and ``grpc`` (the services' gRPC byte stream, ``kvstore.codec``).
 See docs/transfer.md.
 """
 
@@ -14,8 +15,11 @@ from splitserve.transfer.endpoint import (
     GRPC,
     IPC,
     PATHS,
+    RECEIVED_PATHS,
+    TCP,
     DistAddress,
     Endpoint,
+    TcpAddress,
     available_backends,
     boot_id,
     choose_path,
@@ -36,6 +40,8 @@ __all__ = [
     "GRPC",
     "IPC",
     "PATHS",
+    "RECEIVED_PATHS",
+    "TCP",
     "ChannelClosed",
     "DistAddress",
     "DistReceiver",
@@ -48,6 +54,7 @@ __all__ = [
     "NotConnected",
     "PeerLost",
     "Reservation",
+    "TcpAddress",
     "Ticket",
     "TransferError",
     "TransferTimeout",

@@ -8,14 +8,15 @@ Decode node (receiver)::
     ticket bytes = res.ticket.to_bytes()           # to the sender
     dist: rx.receive(res, timeout)                 # returns once the blocks are in the pool
     ipc:  rx.complete(res)                         # after the sender said it finished
+    tcp:  rx.receive(res, timeout)                 # as dist
     grpc: rx.write(res, ids, data); rx.complete(res)
     failure: rx.cancel(res), then free the blocks
 
 Prefill node (sender)::
 
     tx = KVSender(kv_pool, node_id)
-    path = tx.connect(Endpoint.from_bytes(handshake))  # cached per peer; "ipc"/"dist"/"grpc"
-    tx.send(Ticket.from_bytes(ticket), src_block_ids, timeout=...)  # ipc/dist; then signal done
+    path = tx.connect(Endpoint.from_bytes(handshake))  # cached per peer: ipc/dist/tcp/grpc
+    tx.send(Ticket.from_bytes(ticket), src_block_ids, timeout=...)  # not grpc; then signal done
 
 Every call here blocks; from asyncio run them in a thread (``asyncio.to_thread``).
 """
@@ -35,6 +36,8 @@ from splitserve.transfer.endpoint import (
     GRPC,
     IPC,
     PATHS,
+    RECEIVED_PATHS,
+    TCP,
     Endpoint,
     available_backends,
     choose_path,
@@ -44,6 +47,8 @@ from splitserve.transfer.endpoint import (
 from splitserve.transfer.errors import NotConnected
 from splitserve.transfer.ipc import IpcWriter, export_pool
 from splitserve.transfer.reservation import Reservation, Ticket
+from splitserve.transfer.tcp_receiver import TcpReceiver
+from splitserve.transfer.tcp_sender import TcpSender
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +64,8 @@ def _check_pool(kv_pool: torch.Tensor) -> None:
 class KVReceiver:
     """Decode-node side. ``ipc`` (default: a CUDA pool) exports the pool for same-host senders;
     ``dist`` (default on) hosts a rendezvous store on ``dist_host:dist_port`` (default: this
-    host's routable address, any free port) for senders on other hosts."""
+    host's routable address, any free port) for senders on other hosts; ``tcp`` (default on) a
+    listener on ``tcp_host`` (default: ``dist_host``, else as dist) and any free port."""
 
     def __init__(
         self,
@@ -70,6 +76,8 @@ class KVReceiver:
         dist: bool = True,
         dist_host: str | None = None,
         dist_port: int = 0,
+        tcp: bool = True,
+        tcp_host: str | None = None,
         connect_timeout: float = 30.0,
     ) -> None:
         _check_pool(kv_pool)
@@ -92,11 +100,18 @@ class KVReceiver:
                 port=dist_port,
                 connect_timeout=connect_timeout,
             )
+        self._tcp: TcpReceiver | None = None
+        if tcp:
+            from splitserve.transfer.dist_group import default_host
+
+            host = tcp_host or dist_host or default_host()
+            self._tcp = TcpReceiver(kv_pool, node_id, host=host)
         self._endpoint = local_endpoint(
             node_id,
             kv_pool,
             ipc_handle=self._ipc_handle,
             dist=self._dist.address if self._dist else None,
+            tcp=self._tcp.address if self._tcp else None,
         )
 
     def endpoint(self) -> Endpoint:
@@ -116,6 +131,10 @@ class KVReceiver:
             if self._dist is None:
                 raise NotConnected("this node does not offer the dist path")
             return self._dist.reserve(peer_id, block_ids)
+        if path == TCP:
+            if self._tcp is None:
+                raise NotConnected("this node does not offer the tcp path")
+            return self._tcp.reserve(peer_id, block_ids)
         if path == IPC and self._ipc_handle is None:
             raise NotConnected("this node does not offer the ipc path")
         if path not in (IPC, GRPC):
@@ -126,10 +145,15 @@ class KVReceiver:
         return res
 
     def receive(self, res: Reservation, timeout: float) -> None:
-        """dist: block until the reserved blocks hold the sender's data (see
-        ``DistReceiver.receive``); raises ``TransferError`` subclasses, nothing written then."""
-        if res.path != DIST:
-            raise ValueError(f"receive() is for dist reservations; use complete() for {res.path}")
+        """dist/tcp: block until the reserved blocks hold the sender's data (see
+        ``DistReceiver.receive``); raises ``TransferError`` subclasses (the reservation failed:
+        free its blocks)."""
+        if res.path not in RECEIVED_PATHS:
+            raise ValueError(f"receive() is for dist/tcp reservations, not {res.path}: complete()")
+        if res.path == TCP:
+            assert self._tcp is not None
+            self._tcp.receive(res, timeout)
+            return
         assert self._dist is not None
         self._dist.receive(res, timeout)
 
@@ -141,8 +165,8 @@ class KVReceiver:
     def complete(self, res: Reservation) -> None:
         """ipc/grpc: the sender finished writing (ipc: its copy is synchronized before it says
         so); the reservation ends as done. Raises if it had already failed or been cancelled."""
-        if res.path == DIST:
-            raise ValueError("dist reservations complete in receive()")
+        if res.path in RECEIVED_PATHS:
+            raise ValueError(f"{res.path} reservations complete in receive()")
         res._complete()
 
     def cancel(self, res: Reservation) -> None:
@@ -151,6 +175,8 @@ class KVReceiver:
         known to have stopped, e.g. after its stream closed.)"""
         if res.path == DIST and self._dist is not None:
             self._dist.cancel(res)
+        elif res.path == TCP and self._tcp is not None:
+            self._tcp.cancel(res)
         else:
             res._cancel()
 
@@ -162,6 +188,8 @@ class KVReceiver:
     def shutdown(self) -> None:
         if self._dist is not None:
             self._dist.shutdown()
+        if self._tcp is not None:
+            self._tcp.shutdown()
 
 
 class KVSender:
@@ -176,6 +204,7 @@ class KVSender:
         paths=PATHS,
         connect_timeout: float = 30.0,
         retry_after: float = 60.0,
+        tcp_options: dict | None = None,
     ) -> None:
         _check_pool(kv_pool)
         self.kv_pool = kv_pool
@@ -189,6 +218,10 @@ class KVSender:
             if self._endpoint.dist_backends
             else None
         )
+        # tcp_options: TcpSender's streams / chunk_bytes / connect_timeout.
+        self._tcp = None
+        if TCP in self.allowed:
+            self._tcp = TcpSender(kv_pool, node_id, **(tcp_options or {}))
         self._paths: dict[str, str] = {}
         self._peers: dict[str, Endpoint] = {}
         self._retry_at: dict[str, float] = {}  # peers whose preferred path failed to set up
@@ -229,6 +262,9 @@ class KVSender:
                 elif path == DIST:
                     assert self._dist is not None and peer.dist is not None
                     self._dist.connect(peer.node_id, peer.dist)
+                elif path == TCP:
+                    assert self._tcp is not None and peer.tcp is not None
+                    self._tcp.connect(peer.node_id, peer.tcp)
                 break
             except Exception as exc:
                 logger.warning("transfer: %s path to %s unavailable: %s", path, peer.node_id, exc)
@@ -257,6 +293,8 @@ class KVSender:
             return self._ipc is not None and self._ipc.connected(peer_id)
         if path == DIST:
             return self._dist is not None and self._dist.connected(peer_id)
+        if path == TCP:
+            return self._tcp is not None and self._tcp.connected(peer_id)
         return True
 
     def send(self, ticket: Ticket | bytes, src_block_ids, *, timeout: float) -> int:
@@ -277,6 +315,10 @@ class KVSender:
             if self._dist is None:
                 raise NotConnected("this node cannot use the dist path")
             return self._dist.send(ticket.receiver_id, src_block_ids, ticket, timeout)
+        if ticket.path == TCP:
+            if self._tcp is None:
+                raise NotConnected("this node may not use the tcp path")
+            return self._tcp.send(ticket.receiver_id, src_block_ids, ticket, timeout)
         raise ValueError(f"path {ticket.path!r} is not sent through this layer")
 
     def close(self, peer_id: str) -> None:
@@ -289,6 +331,8 @@ class KVSender:
             self._ipc.close(peer_id)
         if self._dist is not None:
             self._dist.close(peer_id)
+        if self._tcp is not None:
+            self._tcp.close(peer_id)
 
     def close_all(self) -> None:
         with self._mu:

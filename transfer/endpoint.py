@@ -18,8 +18,12 @@ import msgpack
 
 IPC = "ipc"
 DIST = "dist"
+TCP = "tcp"
 GRPC = "grpc"
-PATHS = (IPC, DIST, GRPC)
+PATHS = (IPC, DIST, TCP, GRPC)
+RECEIVED_PATHS = (DIST, TCP)
+"""Paths whose data the receiver takes in itself: ``KVReceiver.receive`` returns once it is in
+the pool (ipc and grpc end with ``complete``)."""
 
 BACKEND_FOR_DEVICE = {"cuda": "nccl", "cpu": "gloo"}
 """The torch.distributed backend the dist path uses for a pool on each device kind."""
@@ -37,6 +41,14 @@ class DistAddress:
 
 
 @dataclass(frozen=True, slots=True)
+class TcpAddress:
+    """Where a receiver's tcp listener accepts chunks (``transfer.tcp_wire``)."""
+
+    host: str
+    port: int
+
+
+@dataclass(frozen=True, slots=True)
 class Endpoint:
     node_id: str
     hostname: str
@@ -51,6 +63,7 @@ class Endpoint:
     dist_backends: tuple[str, ...] = ()  # backends this process can run for its pool
     ipc_handle: bytes | None = None  # receiver only: its pool, exported (transfer.ipc.IpcHandle)
     dist: DistAddress | None = None  # receiver only: its rendezvous store
+    tcp: TcpAddress | None = None  # receiver only: its tcp listener
 
     def same_host(self, other: Endpoint) -> bool:
         """Same kernel: a non-empty, equal boot id. NOTE: not the host name — containers of one
@@ -77,6 +90,7 @@ class Endpoint:
             "dist": None
             if self.dist is None
             else [self.dist.host, self.dist.port, self.dist.backend],
+            "tcp": None if self.tcp is None else [self.tcp.host, self.tcp.port],
         }
         return msgpack.packb(fields, use_bin_type=True)
 
@@ -89,6 +103,11 @@ class Endpoint:
             dist = f["dist"]
             if dist is not None:
                 dist = DistAddress(str(dist[0]), int(dist[1]), str(dist[2]))
+            tcp = f.get("tcp")
+            if tcp is not None:
+                tcp = TcpAddress(str(tcp[0]), int(tcp[1]))
+                if not 0 < tcp.port < 65536:
+                    raise ValueError(f"bad tcp port {tcp.port}")
             return cls(
                 node_id=str(f["node_id"]),
                 hostname=str(f["hostname"]),
@@ -103,6 +122,7 @@ class Endpoint:
                 dist_backends=tuple(f["dist_backends"]),
                 ipc_handle=f["ipc_handle"],
                 dist=dist,
+                tcp=tcp,
             )
         except ValueError:
             raise
@@ -119,6 +139,8 @@ def choose_path(local: Endpoint, peer: Endpoint, allowed: Collection[str] = PATH
     - ``dist`` when the peer advertises a rendezvous address whose backend this process runs for
       its device kind (nccl on CUDA, gloo on CPU), both pools are on the same device kind, and
       (NCCL) the two pools are not on the same GPU;
+    - ``tcp`` when the peer advertises a tcp listener (raw sockets from pinned memory: hosts
+      without NCCL between them, CPU nodes without gloo, two nodes on one GPU without ipc);
     - ``grpc`` otherwise, and whenever the two pools' block layouts differ (the gRPC path then
       reports the mismatch as it always has).
 
@@ -147,6 +169,8 @@ def choose_path(local: Endpoint, peer: Endpoint, allowed: Collection[str] = PATH
         and not (both_cuda and same_host and local.device_uuid == peer.device_uuid)
     ):
         return DIST
+    if TCP in allowed and peer.tcp is not None:
+        return TCP
     return GRPC
 
 
@@ -231,6 +255,7 @@ def local_endpoint(
     *,
     ipc_handle: bytes | None = None,
     dist: DistAddress | None = None,
+    tcp: TcpAddress | None = None,
 ) -> Endpoint:
     """This process's endpoint for its KV pool ``(num_blocks, layers, 2, block_size, kv_heads,
     head_dim)``."""
@@ -252,4 +277,5 @@ def local_endpoint(
         dist_backends=available_backends(kind),
         ipc_handle=ipc_handle,
         dist=dist,
+        tcp=tcp,
     )

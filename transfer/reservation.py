@@ -114,23 +114,27 @@ class Ticket:
     block_ids: tuple[int, ...]
     gen: int = 0
     seq: int = 0
+    token: bytes = b""  # tcp: the random name of the reservation its chunks must carry
 
     def to_bytes(self) -> bytes:
         return msgpack.packb(
             [1, self.path, self.receiver_id, self.sender_id, list(self.block_ids), self.gen,
-             self.seq],
+             self.seq, self.token],
             use_bin_type=True,
         )  # fmt: skip
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Ticket:
         try:
-            version, path, receiver_id, sender_id, block_ids, gen, seq = msgpack.unpackb(data)
-            if version != 1:
+            version, path, receiver_id, sender_id, block_ids, gen, seq, *rest = msgpack.unpackb(
+                data
+            )
+            if version != 1 or len(rest) > 1:
                 raise ValueError(f"unsupported ticket version {version!r}")
+            token = bytes(rest[0]) if rest else b""
             return cls(
                 str(path), str(receiver_id), str(sender_id), tuple(as_id_list(block_ids)),
-                int(gen), int(seq),
+                int(gen), int(seq), token,
             )  # fmt: skip
         except ValueError:
             raise
@@ -151,12 +155,13 @@ class Reservation:
         *,
         gen: int = 0,
         seq: int = 0,
+        token: bytes = b"",
     ) -> None:
         self._pool = kv_pool
         self.block_ids: tuple[int, ...] = tuple(check_block_ids(block_ids, kv_pool.shape[0]))
         self.peer_id = peer_id
         self.path = path
-        self.ticket = Ticket(path, receiver_id, peer_id, self.block_ids, gen, seq)
+        self.ticket = Ticket(path, receiver_id, peer_id, self.block_ids, gen, seq, token)
         self._mu = threading.Lock()
         self._ended = threading.Event()
         self._state = RESERVED

@@ -6,6 +6,8 @@ Commands: ``("connect", endpoint_bytes)``, ``("close", peer_id)``,
 ``("send", ticket_bytes, src_ids, timeout)`` (answers ``(bytes, seconds)``),
 ``("send_header_then", ticket_bytes, src_ids, "kill" | "stop")`` (sends a dist transfer's
 header, answers, then SIGKILLs or SIGSTOPs itself: a sender that dies mid-transfer),
+``("send_tcp_half_then_kill", ticket_bytes, src_ids)`` (the first tcp chunk's header and half
+its data, then SIGKILL),
 ``("checksums", ids)``, ``("exit",)``.
 """
 
@@ -57,13 +59,20 @@ def block_checksums(kv_pool: torch.Tensor, block_ids: list[int]) -> list[int]:
     return out
 
 
-def sender_main(conn, node_id: str, pool_spec: dict, seed: int, connect_timeout: float = 10.0):
+def sender_main(
+    conn,
+    node_id: str,
+    pool_spec: dict,
+    seed: int,
+    connect_timeout: float = 10.0,
+    tcp_options: dict | None = None,
+):
     from splitserve.transfer import KVSender, Ticket, dist
 
     if pool_spec.get("device", "cpu").startswith("cuda"):
         torch.cuda.set_device(torch.device(pool_spec["device"]))
     pool = fill_pool(make_pool(**pool_spec), seed)
-    tx = KVSender(pool, node_id, connect_timeout=connect_timeout)
+    tx = KVSender(pool, node_id, connect_timeout=connect_timeout, tcp_options=tcp_options)
     conn.send(("ready", tx.endpoint().to_bytes()))
     while True:
         try:
@@ -92,6 +101,11 @@ def sender_main(conn, node_id: str, pool_spec: dict, seed: int, connect_timeout:
                 channel.post("send", header, dist.TAG_HEADER).wait()
                 os.kill(os.getpid(), signal.SIGKILL if args[2] == "kill" else signal.SIGSTOP)
                 continue
+            elif cmd == "send_tcp_half_then_kill":
+                _send_tcp_half(tx, Ticket.from_bytes(args[0]), args[1])
+                conn.send(("ok", "half a chunk sent"))
+                time.sleep(0.2)
+                os.kill(os.getpid(), signal.SIGKILL)
             elif cmd == "checksums":
                 result = block_checksums(pool, args[0])
             else:
@@ -101,11 +115,30 @@ def sender_main(conn, node_id: str, pool_spec: dict, seed: int, connect_timeout:
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
+def _send_tcp_half(tx, ticket, src: list[int]) -> None:
+    """The first chunk's header (as for the whole chunk) and half of its data."""
+    import time as _time
+
+    from splitserve.transfer.tcp_wire import checksum, pack_chunk
+
+    tcp = tx._tcp
+    chunk = tcp._gather(src)[0]
+    view = memoryview(chunk.data.numpy())
+    sock = tcp._take(ticket.receiver_id, tcp._peers[ticket.receiver_id], _time.monotonic() + 5)
+    sock.sendall(pack_chunk(ticket.token, chunk.first, chunk.count, checksum(view)))
+    sock.sendall(view[: len(view) // 2])
+
+
 class SenderProcess:
     """A ``sender_main`` child (spawned) and the pipe to it."""
 
     def __init__(
-        self, node_id: str, pool_spec: dict, seed: int, connect_timeout: float = 10.0
+        self,
+        node_id: str,
+        pool_spec: dict,
+        seed: int,
+        connect_timeout: float = 10.0,
+        tcp_options: dict | None = None,
     ) -> None:
         import multiprocessing as mp
 
@@ -114,7 +147,7 @@ class SenderProcess:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(
             target=sender_main,
-            args=(child, node_id, pool_spec, seed, connect_timeout),
+            args=(child, node_id, pool_spec, seed, connect_timeout, tcp_options),
             name=f"sender-{node_id}",
             daemon=True,
         )

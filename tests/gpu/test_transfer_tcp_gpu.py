@@ -1,0 +1,50 @@
+"""The tcp path with CUDA pools on both sides (pinned staging, side-stream gather and scatter):
+a sender process on this GPU fills this process's reservation in several chunks over several
+connections, byte-exact, and the blocks around it stay untouched. CPU counterpart:
+tests/test_transfer_tcp.py (the same path with CPU pools, plus the refusal cases)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitserve.transfer import TCP, KVReceiver
+from splitserve.transfer.reservation import block_nbytes
+from splitserve.transfer.testing import SenderProcess, block_checksums, fill_pool, make_pool
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="no CUDA GPU: this test moves CUDA pools over tcp"
+    ),
+]
+
+SPEC = dict(num_blocks=96, num_layers=4, block_size=16, num_kv_heads=8, head_dim=128)
+
+
+def test_tcp_between_cuda_pools_is_byte_exact():
+    spec = {**SPEC, "device": "cuda:0"}
+    pool = fill_pool(make_pool(**spec), 5)
+    torch.cuda.synchronize()
+    before = pool.clone()
+    rx = KVReceiver(pool, "decode-gpu-tcp", ipc=False, dist=False, tcp_host="127.0.0.1")
+    chunk = 5 * block_nbytes(pool)  # 40 blocks: 8 chunks over 3 connections
+    opts = dict(streams=3, chunk_bytes=chunk)
+    sender = SenderProcess("prefill-gpu-tcp", spec, 6, tcp_options=opts)
+    try:
+        sender.wait_ready()
+        assert sender.call("connect", rx.endpoint().to_bytes()) == TCP
+        src = list(range(50, 90))
+        dst = list(range(1, 80, 2))
+        for _ in range(2):
+            res = rx.reserve(sender.node_id, dst, TCP)
+            sender.request("send", res.ticket.to_bytes(), src, 30.0)
+            rx.receive(res, 30.0)
+            sender.reply()
+            assert res.state == "done"
+            assert sender.call("checksums", src) == block_checksums(pool, dst)
+        rest = [i for i in range(SPEC["num_blocks"]) if i not in dst]
+        assert torch.equal(pool[rest].view(torch.uint8), before[rest].view(torch.uint8))
+    finally:
+        sender.stop()
+        rx.shutdown()

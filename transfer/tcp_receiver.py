@@ -1,0 +1,239 @@
+"""The tcp path's receiver (decode node) side: a listener; every connection is served by its own
+thread, which takes chunks (``transfer.tcp_wire``) straight into a (pinned) buffer, checks them
+and writes them into their reservation's blocks in one scatter each.
+
+Bounded by construction: at most ``max_connections`` connections (more are closed at once), a
+chunk is at most its reservation's size, a socket that stays silent ``io_timeout`` seconds
+mid-chunk (or ``idle_timeout`` between chunks) is closed, and a chunk whose token names no open
+reservation, whose blocks are outside it or already written, or whose CRC does not match is
+refused (and the reservation failed on a CRC mismatch or a repeat).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import socket
+import threading
+
+import torch
+
+from splitserve.transfer.endpoint import TCP, TcpAddress
+from splitserve.transfer.errors import TransferError, TransferTimeout
+from splitserve.transfer.reservation import Reservation, block_nbytes
+from splitserve.transfer.tcp_wire import (
+    CHUNK,
+    OK,
+    REFUSED,
+    TOKEN_LEN,
+    WireError,
+    checksum,
+    recv_exact,
+    send_ack,
+    unpack_chunk,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_CHUNK_BYTES = 64 << 20  # a chunk is at most this (or one block, if a block is larger)
+
+
+class _Inbound:
+    """A tcp reservation's progress: which of its blocks have been written."""
+
+    def __init__(self, res: Reservation) -> None:
+        self.res = res
+        self.written = bytearray(len(res.block_ids))
+        self.left = len(res.block_ids)
+        self.mu = threading.Lock()
+
+    def claim(self, first: int, count: int) -> str | None:
+        """Take blocks ``[first, first + count)`` for one chunk; why not (None: taken)."""
+        n = len(self.written)
+        if count == 0 or first >= n or count > n - first:
+            return f"blocks {first}..{first + count} are outside the reservation of {n}"
+        with self.mu:
+            if any(self.written[first : first + count]):
+                return "blocks sent twice"
+            self.written[first : first + count] = b"\1" * count
+            return None
+
+    def written_out(self, count: int) -> bool:
+        """``count`` claimed blocks are in the pool; True once every block is."""
+        with self.mu:
+            self.left -= count
+            return self.left == 0
+
+
+class TcpReceiver:
+    def __init__(
+        self,
+        kv_pool: torch.Tensor,
+        node_id: str,
+        *,
+        host: str,
+        port: int = 0,
+        max_connections: int = 64,
+        io_timeout: float = 30.0,
+        idle_timeout: float = 600.0,
+    ) -> None:
+        self.kv_pool = kv_pool
+        self.node_id = node_id
+        self.block_nbytes = block_nbytes(kv_pool)
+        self.max_connections = max_connections
+        self.io_timeout, self.idle_timeout = io_timeout, idle_timeout
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind((host, port))
+        self._listener.listen(128)
+        self.address = TcpAddress(host, int(self._listener.getsockname()[1]))
+        self._inbound: dict[bytes, _Inbound] = {}
+        self._conns: set[socket.socket] = set()
+        self._mu = threading.Lock()
+        self._stop = threading.Event()
+        self._scratch = threading.local()
+        self._stream = torch.cuda.Stream(kv_pool.device) if kv_pool.device.type == "cuda" else None
+        threading.Thread(target=self._accept_loop, name=f"kv-tcp-{node_id}", daemon=True).start()
+
+    # ---------------------------------------------------------------- reservations
+
+    def reserve(self, peer_id: str, block_ids) -> Reservation:
+        res = Reservation(
+            self.kv_pool, self.node_id, peer_id, TCP, block_ids, token=secrets.token_bytes(16)
+        )
+        if not res.block_ids:
+            res._complete()
+            return res
+        with self._mu:
+            self._inbound[res.ticket.token] = _Inbound(res)
+        return res
+
+    def receive(self, res: Reservation, timeout: float) -> None:
+        """Block until every reserved block has been written (then the reservation is done), or
+        fail it with ``TransferTimeout`` after ``timeout`` seconds."""
+        try:
+            if not res._wait_ended(timeout):
+                res._fail(TransferTimeout(f"no complete tcp transfer within {timeout:.1f} s"))
+            res.result()
+        finally:
+            self._forget(res)
+
+    def cancel(self, res: Reservation) -> None:
+        res._cancel()
+        self._forget(res)
+
+    def _forget(self, res: Reservation) -> None:
+        with self._mu:
+            self._inbound.pop(res.ticket.token, None)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        with self._mu:
+            conns, self._conns = list(self._conns), set()
+            inbound, self._inbound = list(self._inbound.values()), {}
+        for conn in conns:
+            _close(conn)
+        for entry in inbound:
+            entry.res._fail(TransferError("the receiver shut down"))
+
+    # ---------------------------------------------------------------- connections
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, peer = self._listener.accept()
+            except OSError:
+                return  # closed by shutdown
+            with self._mu:
+                full = len(self._conns) >= self.max_connections
+                if not full:
+                    self._conns.add(conn)
+            if full:
+                logger.warning("tcp KV: refusing %s: %d connections open", peer, len(self._conns))
+                _close(conn)
+                continue
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        header = bytearray(CHUNK.size)
+        self._scratch.buf = None  # this thread's receive buffer, reused chunk after chunk
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while not self._stop.is_set():
+                conn.settimeout(self.idle_timeout)
+                if not recv_exact(conn, memoryview(header)[:1]):
+                    return  # the sender closed between chunks
+                conn.settimeout(self.io_timeout)
+                recv_exact(conn, memoryview(header)[1:])
+                why = self._chunk(conn, bytes(header))
+                if why is not None:
+                    send_ack(conn, REFUSED, why)
+                    return
+                send_ack(conn, OK)
+        except (OSError, WireError) as exc:
+            logger.debug("tcp KV connection ended: %s", exc)
+        finally:
+            with self._mu:
+                self._conns.discard(conn)
+            _close(conn)
+
+    def _chunk(self, conn: socket.socket, header: bytes) -> str | None:
+        """Take one chunk into its reservation; why it was refused (None: written)."""
+        token, first, count, crc = unpack_chunk(header)
+        with self._mu:
+            entry = self._inbound.get(token) if len(token) == TOKEN_LEN else None
+        if entry is None:
+            return "no open reservation with this token (ended, cancelled or never made)"
+        if count * self.block_nbytes > max(MAX_CHUNK_BYTES, self.block_nbytes):
+            return f"a chunk of {count} blocks is over the {MAX_CHUNK_BYTES >> 20} MiB limit"
+        why = entry.claim(first, count)
+        if why is not None:
+            entry.res._fail(TransferError(f"tcp transfer: {why}"))
+            return why
+        block_shape = tuple(self.kv_pool.shape[1:])
+        buf = self._buffer(count * self.block_nbytes)
+        view = memoryview(buf.numpy())
+        if not recv_exact(conn, view):
+            raise WireError("connection closed before the chunk's data")
+        if checksum(view) != crc:
+            entry.res._fail(TransferError("tcp transfer: CRC mismatch"))
+            return "CRC mismatch"
+        blocks = buf.view(self.kv_pool.dtype).view(count, *block_shape)
+        ids = entry.res.block_ids[first : first + count]
+        try:
+            with self._on_side_stream():
+                entry.res.write(ids, blocks)
+        except TransferError:
+            return "the reservation ended (cancelled or failed)"
+        if entry.written_out(count):
+            with contextlib.suppress(TransferError):
+                entry.res._complete()
+        return None
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        """This connection's (pinned, on CUDA) receive buffer, grown to ``nbytes`` if needed."""
+        buf = self._scratch.buf
+        if buf is None or buf.numel() < nbytes:
+            pinned = self._stream is not None
+            buf = self._scratch.buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        return buf[:nbytes]
+
+    def _on_side_stream(self):
+        """Scatters run on this receiver's CUDA stream, not behind the engine's kernels."""
+        if self._stream is None:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(self.kv_pool.device))
+        stack.enter_context(torch.cuda.stream(self._stream))
+        return stack
+
+
+def _close(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    with contextlib.suppress(OSError):
+        sock.close()

@@ -1,0 +1,244 @@
+"""The tcp path's sender (prefill node) side.
+
+A transfer is gathered once: on CUDA, chunk by chunk from the pool into pinned host memory on a
+side stream (each chunk's copy is awaited only by the thread that sends it, so the first chunk is
+on the wire while later ones are still being copied); on CPU, by each connection's thread into
+its own reused buffer, one ``index_select`` per chunk (outside the GIL, in parallel).
+The chunks are spread over up to ``streams`` connections sent in parallel, each chunk one header
+and one ``sendall`` of its buffer (no per-block Python copies), its CRC computed by zlib over the
+whole chunk outside the GIL. Connections are kept per receiver and reused; one that broke is
+dropped and the failure raised (``PeerLost``/``TransferTimeout``/``TransferError``): the caller
+ships the request another way or fails it, and the next ``send`` opens fresh connections.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import NamedTuple
+
+import torch
+
+from splitserve.transfer.endpoint import TCP, TcpAddress
+from splitserve.transfer.errors import NotConnected, PeerLost, TransferError, TransferTimeout
+from splitserve.transfer.reservation import Ticket, block_nbytes, check_source_ids
+from splitserve.transfer.tcp_receiver import MAX_CHUNK_BYTES
+from splitserve.transfer.tcp_wire import WireError, checksum, pack_chunk, read_ack
+
+DEFAULT_CHUNK_BYTES = 16 << 20
+
+
+class _Chunk(NamedTuple):
+    first: int  # position in the reservation
+    ids: list[int]  # its source blocks
+    data: torch.Tensor | None  # CUDA: uint8 pinned buffer (CPU: gathered by the lane itself)
+    ready: torch.cuda.Event | None  # CUDA: its copy from the GPU has finished
+
+    @property
+    def count(self) -> int:
+        return len(self.ids)
+
+
+class TcpSender:
+    def __init__(
+        self,
+        kv_pool: torch.Tensor,
+        node_id: str,
+        *,
+        streams: int = 4,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        self.kv_pool = kv_pool
+        self.node_id = node_id
+        self.block_nbytes = block_nbytes(kv_pool)
+        self.streams = max(1, streams)
+        self.blocks_per_chunk = max(1, min(chunk_bytes, MAX_CHUNK_BYTES) // self.block_nbytes)
+        self.connect_timeout = connect_timeout
+        self._peers: dict[str, TcpAddress] = {}
+        self._idle: dict[str, list[socket.socket]] = {}
+        self._mu = threading.Lock()
+        self._workers = ThreadPoolExecutor(self.streams * 8, thread_name_prefix="kv-tcp-send")
+        cuda = kv_pool.device.type == "cuda"
+        self._stream = torch.cuda.Stream(kv_pool.device) if cuda else None
+
+    # ---------------------------------------------------------------- peers
+
+    def connect(self, peer_id: str, address: TcpAddress) -> None:
+        """Check that ``peer_id``'s listener answers (one connection, kept for reuse)."""
+        sock = self._open(address, time.monotonic() + self.connect_timeout)
+        with self._mu:
+            self._peers[peer_id] = address
+            self._idle.setdefault(peer_id, []).append(sock)
+
+    def connected(self, peer_id: str) -> bool:
+        with self._mu:
+            return peer_id in self._peers
+
+    def close(self, peer_id: str) -> None:
+        with self._mu:
+            self._peers.pop(peer_id, None)
+            idle = self._idle.pop(peer_id, [])
+        for sock in idle:
+            _close(sock)
+
+    # ---------------------------------------------------------------- sending
+
+    def send(self, peer_id: str, src_block_ids, ticket: Ticket, timeout: float) -> int:
+        """Fill the receiver's reservation ``ticket`` with our blocks ``src_block_ids`` (one per
+        reserved id, in its order); returns the bytes sent once the receiver acknowledged every
+        chunk (then they are in its pool)."""
+        if ticket.path != TCP:
+            raise ValueError(f"not a tcp ticket: {ticket.path!r}")
+        with self._mu:
+            address = self._peers.get(peer_id)
+        if address is None:
+            raise NotConnected(f"no tcp connection to {peer_id!r}: connect first")
+        src = check_source_ids(src_block_ids, self.kv_pool.shape[0])
+        if len(src) != len(ticket.block_ids):
+            raise ValueError(f"{len(src)} source blocks for {len(ticket.block_ids)} reserved")
+        if not src:
+            return 0
+        deadline = time.monotonic() + timeout
+        chunks = self._gather(src)
+        lanes = [chunks[i :: self.streams] for i in range(min(self.streams, len(chunks)))]
+        futures = [
+            self._workers.submit(self._send_lane, peer_id, address, ticket.token, lane, deadline)
+            for lane in lanes
+        ]
+        wait(futures)
+        for future in futures:
+            future.result()  # raises the first lane's failure
+        return len(src) * self.block_nbytes
+
+    def _gather(self, src: list[int]) -> list[_Chunk]:
+        per = self.blocks_per_chunk
+        runs = [(first, src[first : first + per]) for first in range(0, len(src), per)]
+        pool = self.kv_pool
+        if self._stream is None:
+            return [_Chunk(first, ids, None, None) for first, ids in runs]
+        chunks = []
+        with torch.cuda.device(pool.device):
+            self._stream.wait_stream(torch.cuda.current_stream(pool.device))  # the KV is written
+            with torch.cuda.stream(self._stream):
+                for first, ids in runs:
+                    index = torch.tensor(ids, dtype=torch.int64).to(pool.device, non_blocking=True)
+                    nbytes = len(ids) * self.block_nbytes
+                    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                    _blocks_of(host, pool).copy_(pool.index_select(0, index), non_blocking=True)
+                    ready = torch.cuda.Event()
+                    ready.record(self._stream)
+                    chunks.append(_Chunk(first, ids, host, ready))
+        return chunks
+
+    def _send_lane(self, peer_id, address, token: bytes, lane: list[_Chunk], deadline) -> None:
+        sock = self._take(peer_id, address, deadline)
+        ok = False
+        scratch = None  # CPU: one buffer per lane, reused for its chunks
+        try:
+            for chunk in lane:
+                if chunk.ready is not None:
+                    chunk.ready.synchronize()
+                    data = chunk.data
+                else:
+                    if scratch is None:
+                        scratch = torch.empty(
+                            self.blocks_per_chunk * self.block_nbytes, dtype=torch.uint8
+                        )
+                    data = scratch[: chunk.count * self.block_nbytes]
+                    index = torch.tensor(chunk.ids, dtype=torch.int64)
+                    torch.index_select(self.kv_pool, 0, index, out=_blocks_of(data, self.kv_pool))
+                view = memoryview(data.numpy())
+                header = pack_chunk(token, chunk.first, chunk.count, checksum(view))
+                _io(sock, deadline, sock.sendall, header)
+                _io(sock, deadline, sock.sendall, view)
+            for _ in lane:
+                _io(sock, deadline, read_ack, sock)
+            ok = True
+        except (OSError, WireError) as exc:
+            raise self._failure(sock, peer_id, exc) from None
+        finally:
+            if ok:
+                self._give_back(peer_id, sock)
+            else:
+                _close(sock)
+
+    def _failure(self, sock, peer_id: str, exc: BaseException) -> TransferError:
+        if isinstance(exc, TimeoutError):
+            return TransferTimeout(f"tcp transfer to {peer_id!r}: no progress before the deadline")
+        if isinstance(exc, OSError):
+            # The receiver may have refused a chunk and closed: its reason beats "broken pipe".
+            with contextlib.suppress(OSError, WireError):
+                sock.settimeout(0.5)
+                read_ack(sock)
+            self.close_idle(peer_id)
+            return PeerLost(f"tcp connection to {peer_id!r} broke: {exc}")
+        return TransferError(f"tcp transfer to {peer_id!r}: {exc}")
+
+    # ---------------------------------------------------------------- connections
+
+    def _open(self, address: TcpAddress, deadline: float) -> socket.socket:
+        try:
+            sock = socket.create_connection(
+                (address.host, address.port), timeout=max(deadline - time.monotonic(), 0.01)
+            )
+        except OSError as exc:
+            raise PeerLost(f"cannot connect to {address.host}:{address.port}: {exc}") from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def _take(self, peer_id: str, address: TcpAddress, deadline: float) -> socket.socket:
+        while True:
+            with self._mu:
+                idle = self._idle.get(peer_id)
+                sock = idle.pop() if idle else None
+            if sock is None:
+                return self._open(address, deadline)
+            # An idle connection has nothing to read; if it has, the receiver closed it.
+            readable, _, _ = select.select([sock], [], [], 0)
+            if not readable:
+                return sock
+            _close(sock)
+
+    def _give_back(self, peer_id: str, sock: socket.socket) -> None:
+        with self._mu:
+            idle = self._idle.get(peer_id) if peer_id in self._peers else None
+            if idle is not None and len(idle) < 2 * self.streams:
+                idle.append(sock)
+                return
+        _close(sock)
+
+    def close_idle(self, peer_id: str) -> None:
+        with self._mu:
+            idle = self._idle.get(peer_id, [])
+            socks, idle[:] = list(idle), []
+        for sock in socks:
+            _close(sock)
+
+    def shutdown(self) -> None:
+        with self._mu:
+            peers = list(self._peers)
+        for peer in peers:
+            self.close(peer)
+        self._workers.shutdown(wait=False)
+
+
+def _blocks_of(host: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+    return host.view(pool.dtype).view(-1, *pool.shape[1:])
+
+
+def _io(sock: socket.socket, deadline: float, op, *args):
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("deadline passed")
+    sock.settimeout(left)
+    return op(*args)
+
+
+def _close(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.close()
