@@ -43,13 +43,15 @@ fi
 
 # Debian packages: redis-server for the tests (required); podman, runc and debootstrap for the
 # container tests (tests/test_containers.py builds the CPU image and runs compose.cpu.yaml; it
-# skips, saying why, where they are missing).
+# skips, saying why, where they are missing); iproute2 for tests/test_netns.py (nodes in network
+# namespaces of their own; skips likewise).
 wanted=()
 command -v redis-server >/dev/null 2>&1 || wanted+=(redis-server)
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     for tool in podman runc debootstrap; do
         command -v "$tool" >/dev/null 2>&1 || wanted+=("$tool")
     done
+    command -v ip >/dev/null 2>&1 || wanted+=(iproute2)
 fi
 if [ ${#wanted[@]} -gt 0 ]; then
     log "installing ${wanted[*]}"

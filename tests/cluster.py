@@ -50,11 +50,16 @@ def wait_healthy(address: str, timeout: float = 120.0) -> None:
             time.sleep(0.2)
 
 
-def start_cli(name: str, args: list[str], tmp: Path) -> Proc:
-    """``python -m splitserve.cli ARGS --port 0 --port-file F``; returns once it is SERVING."""
+def start_cli(
+    name: str, args: list[str], tmp: Path, prefix: tuple[str, ...] = (), host: str = "127.0.0.1"
+) -> Proc:
+    """``python -m splitserve.cli ARGS --port 0 --port-file F``; returns once it is SERVING.
+    ``prefix``: a command it runs under (e.g. ``ip netns exec NS``); ``host``: where it is
+    reached (it must listen there)."""
     port_file = tmp / f"{name}-{time.monotonic_ns()}.port"
     log = port_file.with_suffix(".log")
     cmd = [
+        *prefix,
         sys.executable,
         "-m",
         "splitserve.cli",
@@ -70,7 +75,7 @@ def start_cli(name: str, args: list[str], tmp: Path) -> Proc:
         if popen.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"{name} did not start:\n{log.read_text()[-3000:]}")
         time.sleep(0.1)
-    proc = Proc(popen, f"127.0.0.1:{port_file.read_text().strip()}", log)
+    proc = Proc(popen, f"{host}:{port_file.read_text().strip()}", log)
     wait_healthy(proc.address)
     return proc
 
