@@ -19,6 +19,7 @@ from splitserve.kvstore.codec import batch_indices, decode_blocks, encode_blocks
 from splitserve.models.engine_loop import AsyncEngine
 from splitserve.models.kv_port import KVPort
 from splitserve.prefill_node.channels import Channels
+from splitserve.prefill_node.peer_layer import LayerFetch
 from splitserve.prefill_node.rates import MIN_FETCH_BLOCKS, Rates
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
@@ -35,7 +36,9 @@ class PeerFetcher:
         rates: Rates,
         channels: Channels,
         counters: Counter[str],
+        layer: LayerFetch | None = None,
     ) -> None:
+        self.layer = layer  # fetches through the transfer layer (ipc/tcp) where a path exists
         self.engine = engine
         self.port: KVPort = engine.kv_port
         self.root = root_hash
@@ -72,13 +75,23 @@ class PeerFetcher:
     async def _fetch_missing(self, peer: str, hashes: list[bytes], timeout) -> int:
         local = await self.engine.call(self.port.count_cached, hashes)
         want = hashes[local:]
-        if not self.rates.worth_fetching(len(want)):
+        path = await self.layer.path_to(peer) if self.layer is not None else None
+        if not self.rates.worth_fetching(len(want), path or "grpc"):
             if len(want) >= MIN_FETCH_BLOCKS:
                 self.counters["prefix_fetch_skipped_slower"] += 1
             return 0
         t0 = time.perf_counter()
+        timeout = min(FETCH_TIMEOUT_S, timeout or FETCH_TIMEOUT_S)
+        if path is not None:
+            adopted = await self.layer.fetch(peer, self.root, want, timeout)
+            if adopted is not None:  # None: the layer declined; fetch bytes
+                if adopted:
+                    seconds = time.perf_counter() - t0
+                    self.rates.fetched(adopted * self.block_nbytes, seconds, path)
+                    self.counters["prefix_blocks_fetched"] += adopted
+                return adopted
         try:
-            got = await self._receive(peer, want, min(FETCH_TIMEOUT_S, timeout or FETCH_TIMEOUT_S))
+            got = await self._receive(peer, want, timeout)
         except (grpc.aio.AioRpcError, ValueError) as exc:
             self.counters["prefix_fetch_failed"] += 1
             logger.warning("prefix fetch from %s failed, computing instead: %s", peer, exc)
@@ -122,10 +135,15 @@ class PeerFetcher:
 
     async def serve(self, request):
         """``FetchBlocks``: the longest leading run of the requested blocks held here, as
-        BlockData messages; the blocks are pinned while they are read."""
+        BlockData messages, or (with a ticket) through the transfer layer; the blocks are
+        pinned while they are read."""
         hashes = list(request.block_hashes)
         pinned = await self.engine.acquire(self.port.pin, self.port.unpin, hashes)
         try:
+            if request.ticket:
+                declined = nodes_pb2.FetchBlocksResponse()  # no transfer_path: fetch bytes
+                yield await self.layer.serve(request, pinned) if self.layer else declined
+                return
             for run in batch_indices(list(range(len(pinned))), self.block_nbytes):
                 ids = [pinned[i].block_id for i in run]
                 data = await self.engine.call(self.port.read, ids)

@@ -4,6 +4,7 @@ reflection, metrics) until SIGTERM, then drain."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 from splitserve.prefill_node.service import PrefillService
 from splitserve.runtime.config import NodeConfig
@@ -14,13 +15,27 @@ SERVICE_NAME = nodes_pb2.DESCRIPTOR.services_by_name["PrefillNodeService"].full_
 
 
 def make_service(engine, identity, config: NodeConfig, address: str) -> PrefillService:
-    from splitserve.transfer import KVSender
+    from splitserve.transfer import IPC, TCP, KVReceiver, KVSender
 
     paths = transfer_paths(config)
-    sender = None
+    pool = engine.kv_port.kv_pool
+    sender = receiver = None
     if len(paths) > 1:
-        sender = KVSender(engine.kv_port.kv_pool, address, paths=paths)
-    return PrefillService(engine, identity, config.transfer_deadline_s, sender=sender)
+        sender = KVSender(pool, address, paths=paths)
+    if IPC in paths or TCP in paths:
+        # Peers' prefix blocks come in through it (ipc/tcp; dist pairs are for decode nodes).
+        # A new id per process life, as the decode node's.
+        receiver = KVReceiver(
+            pool,
+            f"{address}#fetch-{uuid.uuid4().hex[:8]}",
+            ipc=False if IPC not in paths else None,
+            dist=False,
+            tcp=TCP in paths,
+            tcp_host=config.advertised_host() if TCP in paths else None,
+        )
+    return PrefillService(
+        engine, identity, config.transfer_deadline_s, sender=sender, receiver=receiver
+    )
 
 
 def serve(config: NodeConfig) -> None:

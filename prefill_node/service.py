@@ -20,6 +20,7 @@ from splitserve.models.engine import RequestDoesNotFit, StepOutput
 from splitserve.models.engine_loop import AsyncEngine
 from splitserve.prefill_node.channels import Channels
 from splitserve.prefill_node.peer_fetch import PeerFetcher
+from splitserve.prefill_node.peer_layer import LayerFetch
 from splitserve.prefill_node.rates import Rates
 from splitserve.prefill_node.shipper import KVShipper, ShipError
 from splitserve.runtime.metrics import LoadFigures
@@ -32,7 +33,12 @@ logger = logging.getLogger(__name__)
 
 class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
     def __init__(
-        self, engine: AsyncEngine, identity: ModelIdentity, deadline_s: float, sender=None
+        self,
+        engine: AsyncEngine,
+        identity: ModelIdentity,
+        deadline_s: float,
+        sender=None,
+        receiver=None,
     ) -> None:
         self.engine = engine
         self.identity = identity
@@ -44,8 +50,12 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
         self.shipper = KVShipper(
             engine, identity.root_hash, deadline_s, self.channels, self.counters, sender
         )
+        # Peer prefix fetches through the transfer layer: this node receives (receiver), peers
+        # that hold a prefix send (sender).
+        self.sender, self.receiver = sender, receiver
+        layer = LayerFetch(engine, self.channels, self.counters, sender, receiver)
         self.fetcher = PeerFetcher(
-            engine, identity.root_hash, self.rates, self.channels, self.counters
+            engine, identity.root_hash, self.rates, self.channels, self.counters, layer
         )
         self.draining = False  # set on SIGTERM: new prefills are refused, in-flight ones finish
         self._active = 0  # Prefill calls in flight
@@ -69,6 +79,8 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
     async def close(self) -> None:
         await self.channels.close()
         await self.shipper.close()
+        if self.receiver is not None:
+            await asyncio.to_thread(self.receiver.shutdown)
 
     def load(self) -> LoadFigures:
         return LoadFigures.of_engine(self.engine.engine)
@@ -183,4 +195,12 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
 
     async def GetStats(self, request, context):
         engine = self.engine.engine
-        return node_stats("prefill", engine, self.identity, self.load(), self.all_counters())
+        endpoint = self.sender.endpoint().to_bytes() if self.sender is not None else b""
+        return node_stats(
+            "prefill",
+            engine,
+            self.identity,
+            self.load(),
+            self.all_counters(),
+            transfer_endpoint=endpoint,
+        )

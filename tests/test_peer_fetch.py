@@ -1,5 +1,6 @@
-"""A prefill node fetches a prefix a peer holds instead of computing it; stale or dead peers
-fall back to computing; outputs are the same either way (token-exact with transformers)."""
+"""A prefill node fetches a prefix a peer holds instead of computing it — through the transfer
+layer (tcp on CPU) by default, as gRPC bytes from a node without it; stale or dead peers fall
+back to computing; outputs are the same either way (token-exact with transformers)."""
 
 import random
 
@@ -31,6 +32,7 @@ def setup(tmp_path_factory):
         start_node("prefill", model, tmp),
         start_node("prefill", model, tmp),
         start_node("decode", model, tmp),
+        start_node("prefill", model, tmp, "--kv-transfer", "none"),
     ]
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
@@ -78,7 +80,7 @@ def _stats(node):
 
 
 def test_prefix_fetched_from_peer_then_stale_and_dead_peers(setup):
-    (p1, p2, d), hf = setup
+    (p1, p2, d, _), hf = setup
     system = [random.randrange(256) for _ in range(96)]  # six full blocks
     a, b = [*system, 1, 2, 3], [*system, 7, 8]
     resp, tokens = _run(p1, d, "a", a)
@@ -89,7 +91,17 @@ def test_prefix_fetched_from_peer_then_stale_and_dead_peers(setup):
     assert resp.blocks_fetched == 6 and resp.cached_tokens == 96
     assert tokens == _greedy(hf, b)
     assert _stats(p1).counters["blocks_served_to_peers"] == 6
+    assert _stats(p1).counters["blocks_served_to_peers_tcp"] == 6  # not as gRPC bytes
+    assert _stats(p2).counters["prefix_fetches_tcp"] == 1
     assert _stats(p1).num_free_blocks == idle  # the served blocks were only pinned
+
+    # The peer holds only the first 3 of the 6 blocks asked for: those 3 are fetched.
+    second = [random.randrange(256) for _ in range(96)]
+    _run(p1, d, "a2", [*second, 1])
+    half = [*second[:48], *(random.randrange(256) for _ in range(48)), 2]
+    resp, tokens = _run(p2, d, "b2", half, peer_address=p1.address, peer_blocks=6)
+    assert resp.blocks_fetched == 3 and resp.cached_tokens == 48
+    assert tokens == _greedy(hf, half)
 
     fresh = [random.randrange(256) for _ in range(64)]
     resp, tokens = _run(p2, d, "c", fresh, peer_address=p1.address, peer_blocks=4)  # stale
@@ -100,6 +112,21 @@ def test_prefix_fetched_from_peer_then_stale_and_dead_peers(setup):
     resp, tokens = _run(p2, d, "e", other, peer_address="127.0.0.1:1", peer_blocks=4)  # dead
     assert resp.blocks_fetched == 0 and tokens == _greedy(hf, other)
     assert _stats(p2).counters["prefix_fetch_failed"] >= 1
+
+
+def test_a_node_without_the_layer_fetches_bytes(setup):
+    (p1, _, d, plain), hf = setup
+    system = [random.randrange(256) for _ in range(64)]  # four full blocks
+    a, b = [*system, 4, 5], [*system, 9]
+    _run(p1, d, "f", a)
+    served = _stats(p1).counters
+    resp, tokens = _run(plain, d, "g", b, peer_address=p1.address, peer_blocks=4)
+    assert resp.blocks_fetched == 4 and resp.cached_tokens == 64
+    assert tokens == _greedy(hf, b)
+    after = _stats(p1).counters
+    assert after["blocks_served_to_peers"] - served["blocks_served_to_peers"] == 4
+    assert after["blocks_served_to_peers_tcp"] == served["blocks_served_to_peers_tcp"]
+    assert not _stats(plain).transfer_endpoint  # it offers no path
 
 
 def test_a_prefix_is_fetched_only_when_that_beats_computing_it():

@@ -173,3 +173,19 @@ def test_listener_bounds_connections():
         for sock in socks:
             sock.close()
         rx.shutdown()
+
+
+def test_complete_prefix_takes_only_blocks_that_arrived(cluster):
+    """A peer holding fewer blocks than asked fills the first n of a reservation: it ends done
+    with those n in; claiming more than arrived fails it."""
+    rx, pool, _ = cluster
+    two = bytes(u8(SOURCE[[5, 6]]).reshape(-1).numpy())
+    res = rx.reserve("peer", [17, 18, 19, 21], TCP)
+    raw_chunk(rx, res.ticket.token, 0, 2, two)
+    rx.complete_prefix(res, 2)
+    assert res.state == "done" and torch.equal(u8(pool[[17, 18]]), u8(SOURCE[[5, 6]]))
+    res = rx.reserve("peer", [17, 18, 19, 21], TCP)
+    raw_chunk(rx, res.ticket.token, 0, 2, two)
+    with pytest.raises(TransferError, match="did not all arrive"):
+        rx.complete_prefix(res, 3)
+    assert res.state == "failed"

@@ -169,6 +169,17 @@ class KVReceiver:
             raise ValueError(f"{res.path} reservations complete in receive()")
         res._complete()
 
+    def complete_prefix(self, res: Reservation, n: int) -> None:
+        """ipc/tcp: the sender filled only the first ``n`` reserved blocks and said so (a peer's
+        prefix fetch: it held fewer than asked); end the reservation as done. tcp checks that
+        those blocks arrived (``TransferError`` otherwise). The other blocks were never written."""
+        if res.path == TCP and self._tcp is not None:
+            self._tcp.complete_prefix(res, n)
+        elif res.path == IPC:
+            res._complete()
+        else:
+            raise ValueError(f"complete_prefix() is for ipc/tcp reservations, not {res.path}")
+
     def cancel(self, res: Reservation) -> None:
         """Abandon a reservation; afterwards nothing of this layer writes into its blocks.
         (ipc: the writer is the sender's process: free the blocks only once the sender is

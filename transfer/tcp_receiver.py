@@ -21,7 +21,7 @@ import torch
 
 from splitserve.transfer.endpoint import TCP, TcpAddress
 from splitserve.transfer.errors import TransferError, TransferTimeout
-from splitserve.transfer.reservation import Reservation, block_nbytes
+from splitserve.transfer.reservation import RESERVED, Reservation, block_nbytes
 from splitserve.transfer.tcp_wire import (
     CHUNK,
     OK,
@@ -40,30 +40,36 @@ MAX_CHUNK_BYTES = 64 << 20  # a chunk is at most this (or one block, if a block 
 
 
 class _Inbound:
-    """A tcp reservation's progress: which of its blocks have been written."""
+    """A tcp reservation's progress: which of its blocks a chunk has claimed, which are in."""
 
     def __init__(self, res: Reservation) -> None:
         self.res = res
-        self.written = bytearray(len(res.block_ids))
+        self.claimed = bytearray(len(res.block_ids))
+        self.landed = bytearray(len(res.block_ids))
         self.left = len(res.block_ids)
         self.mu = threading.Lock()
 
     def claim(self, first: int, count: int) -> str | None:
         """Take blocks ``[first, first + count)`` for one chunk; why not (None: taken)."""
-        n = len(self.written)
+        n = len(self.claimed)
         if count == 0 or first >= n or count > n - first:
             return f"blocks {first}..{first + count} are outside the reservation of {n}"
         with self.mu:
-            if any(self.written[first : first + count]):
+            if any(self.claimed[first : first + count]):
                 return "blocks sent twice"
-            self.written[first : first + count] = b"\1" * count
+            self.claimed[first : first + count] = b"\1" * count
             return None
 
-    def written_out(self, count: int) -> bool:
-        """``count`` claimed blocks are in the pool; True once every block is."""
+    def landed_run(self, first: int, count: int) -> bool:
+        """A claimed run is in the pool; True once every block is."""
         with self.mu:
+            self.landed[first : first + count] = b"\1" * count
             self.left -= count
             return self.left == 0
+
+    def has_prefix(self, n: int) -> bool:
+        with self.mu:
+            return all(self.landed[:n])
 
 
 class TcpReceiver:
@@ -116,6 +122,20 @@ class TcpReceiver:
         try:
             if not res._wait_ended(timeout):
                 res._fail(TransferTimeout(f"no complete tcp transfer within {timeout:.1f} s"))
+            res.result()
+        finally:
+            self._forget(res)
+
+    def complete_prefix(self, res: Reservation, n: int) -> None:
+        """The sender filled only the reservation's first ``n`` blocks (a peer that held fewer):
+        end it as done if they are all in, else fail it; ``TransferError`` then."""
+        try:
+            with self._mu:
+                entry = self._inbound.get(res.ticket.token)
+            if res.state == RESERVED and (entry is None or not entry.has_prefix(n)):
+                res._fail(TransferError(f"the first {n} blocks did not all arrive"))
+            if not res.ended:
+                res._complete()
             res.result()
         finally:
             self._forget(res)
@@ -209,7 +229,7 @@ class TcpReceiver:
                 entry.res.write(ids, blocks)
         except TransferError:
             return "the reservation ended (cancelled or failed)"
-        if entry.written_out(count):
+        if entry.landed_run(first, count):
             with contextlib.suppress(TransferError):
                 entry.res._complete()
         return None

@@ -46,14 +46,18 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., blocks_shipped: _Optional[int] = ..., blocks_reused: _Optional[int] = ..., bytes_shipped: _Optional[int] = ..., blocks_fetched: _Optional[int] = ...) -> None: ...
 
 class FetchBlocksRequest(_message.Message):
-    __slots__ = ("block_hashes", "model_root_hash", "block_nbytes")
+    __slots__ = ("block_hashes", "model_root_hash", "block_nbytes", "receiver_endpoint", "ticket")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     MODEL_ROOT_HASH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     model_root_hash: bytes
     block_nbytes: int
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., model_root_hash: _Optional[bytes] = ..., block_nbytes: _Optional[int] = ...) -> None: ...
+    receiver_endpoint: bytes
+    ticket: bytes
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., model_root_hash: _Optional[bytes] = ..., block_nbytes: _Optional[int] = ..., receiver_endpoint: _Optional[bytes] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class TransferKVRequest(_message.Message):
     __slots__ = ("header", "blocks", "end")
@@ -106,12 +110,16 @@ class TransferEnd(_message.Message):
     def __init__(self) -> None: ...
 
 class FetchBlocksResponse(_message.Message):
-    __slots__ = ("meta", "data")
+    __slots__ = ("meta", "data", "blocks_sent", "transfer_path")
     META_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_SENT_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_PATH_FIELD_NUMBER: _ClassVar[int]
     meta: bytes
     data: bytes
-    def __init__(self, meta: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
+    blocks_sent: int
+    transfer_path: str
+    def __init__(self, meta: _Optional[bytes] = ..., data: _Optional[bytes] = ..., blocks_sent: _Optional[int] = ..., transfer_path: _Optional[str] = ...) -> None: ...
 
 class TransferKVResponse(_message.Message):
     __slots__ = ("missing", "done", "blocks_reused", "ticket")

@@ -60,7 +60,8 @@ class PrefillNodeServiceServicer:
     def FetchBlocks(self, request, context):
         """Serve cached blocks to a peer: the longest leading run of the asked hashes this node still
         holds, as FetchBlocksResponse messages (indices into block_hashes). A hint can be stale: fewer blocks
-        (or none) is a normal answer.
+        (or none) is a normal answer. With a ticket, the blocks go through the transfer layer into the
+        asker's reservation instead, and one final message says how many.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,195 @@
+"""Peer prefix fetches through the transfer layer: the asking prefill node reserves blocks for
+the prefix, hands the holder a ticket in ``FetchBlocks``, and the holder copies its leading run
+of those blocks straight into them (ipc on one host, tcp otherwise; dist pairs are kept for
+decode nodes) — no gRPC bytes, no Python copies.
+
+    asker: reserve (KV port, then the layer) → FetchBlocks(hashes, its endpoint, ticket)
+    holder: pin the run it holds → connect → send the first n blocks → FetchBlocksResponse(n)
+    asker: complete_prefix(n) → register the n hashes → free the request (they stay cached)
+
+Any failure frees what the asker reserved (an ipc reservation the holder may still be writing
+only after IPC_FREE_GRACE_S) and the caller falls back to gRPC bytes or computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+import time
+import uuid
+from collections import Counter
+
+import grpc
+
+from splitserve.models.engine_loop import AsyncEngine, settle
+from splitserve.prefill_node.channels import Channels
+from splitserve.transfer import GRPC, IPC, TCP, Endpoint, KVReceiver, KVSender, Ticket, choose_path
+from splitserve.transfer import TransferError as TransferLayerError
+from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+FETCH_PATHS = (IPC, TCP)
+ROUTE_TTL_S = 60.0  # a peer's sender endpoint is looked up again after this long
+CONNECT_WAIT_S = 2.0  # the holder waits this long for a path to be set up, then declines
+IPC_FREE_GRACE_S = 10.0  # as the decode node's: a copy the holder queued may still land
+
+
+class LayerFetch:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        channels: Channels,
+        counters: Counter[str],
+        sender: KVSender | None,
+        receiver: KVReceiver | None,
+    ) -> None:
+        self.engine, self.port = engine, engine.kv_port
+        self.channels, self.counters = channels, counters
+        self.sender, self.receiver = sender, receiver
+        self._rx_endpoint = receiver.endpoint() if receiver is not None else None
+        self._routes: dict[str, tuple[tuple[str, str] | None, float]] = {}
+        self._later: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------------ asking
+
+    async def fetch(self, peer: str, root: bytes, want: list[bytes], timeout: float) -> int | None:
+        """Fetch the leading run of ``want`` that ``peer`` holds into the prefix cache through
+        the layer; how many blocks were adopted, or None: no layer path to that peer (fetch
+        bytes instead)."""
+        route = await self._route(peer)
+        if route is None:
+            return None
+        path, sender_id = route
+        rid = f"fetch-{uuid.uuid4().hex}"
+        n = len(want)
+        reserved = await self.engine.call_to_end(
+            self.port.reserve, rid, want, n * self.port.block_size
+        )
+        if reserved is None:
+            return 0  # the pool is short: compute
+        res, adopted = None, False
+        try:
+            if reserved.missing != list(range(n)):
+                return None  # some became cached meanwhile: the byte path copes with gaps
+            res = self.receiver.reserve(sender_id, reserved.dest, path)
+            stub = nodes_pb2_grpc.PrefillNodeServiceStub(self.channels.get(peer))
+            request = nodes_pb2.FetchBlocksRequest(
+                block_hashes=want,
+                model_root_hash=root,
+                block_nbytes=self.port.block_nbytes,
+                receiver_endpoint=self._rx_endpoint.to_bytes(),
+                ticket=res.ticket.to_bytes(),
+            )
+            sent = await self._sent(stub.FetchBlocks(request, timeout=timeout), n)
+            if sent is None:
+                self._routes.pop(peer, None)  # declined: look the peer up afresh next time
+                return None
+            self.receiver.complete_prefix(res, sent)
+            if sent:
+                await self.engine.call_to_end(self.port.register, rid, want[:sent])
+            adopted = True
+            self.counters[f"prefix_fetches_{path}"] += 1
+            return sent
+        except (grpc.aio.AioRpcError, TransferLayerError, ValueError) as exc:
+            self.counters["prefix_fetch_failed"] += 1
+            logger.warning("prefix fetch from %s over %s failed: %s", peer, path, exc)
+            return 0
+        finally:
+            await self._release(rid, res, adopted)
+
+    async def _sent(self, call, n: int) -> int | None:
+        """The holder's answer: blocks sent (None: it declined the layer)."""
+        sent = None
+        async for msg in call:
+            if msg.meta or msg.data or sent is not None:
+                raise ValueError("the peer answered a layer fetch with something else")
+            if not msg.transfer_path:
+                return None
+            if msg.blocks_sent > n:
+                raise ValueError(f"the peer says it sent {msg.blocks_sent} of {n} blocks")
+            sent = msg.blocks_sent
+        return sent
+
+    async def _release(self, rid: str, res, adopted: bool) -> None:
+        if res is not None and not res.ended:
+            self.receiver.cancel(res)
+            if res.path == IPC:  # the holder's copy may still be queued on its GPU
+                self._free_later(rid)
+                return
+        await self.engine.call_to_end(self.port.free, rid)
+
+    def _free_later(self, rid: str) -> None:
+        self.counters["ipc_blocks_quarantined"] += 1
+
+        async def free() -> None:
+            await asyncio.sleep(IPC_FREE_GRACE_S)
+            await self.engine.call_to_end(self.port.free, rid)
+
+        task = asyncio.create_task(free())
+        self._later.add(task)
+        task.add_done_callback(self._later.discard)
+
+    async def path_to(self, peer: str) -> str | None:
+        """The layer path fetches from ``peer`` take (ipc/tcp); None: gRPC bytes."""
+        route = await self._route(peer)
+        return route[0] if route is not None else None
+
+    async def _route(self, peer: str) -> tuple[str, str] | None:
+        """(path, the holder's sender id) for fetches from ``peer``, cached ROUTE_TTL_S."""
+        if self.receiver is None:
+            return None
+        cached = self._routes.get(peer)
+        if cached is not None and time.monotonic() - cached[1] < ROUTE_TTL_S:
+            return cached[0]
+        route = None
+        try:
+            stats = await nodes_pb2_grpc.NodeStatsServiceStub(self.channels.get(peer)).GetStats(
+                nodes_pb2.GetStatsRequest(), timeout=5.0
+            )
+            if stats.role == "prefill" and stats.transfer_endpoint:
+                theirs = Endpoint.from_bytes(stats.transfer_endpoint)
+                path = choose_path(theirs, self._rx_endpoint, FETCH_PATHS)
+                route = None if path == GRPC else (path, theirs.node_id)
+        except (grpc.aio.AioRpcError, ValueError) as exc:
+            logger.info("prefix fetch path to %s: %s", peer, exc)
+        self._routes[peer] = (route, time.monotonic())
+        return route
+
+    # ------------------------------------------------------------------ holding
+
+    async def serve(self, request, pinned) -> nodes_pb2.FetchBlocksResponse:
+        """Send the ``pinned`` blocks (the leading run of the asked hashes held here) into the
+        asker's reservation; the answer says how many (``transfer_path`` empty: declined)."""
+        declined = nodes_pb2.FetchBlocksResponse()
+        if self.sender is None:
+            return declined
+        try:
+            ticket = Ticket.from_bytes(request.ticket)
+        except ValueError:
+            return declined
+        if ticket.sender_id != self.sender.node_id or len(ticket.block_ids) != len(
+            request.block_hashes
+        ):
+            return declined
+        try:
+            connect = asyncio.to_thread(self.sender.connect, request.receiver_endpoint)
+            path = await asyncio.wait_for(asyncio.shield(connect), CONNECT_WAIT_S)
+        except (TimeoutError, ValueError, TransferLayerError) as exc:
+            logger.info("prefix fetch by a peer: no layer path (%s)", exc)
+            return declined
+        if path != ticket.path:
+            return declined
+        n = len(pinned)
+        if n:
+            mine = dataclasses.replace(ticket, block_ids=ticket.block_ids[:n])
+            src = [b.block_id for b in pinned]
+            send = functools.partial(self.sender.send, mine, src, timeout=30.0)
+            # Awaited to its end even if the call is cancelled: an ipc copy is never left
+            # running into blocks the asker may free.
+            await settle(asyncio.get_running_loop().run_in_executor(None, send))
+            self.counters["blocks_served_to_peers"] += n
+            self.counters[f"blocks_served_to_peers_{path}"] += n
+        return nodes_pb2.FetchBlocksResponse(blocks_sent=n, transfer_path=path)
