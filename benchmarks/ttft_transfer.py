@@ -3,11 +3,12 @@
     python benchmarks/ttft_transfer.py --device cuda --make-8b /tmp/llama8b [--prompt-len 4096]
     python benchmarks/ttft_transfer.py --paths none dist --prompt-len 512     # CPU, tiny model
 
-Per path (``--kv-transfer`` of both nodes: ``none`` = gRPC bytes, ``ipc``, ``dist``), a fresh
-local cluster of one prefill and one decode node; ``--requests`` prompts of unique random tokens
-(nothing cached anywhere) are sent one at a time, ``--gen`` output tokens each, after one warm-up
-request. Reported: mean and median time to first token as the client sees it (prefill, shipping
-the whole prompt's KV into the decode node, the first token back), and the decode node's transfer
+Per path (``--kv-transfer`` of both nodes: ``none`` = gRPC bytes, ``ipc``, ``dist``, ``tcp``), a
+fresh local cluster of one prefill and one decode node; ``--requests`` prompts of unique random
+tokens (nothing cached anywhere) are sent one at a time, ``--gen`` output tokens each, after one
+warm-up request. Reported: mean and median time to first token as the client sees it (prefill,
+shipping the whole prompt's KV into the decode node, the first token back), and the decode
+node's transfer
 counters (which path the blocks took).
 """
 
@@ -96,7 +97,9 @@ def main() -> None:
             ttft_median_s=statistics.median(times),
             transfers=counters.get("transfers", 0),
             via_layer=sum(
-                v for k, v in counters.items() if k in ("transfers_ipc", "transfers_dist")
+                v
+                for k, v in counters.items()
+                if k in ("transfers_ipc", "transfers_dist", "transfers_tcp")
             ),
             gb_received=counters.get("bytes_received", 0) / 1e9,
         )

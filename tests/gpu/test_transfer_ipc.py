@@ -67,6 +67,21 @@ def test_ipc_ships_blocks_byte_exact(ipc_pair):
     assert torch.equal(u8(pool[[3, 4]]), u8(source[[8, 9]]))
 
 
+def test_ipc_prefix_fill_of_a_reservation(ipc_pair):
+    """A peer's prefix fetch: the holder had 2 of the 4 reserved blocks and fills those (a ticket
+    cut to them); the reservation ends done, the other 2 blocks untouched."""
+    rx, pool, sender, source = ipc_pair
+    before = pool.clone()
+    res = rx.reserve(sender.node_id, [50, 51, 52, 53], IPC)
+    cut = Ticket(IPC, res.ticket.receiver_id, sender.node_id, res.block_ids[:2])
+    sender.call("send", cut.to_bytes(), [11, 12], 30.0)
+    rx.complete_prefix(res, 2)
+    assert res.state == "done"
+    torch.cuda.synchronize()
+    assert torch.equal(u8(pool[[50, 51]]), u8(source[[11, 12]]))
+    assert torch.equal(u8(pool[[52, 53]]), u8(before[[52, 53]]))
+
+
 def test_ipc_sender_refuses_bad_destination_ids(ipc_pair):
     rx, pool, sender, _ = ipc_pair
     before = pool.clone()
