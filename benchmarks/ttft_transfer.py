@@ -8,8 +8,7 @@ fresh local cluster of one prefill and one decode node; ``--requests`` prompts o
 tokens (nothing cached anywhere) are sent one at a time, ``--gen`` output tokens each, after one
 warm-up request. Reported: mean and median time to first token as the client sees it (prefill,
 shipping the whole prompt's KV into the decode node, the first token back), and the decode
-node's transfer
-counters (which path the blocks took).
+node's transfer counters (which path the blocks took).
 """
 
 from __future__ import annotations
