@@ -21,6 +21,7 @@ from splitserve.models.kv_port import KVPort
 from splitserve.prefill_node.channels import Channels
 from splitserve.prefill_node.peer_layer import LayerFetch
 from splitserve.prefill_node.rates import MIN_FETCH_BLOCKS, Rates
+from splitserve.runtime.auth import call_metadata
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -116,6 +117,7 @@ class PeerFetcher:
                 block_hashes=want, model_root_hash=self.root, block_nbytes=self.block_nbytes
             ),
             timeout=timeout,
+            metadata=call_metadata(),
         )
         got: dict[int, bytes] = {}
         size = self.block_nbytes

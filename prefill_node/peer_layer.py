@@ -25,6 +25,7 @@ import grpc
 
 from splitserve.models.engine_loop import AsyncEngine, settle
 from splitserve.prefill_node.channels import Channels
+from splitserve.runtime.auth import call_metadata
 from splitserve.transfer import GRPC, IPC, TCP, Endpoint, KVReceiver, KVSender, Ticket, choose_path
 from splitserve.transfer import TransferError as TransferLayerError
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
@@ -83,7 +84,8 @@ class LayerFetch:
                 receiver_endpoint=self._rx_endpoint.to_bytes(),
                 ticket=res.ticket.to_bytes(),
             )
-            sent = await self._sent(stub.FetchBlocks(request, timeout=timeout), n)
+            call = stub.FetchBlocks(request, timeout=timeout, metadata=call_metadata())
+            sent = await self._sent(call, n)
             if sent is None:
                 self._routes.pop(peer, None)  # declined: look the peer up afresh next time
                 return None
@@ -147,7 +149,7 @@ class LayerFetch:
         route = None
         try:
             stats = await nodes_pb2_grpc.NodeStatsServiceStub(self.channels.get(peer)).GetStats(
-                nodes_pb2.GetStatsRequest(), timeout=5.0
+                nodes_pb2.GetStatsRequest(), timeout=5.0, metadata=call_metadata()
             )
             if stats.role == "prefill" and stats.transfer_endpoint:
                 theirs = Endpoint.from_bytes(stats.transfer_endpoint)

@@ -22,6 +22,7 @@ from splitserve.kvstore.codec import batch_indices, encode_blocks
 from splitserve.models.engine_loop import AsyncEngine, settle
 from splitserve.models.kv_port import KVPort
 from splitserve.prefill_node.channels import Channels
+from splitserve.runtime.auth import call_metadata
 from splitserve.transfer import GRPC, Endpoint
 from splitserve.transfer import TransferError as TransferLayerError
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
@@ -62,7 +63,7 @@ class _Stream:
     def __init__(self, stub, header: nodes_pb2.TransferHeader, timeout: float | None) -> None:
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.outbox.put_nowait(nodes_pb2.TransferKVRequest(header=header))
-        self.call = stub.TransferKV(self._messages(), timeout=timeout)
+        self.call = stub.TransferKV(self._messages(), timeout=timeout, metadata=call_metadata())
 
     async def _messages(self):
         while (msg := await self.outbox.get()) is not None:
@@ -240,7 +241,7 @@ class KVShipper:
         try:
             stats = await nodes_pb2_grpc.NodeStatsServiceStub(
                 self.channels.get(decode_address)
-            ).GetStats(nodes_pb2.GetStatsRequest(), timeout=5.0)
+            ).GetStats(nodes_pb2.GetStatsRequest(), timeout=5.0, metadata=call_metadata())
         except grpc.aio.AioRpcError:
             return None
         if not stats.transfer_endpoint:

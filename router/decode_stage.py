@@ -16,6 +16,7 @@ from splitserve.router.errors import UNREACHABLE, GenerateError
 from splitserve.router.pool import Node
 from splitserve.router.prefill_stage import Prefilled
 from splitserve.router.registry import NodeRegistry
+from splitserve.runtime.auth import call_metadata
 from splitserve.v1 import nodes_pb2
 
 CANCEL_WAIT_S = 5.0  # how long an abandoned Decode call waits for the node's first answer
@@ -35,6 +36,7 @@ class DecodeStage:
         call = stub.Decode(
             nodes_pb2.DecodeRequest(request_id=prefilled.node_request_id),
             timeout=max(deadline - time.monotonic(), 0.001),
+            metadata=call_metadata(),
         )
         return DecodeCall(self, prefilled.decode_node, call, deadline)
 
@@ -42,7 +44,10 @@ class DecodeStage:
         """Free a transferred request on its decode node without waiting for its deadline:
         start its Decode and cancel it (in the background; the client has its answer)."""
         stub = self._registry.decode_stub(prefilled.decode_node)
-        call = stub.Decode(nodes_pb2.DecodeRequest(request_id=prefilled.node_request_id))
+        call = stub.Decode(
+            nodes_pb2.DecodeRequest(request_id=prefilled.node_request_id),
+            metadata=call_metadata(),
+        )
         self.cancel_once_started(call, asyncio.ensure_future(call.read()))
 
     def cancel_once_started(self, call: grpc.aio.UnaryStreamCall, first_read: asyncio.Future):

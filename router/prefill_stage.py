@@ -23,6 +23,7 @@ from splitserve.router.pool import Node, NodePool, prompt_tokens_to_compute
 from splitserve.router.prefix import PrefixLookup
 from splitserve.router.registry import NodeRegistry
 from splitserve.router.request import GenerateParams
+from splitserve.runtime.auth import call_metadata
 from splitserve.runtime.metrics import RouterMetrics
 from splitserve.runtime.protocol import sampling_to_proto
 from splitserve.v1 import nodes_pb2
@@ -140,7 +141,7 @@ class PrefillStage:
         reg.decode.acquire(d)
         ok = False
         try:
-            call = reg.prefill_stub(p).Prefill(request, timeout=remaining)
+            call = reg.prefill_stub(p).Prefill(request, timeout=remaining, metadata=call_metadata())
             try:
                 response = await call
             finally:

@@ -19,6 +19,7 @@ from redis.exceptions import RedisError
 from splitserve.kvstore import ModelIdentity
 from splitserve.kvstore.redis_index import NodeInfo, PrefixIndex
 from splitserve.router.pool import DEFAULT_DOWN_S, Node, NodePool
+from splitserve.runtime.auth import call_metadata
 from splitserve.runtime.metrics import LoadFigures
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
@@ -57,7 +58,9 @@ class NodeRegistry:
     async def stats(self, node: Node, timeout: float = 2.0) -> nodes_pb2.GetStatsResponse:
         """The node's GetStats (raises grpc.aio.AioRpcError)."""
         stub = nodes_pb2_grpc.NodeStatsServiceStub(self.channel(node))
-        return await stub.GetStats(nodes_pb2.GetStatsRequest(), timeout=timeout)
+        return await stub.GetStats(
+            nodes_pb2.GetStatsRequest(), timeout=timeout, metadata=call_metadata()
+        )
 
     async def probe(self, node: Node, timeout: float = 1.0) -> bool:
         """True when the node answers grpc.health.v1 Check with SERVING within ``timeout``."""

@@ -10,6 +10,7 @@ from splitserve.kvstore.redis_index import PrefixIndex
 from splitserve.router.registry import NodeRegistry
 from splitserve.router.request import ModelInfo
 from splitserve.router.service import RouterService
+from splitserve.runtime.auth import read_token_file, use_token
 from splitserve.runtime.config import RouterConfig
 from splitserve.runtime.metrics import RouterMetrics, serve_metrics
 from splitserve.runtime.server import Server
@@ -71,6 +72,8 @@ async def start_router(config: RouterConfig, model: ModelInfo) -> tuple[Server, 
 
 
 async def _serve(config: RouterConfig) -> None:
+    # The nodes' internal services ask for the cluster token; the router's own stays public.
+    use_token(read_token_file(config.auth_token_file) if config.auth_token_file else None)
     index = prefix_index(config)
     model = ModelInfo.load(config.model_path)
     metrics = RouterMetrics()

@@ -45,6 +45,10 @@ _PORT_FILE_HELP = "write the bound port here once serving (for launchers)"
 _METRICS_HELP = "serve Prometheus /metrics on this port (0: any free one; default: none)"
 _REDIS_HELP = "node registry + prefix index: discovery and cache-aware routing (default: none)"
 _BLOCK_HELP = "tokens per KV block, part of the model identity (the same everywhere)"
+_AUTH_HELP = (
+    "a file holding the cluster token: internal calls must carry it (authorization: Bearer) "
+    "and this process sends it on its own (default: none, internal services open)"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +69,7 @@ class NodeConfig:
         30.0, "on SIGTERM, how long in-flight requests may take to finish"
     )
     metrics_port: int | None = option(None, _METRICS_HELP)
+    auth_token_file: str | None = option(None, _AUTH_HELP)
     device: str = option("cpu", "cpu or cuda[:N]")
     kv_transfer: str = option(
         "ipc,dist,tcp",
@@ -135,4 +140,5 @@ class RouterConfig:
         None, "the nodes' dtype, part of the model identity (default: the checkpoint's)"
     )
     metrics_port: int | None = option(None, _METRICS_HELP)
+    auth_token_file: str | None = option(None, _AUTH_HELP)
     block_size: int = option(DEFAULT_BLOCK_SIZE, _BLOCK_HELP)

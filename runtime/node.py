@@ -8,6 +8,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+from splitserve.runtime.auth import TokenCheck, read_token_file, use_token
 from splitserve.runtime.config import NodeConfig
 from splitserve.runtime.server import Server
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
@@ -151,7 +152,14 @@ async def serve_node(config: NodeConfig, role: str, make_service, add_servicer, 
 
     loop_engine = AsyncEngine(engine)
     loop_engine.start()
-    server = Server(config.host, config.port, [service_name, STATS_SERVICE_NAME])
+    token = read_token_file(config.auth_token_file) if config.auth_token_file else None
+    use_token(token)  # its own calls to peers carry it too
+    server = Server(
+        config.host,
+        config.port,
+        [service_name, STATS_SERVICE_NAME],
+        interceptors=[TokenCheck(token)] if token else (),
+    )
     address = f"{config.advertised_host()}:{server.port}"
     service = make_service(loop_engine, identity, config, address)
     add_servicer(service, server.server)

@@ -29,8 +29,10 @@ SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
 
 
 class Server:
-    def __init__(self, host: str, port: int, service_names: Sequence[str]) -> None:
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+    def __init__(
+        self, host: str, port: int, service_names: Sequence[str], interceptors: Sequence = ()
+    ) -> None:
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)

@@ -44,8 +44,11 @@ def cmd_node(args: argparse.Namespace) -> int:
     kwargs = config_kwargs(NodeConfig, args, model_path=model_path(args.model_path))
     config = NodeConfig(**{**kwargs, "device": claimed or kwargs["device"]})
     try:
+        from splitserve.runtime.auth import read_token_file
         from splitserve.runtime.node import transfer_paths, use_device
 
+        if config.auth_token_file:
+            read_token_file(config.auth_token_file)  # refuse a bad token before loading a model
         transfer_paths(config)
         use_device(config.device)  # after the GPU claim: it fixes what CUDA sees
     except ValueError as exc:
@@ -69,6 +72,10 @@ def cmd_router(args: argparse.Namespace) -> int:
     try:
         path = model_path(args.model_path)
         config = RouterConfig(**config_kwargs(RouterConfig, args, model_path=path))
+        if config.auth_token_file:
+            from splitserve.runtime.auth import read_token_file
+
+            read_token_file(config.auth_token_file)
     except ValueError as exc:
         return _error(str(exc), 2)
     from splitserve.router.server import serve
@@ -122,11 +129,13 @@ def cmd_up(args: argparse.Namespace) -> int:
             for address in addresses:
                 print(f"{role:8s} {address}", flush=True)
         print(f"redis    {a.redis_url}", flush=True)
+        if a.token_file:
+            print(f"token    {a.token_file} (internal calls carry it)", flush=True)
         print(f"ready: splitserve generate --target {a.router} 'Hello'", flush=True)
         while (dead := cluster.poll()) is None:
             time.sleep(0.5)
         return _error(f"{dead} exited; stopping the cluster", 1)
-    except (RuntimeError, TimeoutError) as exc:
+    except (RuntimeError, TimeoutError, ValueError) as exc:
         return _error(str(exc), 1)
     except KeyboardInterrupt:
         return 0

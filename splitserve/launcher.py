@@ -58,6 +58,12 @@ class ClusterSpec:
         "run each node under a host name of its own (a UTS namespace, `unshare --uts`; needs "
         "root): the layout of one container per node, on one kernel",
     )
+    auth_token_file: str | None = option(
+        None,
+        "the cluster token every internal call must carry: a file, `auto` (a new random one in "
+        "the run folder, printed) or `none`",
+        cli_default="auto",
+    )
     stop_grace_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -96,6 +102,7 @@ class ClusterAddresses:
     prefill: tuple[str, ...]
     decode: tuple[str, ...]
     redis_url: str
+    token_file: str | None = None  # the cluster token (None: internal services are open)
 
 
 @dataclass(slots=True)
@@ -171,6 +178,9 @@ class LocalCluster:
         if spec.prefix_index:
             redis_url = spec.redis_url or self._start_redis(deadline)
         index_flags = ["--redis-url", redis_url] if redis_url else []
+        token_file = self._token_file()
+        if token_file:
+            index_flags += ["--auth-token-file", token_file]
         placement = spec.placement(_visible_gpus() if spec.device == "cuda" else 0)
         roles = ["prefill"] * spec.num_prefill + ["decode"] * spec.num_decode
         procs = []
@@ -187,8 +197,32 @@ class LocalCluster:
         router_flags += ["--prefill", ",".join(prefill_addrs), "--decode", ",".join(decode_addrs)]
         router = self._component("router", 0, router_flags)
         router_addr = self._wait_ready(router, deadline)
-        self.addresses = ClusterAddresses(router_addr, prefill_addrs, decode_addrs, redis_url)
+        self.addresses = ClusterAddresses(
+            router_addr, prefill_addrs, decode_addrs, redis_url, token_file
+        )
         return self.addresses
+
+    def _token_file(self) -> str | None:
+        """The token file every component gets: ``auto`` writes a new one into the run folder."""
+        given = self.spec.auth_token_file
+        if given is None or given == "none":
+            return None
+        from splitserve.runtime.auth import read_token_file, write_token_file
+
+        if given == "auto":
+            path = self._workdir / "cluster-token"
+            write_token_file(path)
+            return str(path)
+        read_token_file(given)  # a clear error now rather than from every component
+        return given
+
+    @property
+    def call_metadata(self):
+        """Metadata for calls to the nodes' internal services (GetStats, ...) from outside."""
+        from splitserve.runtime.auth import metadata_for, read_token_file
+
+        token_file = self.addresses.token_file if self.addresses else None
+        return metadata_for(read_token_file(token_file)) if token_file else None
 
     def _start_redis(self, deadline: float) -> str:
         exe = shutil.which("redis-server")

@@ -1,10 +1,11 @@
-"""`splitserve up` as a user runs it: a local cluster comes up, serves `generate --target`, and
-Ctrl-C stops every process it started. A decode node that is out of KV blocks refuses with
-RESOURCE_EXHAUSTED and the router retries on another."""
+"""`splitserve up` as a user runs it: a local cluster comes up with a cluster token of its own,
+serves `generate --target`, and Ctrl-C stops every process it started. A decode node that is out
+of KV blocks refuses with RESOURCE_EXHAUSTED and the router retries on another."""
 
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import grpc
 import pytest
@@ -60,10 +61,19 @@ def test_up_serves_and_ctrl_c_stops_everything(model_dir, tmp_path):
         text=True,
     )
     try:
-        lines = [up.stdout.readline() for _ in range(4)]  # router, prefill, decode, redis
+        lines = [up.stdout.readline() for _ in range(5)]  # router, prefill, decode, redis, token
         addresses = {line.split()[0]: line.split()[1] for line in lines}
         assert addresses["router"] == f"127.0.0.1:{port}"
         wait_healthy(addresses["router"])
+        # up made a cluster token: the nodes' internal services want it, from anyone.
+        token = Path(addresses["token"]).read_text().strip()
+        with grpc.insecure_channel(addresses["decode"]) as channel:
+            stub = nodes_pb2_grpc.NodeStatsServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.GetStats(nodes_pb2.GetStatsRequest(), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            auth = (("authorization", f"Bearer {token}"),)
+            assert stub.GetStats(nodes_pb2.GetStatsRequest(), timeout=10, metadata=auth).role
         gen = subprocess.run(
             [
                 sys.executable,

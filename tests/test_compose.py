@@ -3,6 +3,7 @@ config` where Docker Compose is installed)."""
 
 import fnmatch
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -254,3 +255,23 @@ def test_dockerignore_keeps_what_the_install_needs_and_drops_the_rest():
     folders = PYPROJECT["tool"]["setuptools"]["package-dir"].values()
     for path in ("pyproject.toml", "README.md", *folders):
         assert (ROOT / path).exists() and not ignored(path), path
+
+
+def test_the_auth_override_gives_every_component_the_token(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("t" * 43)
+    proc = subprocess.run(
+        [sys.executable, "-m", "podman_compose", "-f", str(ROOT / "compose.yaml"),
+         "-f", str(ROOT / "compose.auth.yaml"), "config"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "SPLITSERVE_TOKEN_PATH": str(token)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    config = yaml.safe_load(proc.stdout)
+    for name in ("router", "prefill", "decode"):
+        service = config["services"][name]
+        env = service["environment"]
+        assert env["SPLITSERVE_AUTH_TOKEN_FILE"] == "/run/secrets/cluster_token", name
+        assert env["SPLITSERVE_MODEL"] == "/models"  # merged with compose.yaml's, not replaced
+        assert "cluster_token" in str(service["secrets"])
+    assert "redis" in config["services"] and "secrets" not in config["services"]["redis"]
