@@ -27,6 +27,7 @@ from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 logger = logging.getLogger(__name__)
 
 FETCH_TIMEOUT_S = 10.0
+MAX_FETCH_BLOCKS = 1 << 16  # what one FetchBlocks may name (a 1M-token prompt of 16-token blocks)
 
 
 class PeerFetcher:
@@ -68,14 +69,20 @@ class PeerFetcher:
         done = asyncio.get_running_loop().create_future()
         self._fetching[key] = done
         try:
-            return await self._fetch_missing(peer, hashes, timeout)
+            return await self._fetch_missing(peer, hashes, prompt, salt, timeout)
         finally:
             del self._fetching[key]
             done.set_result(None)
 
-    async def _fetch_missing(self, peer: str, hashes: list[bytes], timeout) -> int:
+    async def _fetch_missing(self, peer: str, hashes: list[bytes], prompt, salt, timeout) -> int:
         local = await self.engine.call(self.port.count_cached, hashes)
         want = hashes[local:]
+        # What the peer recomputes the asked hashes from: no prompt, no blocks.
+        proof = dict(
+            prompt_token_ids=prompt[: len(hashes) * self.block_size],
+            cache_salt=salt or "",
+            first_block=local,
+        )
         path = await self.layer.path_to(peer) if self.layer is not None else None
         if not self.rates.worth_fetching(len(want), path or "grpc"):
             if len(want) >= MIN_FETCH_BLOCKS:
@@ -84,7 +91,7 @@ class PeerFetcher:
         t0 = time.perf_counter()
         timeout = min(FETCH_TIMEOUT_S, timeout or FETCH_TIMEOUT_S)
         if path is not None:
-            adopted = await self.layer.fetch(peer, self.root, want, timeout)
+            adopted = await self.layer.fetch(peer, self.root, want, proof, timeout)
             if adopted is not None:  # None: the layer declined; fetch bytes
                 if adopted:
                     seconds = time.perf_counter() - t0
@@ -92,7 +99,7 @@ class PeerFetcher:
                     self.counters["prefix_blocks_fetched"] += adopted
                 return adopted
         try:
-            got = await self._receive(peer, want, timeout)
+            got = await self._receive(peer, want, proof, timeout)
         except (grpc.aio.AioRpcError, ValueError) as exc:
             self.counters["prefix_fetch_failed"] += 1
             logger.warning("prefix fetch from %s failed, computing instead: %s", peer, exc)
@@ -109,12 +116,15 @@ class PeerFetcher:
         self.counters["prefix_blocks_fetched"] += adopted
         return adopted
 
-    async def _receive(self, peer: str, want: list[bytes], timeout: float) -> dict[int, bytes]:
+    async def _receive(self, peer: str, want: list[bytes], proof, timeout) -> dict[int, bytes]:
         """The blocks ``peer`` sends of ``want``, by index."""
         stub = nodes_pb2_grpc.PrefillNodeServiceStub(self.channels.get(peer))
         call = stub.FetchBlocks(
             nodes_pb2.FetchBlocksRequest(
-                block_hashes=want, model_root_hash=self.root, block_nbytes=self.block_nbytes
+                block_hashes=want,
+                model_root_hash=self.root,
+                block_nbytes=self.block_nbytes,
+                **proof,
             ),
             timeout=timeout,
             metadata=call_metadata(),
@@ -134,6 +144,21 @@ class PeerFetcher:
     def accepts(self, request) -> bool:
         """The peer's model identity and block size are this node's."""
         return request.model_root_hash == self.root and request.block_nbytes == self.block_nbytes
+
+    def why_not_proven(self, request) -> str | None:
+        """Why the asker has not shown it knows the prompt of the asked blocks (None: it has):
+        the token ids it sent, with its salt, must hash to exactly the asked run."""
+        n, first = len(request.block_hashes), request.first_block
+        if n == 0 or n > MAX_FETCH_BLOCKS or first > MAX_FETCH_BLOCKS:
+            return f"ask for 1 to {MAX_FETCH_BLOCKS} blocks"
+        if len(request.prompt_token_ids) != (first + n) * self.block_size:
+            return "send the token ids of every block up to the last one asked for"
+        chain = hash_request_tokens(
+            request.prompt_token_ids, self.block_size, self.root, request.cache_salt or None
+        )
+        if chain[first:] != list(request.block_hashes):
+            return "the token ids do not hash to the asked blocks"
+        return None
 
     async def serve(self, request):
         """``FetchBlocks``: the longest leading run of the requested blocks held here, as

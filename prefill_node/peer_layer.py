@@ -56,7 +56,9 @@ class LayerFetch:
 
     # ------------------------------------------------------------------ asking
 
-    async def fetch(self, peer: str, root: bytes, want: list[bytes], timeout: float) -> int | None:
+    async def fetch(
+        self, peer: str, root: bytes, want: list[bytes], proof: dict, timeout: float
+    ) -> int | None:
         """Fetch the leading run of ``want`` that ``peer`` holds into the prefix cache through
         the layer; how many blocks were adopted, or None: no layer path to that peer (fetch
         bytes instead)."""
@@ -83,6 +85,7 @@ class LayerFetch:
                 block_nbytes=self.port.block_nbytes,
                 receiver_endpoint=self._rx_endpoint.to_bytes(),
                 ticket=res.ticket.to_bytes(),
+                **proof,
             )
             call = stub.FetchBlocks(request, timeout=timeout, metadata=call_metadata())
             sent = await self._sent(call, n)

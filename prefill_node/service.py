@@ -188,6 +188,9 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "model identity or block size differs from this node's",
             )
+        # Knowing a prefix's hashes (they are in Redis) is not enough to read its blocks.
+        if (why := self.fetcher.why_not_proven(request)) is not None:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
         # aclosing: a cancelled call closes the inner stream at once, which unpins its blocks.
         async with contextlib.aclosing(self.fetcher.serve(request)) as blocks:
             async for msg in blocks:

@@ -14,6 +14,8 @@ from splitserve.models.tiny import write_random_checkpoint
 from splitserve.v1 import common_pb2, nodes_pb2, nodes_pb2_grpc
 
 SAMPLING = common_pb2.SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+# The fixture's model: 2 layers x (K, V) x 16 tokens x 1 KV head x head_dim 64 x fp32.
+BLOCK_NBYTES = 2 * 2 * 16 * 1 * 64 * 4
 
 
 @pytest.fixture(scope="module")
@@ -142,3 +144,44 @@ def test_a_prefix_is_fetched_only_when_that_beats_computing_it():
     assert worth_fetching(230, 2 * mib, 16, 300e9, 19_000)
     # A tiny model's blocks (16 KB) on a slow CPU (2k tokens/s): fetching wins.
     assert worth_fetching(18, 16 << 10, 16, 0.05e9, 2_000)
+
+
+def test_knowing_the_hashes_is_not_enough_to_read_blocks(setup):
+    """The hashes of a tenant's prefix are in the index (Redis); a fetch must also present the
+    token ids (and salt) they hash from, else PERMISSION_DENIED and no blocks."""
+    from splitserve.kvstore import hash_request_tokens
+
+    (p1, _, d, _), _ = setup
+    secret = [random.randrange(256) for _ in range(48)]  # three full blocks, salted
+    with grpc.insecure_channel(p1.address) as pc, grpc.insecure_channel(d.address) as dc:
+        nodes_pb2_grpc.PrefillNodeServiceStub(pc).Prefill(
+            nodes_pb2.PrefillRequest(request_id="t1", prompt_token_ids=[*secret, 1],
+                                     sampling=SAMPLING, decode_address=d.address,
+                                     cache_salt="tenant-a"),
+            timeout=60,
+        )  # fmt: skip
+        list(
+            nodes_pb2_grpc.DecodeNodeServiceStub(dc).Decode(
+                nodes_pb2.DecodeRequest(request_id="t1")
+            )
+        )
+        stats = _stats(p1)
+        hashes = hash_request_tokens(secret, 16, stats.model_root_hash, "tenant-a")
+        stub = nodes_pb2_grpc.PrefillNodeServiceStub(pc)
+        base = dict(block_hashes=hashes, model_root_hash=stats.model_root_hash,
+                    block_nbytes=BLOCK_NBYTES)  # fmt: skip
+        wrong = [(t + 1) % 256 for t in secret]
+        for proof in ({}, dict(prompt_token_ids=wrong, cache_salt="tenant-a"),
+                      dict(prompt_token_ids=secret, cache_salt="tenant-b"),
+                      dict(prompt_token_ids=secret[:32], cache_salt="tenant-a")):  # fmt: skip
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.FetchBlocks(nodes_pb2.FetchBlocksRequest(**base, **proof), timeout=10))
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, proof
+        proof = dict(prompt_token_ids=secret, cache_salt="tenant-a")
+        served = list(stub.FetchBlocks(nodes_pb2.FetchBlocksRequest(**base, **proof), timeout=10))
+        assert served and all(m.data for m in served)  # the owner of the prompt may read them
+        # Asking for the last two blocks only: the proof still covers the whole chain.
+        tail = dict(base, block_hashes=hashes[1:])
+        served = list(stub.FetchBlocks(
+            nodes_pb2.FetchBlocksRequest(**tail, **proof, first_block=1), timeout=10))  # fmt: skip
+        assert served

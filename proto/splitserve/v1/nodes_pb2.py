@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from splitserve.v1 import common_pb2 as splitserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19splitserve/v1/nodes.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\"\xc6\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x05 \x01(\t\x12\x14\n\x0cpeer_address\x18\x06 \x01(\t\x12\x13\n\x0bpeer_blocks\x18\x07 \x01(\r\"\xcc\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x15\n\rfirst_logprob\x18\x02 \x01(\x02\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x16\n\x0e\x62locks_shipped\x18\x05 \x01(\r\x12\x15\n\rblocks_reused\x18\x06 \x01(\r\x12\x15\n\rbytes_shipped\x18\x07 \x01(\x04\x12\x16\n\x0e\x62locks_fetched\x18\x08 \x01(\r\"\x84\x01\n\x12\x46\x65tchBlocksRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x17\n\x0fmodel_root_hash\x18\x02 \x01(\x0c\x12\x14\n\x0c\x62lock_nbytes\x18\x03 \x01(\r\x12\x19\n\x11receiver_endpoint\x18\x04 \x01(\x0c\x12\x0e\n\x06ticket\x18\x05 \x01(\x0c\"\xa3\x01\n\x11TransferKVRequest\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1d.splitserve.v1.TransferHeaderH\x00\x12*\n\x06\x62locks\x18\x02 \x01(\x0b\x32\x18.splitserve.v1.BlockDataH\x00\x12)\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x1a.splitserve.v1.TransferEndH\x00\x42\x06\n\x04kind\"\xb3\x02\n\x0eTransferHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x17\n\x0fmodel_root_hash\x18\x05 \x01(\x0c\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x14\n\x0c\x62lock_nbytes\x18\x08 \x01(\r\x12\x12\n\ndeadline_s\x18\t \x01(\x01\x12\x11\n\tsender_id\x18\n \x01(\t\x12\x15\n\rtransfer_path\x18\x0b \x01(\t\x12\x13\n\x0breceiver_id\x18\x0c \x01(\t\"\'\n\tBlockData\x12\x0c\n\x04meta\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\r\n\x0bTransferEnd\"]\n\x13\x46\x65tchBlocksResponse\x12\x0c\n\x04meta\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x13\n\x0b\x62locks_sent\x18\x03 \x01(\r\x12\x15\n\rtransfer_path\x18\x04 \x01(\t\"Z\n\x12TransferKVResponse\x12\x0f\n\x07missing\x18\x01 \x03(\r\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x12\x15\n\rblocks_reused\x18\x03 \x01(\r\x12\x0e\n\x06ticket\x18\x04 \x01(\x0c\"#\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"L\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\"\x11\n\x0fGetStatsRequest\"\x83\x03\n\x10GetStatsResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x04 \x01(\r\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\x19\n\x11pending_transfers\x18\x07 \x01(\r\x12?\n\x08\x63ounters\x18\x08 \x03(\x0b\x32-.splitserve.v1.GetStatsResponse.CountersEntry\x12\x17\n\x0fmodel_root_hash\x18\t \x01(\x0c\x12\x16\n\x0emodel_identity\x18\n \x01(\t\x12\x1e\n\x16prefill_tokens_waiting\x18\x0b \x01(\x04\x12\x19\n\x11transfer_endpoint\x18\x0c \x01(\x0c\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xb6\x01\n\x12PrefillNodeService\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12V\n\x0b\x46\x65tchBlocks\x12!.splitserve.v1.FetchBlocksRequest\x1a\".splitserve.v1.FetchBlocksResponse0\x01\x32\xb3\x01\n\x11\x44\x65\x63odeNodeService\x12U\n\nTransferKV\x12 .splitserve.v1.TransferKVRequest\x1a!.splitserve.v1.TransferKVResponse(\x01\x30\x01\x12G\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x1d.splitserve.v1.DecodeResponse0\x01\x32_\n\x10NodeStatsService\x12K\n\x08GetStats\x12\x1e.splitserve.v1.GetStatsRequest\x1a\x1f.splitserve.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19splitserve/v1/nodes.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\"\xc6\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x05 \x01(\t\x12\x14\n\x0cpeer_address\x18\x06 \x01(\t\x12\x13\n\x0bpeer_blocks\x18\x07 \x01(\r\"\xcc\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x15\n\rfirst_logprob\x18\x02 \x01(\x02\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x16\n\x0e\x62locks_shipped\x18\x05 \x01(\r\x12\x15\n\rblocks_reused\x18\x06 \x01(\r\x12\x15\n\rbytes_shipped\x18\x07 \x01(\x04\x12\x16\n\x0e\x62locks_fetched\x18\x08 \x01(\r\"\xc7\x01\n\x12\x46\x65tchBlocksRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x17\n\x0fmodel_root_hash\x18\x02 \x01(\x0c\x12\x14\n\x0c\x62lock_nbytes\x18\x03 \x01(\r\x12\x19\n\x11receiver_endpoint\x18\x04 \x01(\x0c\x12\x0e\n\x06ticket\x18\x05 \x01(\x0c\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\r\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\x08 \x01(\r\"\xa3\x01\n\x11TransferKVRequest\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1d.splitserve.v1.TransferHeaderH\x00\x12*\n\x06\x62locks\x18\x02 \x01(\x0b\x32\x18.splitserve.v1.BlockDataH\x00\x12)\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x1a.splitserve.v1.TransferEndH\x00\x42\x06\n\x04kind\"\xb3\x02\n\x0eTransferHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x17\n\x0fmodel_root_hash\x18\x05 \x01(\x0c\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x14\n\x0c\x62lock_nbytes\x18\x08 \x01(\r\x12\x12\n\ndeadline_s\x18\t \x01(\x01\x12\x11\n\tsender_id\x18\n \x01(\t\x12\x15\n\rtransfer_path\x18\x0b \x01(\t\x12\x13\n\x0breceiver_id\x18\x0c \x01(\t\"\'\n\tBlockData\x12\x0c\n\x04meta\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\r\n\x0bTransferEnd\"]\n\x13\x46\x65tchBlocksResponse\x12\x0c\n\x04meta\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x13\n\x0b\x62locks_sent\x18\x03 \x01(\r\x12\x15\n\rtransfer_path\x18\x04 \x01(\t\"Z\n\x12TransferKVResponse\x12\x0f\n\x07missing\x18\x01 \x03(\r\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x12\x15\n\rblocks_reused\x18\x03 \x01(\r\x12\x0e\n\x06ticket\x18\x04 \x01(\x0c\"#\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"L\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\"\x11\n\x0fGetStatsRequest\"\x83\x03\n\x10GetStatsResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x04 \x01(\r\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\x19\n\x11pending_transfers\x18\x07 \x01(\r\x12?\n\x08\x63ounters\x18\x08 \x03(\x0b\x32-.splitserve.v1.GetStatsResponse.CountersEntry\x12\x17\n\x0fmodel_root_hash\x18\t \x01(\x0c\x12\x16\n\x0emodel_identity\x18\n \x01(\t\x12\x1e\n\x16prefill_tokens_waiting\x18\x0b \x01(\x04\x12\x19\n\x11transfer_endpoint\x18\x0c \x01(\x0c\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xb6\x01\n\x12PrefillNodeService\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12V\n\x0b\x46\x65tchBlocks\x12!.splitserve.v1.FetchBlocksRequest\x1a\".splitserve.v1.FetchBlocksResponse0\x01\x32\xb3\x01\n\x11\x44\x65\x63odeNodeService\x12U\n\nTransferKV\x12 .splitserve.v1.TransferKVRequest\x1a!.splitserve.v1.TransferKVResponse(\x01\x30\x01\x12G\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x1d.splitserve.v1.DecodeResponse0\x01\x32_\n\x10NodeStatsService\x12K\n\x08GetStats\x12\x1e.splitserve.v1.GetStatsRequest\x1a\x1f.splitserve.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,33 +39,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLRESPONSE']._serialized_start=274
   _globals['_PREFILLRESPONSE']._serialized_end=478
   _globals['_FETCHBLOCKSREQUEST']._serialized_start=481
-  _globals['_FETCHBLOCKSREQUEST']._serialized_end=613
-  _globals['_TRANSFERKVREQUEST']._serialized_start=616
-  _globals['_TRANSFERKVREQUEST']._serialized_end=779
-  _globals['_TRANSFERHEADER']._serialized_start=782
-  _globals['_TRANSFERHEADER']._serialized_end=1089
-  _globals['_BLOCKDATA']._serialized_start=1091
-  _globals['_BLOCKDATA']._serialized_end=1130
-  _globals['_TRANSFEREND']._serialized_start=1132
-  _globals['_TRANSFEREND']._serialized_end=1145
-  _globals['_FETCHBLOCKSRESPONSE']._serialized_start=1147
-  _globals['_FETCHBLOCKSRESPONSE']._serialized_end=1240
-  _globals['_TRANSFERKVRESPONSE']._serialized_start=1242
-  _globals['_TRANSFERKVRESPONSE']._serialized_end=1332
-  _globals['_DECODEREQUEST']._serialized_start=1334
-  _globals['_DECODEREQUEST']._serialized_end=1369
-  _globals['_DECODERESPONSE']._serialized_start=1371
-  _globals['_DECODERESPONSE']._serialized_end=1447
-  _globals['_GETSTATSREQUEST']._serialized_start=1449
-  _globals['_GETSTATSREQUEST']._serialized_end=1466
-  _globals['_GETSTATSRESPONSE']._serialized_start=1469
-  _globals['_GETSTATSRESPONSE']._serialized_end=1856
-  _globals['_GETSTATSRESPONSE_COUNTERSENTRY']._serialized_start=1809
-  _globals['_GETSTATSRESPONSE_COUNTERSENTRY']._serialized_end=1856
-  _globals['_PREFILLNODESERVICE']._serialized_start=1859
-  _globals['_PREFILLNODESERVICE']._serialized_end=2041
-  _globals['_DECODENODESERVICE']._serialized_start=2044
-  _globals['_DECODENODESERVICE']._serialized_end=2223
-  _globals['_NODESTATSSERVICE']._serialized_start=2225
-  _globals['_NODESTATSSERVICE']._serialized_end=2320
+  _globals['_FETCHBLOCKSREQUEST']._serialized_end=680
+  _globals['_TRANSFERKVREQUEST']._serialized_start=683
+  _globals['_TRANSFERKVREQUEST']._serialized_end=846
+  _globals['_TRANSFERHEADER']._serialized_start=849
+  _globals['_TRANSFERHEADER']._serialized_end=1156
+  _globals['_BLOCKDATA']._serialized_start=1158
+  _globals['_BLOCKDATA']._serialized_end=1197
+  _globals['_TRANSFEREND']._serialized_start=1199
+  _globals['_TRANSFEREND']._serialized_end=1212
+  _globals['_FETCHBLOCKSRESPONSE']._serialized_start=1214
+  _globals['_FETCHBLOCKSRESPONSE']._serialized_end=1307
+  _globals['_TRANSFERKVRESPONSE']._serialized_start=1309
+  _globals['_TRANSFERKVRESPONSE']._serialized_end=1399
+  _globals['_DECODEREQUEST']._serialized_start=1401
+  _globals['_DECODEREQUEST']._serialized_end=1436
+  _globals['_DECODERESPONSE']._serialized_start=1438
+  _globals['_DECODERESPONSE']._serialized_end=1514
+  _globals['_GETSTATSREQUEST']._serialized_start=1516
+  _globals['_GETSTATSREQUEST']._serialized_end=1533
+  _globals['_GETSTATSRESPONSE']._serialized_start=1536
+  _globals['_GETSTATSRESPONSE']._serialized_end=1923
+  _globals['_GETSTATSRESPONSE_COUNTERSENTRY']._serialized_start=1876
+  _globals['_GETSTATSRESPONSE_COUNTERSENTRY']._serialized_end=1923
+  _globals['_PREFILLNODESERVICE']._serialized_start=1926
+  _globals['_PREFILLNODESERVICE']._serialized_end=2108
+  _globals['_DECODENODESERVICE']._serialized_start=2111
+  _globals['_DECODENODESERVICE']._serialized_end=2290
+  _globals['_NODESTATSSERVICE']._serialized_start=2292
+  _globals['_NODESTATSSERVICE']._serialized_end=2387
 # @@protoc_insertion_point(module_scope)

@@ -46,18 +46,24 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., blocks_shipped: _Optional[int] = ..., blocks_reused: _Optional[int] = ..., bytes_shipped: _Optional[int] = ..., blocks_fetched: _Optional[int] = ...) -> None: ...
 
 class FetchBlocksRequest(_message.Message):
-    __slots__ = ("block_hashes", "model_root_hash", "block_nbytes", "receiver_endpoint", "ticket")
+    __slots__ = ("block_hashes", "model_root_hash", "block_nbytes", "receiver_endpoint", "ticket", "prompt_token_ids", "cache_salt", "first_block")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     MODEL_ROOT_HASH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_NBYTES_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     model_root_hash: bytes
     block_nbytes: int
     receiver_endpoint: bytes
     ticket: bytes
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., model_root_hash: _Optional[bytes] = ..., block_nbytes: _Optional[int] = ..., receiver_endpoint: _Optional[bytes] = ..., ticket: _Optional[bytes] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    first_block: int
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., model_root_hash: _Optional[bytes] = ..., block_nbytes: _Optional[int] = ..., receiver_endpoint: _Optional[bytes] = ..., ticket: _Optional[bytes] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., first_block: _Optional[int] = ...) -> None: ...
 
 class TransferKVRequest(_message.Message):
     __slots__ = ("header", "blocks", "end")
