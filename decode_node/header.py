@@ -6,11 +6,13 @@ all be what this node would compute itself, or the transfer is refused before a 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import grpc
 
 from splitserve.kvstore import ModelIdentity, hash_request_tokens
+from splitserve.kvstore.hashing import MAX_SALT_CHARS
 from splitserve.models.sampling_params import SamplingParams
 from splitserve.runtime.protocol import sampling_from_proto
 
@@ -46,6 +48,12 @@ def check_header(
             f"model identity mismatch: this decode node serves "
             f"{identity}; the sender computed a different root hash",
         )
+    if not (math.isfinite(header.deadline_s) and header.deadline_s >= 0):
+        raise TransferRefused(
+            bad, f"deadline_s must be a finite number >= 0, got {header.deadline_s}"
+        )
+    if len(header.cache_salt) > MAX_SALT_CHARS:
+        raise TransferRefused(bad, f"cache_salt is over {MAX_SALT_CHARS} characters")
     if header.block_nbytes != block_nbytes:
         raise TransferRefused(bad, f"block_nbytes {header.block_nbytes} != {block_nbytes}")
     try:

@@ -165,7 +165,8 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
                 header.first_token_id,
                 transfer.params,
                 header.cache_salt or None,
-                time.monotonic() + (header.deadline_s or self.deadline_s),
+                # Never held past this node's own --transfer-deadline-s, whatever the sender asks.
+                time.monotonic() + min(header.deadline_s or self.deadline_s, self.deadline_s),
             ),
         )
         if transfer.path != GRPC:

@@ -216,6 +216,9 @@ def extend_block_hashes(
     return block_hashes
 
 
+MAX_SALT_CHARS = 256  # a cache salt (tenant name) longer than this is refused everywhere
+
+
 def hash_request_tokens(
     token_ids: Sequence[int],
     block_size: int,

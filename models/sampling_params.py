@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def _real(name: str, value: object, ok: Callable[[float], bool], valid: str) -> float:
@@ -27,6 +27,9 @@ def _int(name: str, value: object, ok: Callable[[int], bool], valid: str) -> int
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not ok(int(value)):
         raise ValueError(f"SamplingParams.{name} must be {valid}, got {value!r}")
     return int(value)
+
+
+MAX_STOP_TOKEN_IDS = 1024  # per request: each is masked while short of min_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +56,8 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     logprobs: bool = False
+    # stop_token_ids as a set: check_stop looks a token up in it every step.
+    stop_set: frozenset[int] = field(default=frozenset(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # NOTE: numbers are normalised to plain float/int (numpy scalars arrive from clients);
@@ -87,7 +92,12 @@ class SamplingParams:
             raise ValueError(
                 f"SamplingParams.stop_token_ids must be a list of ints >= 0, got {ids!r}"
             )
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"SamplingParams.stop_token_ids has {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS}"
+            )
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+        object.__setattr__(self, "stop_set", frozenset(self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
@@ -105,7 +115,7 @@ def check_stop(
     "length" when both hold: the model did end its answer on the last allowed token.
     """
     if num_output_tokens >= params.min_tokens and (
-        (token_id == eos_token_id and not params.ignore_eos) or token_id in params.stop_token_ids
+        (token_id == eos_token_id and not params.ignore_eos) or token_id in params.stop_set
     ):
         return "stop"
     if num_output_tokens >= params.max_tokens:

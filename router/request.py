@@ -10,6 +10,7 @@ from typing import Any
 
 # NOTE: the router validates with the nodes' own SamplingParams (so both agree on what is valid);
 # models.sampling_params is plain Python: importing it loads no torch.
+from splitserve.kvstore.hashing import MAX_SALT_CHARS
 from splitserve.models.sampling_params import SamplingParams
 from splitserve.runtime.protocol import sampling_from_proto
 from splitserve.v1 import router_pb2
@@ -85,6 +86,10 @@ def parse_request(request: router_pb2.GenerateRequest, model: ModelInfo) -> Gene
             f"{field} is {len(token_ids)} tokens long; the model's context is "
             f"{model.max_model_len} tokens, so a prompt may have at most "
             f"{model.max_prompt_tokens}: shorten it"
+        )
+    if len(request.cache_salt) > MAX_SALT_CHARS:
+        raise InvalidRequest(
+            f"cache_salt has {len(request.cache_salt)} characters; at most {MAX_SALT_CHARS}"
         )
     stop = tuple(request.stop)
     if len(stop) > MAX_STOP_STRINGS:

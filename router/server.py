@@ -43,7 +43,9 @@ def build_router(
         block_size=config.block_size,
         metrics=metrics,
     )
-    server = Server(config.host, config.port, [SERVICE_NAME])
+    server = Server(
+        config.host, config.port, [SERVICE_NAME], max_request_bytes=config.max_request_bytes
+    )
     router_pb2_grpc.add_RouterServiceServicer_to_server(service, server.server)
     return server, registry
 

@@ -3,6 +3,7 @@ orchestrator, its plain output back out as protobuf (``router.orchestrator`` ser
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -50,7 +51,8 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         start = time.monotonic()
         try:
-            params = parse_request(request, self._model)
+            # Off the event loop: tokenizing a long text takes long, and other streams go on.
+            params = await asyncio.to_thread(parse_request, request, self._model)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         remaining = context.time_remaining()

@@ -141,4 +141,7 @@ class RouterConfig:
     )
     metrics_port: int | None = option(None, _METRICS_HELP)
     auth_token_file: str | None = option(None, _AUTH_HELP)
+    max_request_bytes: int = option(
+        4 << 20, "the largest request the public API accepts, in bytes (RESOURCE_EXHAUSTED above)"
+    )
     block_size: int = option(DEFAULT_BLOCK_SIZE, _BLOCK_HELP)

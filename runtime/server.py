@@ -30,9 +30,20 @@ SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
 
 class Server:
     def __init__(
-        self, host: str, port: int, service_names: Sequence[str], interceptors: Sequence = ()
+        self,
+        host: str,
+        port: int,
+        service_names: Sequence[str],
+        interceptors: Sequence = (),
+        max_request_bytes: int | None = None,
     ) -> None:
-        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
+        """``max_request_bytes``: the largest message it accepts (default MAX_MESSAGE_BYTES,
+        for KV blocks between nodes; a public port takes far less)."""
+        options = list(SERVER_OPTIONS)
+        if max_request_bytes is not None:
+            key = "grpc.max_receive_message_length"
+            options = [(k, v) for k, v in options if k != key] + [(key, max_request_bytes)]
+        self.server = grpc.aio.server(options=options, interceptors=list(interceptors))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)

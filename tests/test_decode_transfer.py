@@ -73,6 +73,10 @@ def _transfer(
         header.model_root_hash = b"\x00" * 32
     if corrupt == "hashes":
         header.block_hashes[0] = b"\x01" * 32
+    if corrupt in ("nan-deadline", "inf-deadline"):
+        header.deadline_s = float(corrupt.split("-")[0])
+    if corrupt == "salt":
+        header.cache_salt = "s" * 300
     replies = [] if replies is None else replies
 
     def messages():
@@ -134,7 +138,9 @@ def test_good_transfer_then_decode_frees_everything(decode):
     list(stub.Decode(nodes_pb2.DecodeRequest(request_id="good-2"), timeout=30))
 
 
-@pytest.mark.parametrize("corrupt", ["crc", "size", "root", "hashes"])
+@pytest.mark.parametrize(
+    "corrupt", ["crc", "size", "root", "hashes", "nan-deadline", "inf-deadline", "salt"]
+)
 def test_malformed_transfer_is_refused_and_adopts_nothing(decode, corrupt):
     stub, root, nbytes = decode
     before = _stats(stub)

@@ -24,6 +24,8 @@ from splitserve.router.request import InvalidRequest, parse_request
         ({"prompt": "hi", "sampling": {"temperature": float("nan")}}, "temperature"),
         ({"prompt_token_ids": [5, 320, 7]}, "token_ids.ids[1] = 320"),
         ({"prompt": "hi", "stop": ["ok", ""]}, "stop[1]"),
+        ({"prompt": "hi", "cache_salt": "s" * 257}, "cache_salt has 257 characters"),
+        ({"prompt": "hi", "sampling": {"stop_token_ids": list(range(1025))}}, "at most 1024"),
     ],
 )
 def test_bad_requests_are_rejected_with_a_message_naming_the_field(kwargs, named):

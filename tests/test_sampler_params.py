@@ -1,6 +1,7 @@
 """SamplingParams validation and normalisation, and check_stop: the parts of sampling that need
 no logits."""
 
+import dataclasses
 import math
 
 import pytest
@@ -72,7 +73,8 @@ def test_valid_edges_are_accepted_and_normalised():
         stop_token_ids=[0, 7],
     )
     assert p.stop_token_ids == (0, 7) and isinstance(p.temperature, float)
-    assert hash(p) == hash(SamplingParams(**{f: getattr(p, f) for f in p.__slots__}))
+    fields = {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.init}
+    assert hash(p) == hash(SamplingParams(**fields))
     with pytest.raises(AttributeError):
         p.temperature = 1.0  # frozen
 
