@@ -68,13 +68,13 @@ class LayerFetch:
         path, sender_id = route
         rid = f"fetch-{uuid.uuid4().hex}"
         n = len(want)
-        reserved = await self.engine.call_to_end(
-            self.port.reserve, rid, want, n * self.port.block_size
-        )
-        if reserved is None:
-            return 0  # the pool is short: compute
         res, adopted = None, False
-        try:
+        try:  # from before the reservation: a cancel landing while it is made still frees it
+            reserved = await self.engine.call_to_end(
+                self.port.reserve, rid, want, n * self.port.block_size
+            )
+            if reserved is None:
+                return 0  # the pool is short: compute
             if reserved.missing != list(range(n)):
                 return None  # some became cached meanwhile: the byte path copes with gaps
             res = self.receiver.reserve(sender_id, reserved.dest, path)

@@ -27,7 +27,7 @@ from splitserve.transfer.endpoint import TCP, TcpAddress
 from splitserve.transfer.errors import NotConnected, PeerLost, TransferError, TransferTimeout
 from splitserve.transfer.reservation import Ticket, block_nbytes, check_source_ids
 from splitserve.transfer.tcp_receiver import MAX_CHUNK_BYTES
-from splitserve.transfer.tcp_wire import WireError, checksum, pack_chunk, read_ack
+from splitserve.transfer.tcp_wire import PeerClosed, WireError, checksum, pack_chunk, read_ack
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 
@@ -170,6 +170,9 @@ class TcpSender:
     def _failure(self, sock, peer_id: str, exc: BaseException) -> TransferError:
         if isinstance(exc, TimeoutError):
             return TransferTimeout(f"tcp transfer to {peer_id!r}: no progress before the deadline")
+        if isinstance(exc, PeerClosed):
+            self.close_idle(peer_id)
+            return PeerLost(f"tcp connection to {peer_id!r} closed: {exc}")
         if isinstance(exc, OSError):
             # The receiver may have refused a chunk and closed: its reason beats "broken pipe".
             with contextlib.suppress(OSError, WireError):

@@ -33,6 +33,10 @@ class WireError(Exception):
     """The peer closed the connection, broke the protocol, or refused a chunk."""
 
 
+class PeerClosed(WireError):
+    """The peer closed the connection (it exited, or dropped us) without an answer."""
+
+
 def checksum(view: memoryview) -> int:
     return zlib.crc32(view)
 
@@ -46,7 +50,7 @@ def recv_exact(sock: socket.socket, view: memoryview) -> bool:
         if n == 0:
             if got == 0:
                 return False
-            raise WireError(f"connection closed after {got} of {len(view)} bytes")
+            raise PeerClosed(f"connection closed after {got} of {len(view)} bytes")
         got += n
     return True
 
@@ -74,12 +78,12 @@ def read_ack(sock: socket.socket) -> None:
     """Read one ack: return on OK, WireError with the receiver's message otherwise."""
     head = bytearray(ACK.size)
     if not recv_exact(sock, memoryview(head)):
-        raise WireError("the receiver closed the connection")
+        raise PeerClosed("the receiver closed the connection")
     status, length = ACK.unpack(head)
     if length > MAX_MESSAGE:
         raise WireError("malformed ack")
     text = bytearray(length)
     if length and not recv_exact(sock, memoryview(text)):
-        raise WireError("the receiver closed the connection")
+        raise PeerClosed("the receiver closed the connection")
     if status != OK:
         raise WireError(f"the receiver refused the data: {text.decode(errors='replace')}")
