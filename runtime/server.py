@@ -14,6 +14,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from splitserve.runtime.guard import MalformedRequests
+
 logger = logging.getLogger(__name__)
 
 # Shipped KV blocks travel in messages of a few MB; allow generous headroom.
@@ -43,7 +45,9 @@ class Server:
         if max_request_bytes is not None:
             key = "grpc.max_receive_message_length"
             options = [(k, v) for k, v in options if k != key] + [(key, max_request_bytes)]
-        self.server = grpc.aio.server(options=options, interceptors=list(interceptors))
+        # Outermost first: a caller without the token is refused before its bytes are parsed.
+        chain = [*interceptors, MalformedRequests()]
+        self.server = grpc.aio.server(options=options, interceptors=chain)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)
