@@ -61,6 +61,7 @@ class PrefixIndex:
         self.identity = identity  # readable form of the model identity, for other processes' logs
         self.prefix = _prefix(root_hash)
         self.ttl_s = ttl_s
+        self._malformed_reported: set[str] = set()
 
     def _blocks_key(self, node_id: str) -> str:
         return f"{self.prefix}:blocks:{node_id}"
@@ -146,18 +147,9 @@ class PrefixIndex:
             if not row:
                 dead.append(node_id)
                 continue
-            f = {k.decode(): v.decode() for k, v in row.items()}
-            live.append(
-                NodeInfo(
-                    node_id,
-                    f["role"],
-                    f["address"],
-                    int(f["num_blocks"]),
-                    int(f["num_free_blocks"]),
-                    int(f["running"]),
-                    int(f["waiting"]),
-                )
-            )
+            info = self._node_info(node_id, row)
+            if info is not None:
+                live.append(info)
         if dead:
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.srem(self._nodes_key, *dead)
@@ -167,6 +159,30 @@ class PrefixIndex:
             logger.info("prefix index: dropped %d expired nodes: %s", len(dead), dead)
         return live
 
+    def _node_info(self, node_id: str, row: dict) -> NodeInfo | None:
+        """A registry entry as NodeInfo; None (logged once per node) if it is malformed: one bad
+        entry must not stop discovery of the others."""
+        try:
+            f = {k.decode(): v.decode() for k, v in row.items()}
+            info = NodeInfo(
+                node_id,
+                f["role"],
+                f["address"],
+                int(f["num_blocks"]),
+                int(f["num_free_blocks"]),
+                int(f["running"]),
+                int(f["waiting"]),
+            )
+            host, _, port = info.address.rpartition(":")
+            if info.role not in ("prefill", "decode") or not host or not port.isdigit():
+                raise ValueError(f"role {info.role!r}, address {info.address!r}")
+            return info
+        except (KeyError, ValueError, UnicodeDecodeError) as exc:
+            if node_id not in self._malformed_reported:
+                self._malformed_reported.add(node_id)
+                logger.warning("ignoring malformed registry entry %r: %r", node_id, exc)
+            return None
+
     async def foreign_nodes(self) -> dict[str, str]:
         """Live nodes (any role) registered under another model identity than this index's:
         node id → their identity. Such nodes hash prompts differently, so they are never
@@ -174,8 +190,13 @@ class PrefixIndex:
         rows = await self.redis.hgetall(IDENTITIES_KEY)
         now, stale, out = time.time(), [], {}
         for node_id, entry in rows.items():
-            root, stamp, identity = [*entry.decode().split(" ", 2), ""][:3]
-            if now - float(stamp) > self.ttl_s:
+            try:
+                root, stamp, identity = [*entry.decode().split(" ", 2), ""][:3]
+                age = now - float(stamp)
+            except (ValueError, UnicodeDecodeError):
+                stale.append(node_id)  # malformed: dropped like an expired one
+                continue
+            if age > self.ttl_s:
                 stale.append(node_id)
             elif root != self.root_hash.hex():
                 out[node_id.decode()] = identity or root

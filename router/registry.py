@@ -145,6 +145,8 @@ class NodeRegistry:
                 if reachable:
                     logger.warning("node registry unreachable (%s): keeping known nodes", exc)
                 reachable = False
+            except Exception:  # never let one bad read end discovery for good
+                logger.exception("node registry: reading it failed; trying again")
             await asyncio.sleep(interval_s)
 
     async def _report_foreign(self, index: PrefixIndex) -> None:

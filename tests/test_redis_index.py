@@ -8,7 +8,7 @@ from cluster import start_redis
 
 from splitserve.kvstore import BlockPool, ModelIdentity, hash_request_tokens
 from splitserve.kvstore.block_pool import BlockRemoved, BlockStored
-from splitserve.kvstore.redis_index import IndexPublisher, NodeInfo, PrefixIndex
+from splitserve.kvstore.redis_index import IDENTITIES_KEY, IndexPublisher, NodeInfo, PrefixIndex
 
 ROOT = ModelIdentity("m").root_hash
 
@@ -25,7 +25,7 @@ def _chain(n, salt=None):
 
 
 def _info(node_id, role="prefill"):
-    return NodeInfo(node_id, role, node_id, 100, 90, 1, 0)
+    return NodeInfo(node_id, role, f"{node_id}:9000", 100, 90, 1, 0)
 
 
 def test_longest_prefix_per_node_follows_stores_and_evictions(redis_url):
@@ -65,6 +65,29 @@ def test_expired_heartbeats_drop_nodes_and_their_blocks(redis_url):
         assert (await index.longest_prefixes(["b"], chain)) == {"b": 0}  # cleaned up
         await index.deregister("a")
         assert await index.live_nodes() == []
+        await index.close()
+
+    asyncio.run(run())
+
+
+def test_malformed_registry_entries_are_skipped_and_the_rest_discovered(redis_url):
+    """A bad value in one node's entry (written by anyone who reaches Redis) must not stop
+    discovery: that entry is ignored, the others are found, a node added later too."""
+
+    async def run():
+        index = PrefixIndex(redis_url, ROOT)
+        await index.heartbeat(_info("good"))
+        for node, field, value in (("bad-int", "num_blocks", "lots"),
+                                   ("bad-role", "role", "admin"),
+                                   ("bad-addr", "address", "nowhere")):  # fmt: skip
+            await index.heartbeat(_info(node))
+            await index.redis.hset(index._node_key(node), field, value)
+        await index.redis.hset(IDENTITIES_KEY, "junk", "not a stamp")
+        assert {n.node_id for n in await index.live_nodes()} == {"good"}
+        await index.foreign_nodes()  # the junk identity entry is dropped, no error
+        assert await index.redis.hget(IDENTITIES_KEY, "junk") is None
+        await index.heartbeat(_info("later", role="decode"))
+        assert {n.node_id for n in await index.live_nodes()} == {"good", "later"}
         await index.close()
 
     asyncio.run(run())
