@@ -21,6 +21,7 @@ from splitserve.kvstore.redis_index import NodeInfo, PrefixIndex
 from splitserve.router.pool import DEFAULT_DOWN_S, Node, NodePool
 from splitserve.runtime.auth import call_metadata
 from splitserve.runtime.metrics import LoadFigures
+from splitserve.runtime.server import CHANNEL_OPTIONS
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ class NodeRegistry:
 
     def channel(self, node: Node) -> grpc.aio.Channel:
         if node.channel is None:
-            node.channel = grpc.aio.insecure_channel(node.address)
+            node.channel = grpc.aio.insecure_channel(node.address, options=CHANNEL_OPTIONS)
         return node.channel
 
     def prefill_stub(self, node: Node) -> nodes_pb2_grpc.PrefillNodeServiceStub:
