@@ -198,8 +198,8 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
                     pending.params,
                     pending.cache_salt,
                 )
-            except RuntimeError as exc:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            except ValueError as exc:  # the id is taken (a repeated Decode of one request)
+                await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
             self.engine.notify()
             while not finished:
                 out = await queue.get()

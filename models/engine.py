@@ -97,6 +97,11 @@ class LLMEngine:
         return self.scheduler.running
 
     @property
+    def ready(self) -> deque[Request]:
+        """Transferred requests waiting for a running slot (see Scheduler.add_running)."""
+        return self.scheduler.ready
+
+    @property
     def max_num_seqs(self) -> int:
         return self.scheduler.max_num_seqs
 
@@ -166,7 +171,7 @@ class LLMEngine:
         req.num_computed_tokens = len(prompt)
         req.admitted = True
         self.scheduler.hash_blocks(req, len(prompt))
-        self.scheduler.add_running(req)  # RuntimeError when max_num_seqs are running
+        self.scheduler.add_running(req)  # queued while max_num_seqs are running
         self.requests[request_id] = req
         return req
 

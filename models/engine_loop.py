@@ -120,7 +120,9 @@ class AsyncEngine:
                 continue
             except Exception as exc:  # a failed step fails its requests, not the node
                 logger.exception("engine step failed")
-                for rid in [r.request_id for r in (*engine.running, *engine.waiting)]:
+                for rid in [
+                    r.request_id for r in (*engine.running, *engine.waiting, *engine.ready)
+                ]:
                     await self.call(engine.abort, rid)
                     queue = self._queues.get(rid)
                     if queue is not None:

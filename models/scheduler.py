@@ -71,6 +71,9 @@ class Scheduler:
         # NOTE: in admission order; the last one is the first preempted (it has the least work
         # to redo, and the oldest requests keep making progress).
         self.running: list[Request] = []
+        # Transferred requests (KV already here) waiting for a running slot, in arrival order:
+        # a decode node at max_num_seqs queues them rather than refuse work already prefilled.
+        self.ready: deque[Request] = deque()
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ queues
@@ -79,10 +82,12 @@ class Scheduler:
         self.waiting.append(req)
 
     def add_running(self, req: Request) -> None:
-        """Join a request whose KV is already allocated under its id (a transferred prefill)."""
-        if len(self.running) >= self.max_num_seqs:
-            raise RuntimeError(f"{len(self.running)} requests are running (max_num_seqs)")
-        self.running.append(req)
+        """Join a request whose KV is already allocated under its id (a transferred prefill):
+        running at once, or, while max_num_seqs are running, as soon as one finishes."""
+        if len(self.running) < self.max_num_seqs and not self.ready:
+            self.running.append(req)
+        else:
+            self.ready.append(req)
 
     def finish(self, req: Request) -> None:
         """Take a running request out of the schedule; its blocks are the caller's to free."""
@@ -94,9 +99,11 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        elif req in self.ready:
+            self.ready.remove(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.ready)
 
     def hash_blocks(self, req: Request, num_tokens: int) -> None:
         """Extend the request's block hashes to the full blocks of its first ``num_tokens``."""
@@ -114,6 +121,8 @@ class Scheduler:
     def schedule(self) -> list[ScheduledRequest]:
         """The requests of the next forward, running ones first, and their KV slots allocated."""
         scheduled: list[ScheduledRequest] = []
+        while self.ready and len(self.running) < self.max_num_seqs:
+            self.running.append(self.ready.popleft())
         budget = self._schedule_running(self.max_num_batched_tokens, scheduled)
         self._schedule_waiting(budget, scheduled)
         return scheduled

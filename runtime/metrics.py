@@ -47,7 +47,7 @@ class LoadFigures:
         pool = engine.kv_port.stats()
         return cls(
             running=len(engine.running),
-            waiting=len(engine.waiting),
+            waiting=len(engine.waiting) + len(engine.ready),
             num_blocks=pool.num_blocks,
             num_free_blocks=pool.num_free_blocks,
             prefill_tokens_waiting=engine.pending_prefill_tokens,

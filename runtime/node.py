@@ -122,7 +122,7 @@ def index_publisher(
             pool.num_blocks,
             pool.num_free_blocks,
             len(core.running),
-            len(core.waiting),
+            len(core.waiting) + len(core.ready),
         )
 
     return IndexPublisher(

@@ -105,12 +105,15 @@ def test_queues_read_through_to_the_scheduler(model):
     assert engine.last_num_scheduled == 1 and engine.max_num_seqs == 1
     assert a in engine.running and b in engine.waiting and a not in engine.waiting
     assert engine.pending_prefill_tokens == 20
-    # A transferred request is refused while max_num_seqs run, and leaves nothing behind.
-    with pytest.raises(RuntimeError, match="max_num_seqs"):
-        engine.add_transferred("t", [1] * 17, 5, GREEDY)
-    assert "t" not in engine.requests and len(engine.running) == 1
+    # A transferred request waits while max_num_seqs run (its KV is here: it is not refused),
+    # and runs as soon as a slot frees, before prompts still waiting for their prefill.
+    t = engine.add_transferred("t", [1] * 17, 5, GREEDY)
+    assert list(engine.ready) == [t] and engine.running == [a] and engine.has_unfinished()
     engine.abort("a")
     assert not engine.running and list(engine.waiting) == [b] and "a" not in engine.requests
+    engine.step()
+    assert engine.running == [t] and not engine.ready and list(engine.waiting) == [b]
+    engine.abort("t")
     engine.abort("b")
     assert not engine.has_unfinished()
     assert engine.pool.num_free_blocks == engine.pool.num_blocks - 1
