@@ -37,6 +37,10 @@ class Node:
     verified: bool = False  # its model identity was checked against the router's
     rejected: str = ""  # why it is never routed to (a model identity mismatch)
     leaving: bool = False  # left the registry (draining) while requests were still in flight
+    capacity: int | None = None  # decode: router requests it may hold at once (None: no limit)
+
+    def has_room(self) -> bool:
+        return self.capacity is None or self.in_flight < self.capacity
 
     def is_up(self, now: float) -> bool:
         return now >= self.down_until
@@ -71,6 +75,7 @@ class NodePool:
         self._clock = clock
         self._down_s = down_s
         self._rr = 0
+        self.on_release: Callable[[], None] | None = None  # news for whoever waits for room
 
     def pick(
         self,
@@ -95,6 +100,8 @@ class NodePool:
             if not candidates:
                 return None
             return min(candidates, key=lambda n: n.down_until)
+        roomy = [n for n in up if n.has_room()]
+        up = roomy or up  # full nodes only when every node is full (the admission queue's job)
         if prompt_tokens is not None:
             cached = cached or {}
             score = {
@@ -116,12 +123,24 @@ class NodePool:
         self._rr += 1
         return node
 
+    def has_room(self) -> bool:
+        """A node that may take work has room for one more request."""
+        now = self._clock()
+        return any(
+            n.has_room() and n.is_up(now) and not n.rejected and not n.leaving for n in self.nodes
+        )
+
+    def notify_waiters(self) -> None:
+        if self.on_release is not None:
+            self.on_release()
+
     def sync(self, addresses: Collection[str]) -> None:
         """Make the discovered nodes exactly ``addresses`` (static ones always stay)."""
         known = {n.address for n in self.nodes}
         for address in sorted(set(addresses) - known):
             logger.info("%s node %s registered", self.role, address)
             self.nodes.append(Node(address, self.role, discovered=True))
+            self.notify_waiters()
         for node in self.nodes:
             if node.leaving and node.address in addresses:
                 logger.info("%s node %s registered again", self.role, node.address)
@@ -145,6 +164,7 @@ class NodePool:
         node.in_flight -= 1
         node.queued_tokens -= tokens
         assert node.in_flight >= 0, f"{node.address}: released more than acquired"
+        self.notify_waiters()
 
     def mark_down(self, node: Node, reason: str) -> None:
         if node.is_up(self._clock()):
@@ -153,9 +173,11 @@ class NodePool:
         node.last_error = reason
 
     def mark_up(self, node: Node) -> None:
-        if not node.is_up(self._clock()):
-            logger.info("%s node %s is back", self.role, node.address)
+        was_down = not node.is_up(self._clock())
         node.down_until = 0.0
+        if was_down:
+            logger.info("%s node %s is back", self.role, node.address)
+            self.notify_waiters()
 
     def reject(self, node: Node, reason: str) -> None:
         """Never route to ``node`` again (its KV would not be this model's)."""

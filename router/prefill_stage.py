@@ -18,6 +18,7 @@ from typing import NamedTuple
 import grpc
 
 from splitserve.kvstore.hashing import DEFAULT_BLOCK_SIZE
+from splitserve.router.admission import Admission
 from splitserve.router.errors import UNREACHABLE, GenerateError
 from splitserve.router.pool import Node, NodePool, prompt_tokens_to_compute
 from splitserve.router.prefix import PrefixLookup
@@ -52,7 +53,9 @@ class PrefillStage:
         max_attempts: int,
         block_size: int,
         lookup: PrefixLookup | None,
+        admission: Admission | None = None,
     ) -> None:
+        self._admission = admission  # requests wait there while every decode node is full
         self._registry = registry
         self._metrics = metrics
         self._max_attempts = max_attempts
@@ -67,6 +70,8 @@ class PrefillStage:
         for attempt in range(self._max_attempts):
             if attempt:
                 self._metrics.retries.inc()
+            if self._admission is not None:
+                await self._admission.enter(deadline)
             p, d = self._choose_pair(params, tried, cached)
             if attempt and (p in tried.busy or d in tried.busy):
                 await asyncio.sleep(min(0.05 * 2**attempt, max(deadline - time.monotonic(), 0)))

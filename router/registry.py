@@ -36,7 +36,11 @@ class NodeRegistry:
         decode_addresses: Sequence[str],
         down_s: float = DEFAULT_DOWN_S,
         expected_identity: ModelIdentity | None = None,
+        decode_overcommit: float = 1.5,
     ) -> None:
+        # A decode node may hold this many of the router's requests per max_num_seqs slot: those
+        # in prefill or transfer do not decode yet, and the node queues the rest it receives.
+        self.decode_overcommit = decode_overcommit
         self.prefill = NodePool("prefill", prefill_addresses, down_s=down_s)
         self.decode = NodePool("decode", decode_addresses, down_s=down_s)
         self.expected_identity = expected_identity
@@ -95,14 +99,18 @@ class NodeRegistry:
         """Compare the node's model root hash with the router's: a node started with another
         checkpoint, dtype or block size would hash every prompt differently (prefix hits would
         silently never match) and its KV could not be used by the other nodes."""
-        if self.expected_identity is None:
-            node.verified = True
-            return
         try:
             stats = await self.stats(node)
         except grpc.aio.AioRpcError:
+            if self.expected_identity is None:
+                node.verified = True  # nothing to check; its capacity stays unknown
             return  # checked again on the next round
         node.verified = True
+        if pool.role == "decode" and stats.max_num_seqs:
+            node.capacity = max(1, int(stats.max_num_seqs * self.decode_overcommit))
+            pool.notify_waiters()
+        if self.expected_identity is None:
+            return
         expected = self.expected_identity
         if stats.role != pool.role:
             pool.reject(node, f"it is a {stats.role or 'unknown'} node, listed as {pool.role}")

@@ -32,7 +32,10 @@ def build_router(
     """The router's server (Router + health + reflection), not started yet. With ``identity``,
     nodes serving another model identity are never routed to."""
     registry = NodeRegistry(
-        config.prefill_addresses, config.decode_addresses, expected_identity=identity
+        config.prefill_addresses,
+        config.decode_addresses,
+        expected_identity=identity,
+        decode_overcommit=config.decode_overcommit,
     )
     service = RouterService(
         model,
@@ -42,6 +45,8 @@ def build_router(
         index=index,
         block_size=config.block_size,
         metrics=metrics,
+        max_queue=config.max_queue,
+        queue_timeout_s=config.queue_timeout_s,
     )
     server = Server(
         config.host, config.port, [SERVICE_NAME], max_request_bytes=config.max_request_bytes

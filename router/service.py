@@ -12,6 +12,7 @@ import grpc
 
 from splitserve.kvstore.hashing import DEFAULT_BLOCK_SIZE
 from splitserve.kvstore.redis_index import PrefixIndex
+from splitserve.router.admission import Admission
 from splitserve.router.decode_stage import DecodeStage
 from splitserve.router.errors import GenerateError
 from splitserve.router.observe import RequestObserver
@@ -36,6 +37,8 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         index: PrefixIndex | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         metrics: RouterMetrics | None = None,
+        max_queue: int = 4096,
+        queue_timeout_s: float = 300.0,
     ) -> None:
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
@@ -43,7 +46,8 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         self._request_timeout_s = request_timeout_s
         self._metrics = metrics or RouterMetrics()
         lookup = PrefixLookup(index, block_size) if index is not None else None
-        prefill = PrefillStage(registry, self._metrics, max_attempts, block_size, lookup)
+        admission = Admission(registry.decode, self._metrics, max_queue, queue_timeout_s)
+        prefill = PrefillStage(registry, self._metrics, max_attempts, block_size, lookup, admission)
         self._orchestrator = Orchestrator(model, registry, prefill, DecodeStage(registry))
 
     async def Generate(

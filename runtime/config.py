@@ -135,6 +135,18 @@ class RouterConfig:
     port_file: str | None = option(None, _PORT_FILE_HELP)
     request_timeout_s: float = option(600.0, "seconds a request may take in all")
     max_attempts: int = option(3, "per stage: a failed or refusing node is retried elsewhere")
+    max_queue: int = option(
+        4096, "requests that may wait for a decode node with room; more: RESOURCE_EXHAUSTED"
+    )
+    queue_timeout_s: float = option(
+        300.0, "how long a request may wait for a decode node with room (RESOURCE_EXHAUSTED)"
+    )
+    decode_overcommit: float = option(
+        1.5,
+        "router requests a decode node may hold, as a multiple of its max_num_seqs (those in "
+        "prefill or transfer do not decode yet; the node queues the excess); the rest wait in "
+        "the router's queue",
+    )
     redis_url: str | None = option(None, _REDIS_HELP)
     dtype: str | None = option(
         None, "the nodes' dtype, part of the model identity (default: the checkpoint's)"

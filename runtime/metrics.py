@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -145,6 +145,17 @@ class RouterMetrics:
         )
         self.retries = Counter(
             "splitserve_prefill_retries", "Prefill attempts retried on another node", registry=r
+        )
+        self.queue_length = Gauge(
+            "splitserve_router_queue_length",
+            "Requests waiting at the router for a decode node with room",
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "splitserve_router_queue_wait_seconds",
+            "Time requests waited at the router for a decode node with room",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.nodes: dict[tuple[str, str], LoadFigures] = {}  # (role, address) → last figures
         r.register(_NodesCollector(self.nodes))

@@ -249,6 +249,7 @@ def node_stats(role: str, engine, identity: ModelIdentity, load, counters, **ext
         waiting=load.waiting,
         prefill_tokens_waiting=load.prefill_tokens_waiting,
         pending_transfers=load.pending_transfers,
+        max_num_seqs=engine.max_num_seqs,
         counters=counters,
         **extra,
     )

@@ -1,0 +1,80 @@
+"""Overload queues at the router instead of failing (real processes): a decode node that runs 2
+requests at a time, a router that gives it at most 2; a burst of 12 all completes, token-exact
+with transformers, the excess having waited in the router's queue. With a queue of 2, the
+requests beyond it are refused at once with RESOURCE_EXHAUSTED naming the limit."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import grpc
+import pytest
+from cluster import node_stats, start_node, start_router
+from reference import hf_greedy
+
+from splitserve.client import AsyncClient, SplitserveError
+from splitserve.models.tiny import write_random_checkpoint
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("overload")
+    model = write_random_checkpoint(tmp / "m", seed=8, with_tokenizer=True, num_hidden_layers=2)
+    prefill = start_node("prefill", model, tmp)
+    decode = start_node("decode", model, tmp, "--max-num-seqs", "2")
+    try:
+        yield model, tmp, prefill, decode
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def _burst(address, prompts, max_tokens=6):
+    async def run():
+        async with AsyncClient(address) as client:
+
+            async def one(p):
+                try:
+                    out = await client.generate(prompt_token_ids=p, max_tokens=max_tokens,
+                                                temperature=0.0, ignore_eos=True)  # fmt: skip
+                    return list(out.token_ids)
+                except SplitserveError as exc:
+                    return exc
+
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+    return asyncio.run(run())
+
+
+def test_a_burst_beyond_decode_capacity_waits_and_completes(nodes):
+    model, tmp, prefill, decode = nodes
+    router = start_router(model, tmp, [prefill.address], [decode.address],
+                          "--decode-overcommit", "1")  # fmt: skip
+    try:
+        rng = random.Random(5)
+        prompts = [[rng.randrange(256) for _ in range(rng.randrange(10, 60))] for _ in range(12)]
+        results = _burst(router.address, prompts)
+        assert [r for r in results if isinstance(r, Exception)] == []
+        for prompt, tokens in zip(prompts, results, strict=True):
+            assert tokens == hf_greedy(model, prompt, 6)
+        stats = node_stats(decode)
+        assert stats.max_num_seqs == 2 and stats.num_free_blocks == stats.num_blocks
+    finally:
+        router.stop()
+
+
+def test_beyond_the_queue_requests_are_refused_at_once(nodes):
+    model, tmp, prefill, decode = nodes
+    router = start_router(model, tmp, [prefill.address], [decode.address],
+                          "--decode-overcommit", "1", "--max-queue", "2")  # fmt: skip
+    try:
+        prompts = [[7 + i] * 40 for i in range(10)]
+        results = _burst(router.address, prompts, max_tokens=30)
+        refused = [r for r in results if isinstance(r, Exception)]
+        assert refused, "10 requests for 2 slots and 2 queue places: some must be refused"
+        assert all(r.code == grpc.StatusCode.RESOURCE_EXHAUSTED for r in refused)
+        assert all("max-queue" in r.message for r in refused)
+        assert len(refused) <= 6  # 2 running and 2 waiting were always accepted
+    finally:
+        router.stop()
