@@ -20,6 +20,7 @@ import random
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -29,7 +30,7 @@ import itertools
 import grpc
 from shapes import llama3_8b_config
 
-from splitserve.client import AsyncClient
+from splitserve.client import AsyncClient, SplitserveError
 from splitserve.launcher import ClusterSpec, LocalCluster, free_port
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
@@ -48,27 +49,32 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def one(client: AsyncClient, prompt: list[int], gen: int) -> tuple[float, list[float], int]:
+async def one(client: AsyncClient, prompt: list[int], gen: int):
+    """(time to first token, inter-token gaps, tokens, None) or (None, [], 0, failure code)."""
     t0 = time.perf_counter()
     stamps = []
     n = 0
-    async for chunk in client.stream(
-        prompt_token_ids=prompt, max_tokens=gen, ignore_eos=True, temperature=0.0
-    ):
-        if chunk.token_ids:
-            stamps.append(time.perf_counter())
-            n += len(chunk.token_ids)
+    try:
+        async for chunk in client.stream(
+            prompt_token_ids=prompt, max_tokens=gen, ignore_eos=True, temperature=0.0
+        ):
+            if chunk.token_ids:
+                stamps.append(time.perf_counter())
+                n += len(chunk.token_ids)
+    except SplitserveError as exc:
+        return None, [], 0, exc.code.name
     itl = [b - a for a, b in itertools.pairwise(stamps)]
-    return stamps[0] - t0, itl, n
+    return stamps[0] - t0, itl, n, None
 
 
-def prefill_counters(addresses, keys) -> dict[str, float]:
-    """The prefill nodes' counters ``keys``, summed over ``addresses`` (GetStats)."""
+def prefill_counters(addresses, keys, metadata=None) -> dict[str, float]:
+    """The prefill nodes' counters ``keys``, summed over ``addresses`` (GetStats; ``metadata``:
+    the cluster token's, when the nodes require it)."""
     total = dict.fromkeys(keys, 0.0)
     for address in addresses:
         with grpc.insecure_channel(address) as channel:
             stats = nodes_pb2_grpc.NodeStatsServiceStub(channel).GetStats(
-                nodes_pb2.GetStatsRequest()
+                nodes_pb2.GetStatsRequest(), metadata=metadata
             )
         for key in keys:
             total[key] += stats.counters.get(key, 0.0)
@@ -95,6 +101,11 @@ def parse_args() -> argparse.Namespace:
         "--node-hostnames",
         action="store_true",
         help="each node under its own host name (root): one container per node, emulated",
+    )
+    ap.add_argument(
+        "--auth",
+        action="store_true",
+        help="a cluster token on every internal call (what `splitserve up` does by default)",
     )
     ap.add_argument(
         "--target",
@@ -127,6 +138,7 @@ def cluster_spec(args) -> ClusterSpec:
         node_args=node_args,
         redis_url=args.redis_url,
         node_hostnames=args.node_hostnames,
+        auth_token_file="auto" if args.auth else None,
     )
 
 
@@ -137,6 +149,8 @@ def summary(args, prompts, results, wall: float, counted: dict[str, float]) -> d
     """The figures of one run: ``results`` of ``one`` per prompt, ``counted``: the prefill
     pool's counters over the run (KV bytes shipped, transfers per path)."""
     shipped = counted["bytes_shipped"]
+    failed = Counter(r[3] for r in results if r[3] is not None)
+    results = [r for r in results if r[3] is None]
     paths = {
         k.removeprefix("transfers_"): int(v) for k, v in counted.items() if k != "bytes_shipped"
     }
@@ -157,18 +171,19 @@ def summary(args, prompts, results, wall: float, counted: dict[str, float]) -> d
         kv_bytes_shipped=shipped,
         kv_gbps_wall=shipped / wall / 1e9,
         kv_transfers=" ".join(f"{k}:{v}" for k, v in paths.items() if v) or "grpc bytes only",
+        failed=" ".join(f"{k}:{v}" for k, v in sorted(failed.items())) or "0",
     )
 
 
-def measure(router: str, prefill, prompts, gen: int):
+def measure(router: str, prefill, prompts, gen: int, metadata=None):
     """Warm up, then send every prompt at once: (per-request results, wall s, the prefill pool's
     counters over the run)."""
     asyncio.run(load(router, prompts[:2], 4))
-    before = prefill_counters(prefill, COUNTED)
+    before = prefill_counters(prefill, COUNTED, metadata)
     t0 = time.perf_counter()
     results = asyncio.run(load(router, prompts, gen))
     wall = time.perf_counter() - t0
-    after = prefill_counters(prefill, COUNTED)
+    after = prefill_counters(prefill, COUNTED, metadata)
     return results, wall, {k: after[k] - before[k] for k in COUNTED}
 
 
@@ -185,7 +200,9 @@ def main() -> None:
     else:
         with LocalCluster(cluster_spec(args)) as cluster:
             addr = cluster.addresses
-            results, wall, shipped = measure(addr.router, addr.prefill, prompts, args.gen)
+            results, wall, shipped = measure(
+                addr.router, addr.prefill, prompts, args.gen, cluster.call_metadata
+            )
     row = summary(args, prompts, results, wall, shipped)
     print(json.dumps(row))
     print("\n| figure | value |\n|---|---|")
