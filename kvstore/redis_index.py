@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -30,6 +31,10 @@ IDENTITIES_KEY = "ss:identities"  # node id -> "root_hex time identity", every m
 def _prefix(root_hash: bytes) -> str:
     # Keys are per model identity: two models sharing a Redis never see each other's blocks.
     return f"ss:{root_hash.hex()[:16]}"
+
+
+# The fields of a registry entry its signature covers (with the node id), in this order.
+_SIGNED_FIELDS = ("role", "address", "num_blocks", "num_free_blocks", "running", "waiting", "time")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,9 +59,18 @@ class PrefixIndex:
     is unreachable; callers decide whether that degrades or fails."""
 
     def __init__(
-        self, url: str, root_hash: bytes, ttl_s: float = HEARTBEAT_TTL_S, identity: str = ""
+        self,
+        url: str,
+        root_hash: bytes,
+        ttl_s: float = HEARTBEAT_TTL_S,
+        identity: str = "",
+        key: bytes | None = None,
     ) -> None:
+        """``key`` (the cluster's, ``runtime.auth.registry_key``): registry and identity entries
+        are signed with it (HMAC-SHA256) when written, and ignored unless signed with it when
+        read: a node registered by whoever can write to Redis is never routed to."""
         self.redis = aioredis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self._key = key
         self.root_hash = root_hash
         self.identity = identity  # readable form of the model identity, for other processes' logs
         self.prefix = _prefix(root_hash)
@@ -107,22 +121,33 @@ class PrefixIndex:
         mapping = {
             "role": info.role,
             "address": info.address,
-            "num_blocks": info.num_blocks,
-            "num_free_blocks": info.num_free_blocks,
-            "running": info.running,
-            "waiting": info.waiting,
-            "time": time.time(),
+            "num_blocks": str(info.num_blocks),
+            "num_free_blocks": str(info.num_free_blocks),
+            "running": str(info.running),
+            "waiting": str(info.waiting),
+            "time": f"{time.time():.3f}",
         }
+        mapping["sig"] = self._sign(info.node_id, *(mapping[f] for f in _SIGNED_FIELDS))
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(self._node_key(info.node_id), mapping=mapping)
             pipe.pexpire(self._node_key(info.node_id), int(self.ttl_s * 1000))
             pipe.sadd(self._nodes_key, info.node_id)
             # Across all model identities: lets a router see nodes it would never match.
-            pipe.hset(IDENTITIES_KEY, info.node_id, self._identity_entry())
+            pipe.hset(IDENTITIES_KEY, info.node_id, self._identity_entry(info.node_id))
             await pipe.execute()
 
-    def _identity_entry(self) -> str:
-        return f"{self.root_hash.hex()} {time.time():.3f} {self.identity}"
+    def _identity_entry(self, node_id: str) -> str:
+        root, stamp = self.root_hash.hex(), f"{time.time():.3f}"
+        return f"{root} {stamp} {self._sign(node_id, root, stamp, self.identity)} {self.identity}"
+
+    def _sign(self, *fields: str) -> str:
+        """HMAC-SHA256 of the fields with the cluster key ("-" without a key)."""
+        if self._key is None:
+            return "-"
+        return hmac.new(self._key, "\x1f".join(fields).encode(), "sha256").hexdigest()
+
+    def _signed(self, sig: str, *fields: str) -> bool:
+        return self._key is None or hmac.compare_digest(sig, self._sign(*fields))
 
     async def deregister(self, node_id: str) -> None:
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -176,6 +201,8 @@ class PrefixIndex:
             host, _, port = info.address.rpartition(":")
             if info.role not in ("prefill", "decode") or not host or not port.isdigit():
                 raise ValueError(f"role {info.role!r}, address {info.address!r}")
+            if not self._signed(f.get("sig", ""), node_id, *(f[k] for k in _SIGNED_FIELDS)):
+                raise ValueError("not signed with this cluster's key")
             return info
         except (KeyError, ValueError, UnicodeDecodeError) as exc:
             if node_id not in self._malformed_reported:
@@ -191,8 +218,10 @@ class PrefixIndex:
         now, stale, out = time.time(), [], {}
         for node_id, entry in rows.items():
             try:
-                root, stamp, identity = [*entry.decode().split(" ", 2), ""][:3]
+                root, stamp, sig, identity = [*entry.decode().split(" ", 3), ""][:4]
                 age = now - float(stamp)
+                if not self._signed(sig, node_id.decode(), root, stamp, identity):
+                    continue  # another cluster's, or forged: not ours to report or drop
             except (ValueError, UnicodeDecodeError):
                 stale.append(node_id)  # malformed: dropped like an expired one
                 continue

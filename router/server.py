@@ -10,7 +10,7 @@ from splitserve.kvstore.redis_index import PrefixIndex
 from splitserve.router.registry import NodeRegistry
 from splitserve.router.request import ModelInfo
 from splitserve.router.service import RouterService
-from splitserve.runtime.auth import read_token_file, use_token
+from splitserve.runtime.auth import read_token_file, registry_key, use_token
 from splitserve.runtime.config import RouterConfig
 from splitserve.runtime.metrics import RouterMetrics, serve_metrics
 from splitserve.runtime.server import Server
@@ -62,7 +62,10 @@ def prefix_index(config: RouterConfig) -> PrefixIndex | None:
         return None
     identity = model_identity(config)
     logger.info("prefix index %s for %s", config.redis_url, identity)
-    return PrefixIndex(config.redis_url, identity.root_hash, identity=str(identity))
+    token = read_token_file(config.auth_token_file) if config.auth_token_file else None
+    return PrefixIndex(
+        config.redis_url, identity.root_hash, identity=str(identity), key=registry_key(token)
+    )
 
 
 def model_identity(config: RouterConfig) -> ModelIdentity:

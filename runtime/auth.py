@@ -59,6 +59,14 @@ def write_token_file(path: str | Path) -> str:
     return token
 
 
+def registry_key(token: str | None) -> bytes | None:
+    """The key that signs this cluster's registry and identity entries in Redis (derived from
+    the token, so a leaked signature never reveals it); None without a token."""
+    if not token:
+        return None
+    return hmac.new(token.encode(), b"splitserve registry v1", "sha256").digest()
+
+
 def metadata_for(token: str | None) -> tuple[tuple[str, str], ...] | None:
     return ((METADATA_KEY, f"Bearer {token}"),) if token else None
 

@@ -8,7 +8,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from splitserve.runtime.auth import TokenCheck, read_token_file, use_token
+from splitserve.runtime.auth import TokenCheck, read_token_file, registry_key, use_token
 from splitserve.runtime.config import NodeConfig
 from splitserve.runtime.server import Server
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
@@ -126,7 +126,14 @@ def index_publisher(
         )
 
     return IndexPublisher(
-        PrefixIndex(config.redis_url, identity.root_hash, identity=str(identity)),
+        PrefixIndex(
+            config.redis_url,
+            identity.root_hash,
+            identity=str(identity),
+            key=registry_key(read_token_file(config.auth_token_file))
+            if config.auth_token_file
+            else None,
+        ),
         address,
         take_events,
         snapshot,

@@ -5,6 +5,8 @@ them token-exact with transformers, and its public service needs no token."""
 
 from __future__ import annotations
 
+import threading
+
 import grpc
 import pytest
 from cluster import node_stats, start_node, start_router
@@ -123,3 +125,51 @@ def test_node_stats_helper_needs_the_token(cluster):
     with pytest.raises(grpc.RpcError):
         node_stats(prefill)
     assert stats(prefill, token).role == "prefill"
+
+
+def test_a_node_registered_without_the_cluster_key_is_never_used(tmp_path):
+    """With a token, registry entries are signed: the router discovers the real nodes from
+    Redis and ignores one that anyone able to write to Redis registered (it would otherwise
+    receive prompts, and the token with them)."""
+    import asyncio
+
+    from cluster import start_redis, start_router_discovering
+
+    from splitserve.kvstore import ModelIdentity
+    from splitserve.kvstore.redis_index import NodeInfo, PrefixIndex
+
+    model = write_random_checkpoint(
+        tmp_path / "m", seed=6, with_tokenizer=True, num_hidden_layers=2
+    )
+    token_file = tmp_path / "token"
+    write_token_file(token_file)
+    redis = start_redis(tmp_path)
+    flags = ("--auth-token-file", str(token_file), "--redis-url", redis.address)
+    procs = [redis]
+    try:
+        procs += [start_node("prefill", model, tmp_path, *flags)]
+        procs += [start_node("decode", model, tmp_path, *flags)]
+
+        async def forge():
+            root = ModelIdentity.for_checkpoint(str(model)).root_hash
+            index = PrefixIndex(redis.address, root)  # no key: a stranger
+            for _ in range(20):
+                await index.heartbeat(NodeInfo("fake", "decode", "127.0.0.1:9", 10**6, 10**6, 0, 0))
+                await asyncio.sleep(0.25)
+            await index.close()
+
+        router = start_router_discovering(model, tmp_path, redis.address, flags[0], flags[1])
+        procs.append(router)
+        forging = threading.Thread(target=asyncio.run, args=(forge(),))
+        forging.start()
+        with Client(router.address) as client:
+            for i in range(6):
+                prompt = [(5 * i + j) % 200 + 1 for j in range(20)]
+                out = client.generate(prompt_token_ids=prompt, max_tokens=3, temperature=0.0)
+                assert list(out.token_ids) == hf_greedy(model, prompt, 3)
+        forging.join()
+        log = router.log.read_text()
+        assert "ignoring malformed registry entry 'fake'" in log and "127.0.0.1:9" not in log
+    finally:
+        for proc in reversed(procs):
+            proc.stop()

@@ -93,6 +93,40 @@ def test_malformed_registry_entries_are_skipped_and_the_rest_discovered(redis_ur
     asyncio.run(run())
 
 
+def test_with_a_cluster_key_only_signed_entries_count(redis_url):
+    """Whoever can write to Redis cannot register a node with a cluster that has a key: entries
+    not signed with it, or changed after signing (a redirected address), are ignored."""
+    key = b"k" * 32
+
+    async def run():
+        router = PrefixIndex(redis_url, ROOT, key=key)
+        node = PrefixIndex(redis_url, ROOT, key=key)
+        stranger = PrefixIndex(redis_url, ROOT)  # no key
+        other = PrefixIndex(redis_url, ROOT, key=b"x" * 32)
+        await node.heartbeat(_info("good"))
+        await stranger.heartbeat(_info("fake"))
+        await other.heartbeat(_info("other-cluster"))
+        await node.heartbeat(_info("hijacked"))
+        await router.redis.hset(router._node_key("hijacked"), "address", "evil:9000")
+        assert {n.node_id for n in await router.live_nodes()} == {"good"}
+        # Without a key (no token), every well-formed entry counts, as before.
+        assert {n.node_id for n in await stranger.live_nodes()} == {
+            "good",
+            "fake",
+            "other-cluster",
+            "hijacked",
+        }
+        other_model = PrefixIndex(redis_url, ModelIdentity("other").root_hash, key=key)
+        forged_model = PrefixIndex(redis_url, ModelIdentity("other").root_hash, key=b"y" * 32)
+        await other_model.heartbeat(_info("mismatch"))
+        await forged_model.heartbeat(_info("forged-mismatch"))
+        assert set(await router.foreign_nodes()) == {"mismatch"}
+        for index in (router, node, stranger, other, other_model, forged_model):
+            await index.close()
+
+    asyncio.run(run())
+
+
 def test_publisher_survives_redis_restart_and_republishes(tmp_path):
     redis_proc = start_redis(tmp_path)
     port = int(redis_proc.address.rsplit(":", 1)[1])
