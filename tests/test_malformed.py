@@ -64,7 +64,7 @@ def test_corrupt_bytes_get_invalid_argument(cluster, who, method, req_stream, re
 
 
 def test_good_requests_after_garbage(cluster):
-    prefill, decode, router = cluster
+    _, decode, router = cluster
     with Client(router.address) as client:
         ids = [random.Random(2).randrange(200) for _ in range(30)]
         assert len(client.generate(prompt_token_ids=ids, max_tokens=3).token_ids) == 3
