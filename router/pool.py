@@ -6,6 +6,7 @@ Pure bookkeeping (no I/O): ``NodePool.pick`` chooses a node for a request; the r
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -38,6 +39,13 @@ class Node:
     rejected: str = ""  # why it is never routed to (a model identity mismatch)
     leaving: bool = False  # left the registry (draining) while requests were still in flight
     capacity: int | None = None  # decode: router requests it may hold at once (None: no limit)
+    # Set when the health checker finds the node silent: calls waiting on it give up then.
+    stalled: asyncio.Event | None = field(default=None, repr=False)
+
+    def stall_signal(self) -> asyncio.Event:
+        if self.stalled is None:
+            self.stalled = asyncio.Event()
+        return self.stalled
 
     def has_room(self) -> bool:
         return self.capacity is None or self.in_flight < self.capacity
@@ -166,11 +174,16 @@ class NodePool:
         assert node.in_flight >= 0, f"{node.address}: released more than acquired"
         self.notify_waiters()
 
-    def mark_down(self, node: Node, reason: str) -> None:
+    def mark_down(self, node: Node, reason: str, stalled: bool = False) -> None:
+        """Skip ``node`` for a while; ``stalled`` (it stopped answering health checks): the
+        calls in flight on it are given up and retried elsewhere."""
         if node.is_up(self._clock()):
             logger.warning("%s node %s marked down: %s", self.role, node.address, reason)
         node.down_until = self._clock() + self._down_s
         node.last_error = reason
+        if stalled and node.stalled is not None:
+            node.stalled.set()
+            node.stalled = None  # the next calls wait on a fresh signal
 
     def mark_up(self, node: Node) -> None:
         was_down = not node.is_up(self._clock())

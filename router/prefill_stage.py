@@ -148,7 +148,7 @@ class PrefillStage:
         try:
             call = reg.prefill_stub(p).Prefill(request, timeout=remaining, metadata=call_metadata())
             try:
-                response = await call
+                response = await _unless_stalled(call, p, d)
             finally:
                 call.cancel()
             ok = True
@@ -190,6 +190,30 @@ class PrefillStage:
             f"no {pool.role} node reachable: {culprit.address} failed ({details}); "
             f"nodes: {pool.describe()}",
         )
+
+
+async def _unless_stalled(call, p: Node, d: Node):
+    """The call's answer, unless P or D stops answering health checks first (frozen, or its
+    host gone): then UNAVAILABLE at once, and the stage retries elsewhere rather than wait for
+    the request's deadline."""
+    answer = asyncio.ensure_future(call)
+    answer.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved, even if late
+    stalls = {asyncio.ensure_future(n.stall_signal().wait()): n for n in (p, d)}
+    try:
+        await asyncio.wait([answer, *stalls], return_when=asyncio.FIRST_COMPLETED)
+        silent = next((n for f, n in stalls.items() if f.done()), p)
+    finally:
+        for stall in stalls:
+            stall.cancel()
+    if answer.done():
+        return answer.result()
+    call.cancel()
+    raise grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE,
+        None,
+        None,
+        f"{silent.role} node {silent.address} stopped answering health checks",
+    )
 
 
 def _peer_hint(

@@ -92,7 +92,7 @@ class NodeRegistry:
                 if not node.verified:
                     unverified.append((pool, node))
             else:
-                pool.mark_down(node, node.last_error)
+                pool.mark_down(node, node.last_error, stalled=True)
         await asyncio.gather(*(self.verify(pool, node) for pool, node in unverified))
 
     async def verify(self, pool: NodePool, node: Node) -> None:

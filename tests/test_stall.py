@@ -1,0 +1,69 @@
+"""A node that stops answering (SIGSTOP: frozen, or its host gone quiet) does not burn its
+requests' deadlines: the router's health checks find it silent within ~2 s, the prefills waiting
+on it are given up and retried on the other prefill node, and every request completes,
+token-exact with transformers, long before its deadline. Then the node thaws and is used again."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+
+import pytest
+from cluster import start_node, start_router
+from reference import hf_greedy
+
+from splitserve.client import AsyncClient, Client
+from splitserve.models.tiny import write_random_checkpoint
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    model = write_random_checkpoint(
+        tmp_path / "m", seed=12, with_tokenizer=True, num_hidden_layers=2
+    )
+    nodes = [start_node("prefill", model, tmp_path) for _ in range(2)]
+    nodes.append(start_node("decode", model, tmp_path))
+    router = start_router(model, tmp_path, [nodes[0].address, nodes[1].address], [nodes[2].address])
+    try:
+        yield model, nodes, router
+    finally:
+        for proc in (router, *nodes):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.popen.pid, signal.SIGCONT)
+            proc.stop()
+
+
+def test_requests_on_a_frozen_prefill_node_are_retried_elsewhere(cluster):
+    model, (frozen, _, _), router = cluster
+    prompts = [[(7 * i + j) % 200 + 1 for j in range(300)] for i in range(8)]
+    with Client(router.address) as client:  # warm: both prefill nodes have served
+        for p in prompts[:2]:
+            client.generate(prompt_token_ids=p[:20], max_tokens=1)
+
+    async def burst():
+        async with AsyncClient(router.address) as client:
+
+            async def one(p):
+                t0 = time.monotonic()
+                out = await client.generate(prompt_token_ids=p, max_tokens=4, temperature=0.0,
+                                            ignore_eos=True, timeout=60)  # fmt: skip
+                return list(out.token_ids), time.monotonic() - t0
+
+            # Frozen just before the burst: the router learns it only from its health checks
+            # (~1-2 s), so about half the requests are sent to the frozen node meanwhile.
+            os.kill(frozen.popen.pid, signal.SIGSTOP)
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+    results = asyncio.run(burst())
+    for prompt, (tokens, seconds) in zip(prompts, results, strict=True):
+        assert tokens == hf_greedy(model, prompt, 4)
+        assert seconds < 20, f"a request took {seconds:.1f} s: it waited on the frozen node"
+    assert "stopped answering health checks" in router.log.read_text()
+    os.kill(frozen.popen.pid, signal.SIGCONT)
+    time.sleep(3)  # the router sees it back
+    with Client(router.address) as client:
+        for p in prompts[:4]:
+            assert len(client.generate(prompt_token_ids=p[:50], max_tokens=2).token_ids) == 2
