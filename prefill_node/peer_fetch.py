@@ -145,12 +145,18 @@ class PeerFetcher:
         """The peer's model identity and block size are this node's."""
         return request.model_root_hash == self.root and request.block_nbytes == self.block_nbytes
 
+    @property
+    def max_blocks(self) -> int:
+        """The most blocks a prompt of this model can have (what a fetch may name)."""
+        max_len = self.engine.engine.runner.config.max_model_len
+        return min(MAX_FETCH_BLOCKS, max_len // self.block_size + 1)
+
     def why_not_proven(self, request) -> str | None:
         """Why the asker has not shown it knows the prompt of the asked blocks (None: it has):
         the token ids it sent, with its salt, must hash to exactly the asked run."""
         n, first = len(request.block_hashes), request.first_block
-        if n == 0 or n > MAX_FETCH_BLOCKS or first > MAX_FETCH_BLOCKS:
-            return f"ask for 1 to {MAX_FETCH_BLOCKS} blocks"
+        if n == 0 or first + n > self.max_blocks:
+            return f"ask for blocks within the first {self.max_blocks} of a prompt"
         if len(request.prompt_token_ids) != (first + n) * self.block_size:
             return "send the token ids of every block up to the last one asked for"
         chain = hash_request_tokens(

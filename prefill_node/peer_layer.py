@@ -33,6 +33,8 @@ from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 logger = logging.getLogger(__name__)
 
 FETCH_PATHS = (IPC, TCP)
+FETCH_RECEIVER_MARK = "#fetch-"  # in the id of every prefill node's fetch receiver
+MAX_FETCH_PEERS = 64  # receivers the fetch sender keeps paths to
 ROUTE_TTL_S = 60.0  # a peer's sender endpoint is looked up again after this long
 CONNECT_WAIT_S = 2.0  # the holder waits this long for a path to be set up, then declines
 IPC_FREE_GRACE_S = 10.0  # as the decode node's: a copy the holder queued may still land
@@ -52,6 +54,7 @@ class LayerFetch:
         self.sender, self.receiver = sender, receiver
         self._rx_endpoint = receiver.endpoint() if receiver is not None else None
         self._routes: dict[str, tuple[tuple[str, str] | None, float]] = {}
+        self._fetch_peers: dict[str, None] = {}  # receivers served, least recently used first
         self._later: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ asking
@@ -119,9 +122,10 @@ class LayerFetch:
         return sent
 
     async def _release(self, rid: str, res, adopted: bool) -> None:
-        if res is not None and not res.ended:
-            self.receiver.cancel(res)
-            if res.path == IPC:  # the holder's copy may still be queued on its GPU
+        if res is not None:
+            unfinished = not res.ended
+            self.receiver.cancel(res)  # idempotent; also forgets an ended tcp reservation
+            if unfinished and res.path == IPC:  # the holder's copy may still be on its way
                 self._free_later(rid)
                 return
         await self.engine.call_to_end(self.port.free, rid)
@@ -167,34 +171,62 @@ class LayerFetch:
 
     async def serve(self, request, pinned) -> nodes_pb2.FetchBlocksResponse:
         """Send the ``pinned`` blocks (the leading run of the asked hashes held here) into the
-        asker's reservation; the answer says how many (``transfer_path`` empty: declined)."""
+        asker's reservation; the answer says how many (``transfer_path`` empty: declined).
+
+        The asker's endpoint and ticket are input: the fetch sender is not the shipper's (a
+        forged endpoint cannot take over a decode node's path), may use ipc and tcp only, serves
+        only receivers that are prefill nodes' fetch receivers, and writes only into the
+        reservation of the receiver it just connected to."""
         declined = nodes_pb2.FetchBlocksResponse()
-        if self.sender is None:
-            return declined
+        n = len(pinned)
+        if self.sender is None or n == 0:
+            return declined if self.sender is None else self._served(0, "")
         try:
             ticket = Ticket.from_bytes(request.ticket)
+            peer = Endpoint.from_bytes(request.receiver_endpoint)
         except ValueError:
             return declined
-        if ticket.sender_id != self.sender.node_id or len(ticket.block_ids) != len(
-            request.block_hashes
+        if (
+            ticket.sender_id != self.sender.node_id
+            or ticket.receiver_id != peer.node_id
+            or FETCH_RECEIVER_MARK not in peer.node_id
+            or ticket.path not in FETCH_PATHS
+            or len(ticket.block_ids) != len(request.block_hashes)
         ):
             return declined
         try:
-            connect = asyncio.to_thread(self.sender.connect, request.receiver_endpoint)
-            path = await asyncio.wait_for(asyncio.shield(connect), CONNECT_WAIT_S)
+            path = await asyncio.wait_for(asyncio.shield(self._connect(peer)), CONNECT_WAIT_S)
         except (TimeoutError, ValueError, TransferLayerError) as exc:
             logger.info("prefix fetch by a peer: no layer path (%s)", exc)
             return declined
         if path != ticket.path:
             return declined
-        n = len(pinned)
-        if n:
-            mine = dataclasses.replace(ticket, block_ids=ticket.block_ids[:n])
-            src = [b.block_id for b in pinned]
-            send = functools.partial(self.sender.send, mine, src, timeout=30.0)
+        mine = dataclasses.replace(ticket, block_ids=ticket.block_ids[:n])
+        src = [b.block_id for b in pinned]
+        send = functools.partial(self.sender.send, mine, src, timeout=30.0)
+        try:
             # Awaited to its end even if the call is cancelled: an ipc copy is never left
             # running into blocks the asker may free.
             await settle(asyncio.get_running_loop().run_in_executor(None, send))
-            self.counters["blocks_served_to_peers"] += n
-            self.counters[f"blocks_served_to_peers_{path}"] += n
-        return nodes_pb2.FetchBlocksResponse(blocks_sent=n, transfer_path=path)
+        except (TransferLayerError, ValueError) as exc:
+            logger.info("prefix fetch by %s over %s failed: %s", peer.node_id, path, exc)
+            return declined  # the asker frees its reservation and fetches bytes or computes
+        self.counters["blocks_served_to_peers"] += n
+        self.counters[f"blocks_served_to_peers_{path}"] += n
+        return self._served(n, path)
+
+    @staticmethod
+    def _served(n: int, path: str) -> nodes_pb2.FetchBlocksResponse:
+        return nodes_pb2.FetchBlocksResponse(blocks_sent=n, transfer_path=path or "none")
+
+    async def _connect(self, peer: Endpoint) -> str:
+        """Connect the fetch sender to ``peer``; at most MAX_FETCH_PEERS are kept (the least
+        recently used is dropped)."""
+        path = await asyncio.to_thread(self.sender.connect, peer)
+        self._fetch_peers.pop(peer.node_id, None)
+        self._fetch_peers[peer.node_id] = None
+        while len(self._fetch_peers) > MAX_FETCH_PEERS:
+            oldest = next(iter(self._fetch_peers))
+            del self._fetch_peers[oldest]
+            await asyncio.to_thread(self.sender.close, oldest)
+        return path

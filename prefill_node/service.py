@@ -39,6 +39,7 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
         deadline_s: float,
         sender=None,
         receiver=None,
+        fetch_sender=None,
     ) -> None:
         self.engine = engine
         self.identity = identity
@@ -50,10 +51,10 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
         self.shipper = KVShipper(
             engine, identity.root_hash, deadline_s, self.channels, self.counters, sender
         )
-        # Peer prefix fetches through the transfer layer: this node receives (receiver), peers
-        # that hold a prefix send (sender).
-        self.sender, self.receiver = sender, receiver
-        layer = LayerFetch(engine, self.channels, self.counters, sender, receiver)
+        # Peer prefix fetches through the transfer layer: this node receives (receiver), and
+        # serves its peers' fetches with a sender of its own (fetch_sender, ipc/tcp only).
+        self.sender, self.receiver, self.fetch_sender = sender, receiver, fetch_sender
+        layer = LayerFetch(engine, self.channels, self.counters, fetch_sender, receiver)
         self.fetcher = PeerFetcher(
             engine, identity.root_hash, self.rates, self.channels, self.counters, layer
         )
@@ -79,6 +80,8 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
     async def close(self) -> None:
         await self.channels.close()
         await self.shipper.close()
+        if self.fetch_sender is not None:
+            await asyncio.to_thread(self.fetch_sender.close_all)
         if self.receiver is not None:
             await asyncio.to_thread(self.receiver.shutdown)
 
@@ -189,7 +192,8 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
                 "model identity or block size differs from this node's",
             )
         # Knowing a prefix's hashes (they are in Redis) is not enough to read its blocks.
-        if (why := self.fetcher.why_not_proven(request)) is not None:
+        # (Hashing up to a whole context's tokens: off the event loop.)
+        if (why := await asyncio.to_thread(self.fetcher.why_not_proven, request)) is not None:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
         # aclosing: a cancelled call closes the inner stream at once, which unpins its blocks.
         async with contextlib.aclosing(self.fetcher.serve(request)) as blocks:
@@ -198,7 +202,9 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
 
     async def GetStats(self, request, context):
         engine = self.engine.engine
-        endpoint = self.sender.endpoint().to_bytes() if self.sender is not None else b""
+        # What askers choose a fetch path from: the fetch sender's endpoint.
+        fetch = self.fetch_sender
+        endpoint = fetch.endpoint().to_bytes() if fetch is not None else b""
         return node_stats(
             "prefill",
             engine,
