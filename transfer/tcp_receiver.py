@@ -16,6 +16,7 @@ import logging
 import secrets
 import socket
 import threading
+import time
 
 import torch
 
@@ -80,7 +81,7 @@ class TcpReceiver:
         *,
         host: str,
         port: int = 0,
-        max_connections: int = 64,
+        max_connections: int = 256,
         io_timeout: float = 30.0,
         idle_timeout: float = 600.0,
     ) -> None:
@@ -166,8 +167,12 @@ class TcpReceiver:
         while not self._stop.is_set():
             try:
                 conn, peer = self._listener.accept()
-            except OSError:
-                return  # closed by shutdown
+            except OSError as exc:
+                if self._stop.is_set():
+                    return  # closed by shutdown
+                logger.warning("tcp KV: accept failed (%s); retrying", exc)  # e.g. out of fds
+                time.sleep(0.1)
+                continue
             with self._mu:
                 full = len(self._conns) >= self.max_connections
                 if not full:
@@ -176,7 +181,13 @@ class TcpReceiver:
                 logger.warning("tcp KV: refusing %s: %d connections open", peer, len(self._conns))
                 _close(conn)
                 continue
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            try:
+                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            except RuntimeError as exc:  # no thread to be had: drop this connection only
+                logger.warning("tcp KV: cannot serve %s: %s", peer, exc)
+                with self._mu:
+                    self._conns.discard(conn)
+                _close(conn)
 
     def _serve(self, conn: socket.socket) -> None:
         header = bytearray(CHUNK.size)

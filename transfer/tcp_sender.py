@@ -1,10 +1,9 @@
 """The tcp path's sender (prefill node) side.
 
-A transfer is gathered once: on CUDA, chunk by chunk from the pool into pinned host memory on a
-side stream (each chunk's copy is awaited only by the thread that sends it, so the first chunk is
-on the wire while later ones are still being copied); on CPU, by each connection's thread into
-its own reused buffer, one ``index_select`` per chunk (outside the GIL, in parallel).
-The chunks are spread over up to ``streams`` connections sent in parallel, each chunk one header
+A transfer is cut into chunks spread over up to ``streams`` connections sent in parallel; each
+connection's thread gathers its chunks one at a time into its own reused host buffer (CUDA: an
+``index_select`` and a copy into pinned memory on a side stream; CPU: one ``index_select``), so
+host memory stays at one chunk per connection however large the transfer. Each chunk is one header
 and one ``sendall`` of its buffer (no per-block Python copies), its CRC computed by zlib over the
 whole chunk outside the GIL. Connections are kept per receiver and reused; one that broke is
 dropped and the failure raised (``PeerLost``/``TransferTimeout``/``TransferError``): the caller
@@ -14,7 +13,6 @@ ships the request another way or fails it, and the next ``send`` opens fresh con
 from __future__ import annotations
 
 import contextlib
-import select
 import socket
 import threading
 import time
@@ -35,8 +33,6 @@ DEFAULT_CHUNK_BYTES = 16 << 20
 class _Chunk(NamedTuple):
     first: int  # position in the reservation
     ids: list[int]  # its source blocks
-    data: torch.Tensor | None  # CUDA: uint8 pinned buffer (CPU: gathered by the lane itself)
-    ready: torch.cuda.Event | None  # CUDA: its copy from the GPU has finished
 
     @property
     def count(self) -> int:
@@ -104,7 +100,10 @@ class TcpSender:
         if not src:
             return 0
         deadline = time.monotonic() + timeout
-        chunks = self._gather(src)
+        if self._stream is not None:  # the blocks' KV is written (the engine's stream)
+            with torch.cuda.device(self.kv_pool.device):
+                self._stream.wait_stream(torch.cuda.current_stream(self.kv_pool.device))
+        chunks = self._chunks(src)
         lanes = [chunks[i :: self.streams] for i in range(min(self.streams, len(chunks)))]
         futures = [
             self._workers.submit(self._send_lane, peer_id, address, ticket.token, lane, deadline)
@@ -115,43 +114,39 @@ class TcpSender:
             future.result()  # raises the first lane's failure
         return len(src) * self.block_nbytes
 
-    def _gather(self, src: list[int]) -> list[_Chunk]:
+    def _chunks(self, src: list[int]) -> list[_Chunk]:
         per = self.blocks_per_chunk
-        runs = [(first, src[first : first + per]) for first in range(0, len(src), per)]
+        return [_Chunk(first, src[first : first + per]) for first in range(0, len(src), per)]
+
+    def _scratch(self) -> torch.Tensor:
+        """A lane's host buffer for one chunk (pinned on CUDA; torch caches and reuses it)."""
+        pinned = self._stream is not None
+        nbytes = self.blocks_per_chunk * self.block_nbytes
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+
+    def _fill(self, chunk: _Chunk, scratch: torch.Tensor) -> torch.Tensor:
+        """Gather ``chunk``'s blocks into ``scratch``; returns its bytes."""
         pool = self.kv_pool
+        data = scratch[: chunk.count * self.block_nbytes]
+        index = torch.tensor(chunk.ids, dtype=torch.int64)
         if self._stream is None:
-            return [_Chunk(first, ids, None, None) for first, ids in runs]
-        chunks = []
-        with torch.cuda.device(pool.device):
-            self._stream.wait_stream(torch.cuda.current_stream(pool.device))  # the KV is written
-            with torch.cuda.stream(self._stream):
-                for first, ids in runs:
-                    index = torch.tensor(ids, dtype=torch.int64).to(pool.device, non_blocking=True)
-                    nbytes = len(ids) * self.block_nbytes
-                    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-                    _blocks_of(host, pool).copy_(pool.index_select(0, index), non_blocking=True)
-                    ready = torch.cuda.Event()
-                    ready.record(self._stream)
-                    chunks.append(_Chunk(first, ids, host, ready))
-        return chunks
+            torch.index_select(pool, 0, index, out=_blocks_of(data, pool))
+            return data
+        with torch.cuda.device(pool.device), torch.cuda.stream(self._stream):
+            blocks = pool.index_select(0, index.to(pool.device, non_blocking=True))
+            _blocks_of(data, pool).copy_(blocks, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self._stream)
+        ready.synchronize()
+        return data
 
     def _send_lane(self, peer_id, address, token: bytes, lane: list[_Chunk], deadline) -> None:
         sock = self._take(peer_id, address, deadline)
         ok = False
-        scratch = None  # CPU: one buffer per lane, reused for its chunks
         try:
+            scratch = self._scratch()  # one chunk's buffer per lane, reused for its chunks
             for chunk in lane:
-                if chunk.ready is not None:
-                    chunk.ready.synchronize()
-                    data = chunk.data
-                else:
-                    if scratch is None:
-                        scratch = torch.empty(
-                            self.blocks_per_chunk * self.block_nbytes, dtype=torch.uint8
-                        )
-                    data = scratch[: chunk.count * self.block_nbytes]
-                    index = torch.tensor(chunk.ids, dtype=torch.int64)
-                    torch.index_select(self.kv_pool, 0, index, out=_blocks_of(data, self.kv_pool))
+                data = self._fill(chunk, scratch)
                 view = memoryview(data.numpy())
                 header = pack_chunk(token, chunk.first, chunk.count, checksum(view))
                 _io(sock, deadline, sock.sendall, header)
@@ -202,15 +197,21 @@ class TcpSender:
             if sock is None:
                 return self._open(address, deadline)
             # An idle connection has nothing to read; if it has, the receiver closed it.
-            readable, _, _ = select.select([sock], [], [], 0)
-            if not readable:
-                return sock
-            _close(sock)
+            # NOTE: non-blocking for the peek (with a timeout set, Python would wait for data).
+            sock.setblocking(False)
+            try:
+                sock.recv(1, socket.MSG_PEEK)
+            except BlockingIOError:
+                sock.setblocking(True)  # _io sets each operation's timeout
+                return sock  # nothing to read: alive and idle
+            except OSError:
+                pass
+            _close(sock)  # closed by the receiver, or holding bytes nobody asked for
 
     def _give_back(self, peer_id: str, sock: socket.socket) -> None:
         with self._mu:
             idle = self._idle.get(peer_id) if peer_id in self._peers else None
-            if idle is not None and len(idle) < 2 * self.streams:
+            if idle is not None and len(idle) < self.streams:
                 idle.append(sock)
                 return
         _close(sock)

@@ -122,14 +122,8 @@ def _send_tcp_half(tx, ticket, src: list[int]) -> None:
     from splitserve.transfer.tcp_wire import checksum, pack_chunk
 
     tcp = tx._tcp
-    chunk = tcp._gather(src)[0]
-    data = chunk.data  # CUDA: gathered into pinned memory; CPU: the lane gathers it
-    if data is None:
-        blocks = tx.kv_pool.index_select(0, torch.tensor(chunk.ids))
-        data = blocks.view(torch.uint8).reshape(-1)
-    if chunk.ready is not None:
-        chunk.ready.synchronize()
-    view = memoryview(data.numpy())
+    chunk = tcp._chunks(src)[0]
+    view = memoryview(tcp._fill(chunk, tcp._scratch()).numpy())
     sock = tcp._take(ticket.receiver_id, tcp._peers[ticket.receiver_id], _time.monotonic() + 5)
     sock.sendall(pack_chunk(ticket.token, chunk.first, chunk.count, checksum(view)))
     sock.sendall(view[: len(view) // 2])
