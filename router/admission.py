@@ -11,7 +11,6 @@ a slot is free at that instant. Queue length and waits are in ``/metrics``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import deque
 
@@ -36,21 +35,25 @@ class Admission:
         self._metrics = metrics
         self.max_waiting = max_waiting
         self.max_wait_s = max_wait_s
-        self._waiters: deque[object] = deque()
-        self._changed = asyncio.Event()
+        # One wake-up future per waiter, in arrival order; only the head is woken.
+        self._waiters: deque[list[asyncio.Future]] = deque()
         pool.on_release = self.notify  # a request left a decode node: the head may go
 
     def __len__(self) -> int:
         return len(self._waiters)
 
     def notify(self) -> None:
-        changed, self._changed = self._changed, asyncio.Event()
-        changed.set()
+        """Wake the head of the queue (it looks whether a node has room now)."""
+        if self._waiters:
+            wake = self._waiters[0][0]
+            if not wake.done():
+                wake.set_result(None)
 
     async def enter(self, deadline: float) -> None:
         """Return once this request may be sent to a decode node (at once when nothing waits
-        and a node has room); ``GenerateError`` when it may not wait any longer."""
-        if not self._waiters and self._pool.has_room():
+        and a node has room, or when no node is usable: the caller then reports that);
+        ``GenerateError`` when it may not wait any longer."""
+        if (not self._waiters and self._pool.has_room()) or not self._pool.usable():
             return
         if len(self._waiters) >= self.max_waiting:
             raise GenerateError(
@@ -58,19 +61,24 @@ class Admission:
                 f"every decode node is full and {len(self._waiters)} requests are already "
                 "waiting (the router's --max-queue); retry later or add decode nodes",
             )
-        me = object()
+        loop = asyncio.get_running_loop()
+        me = [loop.create_future()]
         self._waiters.append(me)
         self._metrics.queue_length.set(len(self._waiters))
         start = time.monotonic()
         give_up = min(deadline, start + self.max_wait_s)
         try:
-            while not (self._waiters[0] is me and self._pool.has_room()):
+            while not (
+                self._waiters[0] is me and (self._pool.has_room() or not self._pool.usable())
+            ):
                 left = give_up - time.monotonic()
                 if left <= 0:
                     raise self._timed_out(deadline, start)
-                changed = self._changed
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), min(left, RECHECK_S))
+                if me[0].done():
+                    me[0] = loop.create_future()
+                # The head also looks again now and then (a node joined or came back up).
+                timeout = min(left, RECHECK_S) if self._waiters[0] is me else left
+                await asyncio.wait([me[0]], timeout=timeout)
         finally:
             self._waiters.remove(me)
             self._metrics.queue_length.set(len(self._waiters))

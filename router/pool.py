@@ -41,6 +41,7 @@ class Node:
     capacity: int | None = None  # decode: router requests it may hold at once (None: no limit)
     # Set when the health checker finds the node silent: calls waiting on it give up then.
     stalled: asyncio.Event | None = field(default=None, repr=False)
+    silent_probes: int = 0  # health checks failed in a row
 
     def stall_signal(self) -> asyncio.Event:
         if self.stalled is None:
@@ -131,12 +132,14 @@ class NodePool:
         self._rr += 1
         return node
 
+    def usable(self) -> list[Node]:
+        """The nodes that may take work now (up, not rejected, not leaving)."""
+        now = self._clock()
+        return [n for n in self.nodes if n.is_up(now) and not n.rejected and not n.leaving]
+
     def has_room(self) -> bool:
         """A node that may take work has room for one more request."""
-        now = self._clock()
-        return any(
-            n.has_room() and n.is_up(now) and not n.rejected and not n.leaving for n in self.nodes
-        )
+        return any(n.has_room() for n in self.usable())
 
     def notify_waiters(self) -> None:
         if self.on_release is not None:

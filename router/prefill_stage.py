@@ -70,11 +70,13 @@ class PrefillStage:
         for attempt in range(self._max_attempts):
             if attempt:
                 self._metrics.retries.inc()
+                if tried.busy:  # a node refused: give it a moment (before queueing again)
+                    await asyncio.sleep(min(0.05 * 2**attempt, max(deadline - time.monotonic(), 0)))
             if self._admission is not None:
                 await self._admission.enter(deadline)
+            # NOTE: from here to the acquire in _attempt nothing awaits: the room just found
+            # is this request's.
             p, d = self._choose_pair(params, tried, cached)
-            if attempt and (p in tried.busy or d in tried.busy):
-                await asyncio.sleep(min(0.05 * 2**attempt, max(deadline - time.monotonic(), 0)))
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise GenerateError(

@@ -24,6 +24,8 @@ from splitserve.runtime.metrics import LoadFigures
 from splitserve.runtime.server import CHANNEL_OPTIONS
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
+STALL_PROBES = 2  # failed health checks in a row before a node counts as stalled
+
 logger = logging.getLogger(__name__)
 
 
@@ -88,11 +90,16 @@ class NodeRegistry:
         unverified = []
         for (pool, node), ok in zip(pairs, results, strict=True):
             if ok:
+                node.silent_probes = 0
                 pool.mark_up(node)
                 if not node.verified:
                     unverified.append((pool, node))
             else:
-                pool.mark_down(node, node.last_error, stalled=True)
+                # Calls waiting on it are given up only once it stays silent (one slow answer
+                # from a busy node must not cancel all its work).
+                node.silent_probes += 1
+                stalled = node.silent_probes >= STALL_PROBES
+                pool.mark_down(node, node.last_error, stalled=stalled)
         await asyncio.gather(*(self.verify(pool, node) for pool, node in unverified))
 
     async def verify(self, pool: NodePool, node: Node) -> None:

@@ -85,3 +85,17 @@ def test_a_node_joining_lets_waiters_go():
         await asyncio.wait_for(waiter, 2)
 
     asyncio.run(run())
+
+
+def test_no_usable_node_is_not_a_reason_to_wait():
+    """Every decode node down (not merely full): the request does not queue; the stage reports
+    UNAVAILABLE at once, as before."""
+
+    async def run():
+        pool, admission, _ = _setup(capacity=1)
+        pool.acquire(pool.nodes[0])
+        pool.mark_down(pool.nodes[0], "gone")
+        await asyncio.wait_for(admission.enter(time.monotonic() + 30), 0.5)
+        assert len(admission) == 0
+
+    asyncio.run(run())
