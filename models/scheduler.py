@@ -84,7 +84,8 @@ class Scheduler:
     def add_running(self, req: Request) -> None:
         """Join a request whose KV is already allocated under its id (a transferred prefill):
         running at once, or, while max_num_seqs are running, as soon as one finishes."""
-        if len(self.running) < self.max_num_seqs and not self.ready:
+        preempted_first = self.waiting and self.waiting[0].admitted
+        if len(self.running) < self.max_num_seqs and not self.ready and not preempted_first:
             self.running.append(req)
         else:
             self.ready.append(req)
@@ -121,7 +122,13 @@ class Scheduler:
     def schedule(self) -> list[ScheduledRequest]:
         """The requests of the next forward, running ones first, and their KV slots allocated."""
         scheduled: list[ScheduledRequest] = []
-        while self.ready and len(self.running) < self.max_num_seqs:
+        # A preempted request at the head of the queue (admitted before) goes first; then
+        # transferred ones; then new prompts (in _schedule_waiting).
+        while (
+            self.ready
+            and len(self.running) < self.max_num_seqs
+            and not (self.waiting and self.waiting[0].admitted)
+        ):
             self.running.append(self.ready.popleft())
         budget = self._schedule_running(self.max_num_batched_tokens, scheduled)
         self._schedule_waiting(budget, scheduled)

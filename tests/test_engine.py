@@ -117,3 +117,20 @@ def test_queues_read_through_to_the_scheduler(model):
     engine.abort("b")
     assert not engine.has_unfinished()
     assert engine.pool.num_free_blocks == engine.pool.num_blocks - 1
+
+
+def test_a_preempted_request_is_not_starved_by_transferred_ones(model):
+    """Transferred requests waiting for a slot do not overtake a request preempted earlier (it
+    was admitted before them)."""
+    engine = _engine(model, max_num_seqs=1)
+    a = engine.add_request("a", [random.randrange(300) for _ in range(20)], GREEDY)
+    engine.step()
+    assert engine.running == [a]
+    engine.scheduler._preempt(a)  # as the scheduler does when the pool runs short
+    t = engine.add_transferred("t", [1] * 17, 5, GREEDY)
+    engine.step()
+    assert engine.running == [a] and list(engine.ready) == [t]
+    engine.abort("a")
+    engine.step()
+    assert engine.running == [t]
+    engine.abort("t")
