@@ -33,6 +33,8 @@ def _prefix(root_hash: bytes) -> str:
     return f"ss:{root_hash.hex()[:16]}"
 
 
+REPLAY_TTLS = 3  # a signed entry older than this many TTLs is ignored (clock skew slack)
+
 # The fields of a registry entry its signature covers (with the node id), in this order.
 _SIGNED_FIELDS = ("role", "address", "num_blocks", "num_free_blocks", "running", "waiting", "time")
 
@@ -201,11 +203,17 @@ class PrefixIndex:
             host, _, port = info.address.rpartition(":")
             if info.role not in ("prefill", "decode") or not host or not port.isdigit():
                 raise ValueError(f"role {info.role!r}, address {info.address!r}")
-            if not self._signed(f.get("sig", ""), node_id, *(f[k] for k in _SIGNED_FIELDS)):
-                raise ValueError("not signed with this cluster's key")
+            if self._key is not None:
+                if not self._signed(f.get("sig", ""), node_id, *(f[k] for k in _SIGNED_FIELDS)):
+                    raise ValueError("not signed with this cluster's key")
+                # A signed entry replayed into Redis after its node stopped refreshing it.
+                if time.time() - float(f["time"]) > REPLAY_TTLS * self.ttl_s:
+                    raise ValueError("a stale signed entry (replayed?)")
             return info
         except (KeyError, ValueError, UnicodeDecodeError) as exc:
             if node_id not in self._malformed_reported:
+                if len(self._malformed_reported) > 10_000:
+                    self._malformed_reported.clear()  # bounded: at worst logged again
                 self._malformed_reported.add(node_id)
                 logger.warning("ignoring malformed registry entry %r: %r", node_id, exc)
             return None

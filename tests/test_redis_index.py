@@ -108,6 +108,14 @@ def test_with_a_cluster_key_only_signed_entries_count(redis_url):
         await other.heartbeat(_info("other-cluster"))
         await node.heartbeat(_info("hijacked"))
         await router.redis.hset(router._node_key("hijacked"), "address", "evil:9000")
+        # A signed entry replayed long after its node stopped refreshing it.
+        await node.heartbeat(_info("replayed"))
+        fields = {k.decode(): v.decode() for k, v in
+                  (await router.redis.hgetall(router._node_key("replayed"))).items()}  # fmt: skip
+        fields["time"] = f"{float(fields['time']) - 3600:.3f}"
+        order = ("role", "address", "num_blocks", "num_free_blocks", "running", "waiting", "time")
+        fields["sig"] = node._sign("replayed", *(fields[k] for k in order))
+        await router.redis.hset(router._node_key("replayed"), mapping=fields)
         assert {n.node_id for n in await router.live_nodes()} == {"good"}
         # Without a key (no token), every well-formed entry counts, as before.
         assert {n.node_id for n in await stranger.live_nodes()} == {
@@ -115,6 +123,7 @@ def test_with_a_cluster_key_only_signed_entries_count(redis_url):
             "fake",
             "other-cluster",
             "hijacked",
+            "replayed",
         }
         other_model = PrefixIndex(redis_url, ModelIdentity("other").root_hash, key=key)
         forged_model = PrefixIndex(redis_url, ModelIdentity("other").root_hash, key=b"y" * 32)
