@@ -47,6 +47,7 @@ def build_router(
         metrics=metrics,
         max_queue=config.max_queue,
         queue_timeout_s=config.queue_timeout_s,
+        max_requests_per_client=config.max_requests_per_client,
     )
     server = Server(
         config.host, config.port, [SERVICE_NAME], max_request_bytes=config.max_request_bytes

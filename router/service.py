@@ -4,8 +4,10 @@ orchestrator, its plain output back out as protobuf (``router.orchestrator`` ser
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 
 import grpc
@@ -39,7 +41,10 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         metrics: RouterMetrics | None = None,
         max_queue: int = 4096,
         queue_timeout_s: float = 300.0,
+        max_requests_per_client: int = 1024,
     ) -> None:
+        self._max_per_client = max_requests_per_client
+        self._in_flight: Counter[str] = Counter()  # client → its requests in flight
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
         self._model = model
@@ -53,6 +58,24 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
     async def Generate(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        client = client_of(context)
+        if self._in_flight[client] >= self._max_per_client:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"client {client} has {self._in_flight[client]} requests in flight (the "
+                "router's --max-requests-per-client); wait for one to end",
+            )
+        self._in_flight[client] += 1
+        try:
+            async with contextlib.aclosing(self._generate(request, context)) as messages:
+                async for msg in messages:
+                    yield msg
+        finally:
+            self._in_flight[client] -= 1
+            if not self._in_flight[client]:
+                del self._in_flight[client]
+
+    async def _generate(self, request, context) -> AsyncIterator[router_pb2.GenerateResponse]:
         start = time.monotonic()
         try:
             # Off the event loop: tokenizing a long text takes long, and other streams go on.
@@ -76,6 +99,19 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
             await context.abort(exc.code, exc.message)
         finally:
             observer.end()
+
+
+CLIENT_KEY = "x-splitserve-client"  # metadata naming the client (a tenant, a user)
+
+
+def client_of(context) -> str:
+    """Who a request is counted against: the ``x-splitserve-client`` metadata if given (at most
+    64 characters), else the caller's host (its port varies from connection to connection)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == CLIENT_KEY and value:
+            return str(value)[:64]
+    peer = context.peer() or "unknown"
+    return peer.rpartition(":")[0] or peer
 
 
 def _message(params: GenerateParams, step: Step) -> router_pb2.GenerateResponse:

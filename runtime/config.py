@@ -135,6 +135,11 @@ class RouterConfig:
     port_file: str | None = option(None, _PORT_FILE_HELP)
     request_timeout_s: float = option(600.0, "seconds a request may take in all")
     max_attempts: int = option(3, "per stage: a failed or refusing node is retried elsewhere")
+    max_requests_per_client: int = option(
+        1024,
+        "requests one client may have in flight (client: the x-splitserve-client metadata, else "
+        "its host); more: RESOURCE_EXHAUSTED",
+    )
     max_queue: int = option(
         4096, "requests that may wait for a decode node with room; more: RESOURCE_EXHAUSTED"
     )

@@ -78,3 +78,43 @@ def test_beyond_the_queue_requests_are_refused_at_once(nodes):
         assert len(refused) <= 6  # 2 running and 2 waiting were always accepted
     finally:
         router.stop()
+
+
+def test_one_client_cannot_take_every_slot(nodes):
+    """At most --max-requests-per-client of one client's requests are in flight; others (another
+    x-splitserve-client) are served meanwhile."""
+    from splitserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+    model, tmp, prefill, decode = nodes
+    router = start_router(model, tmp, [prefill.address], [decode.address],
+                          "--max-requests-per-client", "2")  # fmt: skip
+
+    async def burst(clients):
+        async with grpc.aio.insecure_channel(router.address) as channel:
+            stub = router_pb2_grpc.RouterServiceStub(channel)
+
+            async def one(i, client):
+                request = router_pb2.GenerateRequest(
+                    token_ids=router_pb2.TokenIds(ids=[5 + i] * 30),
+                    sampling=common_pb2.SamplingParams(max_tokens=20, ignore_eos=True),
+                )
+                try:
+                    async for _ in stub.Generate(
+                        request, timeout=60, metadata=(("x-splitserve-client", client),)
+                    ):
+                        pass
+                    return None
+                except grpc.aio.AioRpcError as exc:
+                    return exc
+
+            return await asyncio.gather(*(one(i, c) for i, c in enumerate(clients)))
+
+    try:
+        same = asyncio.run(burst(["tenant-a"] * 6))
+        refused = [e for e in same if e is not None]
+        assert refused and all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for e in refused)
+        assert all("max-requests-per-client" in e.details() for e in refused)
+        assert len(refused) <= 4
+        assert asyncio.run(burst([f"tenant-{i}" for i in range(6)])) == [None] * 6
+    finally:
+        router.stop()
