@@ -112,10 +112,10 @@ class DecodeCall:
         before the request finished."""
         try:
             if self._first_read is not None:
-                reply = await asyncio.shield(self._first_read)
+                reply = await self._unless_stalled(asyncio.shield(self._first_read))
                 self._first_read = None
             else:
-                reply = await self._call.read()
+                reply = await self._unless_stalled(asyncio.ensure_future(self._call.read()))
         except grpc.aio.AioRpcError as exc:
             raise self._stage.error(self._node, exc, self._deadline) from None
         if reply is grpc.aio.EOF:
@@ -124,6 +124,26 @@ class DecodeCall:
                 f"decode node {self._node.address} ended the stream without finishing",
             )
         return reply
+
+    async def _unless_stalled(self, reading: asyncio.Future):
+        """``reading``'s result, unless D stops answering health checks first (frozen, its host
+        gone): then UNAVAILABLE at once rather than a wait until the request's deadline."""
+        reading.add_done_callback(lambda t: t.cancelled() or t.exception())  # never unretrieved
+        stall = asyncio.ensure_future(self._node.stall_signal().wait())
+        try:
+            await asyncio.wait([reading, stall], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stall.cancel()
+        if reading.done():
+            return reading.result()
+        reading.cancel()
+        self._call.cancel()
+        self._first_read = None  # given up: nothing to wait for before cancelling
+        raise GenerateError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"decode node {self._node.address} stopped answering health checks mid-request; "
+            "retry the request",
+        )
 
     def close(self) -> None:
         if self._first_read is None:

@@ -1,7 +1,8 @@
 """A node that stops answering (SIGSTOP: frozen, or its host gone quiet) does not burn its
-requests' deadlines: the router's health checks find it silent within ~2 s, the prefills waiting
-on it are given up and retried on the other prefill node, and every request completes,
-token-exact with transformers, long before its deadline. Then the node thaws and is used again."""
+requests' deadlines: the router's health checks find it silent within ~2-3 s; the prefills
+waiting on a frozen prefill node are given up and retried on the other one (every request
+completes, token-exact with transformers, and the node is used again once it thaws); a stream
+on a frozen decode node fails with UNAVAILABLE at once (its KV lives there)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from splitserve.client import AsyncClient, Client
 from splitserve.models.tiny import write_random_checkpoint
 
 
-@pytest.fixture
-def cluster(tmp_path):
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("stall")
     model = write_random_checkpoint(
         tmp_path / "m", seed=12, with_tokenizer=True, num_hidden_layers=2
     )
@@ -67,3 +69,24 @@ def test_requests_on_a_frozen_prefill_node_are_retried_elsewhere(cluster):
     with Client(router.address) as client:
         for p in prompts[:4]:
             assert len(client.generate(prompt_token_ids=p[:50], max_tokens=2).token_ids) == 2
+
+
+def test_a_decode_node_frozen_mid_stream_fails_the_stream_fast(cluster):
+    """The tokens of a request live on its decode node: when that node freezes mid-stream the
+    client hears UNAVAILABLE within seconds (retry the request), not at its deadline."""
+    from splitserve.client import SplitserveError
+
+    _, (_, _, decode), router = cluster
+    with Client(router.address) as client:
+        stream = client.stream(prompt_token_ids=[3] * 20, max_tokens=5000, ignore_eos=True,
+                               temperature=0.0, timeout=120)  # fmt: skip
+        chunks = iter(stream)
+        next(chunks)
+        next(chunks)  # decoding on the decode node
+        os.kill(decode.popen.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(SplitserveError) as err:
+            for _ in chunks:
+                pass
+        assert err.value.code.name == "UNAVAILABLE" and "health checks" in err.value.message
+        assert time.monotonic() - t0 < 15
