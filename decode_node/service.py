@@ -7,6 +7,7 @@ when the router's ``Decode`` call comes (or is freed at its deadline).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import Counter
@@ -26,6 +27,10 @@ from splitserve.transfer import DIST, GRPC, TCP, KVReceiver
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+
+# ipc/dist/tcp: TransferEnd may take this many transfer deadlines (the blocks move first).
+LAYER_IDLE_FACTOR = 4
 
 
 class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
@@ -139,14 +144,15 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
         if transfer.path != GRPC:
             if transfer.path == DIST:
                 await transfer.wait_data(context.time_remaining() or self.deadline_s)
-            end = await anext(request_iterator, None)
+            # The sender moves the blocks first (seconds even for GBs): a generous bound.
+            end = await self._next(request_iterator, LAYER_IDLE_FACTOR * self.deadline_s)
             if end is None or end.WhichOneof("kind") != "end":
                 path = transfer.path
                 raise TransferRefused(BAD, f"expected TransferEnd after the {path} transfer")
             if transfer.path == TCP:
                 transfer.check_received()
             return
-        async for msg in request_iterator:
+        while (msg := await self._next(request_iterator, self.deadline_s)) is not None:
             kind = msg.WhichOneof("kind")
             if kind == "end":
                 return
@@ -154,6 +160,17 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
                 raise TransferRefused(BAD, f"unexpected {kind} message in a transfer")
             await transfer.write(msg.blocks.meta, msg.blocks.data)
         raise TransferRefused(BAD, "transfer ended without a TransferEnd")
+
+    async def _next(self, messages, idle_s: float):
+        """The sender's next message (None: it closed); a sender silent for ``idle_s`` loses its
+        reservation: blocks are not held for a stream that stopped sending."""
+        try:
+            return await asyncio.wait_for(anext(messages, None), idle_s)
+        except TimeoutError:
+            raise TransferRefused(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"the sender sent nothing for {idle_s:.0f} s: transfer given up",
+            ) from None
 
     def _adopted(self, transfer: Transfer) -> None:
         """The transfer's blocks are registered: the request waits for its Decode call."""

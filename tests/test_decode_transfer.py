@@ -26,18 +26,17 @@ def decode(tmp_path_factory):
     channel = grpc.insecure_channel(node.address)
     stub = nodes_pb2_grpc.DecodeNodeServiceStub(channel)
     stub.GetStats = nodes_pb2_grpc.NodeStatsServiceStub(channel).GetStats  # both on one node
-    config = __import__("json").loads((model / "config.json").read_text())
-    block_nbytes = (
-        config["num_hidden_layers"]
-        * 2
-        * BS
-        * config["num_key_value_heads"]
-        * config["head_dim"]
-        * 4
-    )
-    yield stub, ModelIdentity.for_checkpoint(model, "float32").root_hash, block_nbytes
+    yield stub, ModelIdentity.for_checkpoint(model, "float32").root_hash, _block_nbytes(model)
     channel.close()
     node.stop()
+
+
+def _block_nbytes(model) -> int:
+    config = __import__("json").loads((model / "config.json").read_text())
+    layers, heads, dim = (
+        config[k] for k in ("num_hidden_layers", "num_key_value_heads", "head_dim")
+    )
+    return layers * 2 * BS * heads * dim * 4
 
 
 def _stats(stub):
@@ -278,5 +277,33 @@ def test_a_burst_waits_for_blocks_instead_of_failing(tmp_path):
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "64 KV blocks" in err.value.details() and "63 in all" in err.value.details()
             assert _stats(stub).num_free_blocks == 63
+    finally:
+        node.stop()
+
+
+def test_a_sender_that_goes_silent_loses_its_reservation(tmp_path):
+    """A transfer whose sender stops sending after the header (a frozen or buggy prefill node)
+    holds its blocks only --transfer-deadline-s, not until its call's own deadline."""
+    import threading
+
+    from splitserve.models.tiny import write_random_checkpoint
+
+    model = write_random_checkpoint(tmp_path / "model", with_tokenizer=True)
+    node = start_node("decode", model, tmp_path, "--transfer-deadline-s", "2")
+    try:
+        with grpc.insecure_channel(node.address) as channel:
+            stub = nodes_pb2_grpc.DecodeNodeServiceStub(channel)
+            stub.GetStats = nodes_pb2_grpc.NodeStatsServiceStub(channel).GetStats
+            root = ModelIdentity.for_checkpoint(model, "float32").root_hash
+            idle = _stats(stub).num_free_blocks
+            never = threading.Event()
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                _transfer(stub, root, _block_nbytes(model), "silent", _prompt(), gate=never)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
+            assert "sent nothing" in err.value.details()
+            assert time.monotonic() - t0 < 15
+            assert _stats(stub).num_free_blocks == idle
+            never.set()
     finally:
         node.stop()
