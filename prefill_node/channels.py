@@ -8,6 +8,7 @@ from collections import OrderedDict
 
 import grpc
 
+from splitserve.runtime import tls
 from splitserve.runtime.server import CHANNEL_OPTIONS
 
 MAX_CHANNELS = 256
@@ -25,9 +26,7 @@ class Channels:
         if channel is not None:
             self._channels.move_to_end(address)
             return channel
-        channel = self._channels[address] = grpc.aio.insecure_channel(
-            address, options=CHANNEL_OPTIONS
-        )
+        channel = self._channels[address] = tls.channel(address, options=CHANNEL_OPTIONS)
         while len(self._channels) > self._max:
             _, oldest = self._channels.popitem(last=False)
             task = asyncio.ensure_future(oldest.close(CLOSE_GRACE_S))

@@ -19,6 +19,7 @@ from redis.exceptions import RedisError
 from splitserve.kvstore import ModelIdentity
 from splitserve.kvstore.redis_index import NodeInfo, PrefixIndex
 from splitserve.router.pool import DEFAULT_DOWN_S, Node, NodePool
+from splitserve.runtime import tls
 from splitserve.runtime.auth import call_metadata
 from splitserve.runtime.metrics import LoadFigures
 from splitserve.runtime.server import CHANNEL_OPTIONS
@@ -53,7 +54,7 @@ class NodeRegistry:
 
     def channel(self, node: Node) -> grpc.aio.Channel:
         if node.channel is None:
-            node.channel = grpc.aio.insecure_channel(node.address, options=CHANNEL_OPTIONS)
+            node.channel = tls.channel(node.address, options=CHANNEL_OPTIONS)
         return node.channel
 
     def prefill_stub(self, node: Node) -> nodes_pb2_grpc.PrefillNodeServiceStub:

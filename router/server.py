@@ -14,6 +14,7 @@ from splitserve.runtime.auth import read_token_file, registry_key, use_token
 from splitserve.runtime.config import RouterConfig
 from splitserve.runtime.metrics import RouterMetrics, serve_metrics
 from splitserve.runtime.server import Server
+from splitserve.runtime.tls import TlsFiles, use_tls
 from splitserve.v1 import router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -49,8 +50,14 @@ def build_router(
         queue_timeout_s=config.queue_timeout_s,
         max_requests_per_client=config.max_requests_per_client,
     )
+    tls = TlsFiles.load(config.tls_cert, config.tls_key, config.tls_ca)
+    use_tls(tls)  # the router's channels to the nodes, too
     server = Server(
-        config.host, config.port, [SERVICE_NAME], max_request_bytes=config.max_request_bytes
+        config.host,
+        config.port,
+        [SERVICE_NAME],
+        max_request_bytes=config.max_request_bytes,
+        tls=tls,
     )
     router_pb2_grpc.add_RouterServiceServicer_to_server(service, server.server)
     return server, registry

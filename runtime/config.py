@@ -45,6 +45,7 @@ _PORT_FILE_HELP = "write the bound port here once serving (for launchers)"
 _METRICS_HELP = "serve Prometheus /metrics on this port (0: any free one; default: none)"
 _REDIS_HELP = "node registry + prefix index: discovery and cache-aware routing (default: none)"
 _BLOCK_HELP = "tokens per KV block, part of the model identity (the same everywhere)"
+_TLS_HELP = "mTLS on every gRPC port and channel of this process (all three files, PEM): "
 _AUTH_HELP = (
     "a file holding the cluster token: internal calls must carry it (authorization: Bearer) "
     "and this process sends it on its own (default: none, internal services open)"
@@ -70,6 +71,9 @@ class NodeConfig:
     )
     metrics_port: int | None = option(None, _METRICS_HELP)
     auth_token_file: str | None = option(None, _AUTH_HELP)
+    tls_cert: str | None = option(None, _TLS_HELP + "its certificate")
+    tls_key: str | None = option(None, _TLS_HELP + "its private key")
+    tls_ca: str | None = option(None, _TLS_HELP + "the CA that signs every component's certificate")
     device: str = option("cpu", "cpu or cuda[:N]")
     kv_transfer: str = option(
         "ipc,dist,tcp",
@@ -158,6 +162,9 @@ class RouterConfig:
     )
     metrics_port: int | None = option(None, _METRICS_HELP)
     auth_token_file: str | None = option(None, _AUTH_HELP)
+    tls_cert: str | None = option(None, _TLS_HELP + "its certificate")
+    tls_key: str | None = option(None, _TLS_HELP + "its private key")
+    tls_ca: str | None = option(None, _TLS_HELP + "the CA that signs every component's certificate")
     max_request_bytes: int = option(
         4 << 20, "the largest request the public API accepts, in bytes (RESOURCE_EXHAUSTED above)"
     )

@@ -54,10 +54,22 @@ def check_address(address: str) -> str:
     return address
 
 
-def check(address: str, service: str = "", timeout_s: float = 5.0) -> HealthResult:
-    """One grpc.health.v1 ``Check`` of ``service`` ("" = the whole server) at ``address``."""
+def tls_from_env(environ: Mapping[str, str] | None = None):
+    """The component's mTLS files from SPLITSERVE_TLS_CERT/KEY/CA (None: plaintext)."""
+    from splitserve.runtime.tls import TlsFiles
+
+    env = os.environ if environ is None else environ
+    names = ("SPLITSERVE_TLS_CERT", "SPLITSERVE_TLS_KEY", "SPLITSERVE_TLS_CA")
+    return TlsFiles.load(*(env.get(n, "").strip() or None for n in names))
+
+
+def check(address: str, service: str = "", timeout_s: float = 5.0, tls=None) -> HealthResult:
+    """One grpc.health.v1 ``Check`` of ``service`` ("" = the whole server) at ``address``
+    (``tls``: runtime.tls.TlsFiles when the component serves mTLS)."""
+    from splitserve.runtime.tls import sync_channel
+
     what = f"{address} ({f'service {service!r}' if service else 'server'})"
-    with grpc.insecure_channel(address) as channel:
+    with sync_channel(address, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)

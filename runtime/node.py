@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from splitserve.runtime.auth import TokenCheck, read_token_file, registry_key, use_token
 from splitserve.runtime.config import NodeConfig
 from splitserve.runtime.server import Server
+from splitserve.runtime.tls import TlsFiles, use_tls
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 if TYPE_CHECKING:
@@ -161,11 +162,14 @@ async def serve_node(config: NodeConfig, role: str, make_service, add_servicer, 
     loop_engine.start()
     token = read_token_file(config.auth_token_file) if config.auth_token_file else None
     use_token(token)  # its own calls to peers carry it too
+    tls = TlsFiles.load(config.tls_cert, config.tls_key, config.tls_ca)
+    use_tls(tls)  # and go over mTLS when it has an identity
     server = Server(
         config.host,
         config.port,
         [service_name, STATS_SERVICE_NAME],
         interceptors=[TokenCheck(token)] if token else (),
+        tls=tls,
     )
     address = f"{config.advertised_host()}:{server.port}"
     service = make_service(loop_engine, identity, config, address)

@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from splitserve.runtime.guard import MalformedRequests
+from splitserve.runtime.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class Server:
         service_names: Sequence[str],
         interceptors: Sequence = (),
         max_request_bytes: int | None = None,
+        tls: TlsFiles | None = None,
     ) -> None:
         """``max_request_bytes``: the largest message it accepts (default MAX_MESSAGE_BYTES,
         for KV blocks between nodes; a public port takes far less)."""
@@ -58,7 +60,10 @@ class Server:
         names = (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, self.server)
         self.service_names = tuple(service_names)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if tls is None:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
+        else:
+            self.port = self.server.add_secure_port(f"{host}:{port}", tls.server_credentials())
         if self.port == 0:
             raise OSError(f"cannot listen on {host}:{port}")
         self.address = f"{host}:{self.port}"

@@ -49,6 +49,9 @@ def cmd_node(args: argparse.Namespace) -> int:
 
         if config.auth_token_file:
             read_token_file(config.auth_token_file)  # refuse a bad token before loading a model
+        from splitserve.runtime.tls import TlsFiles
+
+        TlsFiles.load(config.tls_cert, config.tls_key, config.tls_ca)
         transfer_paths(config)
         use_device(config.device)  # after the GPU claim: it fixes what CUDA sees
     except ValueError as exc:
@@ -76,6 +79,9 @@ def cmd_router(args: argparse.Namespace) -> int:
             from splitserve.runtime.auth import read_token_file
 
             read_token_file(config.auth_token_file)
+        from splitserve.runtime.tls import TlsFiles
+
+        TlsFiles.load(config.tls_cert, config.tls_key, config.tls_ca)
     except ValueError as exc:
         return _error(str(exc), 2)
     from splitserve.router.server import serve
@@ -86,14 +92,15 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 def cmd_health(args: argparse.Namespace) -> int:
     """Ask a component's grpc.health.v1 service: exit 0 if SERVING, else 1 (health checks)."""
-    from splitserve.runtime.health import check, check_address, default_address
+    from splitserve.runtime.health import check, check_address, default_address, tls_from_env
 
     address = args.address or default_address()
     try:
         check_address(address)
+        tls = tls_from_env()  # a component serving mTLS is asked over mTLS
     except ValueError as exc:
-        return _error(f"--address: {exc}", 1)  # a health check knows only healthy (0) or not (1)
-    result = check(address, args.service, args.timeout)
+        return _error(str(exc), 1)  # a health check knows only healthy (0) or not (1)
+    result = check(address, args.service, args.timeout, tls)
     print(result.message, file=sys.stdout if result.serving else sys.stderr)
     return 0 if result.serving else 1
 

@@ -107,9 +107,19 @@ def _error(exc: grpc.RpcError) -> SplitserveError:
 class Client:
     """Blocking client of a splitserve router. Thread-safe; close it (or use ``with``)."""
 
-    def __init__(self, target: str, options: Sequence[tuple[str, Any]] = ()) -> None:
+    def __init__(
+        self,
+        target: str,
+        options: Sequence[tuple[str, Any]] = (),
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        """``credentials``: for a router serving TLS, e.g. ``grpc.ssl_channel_credentials(ca,
+        key, cert)`` (mTLS: the router's CA, this client's key and certificate)."""
         self.target = target
-        self._channel = grpc.insecure_channel(target, options=list(options))
+        if credentials is None:
+            self._channel = grpc.insecure_channel(target, options=list(options))
+        else:
+            self._channel = grpc.secure_channel(target, credentials, options=list(options))
         self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
 
     def generate(
@@ -190,15 +200,26 @@ class AsyncClient:
     The channel is created on first use, inside the running event loop.
     """
 
-    def __init__(self, target: str, options: Sequence[tuple[str, Any]] = ()) -> None:
+    def __init__(
+        self,
+        target: str,
+        options: Sequence[tuple[str, Any]] = (),
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         self.target = target
         self._options = list(options)
+        self._credentials = credentials  # TLS, as for Client
         self._channel: grpc.aio.Channel | None = None
         self._stub: router_pb2_grpc.RouterServiceStub | None = None
 
     def _get_stub(self) -> router_pb2_grpc.RouterServiceStub:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.target, options=self._options)
+            if self._credentials is None:
+                self._channel = grpc.aio.insecure_channel(self.target, options=self._options)
+            else:
+                self._channel = grpc.aio.secure_channel(
+                    self.target, self._credentials, options=self._options
+                )
             self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
         return self._stub
 

@@ -34,9 +34,14 @@ def node_stats(proc: Proc, timeout: float = 10.0):
         return stub.GetStats(nodes_pb2.GetStatsRequest(), timeout=timeout)
 
 
-def wait_healthy(address: str, timeout: float = 120.0) -> None:
+def wait_healthy(address: str, timeout: float = 120.0, credentials=None) -> None:
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
+    channel = (
+        grpc.insecure_channel(address)
+        if credentials is None
+        else grpc.secure_channel(address, credentials)
+    )
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
@@ -51,11 +56,16 @@ def wait_healthy(address: str, timeout: float = 120.0) -> None:
 
 
 def start_cli(
-    name: str, args: list[str], tmp: Path, prefix: tuple[str, ...] = (), host: str = "127.0.0.1"
+    name: str,
+    args: list[str],
+    tmp: Path,
+    prefix: tuple[str, ...] = (),
+    host: str = "127.0.0.1",
+    credentials=None,
 ) -> Proc:
     """``python -m splitserve.cli ARGS --port 0 --port-file F``; returns once it is SERVING.
     ``prefix``: a command it runs under (e.g. ``ip netns exec NS``); ``host``: where it is
-    reached (it must listen there)."""
+    reached (it must listen there); ``credentials``: to ask its health over TLS."""
     port_file = tmp / f"{name}-{time.monotonic_ns()}.port"
     log = port_file.with_suffix(".log")
     cmd = [
@@ -76,7 +86,7 @@ def start_cli(
             raise RuntimeError(f"{name} did not start:\n{log.read_text()[-3000:]}")
         time.sleep(0.1)
     proc = Proc(popen, f"{host}:{port_file.read_text().strip()}", log)
-    wait_healthy(proc.address)
+    wait_healthy(proc.address, credentials=credentials)
     return proc
 
 
