@@ -67,12 +67,13 @@ async def one(client: AsyncClient, prompt: list[int], gen: int):
     return stamps[0] - t0, itl, n, None
 
 
-def prefill_counters(addresses, keys, metadata=None) -> dict[str, float]:
+def prefill_counters(addresses, keys, metadata=None, creds=None) -> dict[str, float]:
     """The prefill nodes' counters ``keys``, summed over ``addresses`` (GetStats; ``metadata``:
     the cluster token's, when the nodes require it)."""
     total = dict.fromkeys(keys, 0.0)
     for address in addresses:
-        with grpc.insecure_channel(address) as channel:
+        channel = grpc.secure_channel(address, creds) if creds else grpc.insecure_channel(address)
+        with channel:
             stats = nodes_pb2_grpc.NodeStatsServiceStub(channel).GetStats(
                 nodes_pb2.GetStatsRequest(), metadata=metadata
             )
@@ -81,8 +82,8 @@ def prefill_counters(addresses, keys, metadata=None) -> dict[str, float]:
     return total
 
 
-async def load(target: str, prompts: list[list[int]], gen: int):
-    async with AsyncClient(target) as client:
+async def load(target: str, prompts: list[list[int]], gen: int, creds=None):
+    async with AsyncClient(target, credentials=creds) as client:
         return await asyncio.gather(*(one(client, p, gen) for p in prompts))
 
 
@@ -106,6 +107,13 @@ def parse_args() -> argparse.Namespace:
         "--auth",
         action="store_true",
         help="a cluster token on every internal call (what `splitserve up` does by default)",
+    )
+    ap.add_argument(
+        "--tls",
+        default=None,
+        metavar="DIR",
+        help="mutual TLS everywhere: DIR holds ca.pem, node.pem and node.key (one identity for "
+        "every component and the client; its names must cover 127.0.0.1)",
     )
     ap.add_argument(
         "--target",
@@ -139,7 +147,24 @@ def cluster_spec(args) -> ClusterSpec:
         redis_url=args.redis_url,
         node_hostnames=args.node_hostnames,
         auth_token_file="auto" if args.auth else None,
+        **tls_fields(args.tls),
     )
+
+
+def tls_fields(folder: str | None) -> dict:
+    if folder is None:
+        return {}
+    d = Path(folder)
+    return dict(tls_cert=str(d / "node.pem"), tls_key=str(d / "node.key"), tls_ca=str(d / "ca.pem"))
+
+
+def credentials(folder: str | None):
+    """The client's (and this script's GetStats calls') mTLS credentials, or None."""
+    if folder is None:
+        return None
+    d = Path(folder)
+    read = [(d / n).read_bytes() for n in ("ca.pem", "node.key", "node.pem")]
+    return grpc.ssl_channel_credentials(*read)
 
 
 COUNTED = ("bytes_shipped", "transfers_ipc", "transfers_dist", "transfers_tcp", "transfers_failed")
@@ -175,15 +200,15 @@ def summary(args, prompts, results, wall: float, counted: dict[str, float]) -> d
     )
 
 
-def measure(router: str, prefill, prompts, gen: int, metadata=None):
+def measure(router: str, prefill, prompts, gen: int, metadata=None, creds=None):
     """Warm up, then send every prompt at once: (per-request results, wall s, the prefill pool's
     counters over the run)."""
-    asyncio.run(load(router, prompts[:2], 4))
-    before = prefill_counters(prefill, COUNTED, metadata)
+    asyncio.run(load(router, prompts[:2], 4, creds))
+    before = prefill_counters(prefill, COUNTED, metadata, creds)
     t0 = time.perf_counter()
-    results = asyncio.run(load(router, prompts, gen))
+    results = asyncio.run(load(router, prompts, gen, creds))
     wall = time.perf_counter() - t0
-    after = prefill_counters(prefill, COUNTED, metadata)
+    after = prefill_counters(prefill, COUNTED, metadata, creds)
     return results, wall, {k: after[k] - before[k] for k in COUNTED}
 
 
@@ -201,7 +226,12 @@ def main() -> None:
         with LocalCluster(cluster_spec(args)) as cluster:
             addr = cluster.addresses
             results, wall, shipped = measure(
-                addr.router, addr.prefill, prompts, args.gen, cluster.call_metadata
+                addr.router,
+                addr.prefill,
+                prompts,
+                args.gen,
+                cluster.call_metadata,
+                credentials(args.tls),
             )
     row = summary(args, prompts, results, wall, shipped)
     print(json.dumps(row))

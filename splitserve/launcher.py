@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from splitserve.runtime.options import option
+from splitserve.runtime.tls import TlsFiles, sync_channel
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,9 @@ class ClusterSpec:
         "the run folder, printed) or `none`",
         cli_default="auto",
     )
+    tls_cert: str | None = option(None, "mTLS for every component: its certificate (PEM)")
+    tls_key: str | None = option(None, "mTLS: the private key of --tls-cert")
+    tls_ca: str | None = option(None, "mTLS: the CA that signed it (and every client's)")
     stop_grace_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -143,6 +147,7 @@ class LocalCluster:
         self._procs: list[_Process] = []
         self._workdir = Path(tempfile.mkdtemp(prefix="splitserve-up-"))
         self.addresses: ClusterAddresses | None = None
+        self._tls: TlsFiles | None = None  # set by start(): mTLS files every component uses
 
     def _spawn(self, name: str, argv: list[str], port_file: Path | None, **kw) -> _Process:
         logger.info("starting %s: %s", name, " ".join(argv))
@@ -181,6 +186,10 @@ class LocalCluster:
         token_file = self._token_file()
         if token_file:
             index_flags += ["--auth-token-file", token_file]
+        self._tls = TlsFiles.load(spec.tls_cert, spec.tls_key, spec.tls_ca)
+        if self._tls is not None:
+            index_flags += ["--tls-cert", spec.tls_cert, "--tls-key", spec.tls_key]
+            index_flags += ["--tls-ca", spec.tls_ca]
         placement = spec.placement(_visible_gpus() if spec.device == "cuda" else 0)
         roles = ["prefill"] * spec.num_prefill + ["decode"] * spec.num_decode
         procs = []
@@ -261,7 +270,7 @@ class LocalCluster:
                 break
             self._sleep_until(deadline, proc)
         address = f"{self.spec.host}:{int(text)}"
-        with grpc.insecure_channel(address) as channel:
+        with sync_channel(address, self._tls) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while True:
                 self._check_alive(proc)
