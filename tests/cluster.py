@@ -62,10 +62,12 @@ def start_cli(
     prefix: tuple[str, ...] = (),
     host: str = "127.0.0.1",
     credentials=None,
+    port: int = 0,
 ) -> Proc:
     """``python -m splitserve.cli ARGS --port 0 --port-file F``; returns once it is SERVING.
     ``prefix``: a command it runs under (e.g. ``ip netns exec NS``); ``host``: where it is
-    reached (it must listen there); ``credentials``: to ask its health over TLS."""
+    reached (it must listen there); ``credentials``: to ask its health over TLS; ``port``: a
+    fixed one (0: any free one)."""
     port_file = tmp / f"{name}-{time.monotonic_ns()}.port"
     log = port_file.with_suffix(".log")
     cmd = [
@@ -75,7 +77,7 @@ def start_cli(
         "splitserve.cli",
         *args,
         "--port",
-        "0",
+        str(port),
         "--port-file",
         str(port_file),
     ]
