@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 
 import grpc
@@ -24,6 +25,8 @@ from splitserve.runtime.auth import call_metadata
 from splitserve.runtime.metrics import LoadFigures
 from splitserve.runtime.server import CHANNEL_OPTIONS
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
+
+EMPTY_GRACE_S = 5.0  # a role that vanished whole from the registry is kept this long
 
 STALL_PROBES = 2  # failed health checks in a row before a node counts as stalled
 
@@ -47,6 +50,7 @@ class NodeRegistry:
         self.prefill = NodePool("prefill", prefill_addresses, down_s=down_s)
         self.decode = NodePool("decode", decode_addresses, down_s=down_s)
         self.expected_identity = expected_identity
+        self._empty_since: dict[str, float] = {}  # role → when the registry first had none
         self._foreign_reported: set[str] = set()
 
     def _all(self) -> list[tuple[NodePool, Node]]:
@@ -139,10 +143,22 @@ class NodeRegistry:
             await asyncio.sleep(interval_s)
 
     async def sync(self, live: Sequence[NodeInfo]) -> None:
-        """Adopt the registry's view of the live nodes (static nodes always stay)."""
+        """Adopt the registry's view of the live nodes (static nodes always stay).
+
+        A role whose every node vanished at once (Redis restarted empty, or flushed) keeps its
+        known nodes for EMPTY_GRACE_S: they register again within a heartbeat, and meanwhile
+        requests still have somewhere to go."""
+        now = time.monotonic()
         for pool in (self.prefill, self.decode):
+            addresses = {n.address for n in live if n.role == pool.role}
+            if not addresses and any(n.discovered for n in pool.nodes):
+                since = self._empty_since.setdefault(pool.role, now)
+                if now - since < EMPTY_GRACE_S:
+                    continue
+            else:
+                self._empty_since.pop(pool.role, None)
             before = set(pool.nodes)
-            pool.sync({n.address for n in live if n.role == pool.role})
+            pool.sync(addresses)
             for node in before - set(pool.nodes):
                 if node.channel is not None:
                     await node.channel.close()

@@ -260,3 +260,32 @@ def test_health_checks_mark_dead_nodes_down_and_live_ones_up():
         assert "health check" in registry.prefill.nodes[1].last_error
 
     asyncio.run(with_cluster(test, num_prefill=1, num_decode=1, dead_prefill=1))
+
+
+def test_a_registry_that_lost_every_node_of_a_role_is_not_believed_at_once(monkeypatch):
+    """Redis restarted empty: the registry says there are no decode nodes until they register
+    again (within a heartbeat). The router keeps the known ones meanwhile; nodes gone for good
+    are dropped after the grace."""
+    import asyncio as _asyncio
+
+    from splitserve.kvstore.redis_index import NodeInfo
+    from splitserve.router import registry as registry_module
+    from splitserve.router.registry import NodeRegistry
+
+    async def run():
+        reg = NodeRegistry((), ())
+        live = [NodeInfo("d1", "decode", "d1:1", 10, 10, 0, 0),
+                NodeInfo("p1", "prefill", "p1:1", 10, 10, 0, 0)]  # fmt: skip
+        await reg.sync(live)
+        assert [n.address for n in reg.decode.nodes] == ["d1:1"]
+        await reg.sync([])  # Redis came back empty
+        assert [n.address for n in reg.decode.nodes] == ["d1:1"]
+        assert [n.address for n in reg.prefill.nodes] == ["p1:1"]
+        await reg.sync(live[1:])  # one role back, the other still empty
+        assert [n.address for n in reg.decode.nodes] == ["d1:1"]
+        monkeypatch.setattr(registry_module, "EMPTY_GRACE_S", 0.0)
+        await reg.sync(live[1:])  # past the grace: gone for good
+        assert reg.decode.nodes == []
+        await reg.close()
+
+    _asyncio.run(run())
