@@ -106,6 +106,9 @@ class DecodeCall:
         self._call = call
         self._deadline = deadline
         self._first_read: asyncio.Future | None = asyncio.ensure_future(call.read())
+        # One wait on D's stall signal for the whole stream (not one per read: this relays
+        # every token batch of every request).
+        self._stall = asyncio.ensure_future(node.stall_signal().wait())
 
     async def read(self) -> nodes_pb2.DecodeResponse:
         """D's next batch of tokens; raises ``GenerateError`` when the stream fails or ends
@@ -129,11 +132,7 @@ class DecodeCall:
         """``reading``'s result, unless D stops answering health checks first (frozen, its host
         gone): then UNAVAILABLE at once rather than a wait until the request's deadline."""
         reading.add_done_callback(lambda t: t.cancelled() or t.exception())  # never unretrieved
-        stall = asyncio.ensure_future(self._node.stall_signal().wait())
-        try:
-            await asyncio.wait([reading, stall], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stall.cancel()
+        await asyncio.wait([reading, self._stall], return_when=asyncio.FIRST_COMPLETED)
         if reading.done():
             return reading.result()
         reading.cancel()
@@ -146,6 +145,7 @@ class DecodeCall:
         )
 
     def close(self) -> None:
+        self._stall.cancel()
         if self._first_read is None:
             self._call.cancel()  # no-op when the call has finished
         else:

@@ -104,6 +104,13 @@ def _error(exc: grpc.RpcError) -> SplitserveError:
     return SplitserveError(code, details or code.name)
 
 
+def _channel(kind, target: str, options, credentials):
+    """A channel of ``kind`` (``grpc`` or ``grpc.aio``): TLS with ``credentials``, else plain."""
+    if credentials is None:
+        return kind.insecure_channel(target, options=list(options))
+    return kind.secure_channel(target, credentials, options=list(options))
+
+
 class Client:
     """Blocking client of a splitserve router. Thread-safe; close it (or use ``with``)."""
 
@@ -116,10 +123,7 @@ class Client:
         """``credentials``: for a router serving TLS, e.g. ``grpc.ssl_channel_credentials(ca,
         key, cert)`` (mTLS: the router's CA, this client's key and certificate)."""
         self.target = target
-        if credentials is None:
-            self._channel = grpc.insecure_channel(target, options=list(options))
-        else:
-            self._channel = grpc.secure_channel(target, credentials, options=list(options))
+        self._channel = _channel(grpc, target, options, credentials)
         self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
 
     def generate(
@@ -214,12 +218,7 @@ class AsyncClient:
 
     def _get_stub(self) -> router_pb2_grpc.RouterServiceStub:
         if self._stub is None:
-            if self._credentials is None:
-                self._channel = grpc.aio.insecure_channel(self.target, options=self._options)
-            else:
-                self._channel = grpc.aio.secure_channel(
-                    self.target, self._credentials, options=self._options
-                )
+            self._channel = _channel(grpc.aio, self.target, self._options, self._credentials)
             self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
         return self._stub
 
