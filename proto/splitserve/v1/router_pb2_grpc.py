@@ -39,14 +39,29 @@ class RouterServiceStub:
                 request_serializer=splitserve_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_router__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Complete = channel.unary_unary(
+                '/splitserve.v1.RouterService/Complete',
+                request_serializer=splitserve_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_router__pb2.GenerateResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Generate a completion; the stream carries text/token deltas, the last message has
-        finish_reason and usage set.
+        """Generate a completion as a server stream: each message carries a text/token delta, the
+        last one has finish_reason and usage set. The stream stays open until the completion ends,
+        so callers should set a deadline. Cancelling the call cancels the request in the pools and
+        frees its KV blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Complete(self, request, context):
+        """The same request answered by one message holding the whole completion (text, every token,
+        finish_reason and usage): for clients that cannot read a stream. Same errors as Generate.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -57,6 +72,11 @@ def add_RouterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
+                    request_deserializer=splitserve_dot_v1_dot_router__pb2.GenerateRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_router__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Complete': grpc.unary_unary_rpc_method_handler(
+                    servicer.Complete,
                     request_deserializer=splitserve_dot_v1_dot_router__pb2.GenerateRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_router__pb2.GenerateResponse.SerializeToString,
             ),
@@ -86,6 +106,33 @@ class RouterService:
             request,
             target,
             '/splitserve.v1.RouterService/Generate',
+            splitserve_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
+            splitserve_dot_v1_dot_router__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Complete(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.RouterService/Complete',
             splitserve_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
             splitserve_dot_v1_dot_router__pb2.GenerateResponse.FromString,
             options,
