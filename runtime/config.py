@@ -137,6 +137,19 @@ class RouterConfig:
     host: str = option("127.0.0.1", "listen address")
     port: int = option(0, "listen port (0: a free one)", cli_default=8000)
     port_file: str | None = option(None, _PORT_FILE_HELP)
+    http_port: int | None = option(
+        None, "serve the OpenAI-compatible HTTP API on this port (0: a free one; default: none)"
+    )
+    http_port_file: str | None = option(None, "write the bound HTTP port here once serving")
+    served_model_name: str | None = option(
+        None, "the model's name in the HTTP API (default: the checkpoint folder's name)"
+    )
+    tokenizer_path: str | None = option(
+        None,
+        "tokenizer folder (default: the checkpoint's; a checkpoint without tokenizer files "
+        "serves token-id prompts only)",
+        flag="--tokenizer",
+    )
     request_timeout_s: float = option(600.0, "seconds a request may take in all")
     max_attempts: int = option(3, "per stage: a failed or refusing node is retried elsewhere")
     max_requests_per_client: int = option(
