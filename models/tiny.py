@@ -14,9 +14,17 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-TINY_MODEL_NAME = "splitserve-tiny-llama-v1"
+# v2: the tokenizer has a chat template.
+TINY_MODEL_NAME = "splitserve-tiny-llama-v2"
 BYTE_VOCAB = 256
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
+# A plain chat template (Jinja, as transformers renders them): one "role: content" line per
+# message after BOS, and "assistant:" to prompt the next turn.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
 def default_cache_dir() -> Path:
@@ -34,7 +42,9 @@ def build_byte_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([BOS, EOS])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def _byte_level_chars() -> list[str]:

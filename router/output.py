@@ -34,7 +34,8 @@ class OutputAssembler:
     """
 
     def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
-        self._detok = IncrementalDetokenizer(tokenizer)
+        # No tokenizer (a token-id-only model): token ids only, text stays empty.
+        self._detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self._stop = StopStringMatcher(stop)
         self.num_tokens = 0
         self.finish_reason = ""
@@ -55,13 +56,14 @@ class OutputAssembler:
         taken: list[int] = []
         for token_id in token_ids:
             taken.append(token_id)
-            out, stopped = self._stop.add(self._detok.add((token_id,)))
+            piece = self._detok.add((token_id,)) if self._detok is not None else ""
+            out, stopped = self._stop.add(piece)
             text.append(out)
             if stopped:
                 self.finish_reason = "stop"
                 break
         if finish_reason and not self.finished:
-            out, stopped = self._stop.add(self._detok.flush())
+            out, stopped = self._stop.add(self._detok.flush() if self._detok is not None else "")
             text.append(out)
             if not stopped:
                 text.append(self._stop.flush())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,20 @@ from splitserve.runtime.protocol import sampling_from_proto
 from splitserve.v1 import router_pb2
 
 MAX_STOP_STRINGS = 16
+MAX_CHAT_MESSAGES = 1024
+CHAT_ROLES = ("system", "user", "assistant")
+# What a tokenizer folder holds (any one of them): fast, SentencePiece, BPE, WordPiece, tiktoken.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.json",
+    "vocab.txt",
+    "tokenizer.tiktoken",
+)
+
+logger = logging.getLogger(__name__)
 
 
 class InvalidRequest(ValueError):
@@ -26,26 +41,47 @@ class InvalidRequest(ValueError):
 class ModelInfo:
     """What the router needs to know about the served model."""
 
-    tokenizer: Any  # a transformers tokenizer
+    tokenizer: Any  # a transformers tokenizer; None: token-id prompts only
     vocab_size: int
     max_model_len: int  # max_position_embeddings
+    tokenizer_source: str = ""  # the folder it came from (for messages)
+
+    def need_tokenizer(self, what: str) -> Any:
+        """The tokenizer, or ``InvalidRequest`` saying that ``what`` needs one."""
+        if self.tokenizer is None:
+            raise InvalidRequest(
+                f"{what} needs a tokenizer and this model has none ({self.tokenizer_source} has "
+                "no tokenizer files): send token_ids, or start the router with --tokenizer PATH"
+            )
+        return self.tokenizer
 
     @classmethod
-    def load(cls, model_path: str | Path) -> ModelInfo:
-        """Read the tokenizer and config.json of a checkpoint folder (no weights, no torch)."""
-        from transformers import AutoTokenizer
-
+    def load(cls, model_path: str | Path, tokenizer_path: str | Path | None = None) -> ModelInfo:
+        """Read config.json of a checkpoint folder and the tokenizer (no weights, no torch): from
+        ``tokenizer_path`` if given (it must load), else from the checkpoint, where a folder with
+        no tokenizer files at all serves token-id prompts only (``tokenizer`` None)."""
         path = Path(model_path)
         config_file = path / "config.json"
         if not config_file.is_file():
             raise ValueError(f"{path} has no config.json: pass a Hugging Face checkpoint folder")
         config = json.loads(config_file.read_text())
         config = config.get("text_config", config)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        if tokenizer_path is not None:
+            tokenizer = _load_tokenizer(Path(tokenizer_path))
+        elif not any((path / name).exists() for name in TOKENIZER_FILES):
+            logger.warning(
+                "%s has no tokenizer files: serving token-id prompts only (text and chat "
+                "requests are refused); --tokenizer PATH takes one from another folder",
+                path,
+            )
+            tokenizer = None
+        else:
+            tokenizer = _load_tokenizer(path)
         return cls(
             tokenizer=tokenizer,
             vocab_size=int(config["vocab_size"]),
             max_model_len=int(config.get("max_position_embeddings", 2048)),
+            tokenizer_source=str(tokenizer_path or path),
         )
 
     @property
@@ -66,7 +102,8 @@ class GenerateParams:
 
 def parse_request(request: router_pb2.GenerateRequest, model: ModelInfo) -> GenerateParams:
     """Check and tokenize ``request``; raise ``InvalidRequest`` on any user mistake."""
-    if request.WhichOneof("prompt") == "token_ids":
+    kind = request.WhichOneof("prompt")
+    if kind == "token_ids":
         token_ids = tuple(request.token_ids.ids)
         field = "token_ids"
         bad = [(i, t) for i, t in enumerate(token_ids) if t >= model.vocab_size]
@@ -76,8 +113,12 @@ def parse_request(request: router_pb2.GenerateRequest, model: ModelInfo) -> Gene
                 f"token_ids.ids[{i}] = {t} is not a token of this model: ids must be in "
                 f"[0, {model.vocab_size}) ({len(bad)} bad id(s))"
             )
+    elif kind == "messages":
+        token_ids = chat_token_ids(request.messages.messages, model)
+        field = "messages"
     else:
-        token_ids = tuple(model.tokenizer(request.text).input_ids) if request.text else ()
+        tokenizer = model.need_tokenizer("a text prompt")
+        token_ids = tuple(tokenizer(request.text).input_ids) if request.text else ()
         field = "text"
     if not token_ids:
         raise InvalidRequest("the prompt is empty: give a non-empty text or token_ids")
@@ -92,6 +133,8 @@ def parse_request(request: router_pb2.GenerateRequest, model: ModelInfo) -> Gene
             f"cache_salt has {len(request.cache_salt)} characters; at most {MAX_SALT_CHARS}"
         )
     stop = tuple(request.stop)
+    if stop:
+        model.need_tokenizer("stop (strings)")
     if len(stop) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} allowed")
     for i, s in enumerate(stop):
@@ -108,3 +151,40 @@ def parse_request(request: router_pb2.GenerateRequest, model: ModelInfo) -> Gene
         stop=stop,
         cache_salt=request.cache_salt,
     )
+
+
+def chat_token_ids(messages, model: ModelInfo) -> tuple[int, ...]:
+    """A conversation rendered with the tokenizer's chat template (the assistant's turn
+    prompted), then tokenized as is: the template writes any special tokens itself."""
+    tokenizer = model.need_tokenizer("a chat request")
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequest(
+            f"the tokenizer of {model.tokenizer_source} has no chat template: send text or "
+            "token_ids, or start the router with --tokenizer PATH naming one that has"
+        )
+    if not messages:
+        raise InvalidRequest("messages is empty: give at least one message")
+    if len(messages) > MAX_CHAT_MESSAGES:
+        raise InvalidRequest(f"messages has {len(messages)} entries; at most {MAX_CHAT_MESSAGES}")
+    for i, m in enumerate(messages):
+        if m.role not in CHAT_ROLES:
+            raise InvalidRequest(
+                f"messages[{i}].role is {m.role[:32]!r}: it must be one of {', '.join(CHAT_ROLES)}"
+            )
+    conversation = [{"role": m.role, "content": m.content} for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=True
+        )
+    except Exception as exc:  # jinja2's TemplateError and what a template raises on purpose
+        raise InvalidRequest(f"messages: the model's chat template refused them: {exc}") from None
+    return tuple(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def _load_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as exc:
+        raise ValueError(f"cannot load a tokenizer from {path}: {exc}") from None

@@ -93,7 +93,7 @@ async def _serve(config: RouterConfig) -> None:
     # The nodes' internal services ask for the cluster token; the router's own stays public.
     use_token(read_token_file(config.auth_token_file) if config.auth_token_file else None)
     index = prefix_index(config)
-    model = ModelInfo.load(config.model_path)
+    model = ModelInfo.load(config.model_path, config.tokenizer_path)
     metrics = RouterMetrics()
     server, registry = build_router(config, model, index, model_identity(config), metrics)
     await registry.check_all()  # static nodes: known up and identity-checked before serving

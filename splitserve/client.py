@@ -7,6 +7,7 @@
         print(result.text, result.usage.completion_tokens)
         for chunk in client.stream("Once upon a time", max_tokens=64):
             print(chunk.text, end="", flush=True)
+        reply = client.chat([{"role": "user", "content": "Hi"}], max_tokens=32)
 
 Every failure raises ``SplitserveError`` with the gRPC status code and the server's message.
 Breaking out of a stream (or closing it) cancels the request on the server, which frees its
@@ -15,7 +16,7 @@ KV blocks at once.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -46,14 +47,16 @@ def _build_request(
     cache_salt: str | None = None,
     logprobs: bool = False,
     request_id: str | None = None,
+    messages: Sequence[Mapping[str, str]] | None = None,
 ) -> router_pb2.GenerateRequest:
     """The request message. Value checks are the server's (one source of truth); only what
     cannot be encoded at all fails here, with the same INVALID_ARGUMENT code."""
     if isinstance(stop, str):
         stop = [stop]
-    if prompt is not None and prompt_token_ids is not None:
+    if sum(x is not None for x in (prompt, prompt_token_ids, messages)) > 1:
         raise SplitserveError(
-            grpc.StatusCode.INVALID_ARGUMENT, "give either prompt or prompt_token_ids, not both"
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "give one of prompt, prompt_token_ids and messages, not several",
         )
     try:
         sampling = common_pb2.SamplingParams(
@@ -74,10 +77,14 @@ def _build_request(
         )
         if prompt_token_ids is not None:
             request.token_ids.ids.extend(prompt_token_ids)
+        elif messages is not None:
+            for m in messages:
+                request.messages.messages.add(role=m["role"], content=m["content"])
+            request.messages.SetInParent()  # an empty list is still a chat request
         else:
             request.text = prompt or ""
         return request
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, KeyError) as exc:
         raise SplitserveError(grpc.StatusCode.INVALID_ARGUMENT, f"bad argument: {exc}") from None
 
 
@@ -142,12 +149,14 @@ class Client:
         *,
         logprobs: bool = False,
         request_id: str | None = None,
+        messages: Sequence[Mapping[str, str]] | None = None,
     ) -> GenerateResult:
         """Run one request to completion. Parameters as ``stream``."""
         collector = Collector()
         for chunk in self.stream(
             prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop,
             ignore_eos, cache_salt, timeout, logprobs=logprobs, request_id=request_id,
+            messages=messages,
         ):  # fmt: skip
             collector.add(chunk)
         return collector.result()
@@ -168,16 +177,18 @@ class Client:
         *,
         logprobs: bool = False,
         request_id: str | None = None,
+        messages: Sequence[Mapping[str, str]] | None = None,
     ) -> Iterator[StreamChunk]:
         """Yield the completion as it is generated.
 
-        Give ``prompt`` (text) or ``prompt_token_ids``. ``temperature=0`` is greedy; ``stop``
-        strings end the completion without being included; ``cache_salt`` keeps a tenant's
-        prefix cache apart; ``timeout`` (seconds) bounds the whole request.
+        Give ``prompt`` (text), ``prompt_token_ids`` or chat ``messages`` (``{"role": ...,
+        "content": ...}``, rendered with the model's chat template). ``temperature=0`` is
+        greedy; ``stop`` strings end the completion without being included; ``cache_salt`` keeps
+        a tenant's prefix cache apart; ``timeout`` (seconds) bounds the whole request.
         """
         request = _build_request(
             prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop,
-            ignore_eos, cache_salt, logprobs, request_id,
+            ignore_eos, cache_salt, logprobs, request_id, messages,
         )  # fmt: skip
         call = self._stub.Generate(request, timeout=timeout)
         try:
@@ -187,6 +198,17 @@ class Client:
             raise _error(exc) from None
         finally:
             call.cancel()  # no-op once finished; frees the server's blocks when abandoned
+
+    def chat(self, messages: Sequence[Mapping[str, str]], **kwargs: Any) -> GenerateResult:
+        """The assistant's reply to ``messages`` (system/user/assistant turns); the other
+        parameters as ``stream``."""
+        return self.generate(messages=messages, **kwargs)
+
+    def chat_stream(
+        self, messages: Sequence[Mapping[str, str]], **kwargs: Any
+    ) -> Iterator[StreamChunk]:
+        """``chat``, streamed."""
+        return self.stream(messages=messages, **kwargs)
 
     def close(self) -> None:
         self._channel.close()
@@ -238,12 +260,14 @@ class AsyncClient:
         *,
         logprobs: bool = False,
         request_id: str | None = None,
+        messages: Sequence[Mapping[str, str]] | None = None,
     ) -> GenerateResult:
         """Run one request to completion. Parameters as ``Client.stream``."""
         collector = Collector()
         async for chunk in self.stream(
             prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop,
             ignore_eos, cache_salt, timeout, logprobs=logprobs, request_id=request_id,
+            messages=messages,
         ):  # fmt: skip
             collector.add(chunk)
         return collector.result()
@@ -264,11 +288,12 @@ class AsyncClient:
         *,
         logprobs: bool = False,
         request_id: str | None = None,
+        messages: Sequence[Mapping[str, str]] | None = None,
     ) -> AsyncIterator[StreamChunk]:
         """As ``Client.stream``; use ``async for``."""
         request = _build_request(
             prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop,
-            ignore_eos, cache_salt, logprobs, request_id,
+            ignore_eos, cache_salt, logprobs, request_id, messages,
         )  # fmt: skip
         call = self._get_stub().Generate(request, timeout=timeout)
         try:
@@ -278,6 +303,16 @@ class AsyncClient:
             raise _error(exc) from None
         finally:
             call.cancel()
+
+    async def chat(self, messages: Sequence[Mapping[str, str]], **kwargs: Any) -> GenerateResult:
+        """As ``Client.chat``."""
+        return await self.generate(messages=messages, **kwargs)
+
+    def chat_stream(
+        self, messages: Sequence[Mapping[str, str]], **kwargs: Any
+    ) -> AsyncIterator[StreamChunk]:
+        """As ``Client.chat_stream``; use ``async for``."""
+        return self.stream(messages=messages, **kwargs)
 
     async def close(self) -> None:
         if self._channel is not None:

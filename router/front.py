@@ -1,0 +1,109 @@
+"""The one request path behind both public fronts (gRPC ``RouterService`` and the OpenAI-compatible
+HTTP API): the per-client cap, checking and tokenizing, the orchestrator, and the request
+metrics. Every way a request ends - served, refused, failed, cancelled, timed out - is counted
+once, by its gRPC status code; the fronts only translate messages and errors."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+
+import grpc
+
+from splitserve.router.errors import GenerateError
+from splitserve.router.observe import RequestObserver
+from splitserve.router.orchestrator import Orchestrator, Step
+from splitserve.router.request import GenerateParams, InvalidRequest, ModelInfo, parse_request
+from splitserve.runtime.metrics import RouterMetrics
+from splitserve.v1 import router_pb2
+
+logger = logging.getLogger(__name__)
+
+# A request cut off this close to its deadline counts as timed out, not cancelled: the client's
+# clock and ours start a few milliseconds apart.
+DEADLINE_SLACK_S = 0.05
+
+
+class RequestFront:
+    def __init__(
+        self,
+        model: ModelInfo,
+        orchestrator: Orchestrator,
+        metrics: RouterMetrics,
+        request_timeout_s: float,
+        max_requests_per_client: int,
+    ) -> None:
+        self.model = model
+        self._orchestrator = orchestrator
+        self._metrics = metrics
+        self._request_timeout_s = request_timeout_s
+        self._max_per_client = max_requests_per_client
+        self._in_flight: Counter[str] = Counter()  # client → its requests in flight
+
+    async def run(
+        self,
+        request: router_pb2.GenerateRequest,
+        client: str,
+        time_remaining: float | None = None,
+    ) -> AsyncIterator[tuple[GenerateParams, Step]]:
+        """The request's output steps; raises ``GenerateError`` when it is refused or cannot be
+        served. ``time_remaining``: the caller's deadline, seconds from now (None: none; the
+        router's --request-timeout-s applies either way). Close the iterator (``aclosing``) to
+        cancel: the pools free the request's blocks."""
+        start = time.monotonic()
+        budget = self._request_timeout_s if time_remaining is None else time_remaining
+        deadline = start + min(budget, self._request_timeout_s)
+        observer = RequestObserver(self._metrics, start)
+        counted = False
+        params: GenerateParams | None = None
+        try:
+            if self._in_flight[client] >= self._max_per_client:
+                raise GenerateError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"client {client} has {self._in_flight[client]} requests in flight (the "
+                    "router's --max-requests-per-client); wait for one to end",
+                )
+            self._in_flight[client] += 1
+            counted = True
+            try:
+                # Off the event loop: tokenizing a long text takes long, and other streams go on.
+                params = await asyncio.to_thread(parse_request, request, self.model)
+            except InvalidRequest as exc:
+                raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            async for step in self._orchestrator.run(params, start, deadline):
+                observer.tokens(len(step.delta.token_ids))
+                if step.usage is not None:
+                    observer.finished(step.usage)
+                yield params, step
+        except GenerateError as exc:
+            observer.failed(exc.code.name)
+            rid = params.request_id if params is not None else request.request_id or "-"
+            logger.info("request %s from %s: %s %s", rid, client, exc.code.name, exc.message)
+            raise
+        finally:
+            if counted:
+                self._in_flight[client] -= 1
+                if not self._in_flight[client]:
+                    del self._in_flight[client]
+            if observer.code == "CANCELLED" and time.monotonic() >= deadline - DEADLINE_SLACK_S:
+                observer.failed(grpc.StatusCode.DEADLINE_EXCEEDED.name)
+            observer.end()
+
+    async def complete(
+        self,
+        request: router_pb2.GenerateRequest,
+        client: str,
+        time_remaining: float | None = None,
+    ) -> tuple[GenerateParams, list[Step]]:
+        """The whole output at once (for unary calls)."""
+        steps: list[tuple[GenerateParams, Step]] = []
+        gen = self.run(request, client, time_remaining)
+        try:
+            async for item in gen:
+                steps.append(item)
+        finally:
+            await gen.aclose()
+        return steps[0][0], [step for _, step in steps]
