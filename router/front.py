@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 # A request cut off this close to its deadline counts as timed out, not cancelled: the client's
 # clock and ours start a few milliseconds apart.
 DEADLINE_SLACK_S = 0.05
+CLIENT_KEY = "x-splitserve-client"  # gRPC metadata / HTTP header naming the client (a tenant)
 
 
 class RequestFront:

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 from splitserve.kvstore import ModelIdentity
 from splitserve.kvstore.redis_index import PrefixIndex
+from splitserve.router.front import RequestFront
+from splitserve.router.http import HttpFront
 from splitserve.router.registry import NodeRegistry
 from splitserve.router.request import ModelInfo
 from splitserve.router.service import RouterService
 from splitserve.runtime.auth import read_token_file, registry_key, use_token
 from splitserve.runtime.config import RouterConfig
 from splitserve.runtime.metrics import RouterMetrics, serve_metrics
-from splitserve.runtime.server import Server
+from splitserve.runtime.server import Server, write_port_file
 from splitserve.runtime.tls import TlsFiles, use_tls
 from splitserve.v1 import router_pb2, router_pb2_grpc
 
@@ -29,9 +32,10 @@ def build_router(
     index: PrefixIndex | None = None,
     identity: ModelIdentity | None = None,
     metrics: RouterMetrics | None = None,
-) -> tuple[Server, NodeRegistry]:
-    """The router's server (Router + health + reflection), not started yet. With ``identity``,
-    nodes serving another model identity are never routed to."""
+) -> tuple[Server, NodeRegistry, RequestFront]:
+    """The router's server (Router + health + reflection), not started yet, and the request
+    path an HTTP front shares. With ``identity``, nodes serving another model identity are
+    never routed to."""
     registry = NodeRegistry(
         config.prefill_addresses,
         config.decode_addresses,
@@ -60,7 +64,7 @@ def build_router(
         tls=tls,
     )
     router_pb2_grpc.add_RouterServiceServicer_to_server(service, server.server)
-    return server, registry
+    return server, registry, service.front
 
 
 def prefix_index(config: RouterConfig) -> PrefixIndex | None:
@@ -84,18 +88,18 @@ def model_identity(config: RouterConfig) -> ModelIdentity:
 
 async def start_router(config: RouterConfig, model: ModelInfo) -> tuple[Server, NodeRegistry]:
     """Build and start (for tests and embedding); stop with ``server.stop()``."""
-    server, registry = build_router(config, model)
+    server, registry, _ = build_router(config, model)
     await server.start(config.port_file)
     return server, registry
 
 
-async def _serve(config: RouterConfig) -> None:
+async def _serve(config: RouterConfig, model: ModelInfo) -> None:
     # The nodes' internal services ask for the cluster token; the router's own stays public.
     use_token(read_token_file(config.auth_token_file) if config.auth_token_file else None)
     index = prefix_index(config)
-    model = ModelInfo.load(config.model_path, config.tokenizer_path)
     metrics = RouterMetrics()
-    server, registry = build_router(config, model, index, model_identity(config), metrics)
+    server, registry, front = build_router(config, model, index, model_identity(config), metrics)
+    http = await start_http(config, front, registry)
     await registry.check_all()  # static nodes: known up and identity-checked before serving
     checker = asyncio.create_task(registry.run_health_checks())
     polls = None
@@ -112,6 +116,8 @@ async def _serve(config: RouterConfig) -> None:
     discovery = asyncio.create_task(registry.run_discovery(index)) if index else None
 
     async def on_stop() -> None:
+        if http is not None:
+            await http.stop()
         for task in (checker, discovery, polls):
             if task is not None:
                 task.cancel()
@@ -123,6 +129,30 @@ async def _serve(config: RouterConfig) -> None:
     await server.run(config.port_file, on_stop, grace_s=GRACE_S)
 
 
-def serve(config: RouterConfig) -> None:
-    """Serve until SIGTERM/SIGINT (blocking)."""
-    asyncio.run(_serve(config))
+async def start_http(
+    config: RouterConfig, front: RequestFront, registry: NodeRegistry
+) -> HttpFront | None:
+    """The OpenAI-compatible HTTP API on ``config.http_port`` (None: not served), on the same
+    request path as the gRPC service."""
+    if config.http_port is None:
+        return None
+    name = config.served_model_name or Path(config.model_path).name
+    http = HttpFront(
+        front,
+        name,
+        config.max_request_bytes,
+        ready=lambda: bool(registry.prefill.usable() and registry.decode.usable()),
+        grace_s=GRACE_S,
+    )
+    port = await http.start(config.host, config.http_port)
+    if config.http_port_file:
+        write_port_file(config.http_port_file, port)
+    return http
+
+
+def serve(config: RouterConfig, model: ModelInfo | None = None) -> None:
+    """Serve until SIGTERM/SIGINT (blocking). ``model``: as ``ModelInfo.load`` reads it from
+    the config (which raises ``ValueError`` on a folder it cannot use)."""
+    if model is None:
+        model = ModelInfo.load(config.model_path, config.tokenizer_path)
+    asyncio.run(_serve(config, model))

@@ -15,7 +15,7 @@ from splitserve.kvstore.redis_index import PrefixIndex
 from splitserve.router.admission import Admission
 from splitserve.router.decode_stage import DecodeStage
 from splitserve.router.errors import GenerateError
-from splitserve.router.front import RequestFront
+from splitserve.router.front import CLIENT_KEY, RequestFront
 from splitserve.router.orchestrator import Orchestrator, Step
 from splitserve.router.output import Delta
 from splitserve.router.prefill_stage import PrefillStage
@@ -81,9 +81,6 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
             finish_reason=steps[-1].delta.finish_reason,
         )
         return _message(params, Step(whole, steps[-1].usage))
-
-
-CLIENT_KEY = "x-splitserve-client"  # metadata naming the client (a tenant, a user)
 
 
 def client_of(context) -> str:

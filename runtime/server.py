@@ -12,9 +12,9 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from splitserve.runtime.guard import MalformedRequests
+from splitserve.runtime.reflection import enable_reflection
 from splitserve.runtime.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
@@ -34,6 +34,13 @@ CHANNEL_OPTIONS = [
 
 # NOTE: no SO_REUSEPORT: a second process must fail to bind a taken port, not share it silently.
 SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
+
+
+def write_port_file(path: str, port: int) -> None:
+    """Write a bound port for a launcher, atomically: a poller never reads half a number."""
+    tmp = Path(path).with_suffix(".tmp")
+    tmp.write_text(str(port))
+    tmp.replace(path)
 
 
 class Server:
@@ -57,8 +64,8 @@ class Server:
         self.server = grpc.aio.server(options=options, interceptors=chain)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        names = (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)
-        reflection.enable_server_reflection(names, self.server)
+        # Reflection v1 and v1alpha (runtime.reflection adds both to the names listed).
+        enable_reflection((*service_names, health.SERVICE_NAME), self.server)
         self.service_names = tuple(service_names)
         if tls is None:
             self.port = self.server.add_insecure_port(f"{host}:{port}")
@@ -83,9 +90,7 @@ class Server:
         await self.server.start()
         await self.set_serving(True)
         if port_file:
-            tmp = Path(port_file).with_suffix(".tmp")
-            tmp.write_text(str(self.port))
-            tmp.replace(port_file)
+            write_port_file(port_file, self.port)
         logger.info("serving %s on %s", ", ".join(self.service_names), self.address)
 
     async def stop(self, grace_s: float = 5.0) -> None:

@@ -84,9 +84,14 @@ def cmd_router(args: argparse.Namespace) -> int:
         TlsFiles.load(config.tls_cert, config.tls_key, config.tls_ca)
     except ValueError as exc:
         return _error(str(exc), 2)
+    from splitserve.router.request import ModelInfo
     from splitserve.router.server import serve
 
-    serve(config)
+    try:
+        model = ModelInfo.load(config.model_path, config.tokenizer_path)
+    except ValueError as exc:
+        return _error(str(exc), 2)
+    serve(config, model)
     return 0
 
 
@@ -131,10 +136,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     cluster = LocalCluster(spec)
     try:
         a = cluster.start()
-        print(f"router   {a.router}", flush=True)
+
+        def show(name: str, address: str) -> None:  # and its /metrics, when it serves one
+            url = a.metrics.get(address)
+            print(f"{name:8s} {address}" + (f" metrics {url}" if url else ""), flush=True)
+
+        show("router", a.router)
+        if a.http:
+            print(f"http     {a.http} (OpenAI-compatible API)", flush=True)
         for role, addresses in (("prefill", a.prefill), ("decode", a.decode)):
             for address in addresses:
-                print(f"{role:8s} {address}", flush=True)
+                show(role, address)
         print(f"redis    {a.redis_url}", flush=True)
         if a.token_file:
             print(f"token    {a.token_file} (internal calls carry it)", flush=True)

@@ -1,0 +1,268 @@
+"""The OpenAI-compatible HTTP API of the router process: ``POST /v1/completions``,
+``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``.
+
+aiohttp serves it on the router's own event loop, beside grpc.aio: a request takes the same path
+as a gRPC one (``router.front.RequestFront``), so limits, metrics and errors are shared. Streams
+are server-sent events (``data: {...}`` lines, then ``data: [DONE]``); the response starts only
+once the first token is there, so a request refused in admission or prefill still gets its HTTP
+status (429, 503, ...). A client that goes away cancels its request in the pools (aiohttp cancels
+the handler on disconnect), which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from aiohttp import web
+
+from splitserve.router.errors import GenerateError
+from splitserve.router.front import CLIENT_KEY, RequestFront
+from splitserve.router.openai_api import (
+    ApiError,
+    ApiRequest,
+    Choice,
+    logprobs_json,
+    parse_body,
+    usage_json,
+)
+from splitserve.router.orchestrator import Step
+
+logger = logging.getLogger(__name__)
+
+SALT_HEADER = "x-splitserve-cache-salt"  # a tenant's prefix cache, as the body's cache_salt
+_END = object()
+
+
+def _error(exc: ApiError) -> web.Response:
+    return web.json_response(exc.body(), status=exc.status)
+
+
+class HttpFront:
+    def __init__(
+        self,
+        front: RequestFront,
+        model_name: str,
+        max_request_bytes: int,
+        ready: Callable[[], bool] = lambda: True,
+        grace_s: float = 5.0,
+    ) -> None:
+        self._grace_s = grace_s
+        self._front = front
+        self._model = front.model
+        self.model_name = model_name
+        self._ready = ready
+        self._created = int(time.time())
+        self.app = web.Application(client_max_size=max_request_bytes)
+        self.app.add_routes(
+            [
+                web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.chat_completions),
+                web.get("/v1/models", self.models),
+                web.get("/health", self.health),
+            ]
+        )
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen; returns the bound port."""
+        # handler_cancellation: a client that disconnects cancels its handler, hence its request.
+        self._runner = web.AppRunner(
+            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=self._grace_s
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, reuse_port=False)
+        await site.start()
+        self.port = int(self._runner.addresses[0][1])
+        logger.info("OpenAI-compatible HTTP API on http://%s:%d/v1", host, self.port)
+        return self.port
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    # ------------------------------------------------------------------ simple routes
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self._ready():
+            return web.json_response({"status": "ok"})
+        return web.json_response({"status": "no usable prefill or decode node"}, status=503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self._created,
+            "owned_by": "splitserve",
+            "max_model_len": self._model.max_model_len,
+        }
+        return web.json_response({"object": "list", "data": [card]})
+
+    # ------------------------------------------------------------------ generation
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            try:
+                body = await request.json(loads=json.loads)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise ApiError.bad(f"the request body is not valid JSON: {exc}") from None
+            api = parse_body(
+                body,
+                chat,
+                self.model_name,
+                self._model,
+                request.headers.get(SALT_HEADER, ""),
+                request.headers.get("x-request-id"),
+            )
+        except ApiError as exc:
+            return _error(exc)
+        client = request.headers.get(CLIENT_KEY) or body.get("user") or request.remote or "-"
+        outputs = self._outputs(api, str(client)[:64])
+        try:
+            async with contextlib.aclosing(outputs):
+                if api.stream:
+                    return await self._stream(request, api, outputs)
+                return await self._whole(api, outputs)
+        except GenerateError as exc:
+            return _error(ApiError.of_grpc(exc.code, exc.message))
+
+    async def _outputs(self, api: ApiRequest, client: str) -> AsyncIterator[tuple[int, Step]]:
+        """(choice index, step) of every choice as they come; ``GenerateError`` if any fails
+        (the others are cancelled)."""
+        if len(api.requests) == 1:
+            async with contextlib.aclosing(self._front.run(api.requests[0], client)) as steps:
+                async for _, step in steps:
+                    yield 0, step
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, request) -> None:
+            try:
+                async with contextlib.aclosing(self._front.run(request, client)) as steps:
+                    async for _, step in steps:
+                        queue.put_nowait((index, step))
+            except GenerateError as exc:
+                queue.put_nowait((index, exc))
+            finally:
+                queue.put_nowait((index, _END))
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(api.requests)]
+        try:
+            live = len(tasks)
+            while live:
+                index, item = await queue.get()
+                if item is _END:
+                    live -= 1
+                elif isinstance(item, GenerateError):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _head(self, api: ApiRequest) -> dict[str, Any]:
+        prefix = "chatcmpl-" if api.chat else "cmpl-"
+        return {
+            "id": prefix + api.request_id,
+            "created": int(time.time()),
+            "model": self.model_name,
+        }
+
+    async def _whole(self, api: ApiRequest, outputs) -> web.Response:
+        choices = [Choice() for _ in api.requests]
+        async for index, step in outputs:
+            choices[index].add(step)
+        out = []
+        for index, c in enumerate(choices):
+            item: dict[str, Any] = {"index": index, "finish_reason": c.finish_reason}
+            text = "".join(c.text)
+            if api.chat:
+                item["message"] = {"role": "assistant", "content": text}
+            else:
+                item["text"] = text
+            item["logprobs"] = (
+                logprobs_json(self._model, api.chat, c.token_ids, c.logprobs)
+                if api.logprobs
+                else None
+            )
+            if api.return_token_ids:
+                item["token_ids"] = c.token_ids
+            out.append(item)
+        usage = usage_json([(i, c.usage) for i, c in enumerate(choices)], api.n)
+        kind = "chat.completion" if api.chat else "text_completion"
+        return web.json_response(
+            {**self._head(api), "object": kind, "choices": out, "usage": usage}
+        )
+
+    async def _stream(self, request: web.Request, api: ApiRequest, outputs) -> web.StreamResponse:
+        # The first step before the headers: a refusal still gets its own status.
+        first = await anext(outputs, None)
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        kind = "chat.completion.chunk" if api.chat else "text_completion"
+        head = {**self._head(api), "object": kind}
+        extra = {"usage": None} if api.include_usage else {}
+        usages: list[tuple[int, Any]] = []
+        started: set[int] = set()
+
+        async def send(payload: dict[str, Any]) -> None:
+            await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+        try:
+            pending = [first] if first is not None else []
+            while True:
+                if pending:
+                    index, step = pending.pop()
+                else:
+                    item = await anext(outputs, None)
+                    if item is None:
+                        break
+                    index, step = item
+                choice = self._chunk_choice(api, index, step, index not in started)
+                started.add(index)
+                await send({**head, "choices": [choice], **extra})
+                if step.usage is not None:
+                    usages.append((index, step.usage))
+            if api.include_usage:
+                await send({**head, "choices": [], "usage": usage_json(usages, api.n)})
+        except GenerateError as exc:  # after the headers: an error event ends the stream
+            await send(ApiError.of_grpc(exc.code, exc.message).body())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    def _chunk_choice(self, api: ApiRequest, index: int, step: Step, first: bool) -> dict:
+        delta = step.delta
+        choice: dict[str, Any] = {"index": index}
+        if api.chat:
+            message: dict[str, Any] = {"content": delta.text}
+            if first:
+                message["role"] = "assistant"
+            choice["delta"] = message
+        else:
+            choice["text"] = delta.text
+        choice["logprobs"] = (
+            logprobs_json(self._model, api.chat, delta.token_ids, delta.logprobs)
+            if api.logprobs
+            else None
+        )
+        choice["finish_reason"] = delta.finish_reason or None
+        if api.return_token_ids:
+            choice["token_ids"] = delta.token_ids
+        return choice

@@ -1,0 +1,326 @@
+"""OpenAI's JSON in and out: a ``/v1/completions`` or ``/v1/chat/completions`` body becomes one
+``GenerateRequest`` per choice (prompts x ``n``), and the router's output steps become OpenAI's
+response objects and stream chunks. Plain functions, no I/O (``router.http`` serves them).
+
+Value checks stay where the gRPC API has them (``router.request``): this module only checks what
+JSON can get wrong (types, shapes, unsupported fields) and names the field in its message.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from splitserve.router.orchestrator import Step
+from splitserve.router.request import ModelInfo
+from splitserve.v1 import common_pb2, router_pb2
+
+MAX_CHOICES = 128  # prompts x n in one HTTP request
+CHAT_ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
+
+# gRPC status → HTTP status and OpenAI error type.
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+}
+
+# Fields OpenAI defines that the engine does not do: refused unless given their no-op value.
+UNSUPPORTED = {
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "audio": (None,),
+    "prediction": (None,),
+}
+# Sampling fields taken as they are (OpenAI's and the usual serving extensions).
+SAMPLING_FIELDS = (
+    ("temperature", "temperature"),
+    ("top_p", "top_p"),
+    ("top_k", "top_k"),
+    ("min_p", "min_p"),
+    ("presence_penalty", "presence_penalty"),
+    ("frequency_penalty", "frequency_penalty"),
+    ("repetition_penalty", "repetition_penalty"),
+    ("min_tokens", "min_tokens"),
+    ("ignore_eos", "ignore_eos"),
+    ("seed", "seed"),
+)
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's error JSON."""
+
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+    @classmethod
+    def bad(cls, message: str, param: str | None = None) -> ApiError:
+        return cls(400, message, "invalid_request_error", param)
+
+    @classmethod
+    def of_grpc(cls, code: grpc.StatusCode, message: str) -> ApiError:
+        status, kind = HTTP_STATUS.get(code, (500, "server_error"))
+        return cls(status, message, kind)
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.status,
+            }
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ApiRequest:
+    """A checked HTTP request: one GenerateRequest per choice, and how to answer."""
+
+    chat: bool
+    requests: list[router_pb2.GenerateRequest]  # choice i is requests[i]
+    n: int  # choices per prompt
+    stream: bool
+    include_usage: bool
+    logprobs: bool  # report the chosen tokens' log-probabilities
+    return_token_ids: bool
+    request_id: str
+
+
+def _typed(body: dict, name: str, types: tuple[type, ...], what: str) -> Any:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) and bool not in types:
+        raise ApiError.bad(f"{name} must be {what}, got {value!r}", name)
+    if not isinstance(value, types):
+        raise ApiError.bad(f"{name} must be {what}, got {type(value).__name__}", name)
+    return value
+
+
+def _int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
+
+
+def _prompts(body: dict) -> list[router_pb2.GenerateRequest]:
+    """/v1/completions' ``prompt``: a text, token ids, or a list of either."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (_int_list(prompt) and prompt):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise ApiError.bad(
+            "prompt must be a string, a list of token ids, or a non-empty list of either", "prompt"
+        )
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            out.append(router_pb2.GenerateRequest(text=p))
+        elif _int_list(p) and all(t >= 0 for t in p):
+            out.append(router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=p)))
+        else:
+            raise ApiError.bad("each prompt must be a string or a list of token ids >= 0", "prompt")
+    return out
+
+
+def _content(message: dict, i: int) -> str:
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: only text ones
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise ApiError.bad(
+                    f"messages[{i}].content: only parts of type text are supported", "messages"
+                )
+            texts.append(str(part.get("text", "")))
+        return "".join(texts)
+    raise ApiError.bad(f"messages[{i}].content must be a string or a list of parts", "messages")
+
+
+def _conversation(body: dict) -> router_pb2.GenerateRequest:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError.bad("messages must be a non-empty list of {role, content}", "messages")
+    chat = router_pb2.ChatMessages()
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError.bad(f"messages[{i}] must be an object with a role", "messages")
+        role = CHAT_ROLE_ALIASES.get(m["role"], m["role"])
+        chat.messages.add(role=role, content=_content(m, i))
+    return router_pb2.GenerateRequest(messages=chat)
+
+
+def _sampling(body: dict, chat: bool, model: ModelInfo) -> common_pb2.SamplingParams:
+    sampling = common_pb2.SamplingParams()
+    names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
+    max_tokens = next((body[n] for n in names if body.get(n) is not None), None)
+    if max_tokens is None:
+        # OpenAI's defaults: 16 for a completion, a chat reply may fill the context.
+        max_tokens = model.max_model_len if chat else 16
+    fields = [("max_tokens", max_tokens), *((f, body.get(k)) for k, f in SAMPLING_FIELDS)]
+    for field, value in fields:
+        if value is None:
+            continue
+        try:
+            setattr(sampling, field, value)
+        except (TypeError, ValueError) as exc:
+            raise ApiError.bad(f"{field}: {exc}", field) from None
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not _int_list(stop_ids) or any(t < 0 for t in stop_ids):
+            raise ApiError.bad("stop_token_ids must be a list of token ids", "stop_token_ids")
+        sampling.stop_token_ids.extend(stop_ids)
+    return sampling
+
+
+def _logprobs(body: dict, chat: bool) -> bool:
+    if chat:
+        wanted = bool(_typed(body, "logprobs", (bool,), "true or false"))
+        top = _typed(body, "top_logprobs", (int,), "an integer") or 0
+    else:  # /v1/completions: logprobs is how many alternatives per position
+        top = _typed(body, "logprobs", (int,), "an integer")
+        wanted = top is not None
+        top = top or 0
+    if top:
+        raise ApiError.bad(
+            "top log-probabilities are not supported: the engine reports the chosen token's "
+            "(completions: logprobs 0; chat: logprobs true, top_logprobs 0)",
+            "top_logprobs" if chat else "logprobs",
+        )
+    return wanted
+
+
+def parse_body(
+    body: Any, chat: bool, model_name: str, model: ModelInfo, salt: str, request_id: str | None
+) -> ApiRequest:
+    """Check an HTTP request's JSON; raise ``ApiError`` (400, 404) on what is wrong."""
+    if not isinstance(body, dict):
+        raise ApiError.bad("the request body must be a JSON object")
+    name = body.get("model")
+    if name is not None and name != model_name:
+        raise ApiError(404, f"model {str(name)[:100]!r} does not exist; this server serves "
+                       f"{model_name!r} (GET /v1/models)", "not_found_error", "model")  # fmt: skip
+    for field, allowed in UNSUPPORTED.items():
+        if field in body and body[field] not in allowed:
+            raise ApiError.bad(f"{field} is not supported by this server: leave it out", field)
+    n = _typed(body, "n", (int,), "an integer")
+    n = 1 if n is None else n
+    prompts = [_conversation(body)] if chat else _prompts(body)
+    if n < 1 or n * len(prompts) > MAX_CHOICES:
+        raise ApiError.bad(f"n must be >= 1 and n x prompts at most {MAX_CHOICES}", "n")
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise ApiError.bad("stop must be a string or a list of strings", "stop")
+    sampling = _sampling(body, chat, model)
+    logprobs = _logprobs(body, chat)
+    sampling.logprobs = logprobs
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ApiError.bad("stream_options must be an object", "stream_options")
+    stream = bool(_typed(body, "stream", (bool,), "true or false"))
+    salt = _typed(body, "cache_salt", (str,), "a string") or salt
+    salt = salt or _typed(body, "user", (str,), "a string") or ""
+    rid = request_id or uuid.uuid4().hex
+    requests = []
+    for i, prompt in enumerate(prompts):
+        for j in range(n):
+            r = router_pb2.GenerateRequest()
+            r.CopyFrom(prompt)
+            r.sampling.CopyFrom(sampling)
+            if n > 1 and sampling.HasField("seed"):  # choices differ, reproducibly
+                r.sampling.seed = (sampling.seed + j) % 2**64
+            r.stop.extend(stop or ())
+            r.cache_salt = salt
+            r.request_id = rid if len(prompts) * n == 1 else f"{rid}-{i * n + j}"
+            requests.append(r)
+    return ApiRequest(
+        chat=chat,
+        requests=requests,
+        n=n,
+        stream=stream,
+        include_usage=stream and bool(options.get("include_usage")),
+        logprobs=logprobs,
+        return_token_ids=bool(body.get("return_token_ids")),
+        request_id=rid,
+    )
+
+
+# ---------------------------------------------------------------------- responses
+
+
+def token_text(model: ModelInfo, token_id: int) -> str:
+    if model.tokenizer is None:
+        return f"token_id:{token_id}"
+    return model.tokenizer.decode([token_id])
+
+
+def logprobs_json(
+    model: ModelInfo, chat: bool, token_ids: list[int], logprobs: list[float]
+) -> dict[str, Any]:
+    tokens = [token_text(model, t) for t in token_ids]
+    if chat:
+        return {
+            "content": [
+                {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
+                for tok, lp in zip(tokens, logprobs, strict=False)
+            ]
+        }
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None}
+
+
+def usage_json(usages: list[tuple[int, Any]], n: int) -> dict[str, Any]:
+    """OpenAI's usage of a request: each prompt counted once, every choice's completion."""
+    prompt = sum(u.prompt_tokens for i, u in usages if i % n == 0)
+    cached = sum(u.cached_tokens for i, u in usages if i % n == 0)
+    completion = sum(u.completion_tokens for _, u in usages)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+class Choice:
+    """One choice's output, gathered for a non-streamed answer."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish_reason: str | None = None
+        self.usage = None
+
+    def add(self, step: Step) -> None:
+        self.text.append(step.delta.text)
+        self.token_ids.extend(step.delta.token_ids)
+        self.logprobs.extend(step.delta.logprobs)
+        if step.delta.finish_reason:
+            self.finish_reason = step.delta.finish_reason
+        if step.usage is not None:
+            self.usage = step.usage
