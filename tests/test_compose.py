@@ -113,11 +113,14 @@ def test_only_the_router_publishes_a_host_port():
     for service in ("redis", "prefill", "decode"):
         assert "ports" not in SERVICES[service], f"{service} must scale: no fixed host port"
         assert "container_name" not in SERVICES[service]
-    (port,) = SERVICES["router"]["ports"]
-    host_port, container_port = str(port).rsplit(":", 1)
+    grpc_port, http_port = SERVICES["router"]["ports"]
+    host_port, container_port = str(grpc_port).rsplit(":", 1)
     assert container_port == _env("router")["SPLITSERVE_PORT"] == "8000"
     assert host_port == "8000"
     assert '"${SPLITSERVE_ROUTER_PORT:-8000}:8000"' in COMPOSE_TEXT  # configurable
+    host_port, container_port = str(http_port).rsplit(":", 1)
+    assert container_port == _env("router")["SPLITSERVE_HTTP_PORT"] == "8080"
+    assert '"${SPLITSERVE_ROUTER_HTTP_PORT:-8080}:8080"' in COMPOSE_TEXT
 
 
 @pytest.mark.parametrize("service", list(COMPONENTS))
