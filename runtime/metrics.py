@@ -1,10 +1,16 @@
 """Prometheus metrics of every process, served at ``http://HOST:PORT/metrics`` (prometheus-client).
 
-Names start with ``splitserve_``. The router observes what users feel (time to first token,
-inter-token latency, request latency, outcomes, tokens) and re-exports the load figures of every
-node it routes to (``splitserve_node_*{node,role}``), so one scrape of the router is enough for a
-scaler. Each node exports its own load figures and counters (prefix hits, blocks and bytes
-shipped or fetched) from the live engine at scrape time.
+Names start with ``splitserve_``, and no name is exported by two kinds of process, so a sum over
+every scraped job never counts one thing twice:
+
+- the router: what users feel, once per request (``splitserve_time_to_first_token_seconds``,
+  ``splitserve_inter_token_latency_seconds``, ``splitserve_request_latency_seconds``,
+  ``splitserve_requests_total{code}``, ``splitserve_{prompt,cached,generation}_tokens_total``),
+  its own queue and retries (``splitserve_router_*``), and the load figures of every node it
+  routes to (``splitserve_node_*{role,node}``), so one scrape of the router is enough for a scaler;
+- a prefill or decode node: its own load figures and counters (prefix hits, blocks and bytes
+  shipped or fetched), read from the live engine at scrape time, under its role's prefix:
+  ``splitserve_prefill_*`` and ``splitserve_decode_*`` (counters ``..._<name>_total``).
 """
 
 from __future__ import annotations
@@ -77,12 +83,18 @@ def _add_load(families: Mapping[str, GaugeMetricFamily], labels: list[str], load
         family.add_metric(labels, float(getattr(load, name)))
 
 
+def node_metric_prefix(role: str) -> str:
+    """What every metric of a ``role`` node (prefill, decode) starts with."""
+    return f"splitserve_{role}"
+
+
 class NodeCollector(Collector):
     """A node's load figures and counters, read from the live node at scrape time.
 
-    ``load`` returns the current LoadFigures; ``counters`` the node's monotonic counters (name →
-    value, e.g. blocks_shipped, bytes_shipped, prefix_hit_tokens), exported as
-    ``splitserve_<name>_total``.
+    ``load`` returns the current LoadFigures, exported as ``splitserve_<role>_<figure>``;
+    ``counters`` the node's monotonic counters (name → value, e.g. blocks_shipped,
+    bytes_shipped, prefix_hit_tokens), exported as ``splitserve_<role>_<name>_total``. Both keep
+    a ``role`` label.
     """
 
     def __init__(
@@ -96,12 +108,13 @@ class NodeCollector(Collector):
         self._counters = counters
 
     def collect(self) -> Iterable[Metric]:
-        families = _load_metrics("splitserve", ("role",))
+        prefix = node_metric_prefix(self.role)
+        families = _load_metrics(prefix, ("role",))
         _add_load(families, [self.role], self._load())
         yield from families.values()
         for name, value in sorted(self._counters().items()):
             family = CounterMetricFamily(
-                f"splitserve_{name}", f"{self.role} node counter {name}", labels=("role",)
+                f"{prefix}_{name}", f"{self.role} node counter {name}", labels=("role",)
             )
             family.add_metric([self.role], float(value))
             yield family
@@ -135,16 +148,20 @@ class RouterMetrics:
             "splitserve_requests", "Requests ended, by gRPC status code", ["code"], registry=r
         )
         self.prompt_tokens = Counter(
-            "splitserve_prompt_tokens", "Prompt tokens of requests", registry=r
+            "splitserve_prompt_tokens", "Prompt tokens of the requests routed", registry=r
         )
         self.cached_tokens = Counter(
-            "splitserve_cached_tokens", "Prompt tokens found in a prefix cache", registry=r
+            "splitserve_cached_tokens",
+            "Prompt tokens of the requests routed found in a prefix cache",
+            registry=r,
         )
         self.generation_tokens = Counter(
             "splitserve_generation_tokens", "Tokens generated", registry=r
         )
         self.retries = Counter(
-            "splitserve_prefill_retries", "Prefill attempts retried on another node", registry=r
+            "splitserve_router_prefill_retries",
+            "Prefill attempts retried on another node",
+            registry=r,
         )
         self.queue_length = Gauge(
             "splitserve_router_queue_length",

@@ -3,7 +3,8 @@
 ``splitserve up`` runs one: each component is ``python -m splitserve.cli <role> ...`` with
 ``--port 0 --port-file F``; the launcher waits for every port file and for grpc.health.v1 to
 answer SERVING before it starts what depends on it, and on stop sends SIGTERM (router first,
-then the nodes, then Redis), waits, and SIGKILLs what is left.
+then the nodes, then Redis), waits, and SIGKILLs what is left. With ``--metrics-port`` every
+component serves Prometheus ``/metrics`` on a port the launcher gives it (ClusterAddresses.metrics).
 """
 
 from __future__ import annotations
@@ -19,94 +20,27 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from splitserve.runtime.options import option
+from splitserve.cluster_spec import (
+    ClusterAddresses,
+    ClusterSpec,
+    free_port,
+    free_ports,
+    metrics_url,
+    parse_gpus,
+)
 from splitserve.runtime.tls import TlsFiles, sync_channel
 
+__all__ = [
+    "ClusterAddresses",
+    "ClusterSpec",
+    "LocalCluster",
+    "free_port",
+    "free_ports",
+    "metrics_url",
+    "parse_gpus",
+]
+
 logger = logging.getLogger(__name__)
-
-DEFAULT_GPU_SHARE = 0.9  # of one GPU's memory, split among the nodes sharing it
-
-
-@dataclass(frozen=True, slots=True)
-class ClusterSpec:
-    """What ``splitserve up`` starts (its options are these fields; see runtime.options)."""
-
-    model_path: str = option(
-        help="checkpoint folder (default: the embedded tiny model)",
-        flag="--model",
-        cli_default=None,
-    )
-    num_prefill: int = option(1, "prefill nodes")
-    num_decode: int = option(1, "decode nodes")
-    host: str = option("127.0.0.1", "listen address of every component")
-    port: int = option(8000, "the router's port")
-    redis_url: str | None = option(None, "a Redis to use (default: start a private redis-server)")
-    prefix_index: bool = True  # False: no Redis at all (static routing by load, local caches)
-    device: str = option(
-        "cpu",
-        "cpu, cuda (the nodes spread over --gpus, round robin) or cuda:N (all on GPU N)",
-    )
-    gpus: str | None = option(
-        None, "with --device cuda: the GPUs to place nodes on, round robin (default: all visible)"
-    )
-    gpu_memory_utilization: float | None = option(
-        None, "per node (default on CUDA: 0.9 / number of nodes)"
-    )
-    node_args: tuple[str, ...] = ()  # further flags for every node, e.g. ("--kv-cache-mb", "512")
-    startup_timeout_s: float = option(600.0, "seconds", flag="--startup-timeout")
-    node_hostnames: bool = option(
-        False,
-        "run each node under a host name of its own (a UTS namespace, `unshare --uts`; needs "
-        "root): the layout of one container per node, on one kernel",
-    )
-    auth_token_file: str | None = option(
-        None,
-        "the cluster token every internal call must carry: a file, `auto` (a new random one in "
-        "the run folder, printed) or `none`",
-        cli_default="auto",
-    )
-    tls_cert: str | None = option(None, "mTLS for every component: its certificate (PEM)")
-    tls_key: str | None = option(None, "mTLS: the private key of --tls-cert")
-    tls_ca: str | None = option(None, "mTLS: the CA that signed it (and every client's)")
-    stop_grace_s: float = 10.0
-
-    def __post_init__(self) -> None:
-        if self.num_prefill < 1 or self.num_decode < 1:
-            raise ValueError("--num-prefill and --num-decode must be >= 1")
-
-    def placement(self, num_gpus: int) -> list[tuple[str, float | None]]:
-        """(device, memory share) of each node, prefill nodes first. ``--device cuda`` spreads the
-        nodes round robin over ``--gpus`` (default: the ``num_gpus`` visible), as a compose
-        deployment has one node per GPU; nodes that share a GPU split its memory evenly."""
-        nodes = self.num_prefill + self.num_decode
-        if self.device == "cuda":
-            gpus = parse_gpus(self.gpus) if self.gpus else list(range(max(num_gpus, 1)))
-            devices = [f"cuda:{gpus[i % len(gpus)]}" for i in range(nodes)]
-        else:
-            devices = [self.device] * nodes
-        if self.gpu_memory_utilization is not None or not self.device.startswith("cuda"):
-            return [(d, self.gpu_memory_utilization) for d in devices]
-        # NOTE: each node sizes its KV pool from its share of its GPU.
-        return [(d, round(DEFAULT_GPU_SHARE / devices.count(d), 4)) for d in devices]
-
-
-def parse_gpus(text: str) -> list[int]:
-    try:
-        gpus = [int(g) for g in text.split(",") if g.strip()]
-    except ValueError:
-        raise ValueError(f"--gpus {text!r}: give GPU indices, e.g. 0,1,2") from None
-    if not gpus or min(gpus) < 0:
-        raise ValueError(f"--gpus {text!r}: give GPU indices, e.g. 0,1,2")
-    return gpus
-
-
-@dataclass(frozen=True, slots=True)
-class ClusterAddresses:
-    router: str
-    prefill: tuple[str, ...]
-    decode: tuple[str, ...]
-    redis_url: str
-    token_file: str | None = None  # the cluster token (None: internal services are open)
 
 
 @dataclass(slots=True)
@@ -120,12 +54,6 @@ def _visible_gpus() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def _set_parent_death_signal() -> None:
@@ -192,24 +120,57 @@ class LocalCluster:
             index_flags += ["--tls-ca", spec.tls_ca]
         placement = spec.placement(_visible_gpus() if spec.device == "cuda" else 0)
         roles = ["prefill"] * spec.num_prefill + ["decode"] * spec.num_decode
+        metrics = spec.metrics_ports()  # router, then each node
         procs = []
         for i, (role, (device, share)) in enumerate(zip(roles, placement, strict=True)):
             flags = ["--port", "0", "--device", device, *index_flags]
             if share is not None:
                 flags += ["--gpu-memory-utilization", str(share)]
+            if metrics:
+                flags += ["--metrics-port", str(metrics[1 + i])]
             index = i if role == "prefill" else i - spec.num_prefill
             procs.append(self._component(role, index, [*flags, *spec.node_args]))
         prefill, decode = procs[: spec.num_prefill], procs[spec.num_prefill :]
         prefill_addrs = tuple(self._wait_ready(p, deadline) for p in prefill)
         decode_addrs = tuple(self._wait_ready(p, deadline) for p in decode)
-        router_flags = ["--port", str(spec.port), *index_flags]
-        router_flags += ["--prefill", ",".join(prefill_addrs), "--decode", ",".join(decode_addrs)]
-        router = self._component("router", 0, router_flags)
+        router_flags = self.router_flags(prefill_addrs, decode_addrs, metrics and metrics[0])
+        router = self._component("router", 0, [*router_flags, *index_flags])
         router_addr = self._wait_ready(router, deadline)
+        http = None
+        if spec.http_port is not None:
+            http_port = spec.http_port or self._read_port_file(
+                router, self._http_port_file, deadline
+            )
+            http = f"{spec.host}:{http_port}"
+        urls = {}
+        if metrics:
+            components = (router_addr, *prefill_addrs, *decode_addrs)
+            urls = {a: metrics_url(spec.host, p) for a, p in zip(components, metrics, strict=True)}
         self.addresses = ClusterAddresses(
-            router_addr, prefill_addrs, decode_addrs, redis_url, token_file
+            router_addr, prefill_addrs, decode_addrs, redis_url, token_file, http, urls
         )
         return self.addresses
+
+    @property
+    def _http_port_file(self) -> Path:
+        return self._workdir / "router-0.http-port"
+
+    def router_flags(
+        self, prefill: tuple[str, ...], decode: tuple[str, ...], metrics_port: int | None
+    ) -> list[str]:
+        """The router's own flags (those of Redis, the token and TLS come on top)."""
+        spec = self.spec
+        flags = ["--port", str(spec.port), "--prefill", ",".join(prefill)]
+        flags += ["--decode", ",".join(decode)]
+        if spec.http_port is not None:
+            flags += ["--http-port", str(spec.http_port)]
+            if spec.http_port == 0:
+                flags += ["--http-port-file", str(self._http_port_file)]
+        if spec.tokenizer_path is not None:
+            flags += ["--tokenizer", spec.tokenizer_path]
+        if metrics_port is not None:
+            flags += ["--metrics-port", str(metrics_port)]
+        return flags
 
     def _token_file(self) -> str | None:
         """The token file every component gets: ``auto`` writes a new one into the run folder."""
@@ -254,22 +215,26 @@ class LocalCluster:
                 pass
             self._sleep_until(deadline, proc)
 
+    def _read_port_file(self, proc: _Process, path: Path, deadline: float) -> int:
+        """The port ``proc`` writes to ``path`` once it serves (waiting for it)."""
+        while True:
+            self._check_alive(proc)
+            try:
+                text = path.read_text().strip()
+            except FileNotFoundError:
+                text = ""
+            if text:
+                return int(text)
+            self._sleep_until(deadline, proc)
+
     def _wait_ready(self, proc: _Process, deadline: float) -> str:
         """Wait for the port file, then for health SERVING; return host:port."""
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         assert proc.port_file is not None
-        while True:
-            self._check_alive(proc)
-            try:
-                text = proc.port_file.read_text().strip()
-            except FileNotFoundError:
-                text = ""
-            if text:
-                break
-            self._sleep_until(deadline, proc)
-        address = f"{self.spec.host}:{int(text)}"
+        port = self._read_port_file(proc, proc.port_file, deadline)
+        address = f"{self.spec.host}:{port}"
         with sync_channel(address, self._tls) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while True:

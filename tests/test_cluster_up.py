@@ -1,15 +1,18 @@
 """`splitserve up` as a user runs it: a local cluster comes up with a cluster token of its own,
-serves `generate --target`, and Ctrl-C stops every process it started. A decode node that is out
-of KV blocks refuses with RESOURCE_EXHAUSTED and the router retries on another."""
+serves `generate --target` and the HTTP API, every component serves the /metrics URL it prints
+(no metric name in two of them), and Ctrl-C stops every process it started. A decode node that
+is out of KV blocks refuses with RESOURCE_EXHAUSTED and the router retries on another."""
 
 import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
 from cluster import start_node, start_router, wait_healthy
+from test_metric_names import assert_no_name_shared, families_of
 
 from splitserve.client import Client
 from splitserve.launcher import free_port
@@ -55,14 +58,25 @@ def test_up_serves_and_ctrl_c_stops_everything(model_dir, tmp_path):
             "1",
             "--num-decode",
             "1",
+            "--metrics-port",
+            "0",
+            "--http-port",
+            "0",
         ],
         stdout=subprocess.PIPE,
         stderr=log,
         text=True,
     )
     try:
-        lines = [up.stdout.readline() for _ in range(5)]  # router, prefill, decode, redis, token
+        # router, http, prefill, decode, redis, token
+        lines = [up.stdout.readline() for _ in range(6)]
         addresses = {line.split()[0]: line.split()[1] for line in lines}
+        # "router 127.0.0.1:P metrics http://127.0.0.1:M/metrics", and so on for each node
+        urls = {line.split()[0]: line.split()[3] for line in lines if " metrics " in line}
+        assert set(urls) == {"router", "prefill", "decode"}
+        # --http-port 0: the port the router bound, read from its --http-port-file
+        models = urllib.request.urlopen(f"http://{addresses['http']}/v1/models", timeout=10)
+        assert models.status == 200
         assert addresses["router"] == f"127.0.0.1:{port}"
         wait_healthy(addresses["router"])
         # up made a cluster token: the nodes' internal services want it, from anyone.
@@ -94,6 +108,14 @@ def test_up_serves_and_ctrl_c_stops_everything(model_dir, tmp_path):
         )
         assert gen.returncode == 0, gen.stderr
         assert "prompt_tokens=5 " in gen.stderr and "completion_tokens=5 " in gen.stderr
+        exported = {
+            role: families_of(urllib.request.urlopen(url, timeout=10).read().decode())
+            for role, url in urls.items()
+        }
+        assert_no_name_shared(exported)
+        assert "splitserve_time_to_first_token_seconds" in exported["router"]
+        assert "splitserve_prefill_prompt_tokens" in exported["prefill"]  # moved by generate
+        assert "splitserve_decode_transfers" in exported["decode"]
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0
     finally:

@@ -155,8 +155,8 @@ def check_metrics(router_port: int, before: dict, node_port: int, d2: str, ok: i
     assert after['splitserve_requests_total{code="OK"}'] >= ok
     assert after["splitserve_request_latency_seconds_sum"] > 0
     node = scrape(node_port)
-    assert node['splitserve_transfers_total{role="decode"}'] > 0
-    assert 'splitserve_kv_usage{role="decode"}' in node
+    assert node['splitserve_decode_transfers_total{role="decode"}'] > 0
+    assert 'splitserve_decode_kv_usage{role="decode"}' in node
     running = f'splitserve_node_running{{node="{d2}",role="decode"}}'
     wait_for(lambda: running in scrape(router_port), 10)
 

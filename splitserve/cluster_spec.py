@@ -1,0 +1,143 @@
+"""What ``splitserve up`` starts (ClusterSpec: its options are these fields), where it put it
+(ClusterAddresses), and the free ports it hands out; splitserve.launcher starts the processes."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from splitserve.runtime.options import option
+
+DEFAULT_GPU_SHARE = 0.9  # of one GPU's memory, split among the nodes sharing it
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    """What ``splitserve up`` starts (its options are these fields; see runtime.options)."""
+
+    model_path: str = option(
+        help="checkpoint folder (default: the embedded tiny model)",
+        flag="--model",
+        cli_default=None,
+    )
+    num_prefill: int = option(1, "prefill nodes")
+    num_decode: int = option(1, "decode nodes")
+    host: str = option("127.0.0.1", "listen address of every component")
+    port: int = option(8000, "the router's port")
+    http_port: int | None = option(
+        None, "the router's OpenAI-compatible HTTP API on this port (0: a free one; default: none)"
+    )
+    tokenizer_path: str | None = option(
+        None, "the router's tokenizer folder (default: the checkpoint's)", flag="--tokenizer"
+    )
+    metrics_port: int | None = option(
+        None,
+        "Prometheus /metrics of every component: the router's on this port, each node's on the "
+        "next ones (prefill nodes first); 0: free ones; all printed (default: none)",
+    )
+    redis_url: str | None = option(None, "a Redis to use (default: start a private redis-server)")
+    prefix_index: bool = True  # False: no Redis at all (static routing by load, local caches)
+    device: str = option(
+        "cpu",
+        "cpu, cuda (the nodes spread over --gpus, round robin) or cuda:N (all on GPU N)",
+    )
+    gpus: str | None = option(
+        None, "with --device cuda: the GPUs to place nodes on, round robin (default: all visible)"
+    )
+    gpu_memory_utilization: float | None = option(
+        None, "per node (default on CUDA: 0.9 / number of nodes)"
+    )
+    node_args: tuple[str, ...] = ()  # further flags for every node, e.g. ("--kv-cache-mb", "512")
+    startup_timeout_s: float = option(600.0, "seconds", flag="--startup-timeout")
+    node_hostnames: bool = option(
+        False,
+        "run each node under a host name of its own (a UTS namespace, `unshare --uts`; needs "
+        "root): the layout of one container per node, on one kernel",
+    )
+    auth_token_file: str | None = option(
+        None,
+        "the cluster token every internal call must carry: a file, `auto` (a new random one in "
+        "the run folder, printed) or `none`",
+        cli_default="auto",
+    )
+    tls_cert: str | None = option(None, "mTLS for every component: its certificate (PEM)")
+    tls_key: str | None = option(None, "mTLS: the private key of --tls-cert")
+    tls_ca: str | None = option(None, "mTLS: the CA that signed it (and every client's)")
+    stop_grace_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError("--num-prefill and --num-decode must be >= 1")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"--http-port {self.http_port}: give 0..65535")
+        last = 65535 - self.num_prefill - self.num_decode  # the router's, then one per node
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= last:
+            raise ValueError(f"--metrics-port {self.metrics_port}: give 0..{last}")
+
+    def metrics_ports(self) -> list[int] | None:
+        """The /metrics port of the router, then of each node (prefill nodes first): from
+        ``metrics_port`` on, or free ones for 0; None without ``metrics_port``."""
+        if self.metrics_port is None:
+            return None
+        count = 1 + self.num_prefill + self.num_decode
+        if self.metrics_port == 0:
+            return free_ports(self.host, count)
+        return [self.metrics_port + i for i in range(count)]
+
+    def placement(self, num_gpus: int) -> list[tuple[str, float | None]]:
+        """(device, memory share) of each node, prefill nodes first. ``--device cuda`` spreads the
+        nodes round robin over ``--gpus`` (default: the ``num_gpus`` visible), as a compose
+        deployment has one node per GPU; nodes that share a GPU split its memory evenly."""
+        nodes = self.num_prefill + self.num_decode
+        if self.device == "cuda":
+            gpus = parse_gpus(self.gpus) if self.gpus else list(range(max(num_gpus, 1)))
+            devices = [f"cuda:{gpus[i % len(gpus)]}" for i in range(nodes)]
+        else:
+            devices = [self.device] * nodes
+        if self.gpu_memory_utilization is not None or not self.device.startswith("cuda"):
+            return [(d, self.gpu_memory_utilization) for d in devices]
+        # NOTE: each node sizes its KV pool from its share of its GPU.
+        return [(d, round(DEFAULT_GPU_SHARE / devices.count(d), 4)) for d in devices]
+
+
+def parse_gpus(text: str) -> list[int]:
+    try:
+        gpus = [int(g) for g in text.split(",") if g.strip()]
+    except ValueError:
+        raise ValueError(f"--gpus {text!r}: give GPU indices, e.g. 0,1,2") from None
+    if not gpus or min(gpus) < 0:
+        raise ValueError(f"--gpus {text!r}: give GPU indices, e.g. 0,1,2")
+    return gpus
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterAddresses:
+    router: str
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+    redis_url: str
+    token_file: str | None = None  # the cluster token (None: internal services are open)
+    http: str | None = None  # the router's HTTP API, host:port (None: not served)
+    # Each component's gRPC address (router, nodes) → its /metrics URL (empty: not served).
+    metrics: Mapping[str, str] = field(default_factory=dict)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def free_ports(host: str, count: int) -> list[int]:
+    """``count`` different ports free now (bound together, so none repeats)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in socks]
+
+
+def metrics_url(host: str, port: int) -> str:
+    return f"http://{host}:{port}/metrics"

@@ -1,0 +1,106 @@
+"""What `splitserve up` hands each component and prints, without starting processes: the
+/metrics ports (--metrics-port), the router's HTTP port and tokenizer (--http-port, --tokenizer).
+A real `up --metrics-port 0` is in tests/test_cluster_up.py."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from splitserve import launcher
+from splitserve.cli import build_parser
+from splitserve.launcher import ClusterAddresses, ClusterSpec, LocalCluster
+
+
+def spec(**kw) -> ClusterSpec:
+    return ClusterSpec(model_path="m", **kw)
+
+
+def test_metrics_ports_follow_the_routers_or_are_free_ones():
+    assert spec().metrics_ports() is None
+    given = spec(metrics_port=9100, num_prefill=2, num_decode=3).metrics_ports()
+    assert given == [9100, 9101, 9102, 9103, 9104, 9105]  # the router's, 2 prefill, 3 decode
+    free = spec(metrics_port=0, num_prefill=2, num_decode=2).metrics_ports()
+    assert len(free) == len(set(free)) == 5 and 0 not in free
+
+
+def test_bad_ports_are_refused():
+    with pytest.raises(ValueError, match="--metrics-port"):
+        spec(metrics_port=65534, num_decode=2)
+    with pytest.raises(ValueError, match="--metrics-port"):
+        spec(metrics_port=-1)
+    with pytest.raises(ValueError, match="--http-port"):
+        spec(http_port=70000)
+
+
+def _router_flags(cluster_spec: ClusterSpec, metrics_port: int | None = None) -> list[str]:
+    cluster = LocalCluster(cluster_spec)
+    try:
+        return cluster.router_flags(("p:1",), ("d:1", "d:2"), metrics_port)
+    finally:
+        cluster.stop()  # removes its run folder
+
+
+def _value(flags: list[str], flag: str) -> str | None:
+    return flags[flags.index(flag) + 1] if flag in flags else None
+
+
+def test_router_flags():
+    plain = _router_flags(spec(port=8001))
+    assert plain == ["--port", "8001", "--prefill", "p:1", "--decode", "d:1,d:2"]
+    given = _router_flags(spec(http_port=8080, tokenizer_path="/tok"), metrics_port=9100)
+    assert _value(given, "--http-port") == "8080" and "--http-port-file" not in given
+    assert _value(given, "--tokenizer") == "/tok"
+    assert _value(given, "--metrics-port") == "9100"
+    free = _router_flags(spec(http_port=0))
+    assert _value(free, "--http-port") == "0"
+    assert _value(free, "--http-port-file").endswith("router-0.http-port")
+
+
+def test_up_prints_each_components_metrics_url_and_the_http_address(monkeypatch, capsys):
+    addresses = ClusterAddresses(
+        "127.0.0.1:8000",
+        ("127.0.0.1:5001",),
+        ("127.0.0.1:5002",),
+        "redis://127.0.0.1:6379",
+        http="127.0.0.1:8080",
+        metrics={
+            "127.0.0.1:8000": "http://127.0.0.1:9100/metrics",
+            "127.0.0.1:5001": "http://127.0.0.1:9101/metrics",
+            "127.0.0.1:5002": "http://127.0.0.1:9102/metrics",
+        },
+    )
+    specs = []
+
+    class Cluster:  # answers with the addresses above instead of starting processes
+        def __init__(self, cluster_spec):
+            specs.append(cluster_spec)
+
+        def start(self):
+            return addresses
+
+        def poll(self):
+            return "router (status 1)"
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(launcher, "LocalCluster", Cluster)
+    argv = ["up", "--model", "/m", "--metrics-port", "9100", "--http-port", "8080"]
+    argv += ["--tokenizer", "/tok"]
+    args = build_parser().parse_args(argv)
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        assert args.func(args) == 1  # the fake router "exited"
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    (given,) = specs
+    assert (given.metrics_port, given.http_port, given.tokenizer_path) == (9100, 8080, "/tok")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:4] == [
+        "router   127.0.0.1:8000 metrics http://127.0.0.1:9100/metrics",
+        "http     127.0.0.1:8080 (OpenAI-compatible API)",
+        "prefill  127.0.0.1:5001 metrics http://127.0.0.1:9101/metrics",
+        "decode   127.0.0.1:5002 metrics http://127.0.0.1:9102/metrics",
+    ]
