@@ -6,8 +6,10 @@
 ``--make-8b DIR`` writes a Llama-3-8B-shaped config.json and a byte-level tokenizer into DIR;
 the nodes then draw the same random bf16 weights (``--load-format dummy``), so no 16 GB file is
 needed. Requests: prompts of random token ids with lengths uniform in ``--prompt-range``,
-``--gen`` output tokens each (ignore_eos), all sent at once through the SDK's streaming API.
-Reports output tokens/s, time to first token (mean, p50, p99), inter-token latency (mean, p99)
+``--gen`` output tokens each (ignore_eos), all sent at once through the SDK's streaming API, or
+with ``--fronts http`` as streamed ``POST /v1/completions`` to the router's OpenAI-compatible HTTP
+API (``--fronts grpc http grpc http`` alternates both on one cluster, a row each). Reports output
+tokens/s, time to first token (mean, p50, p99), inter-token latency (mean, p99)
 and the KV bytes the prefill pool shipped, per second of wall time.
 """
 
@@ -82,7 +84,38 @@ def prefill_counters(addresses, keys, metadata=None, creds=None) -> dict[str, fl
     return total
 
 
+async def one_http(session, url: str, prompt: list[int], gen: int):
+    """As ``one``, through the HTTP API (server-sent events)."""
+    body = {"prompt": prompt, "max_tokens": gen, "temperature": 0.0, "stream": True,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    t0 = time.perf_counter()
+    stamps = []
+    n = 0
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            return None, [], 0, f"HTTP {resp.status}"
+        async for line in resp.content:
+            if not line.startswith(b"data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                return None, [], 0, f"HTTP error {event['error']['code']}"
+            ids = event["choices"][0]["token_ids"] if event["choices"] else []
+            if ids:
+                stamps.append(time.perf_counter())
+                n += len(ids)
+    itl = [b - a for a, b in itertools.pairwise(stamps)]
+    return stamps[0] - t0, itl, n, None
+
+
 async def load(target: str, prompts: list[list[int]], gen: int, creds=None):
+    if target.startswith("http://"):
+        import aiohttp
+
+        connector = aiohttp.TCPConnector(limit=0)  # every request at once, as over gRPC
+        timeout = aiohttp.ClientTimeout(total=None)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            return await asyncio.gather(*(one_http(session, target, p, gen) for p in prompts))
     async with AsyncClient(target, credentials=creds) as client:
         return await asyncio.gather(*(one(client, p, gen) for p in prompts))
 
@@ -125,6 +158,18 @@ def parse_args() -> argparse.Namespace:
         default="",
         help="with --target: its prefill nodes (host:port,...), to count the KV bytes shipped",
     )
+    ap.add_argument(
+        "--fronts",
+        nargs="+",
+        choices=("grpc", "http"),
+        default=["grpc"],
+        help="the router's API each run goes through, in order (one cluster, a row per run)",
+    )
+    ap.add_argument(
+        "--http-target",
+        default=None,
+        help="with --target: the router's HTTP API (http://host:port) for --fronts http",
+    )
     return ap.parse_args()
 
 
@@ -147,6 +192,7 @@ def cluster_spec(args) -> ClusterSpec:
         redis_url=args.redis_url,
         node_hostnames=args.node_hostnames,
         auth_token_file="auto" if args.auth else None,
+        http_port=0 if "http" in args.fronts else None,
         **tls_fields(args.tls),
     )
 
@@ -219,25 +265,35 @@ def main() -> None:
     prompts = [
         [random.randrange(250) for _ in range(random.randint(lo, hi))] for _ in range(args.requests)
     ]
+    rows = []
     if args.target:
         prefill = [a.strip() for a in args.prefill.split(",") if a.strip()]
-        results, wall, shipped = measure(args.target, prefill, prompts, args.gen)
+        targets = {"grpc": args.target, "http": args.http_target}
+        for front in args.fronts:
+            results, wall, shipped = measure(targets[front], prefill, prompts, args.gen)
+            rows.append({"front": front, **summary(args, prompts, results, wall, shipped)})
     else:
         with LocalCluster(cluster_spec(args)) as cluster:
             addr = cluster.addresses
-            results, wall, shipped = measure(
-                addr.router,
-                addr.prefill,
-                prompts,
-                args.gen,
-                cluster.call_metadata,
-                credentials(args.tls),
-            )
-    row = summary(args, prompts, results, wall, shipped)
-    print(json.dumps(row))
-    print("\n| figure | value |\n|---|---|")
-    for key, value in row.items():
-        print(f"| {key} | {value:.4g} |" if isinstance(value, float) else f"| {key} | {value} |")
+            targets = {"grpc": addr.router, "http": f"http://{addr.http}"}
+            for front in args.fronts:
+                results, wall, shipped = measure(
+                    targets[front],
+                    addr.prefill,
+                    prompts,
+                    args.gen,
+                    cluster.call_metadata,
+                    credentials(args.tls),
+                )
+                rows.append({"front": front, **summary(args, prompts, results, wall, shipped)})
+    for row in rows:
+        print(json.dumps(row))
+    keys = list(rows[0])
+    print("\n| figure | " + " | ".join(f"run {i + 1}" for i in range(len(rows))) + " |")
+    print("|---|" + "---|" * len(rows))
+    for key in keys:
+        cells = [f"{r[key]:.4g}" if isinstance(r[key], float) else str(r[key]) for r in rows]
+        print(f"| {key} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

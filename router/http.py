@@ -43,6 +43,22 @@ def _error(exc: ApiError) -> web.Response:
     return web.json_response(exc.body(), status=exc.status)
 
 
+@web.middleware
+async def _openai_errors(request: web.Request, handler) -> web.StreamResponse:
+    """aiohttp's own refusals (unknown route, wrong method, a body over the size limit) in
+    OpenAI's error JSON too."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
+        message = f"{exc.reason}: {request.method} {request.path}"
+        if exc.status == 413:
+            message = f"{exc.text} (the router's --max-request-bytes)"
+        return _error(ApiError(exc.status, message, kind))
+
+
 class HttpFront:
     def __init__(
         self,
@@ -58,7 +74,7 @@ class HttpFront:
         self.model_name = model_name
         self._ready = ready
         self._created = int(time.time())
-        self.app = web.Application(client_max_size=max_request_bytes)
+        self.app = web.Application(client_max_size=max_request_bytes, middlewares=[_openai_errors])
         self.app.add_routes(
             [
                 web.post("/v1/completions", self.completions),

@@ -235,6 +235,13 @@ def test_bad_input_gets_its_status_and_an_openai_error_then_a_good_request_works
     assert code == 200 and ok["usage"]["completion_tokens"] == 2
 
 
+def test_unknown_route_and_oversized_body_are_openai_errors(cluster):
+    code, reply = post(cluster, "/v1/embeddings", {"input": "x"})
+    assert code == 404 and reply["error"]["type"] == "not_found_error"
+    code, reply = post(cluster, "/v1/completions", {"prompt": "x" * (5 << 20)})
+    assert code == 413 and "max-request-bytes" in reply["error"]["message"]
+
+
 def test_openai_client_raises_its_own_error_classes(cluster):
     client = oai(cluster)
     with pytest.raises(openai.NotFoundError):
