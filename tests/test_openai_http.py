@@ -14,11 +14,14 @@ import time
 import urllib.error
 import urllib.request
 
+import grpc
 import openai
 import pytest
 from cluster import node_stats, start_node, start_router
+from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.client import AsyncClient, Client
+from splitserve.client import AsyncClient, Client, SplitserveError
+from splitserve.launcher import free_port
 from splitserve.models.tiny import write_random_checkpoint
 
 CHAT = [
@@ -40,10 +43,23 @@ def model_dir(tmp_path_factory):
 
 
 class Cluster:
-    def __init__(self, router, prefill, decode, http: str) -> None:
+    def __init__(self, router, prefill, decode, http: str, metrics: str = "") -> None:
         self.router, self.prefill, self.decode = router, prefill, decode
         self.http = http  # http://host:port
+        self.metrics = metrics  # the router's /metrics URL
         self.nodes = [prefill, decode]
+
+    def requests_ended(self) -> dict[str, float]:
+        """The router's splitserve_requests_total, by code."""
+        with urllib.request.urlopen(self.metrics, timeout=10) as r:
+            text = r.read().decode()
+        return {
+            s.labels["code"]: s.value
+            for family in text_string_to_metric_families(text)
+            if family.name == "splitserve_requests"
+            for s in family.samples
+            if s.name == "splitserve_requests_total"
+        }
 
     def free_blocks(self) -> list[int]:
         return [node_stats(n).num_free_blocks for n in self.nodes]
@@ -73,9 +89,10 @@ def cluster(model_dir, tmp_path_factory):
         procs.append(prefill)
         decode = start_node("decode", model_dir, tmp)
         procs.append(decode)
-        router, http = http_router(model_dir, tmp, prefill, decode)
+        metrics = free_port()
+        router, http = http_router(model_dir, tmp, prefill, decode, "--metrics-port", str(metrics))
         procs.append(router)
-        yield Cluster(router, prefill, decode, http)
+        yield Cluster(router, prefill, decode, http, f"http://127.0.0.1:{metrics}/metrics")
     finally:
         for proc in reversed(procs):
             proc.stop()
@@ -341,3 +358,30 @@ def test_token_id_only_checkpoint_and_tokenizer_flag(cluster, model_dir, tmp_pat
             assert sdk.chat(CHAT, **GREEDY).text == full.chat(CHAT, **GREEDY).text
     finally:
         router.stop()
+
+
+def test_every_ending_is_counted_by_its_code(cluster):
+    """Refused requests count (by their code), and a deadline that expires is DEADLINE_EXCEEDED,
+    not CANCELLED."""
+    before = cluster.requests_ended()
+    post(cluster, "/v1/completions", {"prompt": "x", "max_tokens": 0})  # refused
+    with Client(cluster.router.address) as sdk:
+        with pytest.raises(SplitserveError) as err:
+            sdk.generate(prompt_token_ids=[1, 2, 3], max_tokens=0)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(SplitserveError) as err:  # the client's deadline passes mid-stream
+            sdk.generate(prompt_token_ids=[9] * 50, max_tokens=900, ignore_eos=True, timeout=0.5)
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        stream = sdk.stream(prompt_token_ids=[9] * 50, max_tokens=900, ignore_eos=True)
+        next(iter(stream))
+        stream.close()  # cancelled
+        sdk.generate(prompt_token_ids=[1, 2, 3], max_tokens=2)
+    want = {"INVALID_ARGUMENT": 2, "DEADLINE_EXCEEDED": 1, "CANCELLED": 1, "OK": 1}
+    deadline = time.monotonic() + 10
+    while True:  # a cancelled stream is counted when the router sees it end
+        after = cluster.requests_ended()
+        got = {code: after.get(code, 0) - before.get(code, 0) for code in want}
+        if got == want or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert got == want
