@@ -2,7 +2,7 @@
 # Sets up everything splitserve needs on a CPU machine, idempotently:
 #   .venv/ with the CPU build of torch, the project (editable) and its test tools,
 #   a redis-server binary (from the distribution's packages) for the tests, and as root podman,
-#   runc and debootstrap for the container tests.
+#   runc and debootstrap for the container tests and node and npm for the Node client test.
 # A second run finds the stamp of the first and takes seconds.
 #
 # Environment: PYTHON (default python3, must be >= 3.11);
@@ -44,7 +44,8 @@ fi
 # Debian packages: redis-server for the tests (required); podman, runc and debootstrap for the
 # container tests (tests/test_containers.py builds the CPU image and runs compose.cpu.yaml; it
 # skips, saying why, where they are missing); iproute2 for tests/test_netns.py (nodes in network
-# namespaces of their own; skips likewise).
+# namespaces of their own; skips likewise); nodejs and npm for tests/test_node_client.py (a
+# @grpc/grpc-js client of the router; skips likewise, and when npm cannot fetch its packages).
 wanted=()
 command -v redis-server >/dev/null 2>&1 || wanted+=(redis-server)
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
@@ -52,6 +53,8 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
         command -v "$tool" >/dev/null 2>&1 || wanted+=("$tool")
     done
     command -v ip >/dev/null 2>&1 || wanted+=(iproute2)
+    command -v node >/dev/null 2>&1 || wanted+=(nodejs)
+    command -v npm >/dev/null 2>&1 || wanted+=(npm)
 fi
 if [ ${#wanted[@]} -gt 0 ]; then
     log "installing ${wanted[*]}"

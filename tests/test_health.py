@@ -119,3 +119,95 @@ def test_console_script_defaults_to_this_containers_component(server):
     proc = _run(env={"SPLITSERVE_HOST": "0.0.0.0", "SPLITSERVE_PORT": port})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"127.0.0.1:{port} (server): SERVING")
+
+
+# Server reflection, served beside health by every component (runtime.server.Server): v1 (what
+# grpcurl and current tools ask first) and v1alpha. The v1 messages are v1alpha's with the same
+# field numbers, so a raw client sends and reads v1alpha-serialized messages on the v1 path.
+REFLECTION_V1 = "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"
+REFLECTION_V1ALPHA = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
+
+
+async def _reflect(address, path, requests):
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = channel.stream_stream(
+            path,
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        return [reply async for reply in call(iter(requests), timeout=10)]
+
+
+def test_reflection_v1_and_v1alpha_on_a_component_server():
+    import asyncio
+
+    from google.protobuf import descriptor_pb2, descriptor_pool
+    from grpc_reflection.v1alpha import reflection_pb2 as pb
+
+    from splitserve.runtime.server import Server
+    from splitserve.v1 import router_pb2  # noqa: F401 (its descriptors in the default pool)
+
+    def files(reply):
+        out = []
+        for raw in reply.file_descriptor_response.file_descriptor_proto:
+            proto = descriptor_pb2.FileDescriptorProto()
+            proto.ParseFromString(raw)
+            out.append(proto)
+        return out
+
+    async def main():
+        server = Server("127.0.0.1", 0, ["splitserve.v1.RouterService"])
+        await server.start()
+        try:
+            requests = [
+                pb.ServerReflectionRequest(list_services=""),
+                pb.ServerReflectionRequest(file_containing_symbol="splitserve.v1.RouterService"),
+                pb.ServerReflectionRequest(
+                    file_containing_symbol="grpc.reflection.v1.ServerReflection"
+                ),
+                pb.ServerReflectionRequest(file_by_filename="grpc/reflection/v1/reflection.proto"),
+                pb.ServerReflectionRequest(file_containing_symbol="no.such.Service"),
+            ]
+            v1 = await _reflect(server.address, REFLECTION_V1, requests)
+            v1alpha = await _reflect(server.address, REFLECTION_V1ALPHA, requests[:2])
+        finally:
+            await server.stop(0)
+        return v1, v1alpha
+
+    v1, v1alpha = asyncio.run(main())
+    listed, router, v1_file, by_name, missing = v1
+    names = [s.name for s in listed.list_services_response.service]
+    assert sorted(names) == [
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1.ServerReflection",
+        "grpc.reflection.v1alpha.ServerReflection",
+        "splitserve.v1.RouterService",
+    ]
+    assert listed.original_request.list_services == ""
+    router_files = {f.name: f for f in files(router)}
+    assert set(router_files) == {"splitserve/v1/router.proto", "splitserve/v1/common.proto"}
+    assert [s.name for s in router_files["splitserve/v1/router.proto"].service] == ["RouterService"]
+    # The v1 file: v1alpha's messages, field for field, under package grpc.reflection.v1; it is
+    # complete enough for a client to build a pool from.
+    (proto,) = files(v1_file)
+    assert files(by_name) == [proto]
+    assert (proto.name, proto.package) == (
+        "grpc/reflection/v1/reflection.proto",
+        "grpc.reflection.v1",
+    )
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(proto)
+    service = pool.FindServiceByName("grpc.reflection.v1.ServerReflection")
+    method = service.methods_by_name["ServerReflectionInfo"]
+    assert method.input_type.full_name == "grpc.reflection.v1.ServerReflectionRequest"
+    for alpha in pb.DESCRIPTOR.message_types_by_name.values():
+        ours = pool.FindMessageTypeByName(f"grpc.reflection.v1.{alpha.name}")
+        assert [(f.name, f.number, f.type) for f in ours.fields] == [
+            (f.name, f.number, f.type) for f in alpha.fields
+        ]
+    assert missing.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
+    # v1alpha answers as before.
+    assert sorted(s.name for s in v1alpha[0].list_services_response.service) == sorted(names)
+    assert {f.name for f in files(v1alpha[1])} == set(router_files)
