@@ -32,6 +32,7 @@ def cluster(tmp_path_factory):
 
 METHODS = [  # (component, method, request streaming, response streaming)
     ("router", "/splitserve.v1.RouterService/Generate", False, True),
+    ("router", "/splitserve.v1.RouterService/Complete", False, False),
     ("prefill", "/splitserve.v1.PrefillNodeService/Prefill", False, False),
     ("prefill", "/splitserve.v1.PrefillNodeService/FetchBlocks", False, True),
     ("decode", "/splitserve.v1.DecodeNodeService/TransferKV", True, True),
