@@ -8,6 +8,7 @@ conditions and ends finished requests (frees their blocks, or holds them in pref
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -83,6 +84,10 @@ class LLMEngine:
         self.prefill_only = prefill_only
         self.held: dict[str, Request] = {}  # prefill_only: finished, blocks not yet released
         self.last_num_scheduled = 0
+        # Requests to drop before the next step schedules anything (``abort_soon``): marked from
+        # any thread, applied on the engine thread.
+        self._abort_soon: set[str] = set()
+        self._abort_lock = threading.Lock()
         # The door for code that moves KV between nodes (servicers, shippers, peer fetch).
         self.kv_port = KVPort(self)
 
@@ -180,8 +185,29 @@ class LLMEngine:
         if self.held.pop(request_id, None) is not None:
             self.kv.free(request_id)
 
+    def abort_soon(self, request_id: str) -> None:
+        """Mark a request to be aborted at the top of the next step, before it schedules (safe
+        from any thread, e.g. the event loop while a step runs): a cancelled request is not
+        computed again even when its ``abort`` job waits behind other engine work. The caller
+        still queues ``abort`` (which clears the mark): an unknown id is simply dropped."""
+        with self._abort_lock:
+            self._abort_soon.add(request_id)
+
+    def _apply_aborts(self) -> None:
+        """Abort every request marked by ``abort_soon`` (engine thread)."""
+        if not self._abort_soon:
+            return
+        with self._abort_lock:
+            marked, self._abort_soon = self._abort_soon, set()
+        for request_id in marked:
+            self.abort(request_id)
+
     def abort(self, request_id: str) -> None:
-        """Drop a request wherever it is (waiting, running or held) and free its blocks."""
+        """Drop a request wherever it is (waiting, running or held) and free its blocks.
+        Idempotent: an unknown or already aborted id is ignored."""
+        if self._abort_soon:
+            with self._abort_lock:
+                self._abort_soon.discard(request_id)
         self.release(request_id)
         req = self.requests.pop(request_id, None)
         if req is None:
@@ -203,7 +229,9 @@ class LLMEngine:
     # ------------------------------------------------------------------ step
 
     def step(self) -> list[StepOutput]:
-        """One iteration: schedule, run the forward, then sample and end finished requests."""
+        """One iteration: apply pending aborts, schedule, run the forward, then sample and end
+        finished requests."""
+        self._apply_aborts()
         scheduled = self.scheduler.schedule()
         self.last_num_scheduled = len(scheduled)
         if not scheduled:

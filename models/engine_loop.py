@@ -75,6 +75,14 @@ class AsyncEngine:
         allocations whose result the caller must free if it is cancelled."""
         return await settle(self.submit(fn, *args))
 
+    async def abort(self, request_id: str) -> None:
+        """Drop a request and free its blocks, to the end whatever cancels the caller
+        (``call_to_end``). It takes effect before the next step schedules, even when other
+        engine calls (or the next step) are queued ahead of the abort job: only the step
+        already running when it is called still computes the request. Idempotent."""
+        self.engine.abort_soon(request_id)  # read at the top of every step
+        await self.call_to_end(self.engine.abort, request_id)
+
     async def acquire(self, fn: Callable[..., T], undo: Callable[[T], object], *args) -> T:
         """Run ``fn(*args)`` on the engine thread and return what it took (e.g. pinned blocks);
         a caller cancelled before it hears the result has ``undo(result)`` queued for it as
@@ -128,7 +136,8 @@ class AsyncEngine:
                     if queue is not None:
                         queue.put_nowait(exc)
                 continue
-            self.steps += 1
+            if engine.last_num_scheduled:
+                self.steps += 1  # forwards run (not the steps that found nothing to schedule)
             for out in outputs:
                 queue = self._queues.get(out.request_id)
                 if queue is not None:

@@ -144,10 +144,12 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
             self.engine.unsubscribe(rid)
             if not shipped:
                 self.counters["prefills_not_shipped"] += 1
-            # The blocks stay cached here as prefix for later prompts (LRU). The abort is
-            # submitted before anything can interrupt it: a handler cancelled again while it
-            # waits behind a step would otherwise drop it, and the blocks would stay held.
-            await self.engine.call_to_end(core.abort, rid)
+            # The blocks stay cached here as prefix for later prompts (LRU). A request cancelled
+            # mid-prefill is not scheduled again: the next step drops it before scheduling
+            # (only the step already running computes it), whatever engine calls are queued.
+            # The abort is submitted before anything can interrupt it: a handler cancelled
+            # again while it waits would otherwise drop it, and the blocks would stay held.
+            await self.engine.abort(rid)
 
     async def _compute(self, rid, prompt, params, salt, queue, context):
         """Add the request to the engine and wait for its first token: (request, its output)."""
