@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -51,14 +52,18 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def one(client: AsyncClient, prompt: list[int], gen: int):
+async def one(client: AsyncClient, prompt: list[int], gen: int, salt: str | None = None):
     """(time to first token, inter-token gaps, tokens, None) or (None, [], 0, failure code)."""
     t0 = time.perf_counter()
     stamps = []
     n = 0
     try:
         async for chunk in client.stream(
-            prompt_token_ids=prompt, max_tokens=gen, ignore_eos=True, temperature=0.0
+            prompt_token_ids=prompt,
+            max_tokens=gen,
+            ignore_eos=True,
+            temperature=0.0,
+            cache_salt=salt,
         ):
             if chunk.token_ids:
                 stamps.append(time.perf_counter())
@@ -84,10 +89,10 @@ def prefill_counters(addresses, keys, metadata=None, creds=None) -> dict[str, fl
     return total
 
 
-async def one_http(session, url: str, prompt: list[int], gen: int):
+async def one_http(session, url: str, prompt: list[int], gen: int, salt: str | None = None):
     """As ``one``, through the HTTP API (server-sent events)."""
     body = {"prompt": prompt, "max_tokens": gen, "temperature": 0.0, "stream": True,
-            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+            "ignore_eos": True, "return_token_ids": True, "cache_salt": salt}  # fmt: skip
     t0 = time.perf_counter()
     stamps = []
     n = 0
@@ -108,16 +113,28 @@ async def one_http(session, url: str, prompt: list[int], gen: int):
     return stamps[0] - t0, itl, n, None
 
 
-async def load(target: str, prompts: list[list[int]], gen: int, creds=None):
+async def load(target: str, prompts: list[list[int]], gen: int, creds=None, salt=None):
+    """Every prompt at once on one client: (per-request results, wall s). The client is
+    connected first, as a serving client's pool is: as many 1-token requests at once as there are
+    prompts (an HTTP/1.1 client needs a connection per concurrent request), not timed."""
+    warm = [[1, 2, 3]] * len(prompts)
     if target.startswith("http://"):
         import aiohttp
 
         connector = aiohttp.TCPConnector(limit=0)  # every request at once, as over gRPC
         timeout = aiohttp.ClientTimeout(total=None)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-            return await asyncio.gather(*(one_http(session, target, p, gen) for p in prompts))
+            await asyncio.gather(*(one_http(session, target, p, 1, "warm") for p in warm))
+            t0 = time.perf_counter()
+            results = await asyncio.gather(
+                *(one_http(session, target, p, gen, salt) for p in prompts)
+            )
+            return results, time.perf_counter() - t0
     async with AsyncClient(target, credentials=creds) as client:
-        return await asyncio.gather(*(one(client, p, gen) for p in prompts))
+        await asyncio.gather(*(one(client, p, 1, "warm") for p in warm))
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one(client, p, gen, salt) for p in prompts))
+        return results, time.perf_counter() - t0
 
 
 def parse_args() -> argparse.Namespace:
@@ -223,7 +240,7 @@ def summary(args, prompts, results, wall: float, counted: dict[str, float]) -> d
     failed = Counter(r[3] for r in results if r[3] is not None)
     results = [r for r in results if r[3] is None]
     paths = {
-        k.removeprefix("transfers_"): int(v) for k, v in counted.items() if k != "bytes_shipped"
+        k.removeprefix("transfers_"): int(v) for k, v in counted.items() if k.startswith("transf")
     }
     ttft = [r[0] for r in results]
     itl = [x for r in results for x in r[1]]
@@ -243,47 +260,70 @@ def summary(args, prompts, results, wall: float, counted: dict[str, float]) -> d
         kv_gbps_wall=shipped / wall / 1e9,
         kv_transfers=" ".join(f"{k}:{v}" for k, v in paths.items() if v) or "grpc bytes only",
         failed=" ".join(f"{k}:{v}" for k, v in sorted(failed.items())) or "0",
+        # Python processes that can saturate: the benchmark's client and the router.
+        client_cpu_s=counted.get("client_cpu_s", 0.0),
+        router_cpu_s=counted.get("router_cpu_s", 0.0),
     )
 
 
-def measure(router: str, prefill, prompts, gen: int, metadata=None, creds=None):
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU time of process ``pid`` so far (Linux /proc; 0 when unknown)."""
+    if pid is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(
+    router: str, prefill, prompts, gen: int, run: int = 0, metadata=None, creds=None, pid=None
+):
     """Warm up, then send every prompt at once: (per-request results, wall s, the prefill pool's
-    counters over the run)."""
-    asyncio.run(load(router, prompts[:2], 4, creds))
+    counters over the run). Run ``run`` > 0 salts its prompts' cache (``run-N``): the same work
+    as the first run, none of it found cached."""
+    salt = f"run-{run}" if run else None
+    asyncio.run(load(router, prompts[:2], 4, creds, salt))
     before = prefill_counters(prefill, COUNTED, metadata, creds)
-    t0 = time.perf_counter()
-    results = asyncio.run(load(router, prompts, gen, creds))
-    wall = time.perf_counter() - t0
+    cpu = (time.process_time(), cpu_seconds(pid))
+    results, wall = asyncio.run(load(router, prompts, gen, creds, salt))
     after = prefill_counters(prefill, COUNTED, metadata, creds)
-    return results, wall, {k: after[k] - before[k] for k in COUNTED}
+    counted = {k: after[k] - before[k] for k in COUNTED}
+    counted["client_cpu_s"] = time.process_time() - cpu[0]
+    counted["router_cpu_s"] = cpu_seconds(pid) - cpu[1]
+    return results, wall, counted
 
 
 def main() -> None:
     args = parse_args()
-    random.seed(0)
     lo, hi = args.prompt_range
+
+    rng = random.Random(0)
     prompts = [
-        [random.randrange(250) for _ in range(random.randint(lo, hi))] for _ in range(args.requests)
+        [rng.randrange(250) for _ in range(rng.randint(lo, hi))] for _ in range(args.requests)
     ]
     rows = []
     if args.target:
         prefill = [a.strip() for a in args.prefill.split(",") if a.strip()]
         targets = {"grpc": args.target, "http": args.http_target}
-        for front in args.fronts:
-            results, wall, shipped = measure(targets[front], prefill, prompts, args.gen)
+        for run, front in enumerate(args.fronts):
+            results, wall, shipped = measure(targets[front], prefill, prompts, args.gen, run)
             rows.append({"front": front, **summary(args, prompts, results, wall, shipped)})
     else:
         with LocalCluster(cluster_spec(args)) as cluster:
             addr = cluster.addresses
             targets = {"grpc": addr.router, "http": f"http://{addr.http}"}
-            for front in args.fronts:
+            for run, front in enumerate(args.fronts):
                 results, wall, shipped = measure(
                     targets[front],
                     addr.prefill,
                     prompts,
                     args.gen,
+                    run,
                     cluster.call_metadata,
                     credentials(args.tls),
+                    cluster.pids().get("router-0"),
                 )
                 rows.append({"front": front, **summary(args, prompts, results, wall, shipped)})
     for row in rows:

@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 SALT_HEADER = "x-splitserve-cache-salt"  # a tenant's prefix cache, as the body's cache_salt
 _END = object()
+ACCEPT_BACKLOG = 4096  # connections waiting to be accepted (the kernel caps it at somaxconn)
 
 
 def _error(exc: ApiError) -> web.Response:
@@ -93,7 +94,9 @@ class HttpFront:
             self.app, handler_cancellation=True, access_log=None, shutdown_timeout=self._grace_s
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, reuse_port=False)
+        # A burst of clients connects at once (a benchmark opens hundreds of streams): a short
+        # accept backlog (aiohttp's default is 128) drops SYNs, which the kernel retries 1 s later.
+        site = web.TCPSite(self._runner, host, port, reuse_port=False, backlog=ACCEPT_BACKLOG)
         await site.start()
         self.port = int(self._runner.addresses[0][1])
         logger.info("OpenAI-compatible HTTP API on http://%s:%d/v1", host, self.port)

@@ -261,6 +261,10 @@ class LocalCluster:
             )
         time.sleep(0.1)
 
+    def pids(self) -> dict[str, int]:
+        """Each component's process id, by name (router, prefill-0, ..., redis)."""
+        return {proc.name: proc.popen.pid for proc in self._procs}
+
     def poll(self) -> str | None:
         """The name and status of a process that exited by itself, else None."""
         for proc in self._procs:
