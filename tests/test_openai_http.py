@@ -385,3 +385,28 @@ def test_every_ending_is_counted_by_its_code(cluster):
             break
         time.sleep(0.2)
     assert got == want
+
+
+def test_pools_down_is_503_and_a_full_client_cap_is_429(cluster, model_dir, tmp_path):
+    down = start_router(
+        model_dir, tmp_path, ["127.0.0.1:1"], ["127.0.0.1:2"],
+        "--http-port", "0", "--http-port-file", str(tmp_path / "down.port"),
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{(tmp_path / 'down.port').read_text().strip()}"
+        dead = Cluster(down, None, None, url)
+        code, reply = post(dead, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert code == 503 and reply["error"]["type"] == "service_unavailable_error"
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(url + "/health", timeout=10)
+        assert err.value.code == 503
+    finally:
+        down.stop()
+    capped, http = http_router(
+        model_dir, tmp_path, cluster.prefill, cluster.decode, "--max-requests-per-client", "0"
+    )
+    try:
+        code, reply = post(Cluster(capped, None, None, http), "/v1/completions", {"prompt": "x"})
+        assert code == 429 and "max-requests-per-client" in reply["error"]["message"]
+    finally:
+        capped.stop()
