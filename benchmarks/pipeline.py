@@ -93,22 +93,29 @@ async def one_http(session, url: str, prompt: list[int], gen: int, salt: str | N
     """As ``one``, through the HTTP API (server-sent events)."""
     body = {"prompt": prompt, "max_tokens": gen, "temperature": 0.0, "stream": True,
             "ignore_eos": True, "return_token_ids": True, "cache_salt": salt}  # fmt: skip
+    import aiohttp
+
     t0 = time.perf_counter()
     stamps = []
     n = 0
-    async with session.post(url + "/v1/completions", json=body) as resp:
-        if resp.status != 200:
-            return None, [], 0, f"HTTP {resp.status}"
-        async for line in resp.content:
-            if not line.startswith(b"data: {"):
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                return None, [], 0, f"HTTP error {event['error']['code']}"
-            ids = event["choices"][0]["token_ids"] if event["choices"] else []
-            if ids:
-                stamps.append(time.perf_counter())
-                n += len(ids)
+    try:
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                return None, [], 0, f"HTTP {resp.status}"
+            async for line in resp.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return None, [], 0, f"HTTP error {event['error']['code']}"
+                ids = event["choices"][0]["token_ids"] if event["choices"] else []
+                if ids:
+                    stamps.append(time.perf_counter())
+                    n += len(ids)
+    except aiohttp.ClientError as exc:
+        return None, [], 0, type(exc).__name__
+    if not stamps:
+        return None, [], 0, "no tokens"
     itl = [b - a for a, b in itertools.pairwise(stamps)]
     return stamps[0] - t0, itl, n, None
 
@@ -304,6 +311,8 @@ def main() -> None:
         [rng.randrange(250) for _ in range(rng.randint(lo, hi))] for _ in range(args.requests)
     ]
     rows = []
+    if args.target and "http" in args.fronts and not args.http_target:
+        sys.exit("--fronts http with --target needs --http-target http://HOST:PORT")
     if args.target:
         prefill = [a.strip() for a in args.prefill.split(",") if a.strip()]
         targets = {"grpc": args.target, "http": args.http_target}

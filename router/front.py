@@ -93,6 +93,13 @@ class RequestFront:
                 observer.failed(grpc.StatusCode.DEADLINE_EXCEEDED.name)
             observer.end()
 
+    def count_refused(self, code: grpc.StatusCode) -> None:
+        """A request a front refused before ``run`` (the HTTP front's JSON checks): counted
+        like every other ending."""
+        observer = RequestObserver(self._metrics, time.monotonic())
+        observer.failed(code.name)
+        observer.end()
+
     async def complete(
         self,
         request: router_pb2.GenerateRequest,

@@ -54,10 +54,12 @@ async def _openai_errors(request: web.Request, handler) -> web.StreamResponse:
         if exc.status < 400:
             raise
         kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
-        message = f"{exc.reason}: {request.method} {request.path}"
-        if exc.status == 413:
-            message = f"{exc.text} (the router's --max-request-bytes)"
-        return _error(ApiError(exc.status, message, kind))
+        return _error(ApiError(exc.status, f"{exc.reason}: {request.method} {request.path}", kind))
+    except (asyncio.CancelledError, ConnectionError):
+        raise  # the client went away: nobody to answer
+    except Exception:
+        logger.exception("HTTP %s %s failed", request.method, request.path)
+        return _error(ApiError(500, "internal error (logged by the router)", "server_error"))
 
 
 class HttpFront:
@@ -81,6 +83,7 @@ class HttpFront:
                 web.post("/v1/completions", self.completions),
                 web.post("/v1/chat/completions", self.chat_completions),
                 web.get("/v1/models", self.models),
+                web.get("/v1/models/{model}", self.model_card),
                 web.get("/health", self.health),
             ]
         )
@@ -113,15 +116,24 @@ class HttpFront:
             return web.json_response({"status": "ok"})
         return web.json_response({"status": "no usable prefill or decode node"}, status=503)
 
-    async def models(self, request: web.Request) -> web.Response:
-        card = {
+    def _card(self) -> dict[str, Any]:
+        return {
             "id": self.model_name,
             "object": "model",
             "created": self._created,
             "owned_by": "splitserve",
             "max_model_len": self._model.max_model_len,
         }
-        return web.json_response({"object": "list", "data": [card]})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._card()]})
+
+    async def model_card(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name != self.model_name:
+            message = f"model {name[:100]!r} does not exist; this server serves {self.model_name!r}"
+            return _error(ApiError(404, message, "not_found_error", "model"))
+        return web.json_response(self._card())
 
     # ------------------------------------------------------------------ generation
 
@@ -135,8 +147,12 @@ class HttpFront:
         try:
             try:
                 body = await request.json(loads=json.loads)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
                 raise ApiError.bad(f"the request body is not valid JSON: {exc}") from None
+            except web.HTTPRequestEntityTooLarge as exc:
+                raise ApiError(
+                    413, f"{exc.text} (the router's --max-request-bytes)", "invalid_request_error"
+                ) from None
             api = parse_body(
                 body,
                 chat,
@@ -146,6 +162,7 @@ class HttpFront:
                 request.headers.get("x-request-id"),
             )
         except ApiError as exc:
+            self._front.count_refused(exc.grpc_code)
             return _error(exc)
         client = request.headers.get(CLIENT_KEY) or body.get("user") or request.remote or "-"
         outputs = self._outputs(api, str(client)[:64])
@@ -172,7 +189,7 @@ class HttpFront:
                 async with contextlib.aclosing(self._front.run(request, client)) as steps:
                     async for _, step in steps:
                         queue.put_nowait((index, step))
-            except GenerateError as exc:
+            except Exception as exc:  # GenerateError, or a bug: the request fails either way
                 queue.put_nowait((index, exc))
             finally:
                 queue.put_nowait((index, _END))
@@ -184,7 +201,7 @@ class HttpFront:
                 index, item = await queue.get()
                 if item is _END:
                     live -= 1
-                elif isinstance(item, GenerateError):
+                elif isinstance(item, Exception):
                     raise item
                 else:
                     yield index, item

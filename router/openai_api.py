@@ -8,6 +8,7 @@ JSON can get wrong (types, shapes, unsupported fields) and names the field in it
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -26,11 +27,13 @@ HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
     grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+    # The HTTP API has no credentials, and a client that cancels gets no answer: these codes
+    # come from the nodes (a cluster token that does not match, a node stopping mid-call).
+    grpc.StatusCode.UNAUTHENTICATED: (502, "server_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (502, "server_error"),
+    grpc.StatusCode.CANCELLED: (502, "server_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
 }
@@ -75,6 +78,15 @@ class ApiError(Exception):
     def bad(cls, message: str, param: str | None = None) -> ApiError:
         return cls(400, message, "invalid_request_error", param)
 
+    @property
+    def grpc_code(self) -> grpc.StatusCode:
+        """The code the request metrics count a refusal of the HTTP front under."""
+        return {
+            400: grpc.StatusCode.INVALID_ARGUMENT,
+            404: grpc.StatusCode.NOT_FOUND,
+            413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+        }.get(self.status, grpc.StatusCode.INTERNAL)
+
     @classmethod
     def of_grpc(cls, code: grpc.StatusCode, message: str) -> ApiError:
         status, kind = HTTP_STATUS.get(code, (500, "server_error"))
@@ -117,8 +129,16 @@ def _typed(body: dict, name: str, types: tuple[type, ...], what: str) -> Any:
 
 
 def _int_list(value: Any) -> bool:
+    """A list of token ids: ints in [0, 2**32) (what the protobuf field holds)."""
     return isinstance(value, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in value
+    )
+
+
+def _noop(value: Any, allowed: tuple) -> bool:
+    """``value`` is one of ``allowed``, type included (``True`` is not ``1`` here)."""
+    return any(
+        value is a if a is None else (type(value) is type(a) and value == a) for a in allowed
     )
 
 
@@ -135,10 +155,12 @@ def _prompts(body: dict) -> list[router_pb2.GenerateRequest]:
     for p in prompt:
         if isinstance(p, str):
             out.append(router_pb2.GenerateRequest(text=p))
-        elif _int_list(p) and all(t >= 0 for t in p):
+        elif _int_list(p):
             out.append(router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=p)))
         else:
-            raise ApiError.bad("each prompt must be a string or a list of token ids >= 0", "prompt")
+            raise ApiError.bad(
+                "each prompt must be a string or a list of token ids (ints >= 0)", "prompt"
+            )
     return out
 
 
@@ -184,13 +206,18 @@ def _sampling(body: dict, chat: bool, model: ModelInfo) -> common_pb2.SamplingPa
     for field, value in fields:
         if value is None:
             continue
+        if isinstance(value, bool) != (field == "ignore_eos"):
+            what = "true or false" if field == "ignore_eos" else "a number"
+            raise ApiError.bad(f"{field} must be {what}, got {json.dumps(value)}", field)
+        if field == "seed" and isinstance(value, int):
+            value %= 2**64  # a negative seed as its two's complement (the field is unsigned)
         try:
             setattr(sampling, field, value)
         except (TypeError, ValueError) as exc:
             raise ApiError.bad(f"{field}: {exc}", field) from None
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
-        if not _int_list(stop_ids) or any(t < 0 for t in stop_ids):
+        if not _int_list(stop_ids):
             raise ApiError.bad("stop_token_ids must be a list of token ids", "stop_token_ids")
         sampling.stop_token_ids.extend(stop_ids)
     return sampling
@@ -224,7 +251,7 @@ def parse_body(
         raise ApiError(404, f"model {str(name)[:100]!r} does not exist; this server serves "
                        f"{model_name!r} (GET /v1/models)", "not_found_error", "model")  # fmt: skip
     for field, allowed in UNSUPPORTED.items():
-        if field in body and body[field] not in allowed:
+        if field in body and not _noop(body[field], allowed):
             raise ApiError.bad(f"{field} is not supported by this server: leave it out", field)
     n = _typed(body, "n", (int,), "an integer")
     n = 1 if n is None else n
@@ -243,7 +270,8 @@ def parse_body(
     if not isinstance(options, dict):
         raise ApiError.bad("stream_options must be an object", "stream_options")
     stream = bool(_typed(body, "stream", (bool,), "true or false"))
-    salt = _typed(body, "cache_salt", (str,), "a string") or salt
+    # The header (set by a trusted proxy, per tenant) wins over what the client's body says.
+    salt = salt or _typed(body, "cache_salt", (str,), "a string")
     salt = salt or _typed(body, "user", (str,), "a string") or ""
     rid = request_id or uuid.uuid4().hex
     requests = []
@@ -265,7 +293,7 @@ def parse_body(
         stream=stream,
         include_usage=stream and bool(options.get("include_usage")),
         logprobs=logprobs,
-        return_token_ids=bool(body.get("return_token_ids")),
+        return_token_ids=bool(_typed(body, "return_token_ids", (bool,), "true or false")),
         request_id=rid,
     )
 

@@ -17,6 +17,7 @@ from splitserve.runtime.protocol import sampling_from_proto
 from splitserve.v1 import router_pb2
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024  # per stop string: matching holds back and scans up to this much text
 MAX_CHAT_MESSAGES = 1024
 CHAT_ROLES = ("system", "user", "assistant")
 # What a tokenizer folder holds (any one of them): fast, SentencePiece, BPE, WordPiece, tiktoken.
@@ -140,6 +141,8 @@ def parse_request(request: router_pb2.GenerateRequest, model: ModelInfo) -> Gene
     for i, s in enumerate(stop):
         if not s:
             raise InvalidRequest(f"stop[{i}] is an empty string: remove it")
+        if len(s) > MAX_STOP_CHARS:
+            raise InvalidRequest(f"stop[{i}] has {len(s)} characters; at most {MAX_STOP_CHARS}")
     try:
         sampling = sampling_from_proto(request.sampling)
     except ValueError as exc:

@@ -99,8 +99,8 @@ async def _serve(config: RouterConfig, model: ModelInfo) -> None:
     index = prefix_index(config)
     metrics = RouterMetrics()
     server, registry, front = build_router(config, model, index, model_identity(config), metrics)
-    http = await start_http(config, front, registry)
     await registry.check_all()  # static nodes: known up and identity-checked before serving
+    http = await start_http(config, front, registry)
     checker = asyncio.create_task(registry.run_health_checks())
     polls = None
     if config.metrics_port is not None:
@@ -144,7 +144,7 @@ async def start_http(
         ready=lambda: bool(registry.prefill.usable() and registry.decode.usable()),
         grace_s=GRACE_S,
     )
-    port = await http.start(config.host, config.http_port)
+    port = await http.start(config.http_host or config.host, config.http_port)
     if config.http_port_file:
         write_port_file(config.http_port_file, port)
     return http

@@ -5,6 +5,7 @@ derive their flags and SPLITSERVE_<OPTION> variables from these fields (runtime.
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 from dataclasses import dataclass
 
@@ -141,6 +142,11 @@ class RouterConfig:
         None, "serve the OpenAI-compatible HTTP API on this port (0: a free one; default: none)"
     )
     http_port_file: str | None = option(None, "write the bound HTTP port here once serving")
+    http_host: str | None = option(
+        None,
+        "listen address of the HTTP API (default: --host; with --tls-* only a loopback address: "
+        "the HTTP API has no TLS, put a TLS-terminating proxy in front)",
+    )
     served_model_name: str | None = option(
         None, "the model's name in the HTTP API (default: the checkpoint folder's name)"
     )
@@ -182,3 +188,21 @@ class RouterConfig:
         4 << 20, "the largest request the public API accepts, in bytes (RESOURCE_EXHAUSTED above)"
     )
     block_size: int = option(DEFAULT_BLOCK_SIZE, _BLOCK_HELP)
+
+    def __post_init__(self) -> None:
+        host = self.http_host or self.host
+        if self.http_port is not None and self.tls_cert and not _is_loopback(host):
+            raise ValueError(
+                f"--http-port with --tls-*: the HTTP API has no TLS, so it would be an open door "
+                f"beside the mTLS-only gRPC port; listen on loopback (--http-host 127.0.0.1, now "
+                f"{host}) behind a TLS-terminating proxy"
+            )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -121,6 +121,9 @@ def post(cluster, path: str, body) -> tuple[int, dict]:
 def test_models_and_health(cluster):
     models = oai(cluster).models.list().data
     assert [m.id for m in models] == ["tiny"]
+    assert oai(cluster).models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        oai(cluster).models.retrieve("gpt-4")
     with urllib.request.urlopen(cluster.http + "/health", timeout=10) as r:
         assert r.status == 200
 
@@ -203,6 +206,19 @@ def test_repeated_long_prompt_reports_cached_tokens(cluster):
         first.usage.prompt_tokens_details.cached_tokens
     )
 
+    # A tenant's salt from a trusted proxy's header wins over the body's: no cross-tenant hits.
+    def cached(header: str | None, body_salt: str | None) -> int:
+        headers = {"x-splitserve-cache-salt": header} if header else None
+        extra = {"cache_salt": body_salt} if body_salt else None
+        return client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=2, extra_headers=headers, extra_body=extra
+        ).usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a", None) == 0  # another tenant's cache: cold
+    assert cached("tenant-a", None) >= 192
+    assert cached("tenant-b", "tenant-a") == 0  # the body cannot pick tenant a's cache
+    assert cached(None, "tenant-c") == 0 and cached(None, "tenant-c") >= 192
+
 
 def test_n_choices_and_prompt_lists(cluster):
     client = oai(cluster)
@@ -237,6 +253,14 @@ BAD = [
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "role"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("/v1/completions", {"prompt": [2**32]}, 400, "token ids"),
+    ("/v1/completions", {"prompt": [1], "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, "not valid JSON"),
+    ("/v1/completions", {"prompt": "x", "temperature": True}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "best_of": True}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "x", "echo": 0}, 400, "echo"),
+    ("/v1/completions", {"prompt": "x", "return_token_ids": "false"}, 400, "return_token_ids"),
+    ("/v1/completions", {"prompt": "x", "stop": ["y" * 2000]}, 400, "characters"),
 ]
 
 
@@ -364,7 +388,8 @@ def test_every_ending_is_counted_by_its_code(cluster):
     """Refused requests count (by their code), and a deadline that expires is DEADLINE_EXCEEDED,
     not CANCELLED."""
     before = cluster.requests_ended()
-    post(cluster, "/v1/completions", {"prompt": "x", "max_tokens": 0})  # refused
+    post(cluster, "/v1/completions", {"prompt": "x", "max_tokens": 0})  # refused by the checks
+    post(cluster, "/v1/completions", b"{not json")  # refused by the HTTP front
     with Client(cluster.router.address) as sdk:
         with pytest.raises(SplitserveError) as err:
             sdk.generate(prompt_token_ids=[1, 2, 3], max_tokens=0)
@@ -376,7 +401,7 @@ def test_every_ending_is_counted_by_its_code(cluster):
         next(iter(stream))
         stream.close()  # cancelled
         sdk.generate(prompt_token_ids=[1, 2, 3], max_tokens=2)
-    want = {"INVALID_ARGUMENT": 2, "DEADLINE_EXCEEDED": 1, "CANCELLED": 1, "OK": 1}
+    want = {"INVALID_ARGUMENT": 3, "DEADLINE_EXCEEDED": 1, "CANCELLED": 1, "OK": 1}
     deadline = time.monotonic() + 10
     while True:  # a cancelled stream is counted when the router sees it end
         after = cluster.requests_ended()
@@ -410,3 +435,14 @@ def test_pools_down_is_503_and_a_full_client_cap_is_429(cluster, model_dir, tmp_
         assert code == 429 and "max-requests-per-client" in reply["error"]["message"]
     finally:
         capped.stop()
+
+
+def test_http_api_beside_mtls_listens_on_loopback_only():
+    from splitserve.runtime.config import RouterConfig
+
+    tls = dict(tls_cert="c.pem", tls_key="k.pem", tls_ca="ca.pem")
+    base = dict(model_path="m", prefill_addresses=(), decode_addresses=(), host="0.0.0.0")
+    with pytest.raises(ValueError, match="no TLS"):
+        RouterConfig(**base, **tls, http_port=8080)
+    assert RouterConfig(**base, **tls, http_port=8080, http_host="127.0.0.1").http_port == 8080
+    assert RouterConfig(**base, http_port=8080).http_host is None  # no TLS: any address
