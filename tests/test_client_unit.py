@@ -142,8 +142,14 @@ def test_errors_carry_the_grpc_code_and_message(router):
         with pytest.raises(SplitserveError) as err:
             client.generate(prompt_token_ids=[1, -2])
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
-        with pytest.raises(SplitserveError, match="either prompt or prompt_token_ids") as err:
+        with pytest.raises(SplitserveError, match="one of prompt, prompt_token_ids") as err:
             client.generate("hi", prompt_token_ids=[1])
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(SplitserveError, match="not several") as err:
+            client.chat([{"role": "user", "content": "hi"}], prompt="hi")
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(SplitserveError, match="bad argument") as err:
+            client.chat([{"content": "no role"}])
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
