@@ -86,13 +86,16 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
         }
 
     async def GetStats(self, request, context):
+        load = self.load()
         return node_stats(
             "decode",
             self.engine.engine,
             self.identity,
-            self.load(),
+            load,
             self.all_counters(),
             transfer_endpoint=self.inbox.endpoint,
+            kv_tokens_held=load.kv_tokens_held,
+            kv_token_slots=load.kv_token_slots,
         )
 
     # ------------------------------------------------------------------ transfer

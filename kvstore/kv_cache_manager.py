@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -31,6 +32,28 @@ class PrefixCacheStats:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
+class SlotUsage(NamedTuple):
+    """KV slot utilisation of the blocks in use: ``tokens_held / token_slots``.
+
+    ``token_slots``: every block in use (ref count > 0) once, times the block size — a prefix
+    block shared by k requests is allocated once and counted once; ``tokens_held``: the tokens
+    those blocks hold, also once. Blocks in use are the requests' (running; a prefill node's held
+    until shipped; a decode node's transferred in, or being written by a transfer) plus cached
+    blocks pinned while a peer reads them (full). A token is held from the allocation of its slot
+    (the step that computes it, the reservation a transfer writes into); the engine allocates no
+    slot ahead, so between steps that is exactly the tokens whose KV is stored.
+    """
+
+    tokens_held: int
+    token_slots: int
+
+    @property
+    def utilization(self) -> float:
+        """``tokens_held / token_slots``; NaN when no block is in use (undefined, not 0 or 1:
+        averaging over time, use the ratio of the two sums instead)."""
+        return self.tokens_held / self.token_slots if self.token_slots else math.nan
+
+
 class KVCacheManager:
     """Per-request block tables over a :class:`BlockPool`.
 
@@ -50,6 +73,12 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         self.stats = PrefixCacheStats()
+        # Slot utilisation, kept incrementally: the tokens each request's slots are allocated
+        # for, and the sum over requests of their blocks' slots not allocated to a token. Only a
+        # request's partial tail block has such slots, and a partial block is never cached, so
+        # never shared: no slot is counted twice.
+        self.num_tokens: dict[str, int] = {}
+        self.num_unfilled_slots = 0
 
     # ---------------------------------------------------------------- lookup
 
@@ -121,13 +150,14 @@ class KVCacheManager:
         if blocks is None:
             blocks = self.req_to_blocks[request_id] = []
             self.num_cached_blocks[request_id] = 0
+        num_before = len(blocks)
         if prefix:
             blocks.extend(prefix)
             self.num_cached_blocks[request_id] = len(prefix)
-        if num_new <= 0:
-            return []
-        new_blocks = pool.get_new_blocks(num_new)
+        new_blocks = pool.get_new_blocks(num_new) if num_new > 0 else []
         blocks.extend(new_blocks)
+        held = max(self.num_tokens.get(request_id, 0), num_tokens, len(prefix) * self.block_size)
+        self._set_num_tokens(request_id, num_before, len(blocks), held)
         return new_blocks
 
     def adopt_blocks(
@@ -148,6 +178,8 @@ class KVCacheManager:
             return None
         self.req_to_blocks[request_id] = adoption.blocks
         self.num_cached_blocks[request_id] = 0
+        num_blocks = len(adoption.blocks)
+        self._set_num_tokens(request_id, 0, num_blocks, num_blocks * self.block_size)
         return [b for b, new in zip(adoption.blocks, adoption.is_new, strict=True) if new]
 
     # ---------------------------------------------------------------- caching / freeing
@@ -177,9 +209,37 @@ class KVCacheManager:
         """
         blocks = self.req_to_blocks.pop(request_id, None)
         self.num_cached_blocks.pop(request_id, None)
+        if blocks is not None:
+            held = self.num_tokens.pop(request_id, 0)
+            self.num_unfilled_slots -= len(blocks) * self.block_size - held
         if blocks:
             blocks.reverse()
             self.block_pool.free_blocks(blocks)
+
+    def _set_num_tokens(
+        self, request_id: str, num_blocks_before: int, num_blocks: int, num_tokens: int
+    ) -> None:
+        """The request, which had ``num_blocks_before`` blocks, now has ``num_blocks`` holding
+        ``num_tokens`` tokens (at most their slots)."""
+        bs = self.block_size
+        held = min(num_tokens, num_blocks * bs)
+        unfilled_before = num_blocks_before * bs - self.num_tokens.get(request_id, 0)
+        self.num_tokens[request_id] = held
+        self.num_unfilled_slots += num_blocks * bs - held - unfilled_before
+
+    # ---------------------------------------------------------------- figures
+
+    def slot_usage(self) -> SlotUsage:
+        """Tokens held and token slots of the blocks in use, O(1) (see :class:`SlotUsage`).
+
+        Safe to call from another thread than the one allocating: it reads two counters. A read
+        racing an allocation may be off by that request's tail block for that once (clamped to
+        ``0 <= tokens_held <= token_slots``).
+        """
+        pool = self.block_pool
+        slots = (pool.num_blocks - 1 - pool.num_free_blocks) * self.block_size
+        held = slots - self.num_unfilled_slots
+        return SlotUsage(min(max(held, 0), slots), slots)
 
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         """The request's blocks in order (a copy; empty when it holds none)."""

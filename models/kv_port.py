@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from splitserve.kernels.layout import read_blocks_bytes, write_blocks_bytes
 from splitserve.kvstore import BlockHash, KVCacheBlock
+from splitserve.kvstore.kv_cache_manager import SlotUsage
 
 if TYPE_CHECKING:
     from splitserve.models.engine import LLMEngine
@@ -143,6 +144,12 @@ class KVPort:
     def stats(self) -> PoolFigures:
         pool = self._pool
         return PoolFigures(pool.num_blocks - 1, pool.num_free_blocks, pool.num_cached_blocks)
+
+    def slot_usage(self) -> SlotUsage:
+        """Tokens held and token slots of the blocks in use (KV slot utilisation; O(1), and,
+        unlike the other methods here, safe to read from any thread: see
+        ``KVCacheManager.slot_usage``)."""
+        return self._kv.slot_usage()
 
     def prefix_stats(self) -> dict[str, float]:
         """Prefix-cache look-ups since start: queries, tokens asked for, tokens found."""

@@ -207,11 +207,14 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
         # What askers choose a fetch path from: the fetch sender's endpoint.
         fetch = self.fetch_sender
         endpoint = fetch.endpoint().to_bytes() if fetch is not None else b""
+        load = self.load()
         return node_stats(
             "prefill",
             engine,
             self.identity,
-            self.load(),
+            load,
             self.all_counters(),
             transfer_endpoint=endpoint,
+            kv_tokens_held=load.kv_tokens_held,
+            kv_token_slots=load.kv_token_slots,
         )

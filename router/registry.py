@@ -211,6 +211,8 @@ class NodeRegistry:
                 s.num_free_blocks,
                 s.prefill_tokens_waiting,
                 s.pending_transfers,
+                s.kv_tokens_held if s.HasField("kv_tokens_held") else None,
+                s.kv_token_slots if s.HasField("kv_token_slots") else None,
             )
 
         loads = await asyncio.gather(*(one(pool, n) for pool, n in pairs))

@@ -16,6 +16,7 @@ every scraped job never counts one thing twice:
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -42,15 +43,29 @@ class LoadFigures:
     num_free_blocks: int
     prefill_tokens_waiting: int
     pending_transfers: int = 0  # decode: transferred, waiting for their Decode call
+    # KV slot utilisation (kvstore.kv_cache_manager.SlotUsage): tokens held by the blocks in use
+    # and their slots (blocks in use x block size), each block once however many requests share
+    # it. None: not known (figures from a node that does not report them); not exported then.
+    kv_tokens_held: int | None = None
+    kv_token_slots: int | None = None
 
     @property
     def kv_usage(self) -> float:
         return 1.0 - self.num_free_blocks / max(self.num_blocks, 1)
 
+    @property
+    def kv_slot_utilization(self) -> float | None:
+        """``kv_tokens_held / kv_token_slots``; NaN when no block is in use (undefined: averaged
+        over time, take the ratio of the sums of the two raw gauges); None when not known."""
+        if self.kv_tokens_held is None or self.kv_token_slots is None:
+            return None
+        return self.kv_tokens_held / self.kv_token_slots if self.kv_token_slots else math.nan
+
     @classmethod
     def of_engine(cls, engine, pending_transfers: int = 0) -> LoadFigures:
         """The figures of a live ``models.engine.LLMEngine``."""
         pool = engine.kv_port.stats()
+        slots = engine.kv_port.slot_usage()
         return cls(
             running=len(engine.running),
             waiting=len(engine.waiting) + len(engine.ready),
@@ -58,6 +73,8 @@ class LoadFigures:
             num_free_blocks=pool.num_free_blocks,
             prefill_tokens_waiting=engine.pending_prefill_tokens,
             pending_transfers=pending_transfers,
+            kv_tokens_held=slots.tokens_held,
+            kv_token_slots=slots.token_slots,
         )
 
 
@@ -68,6 +85,10 @@ _LOAD_HELP = {
     "num_free_blocks": "KV cache blocks free (cached prefix blocks included)",
     "prefill_tokens_waiting": "Prompt tokens admitted or queued but not computed yet",
     "pending_transfers": "Decode: requests whose KV arrived, waiting for their Decode call",
+    "kv_slot_utilization": "KV tokens held / token slots of the blocks in use, a shared block "
+    "once (0..1; NaN when none is in use: average kv_tokens_held / kv_token_slots over time)",
+    "kv_tokens_held": "Tokens held by the KV blocks in use (a block shared by requests once)",
+    "kv_token_slots": "Token slots of the KV blocks in use (blocks in use x block size)",
 }
 
 
@@ -80,7 +101,9 @@ def _load_metrics(prefix: str, labels: tuple[str, ...]) -> dict[str, GaugeMetric
 
 def _add_load(families: Mapping[str, GaugeMetricFamily], labels: list[str], load: LoadFigures):
     for name, family in families.items():
-        family.add_metric(labels, float(getattr(load, name)))
+        value = getattr(load, name)
+        if value is not None:  # a figure the node did not report
+            family.add_metric(labels, float(value))
 
 
 def node_metric_prefix(role: str) -> str:
