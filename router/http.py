@@ -23,14 +23,8 @@ from aiohttp import web
 
 from splitserve.router.errors import GenerateError
 from splitserve.router.front import CLIENT_KEY, RequestFront
-from splitserve.router.openai_api import (
-    ApiError,
-    ApiRequest,
-    Choice,
-    logprobs_json,
-    parse_body,
-    usage_json,
-)
+from splitserve.router.openai_api import ApiError, ApiRequest, parse_body
+from splitserve.router.openai_out import Choice, logprobs_json, usage_json
 from splitserve.router.orchestrator import Step
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
-"""OpenAI's JSON in and out: a ``/v1/completions`` or ``/v1/chat/completions`` body becomes one
-``GenerateRequest`` per choice (prompts x ``n``), and the router's output steps become OpenAI's
-response objects and stream chunks. Plain functions, no I/O (``router.http`` serves them).
+"""OpenAI's JSON in: a ``/v1/completions`` or ``/v1/chat/completions`` body becomes one
+``GenerateRequest`` per choice (prompts x ``n``); errors go out in OpenAI's error JSON (the
+response objects: ``router.openai_out``). Plain functions, no I/O (``router.http`` serves them).
 
 Value checks stay where the gRPC API has them (``router.request``): this module only checks what
 JSON can get wrong (types, shapes, unsupported fields) and names the field in its message.
@@ -15,7 +15,6 @@ from typing import Any
 
 import grpc
 
-from splitserve.router.orchestrator import Step
 from splitserve.router.request import ModelInfo
 from splitserve.v1 import common_pb2, router_pb2
 
@@ -296,59 +295,3 @@ def parse_body(
         return_token_ids=bool(_typed(body, "return_token_ids", (bool,), "true or false")),
         request_id=rid,
     )
-
-
-# ---------------------------------------------------------------------- responses
-
-
-def token_text(model: ModelInfo, token_id: int) -> str:
-    if model.tokenizer is None:
-        return f"token_id:{token_id}"
-    return model.tokenizer.decode([token_id])
-
-
-def logprobs_json(
-    model: ModelInfo, chat: bool, token_ids: list[int], logprobs: list[float]
-) -> dict[str, Any]:
-    tokens = [token_text(model, t) for t in token_ids]
-    if chat:
-        return {
-            "content": [
-                {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
-                for tok, lp in zip(tokens, logprobs, strict=False)
-            ]
-        }
-    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None}
-
-
-def usage_json(usages: list[tuple[int, Any]], n: int) -> dict[str, Any]:
-    """OpenAI's usage of a request: each prompt counted once, every choice's completion."""
-    prompt = sum(u.prompt_tokens for i, u in usages if i % n == 0)
-    cached = sum(u.cached_tokens for i, u in usages if i % n == 0)
-    completion = sum(u.completion_tokens for _, u in usages)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
-
-
-class Choice:
-    """One choice's output, gathered for a non-streamed answer."""
-
-    def __init__(self) -> None:
-        self.text: list[str] = []
-        self.token_ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.finish_reason: str | None = None
-        self.usage = None
-
-    def add(self, step: Step) -> None:
-        self.text.append(step.delta.text)
-        self.token_ids.extend(step.delta.token_ids)
-        self.logprobs.extend(step.delta.logprobs)
-        if step.delta.finish_reason:
-            self.finish_reason = step.delta.finish_reason
-        if step.usage is not None:
-            self.usage = step.usage
