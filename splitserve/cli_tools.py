@@ -190,7 +190,9 @@ def _generate_remote(args: argparse.Namespace) -> int:
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    """hash, kv-demo and generate."""
+    """hash, kv-demo, generate and bench (splitserve.bench)."""
+    from splitserve.bench.cli import add_command as add_bench
+
     p = sub.add_parser("hash", help=cmd_hash.__doc__)
     add_options(p, NodeConfig, IDENTITY_OPTIONS)
     p.add_argument("--salt", default=None, help="cache_salt (per tenant)")
@@ -222,3 +224,5 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     remote.add_argument("--cache-salt", default=None)
     remote.add_argument("--timeout", type=float, default=None, help="seconds per request")
     p.set_defaults(func=cmd_generate)
+
+    add_bench(sub)

@@ -1,0 +1,124 @@
+"""The load: requests sent at their arrival times and/or at a fixed concurrency.
+
+``--request-rate`` alone: each request is sent at its arrival time (open loop). With
+``--max-concurrency`` too, a request that arrives while every slot is busy waits in this client
+(the ``queued`` figure) and is sent when one frees. ``--max-concurrency`` alone: a closed loop,
+a new request as soon as one ends. Neither: every request at once. The run ends after
+``--num-requests`` requests, or once ``--duration`` seconds have passed (no request is sent
+after that; those in flight are awaited), whichever comes first. ``--warmup`` requests go first
+and are not counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from splitserve.bench.arrivals import arrival_times
+from splitserve.bench.metrics import RequestRecord
+from splitserve.bench.workloads import BenchRequest
+
+__all__ = ["Load", "run_load"]
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    num_requests: int | None = None
+    duration: float | None = None
+    warmup: int = 0
+    seed: int = 0
+
+    def check(self) -> None:
+        if self.num_requests is not None and self.num_requests < 1:
+            raise ValueError("--num-requests must be at least 1")
+        if self.duration is not None and not self.duration > 0:
+            raise ValueError("--duration must be positive")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError("--max-concurrency must be at least 1")
+        if self.warmup < 0:
+            raise ValueError("--warmup must be 0 or more")
+        if not self.request_rate > 0 or not self.burstiness > 0:
+            raise ValueError("--request-rate and --burstiness must be positive")
+        if self.num_requests is None and self.duration is None:
+            raise ValueError("give --num-requests or --duration")
+        if (
+            self.num_requests is None
+            and math.isinf(self.request_rate)
+            and self.max_concurrency is None
+        ):
+            raise ValueError("--duration needs --request-rate or --max-concurrency to pace it")
+
+
+async def _warmup(target, requests: Iterator[BenchRequest], load: Load) -> None:
+    slots = asyncio.Semaphore(load.max_concurrency or max(load.warmup, 1))
+
+    async def one(req: BenchRequest) -> None:
+        async with slots:
+            await target.send(req, RequestRecord(-1, req.prompt_len, req.max_tokens, 0.0))
+
+    await asyncio.gather(*(one(next(requests)) for _ in range(load.warmup)))
+
+
+async def run_load(
+    target,
+    requests: Iterator[BenchRequest],
+    load: Load,
+    on_done: Callable[[RequestRecord], None] = lambda r: None,
+    on_start: Callable[[], None] = lambda: None,
+) -> tuple[list[RequestRecord], float]:
+    """Run the load on ``target`` (its ``now()`` restarts at the measured part's start):
+    (the records in sending order, the run's duration: from its start to the last end)."""
+    load.check()
+    if load.warmup:
+        await _warmup(target, requests, load)
+    target.t0 = time.perf_counter()
+    on_start()
+    records: list[RequestRecord] = []
+    tasks: set[asyncio.Task] = set()
+    slots = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
+    closed_loop = math.isinf(load.request_rate)
+
+    async def one(req: BenchRequest, record: RequestRecord, held: bool) -> None:
+        try:
+            if slots is not None and not held:
+                async with slots:
+                    await target.send(req, record)
+            else:
+                await target.send(req, record)
+        finally:
+            if held:
+                slots.release()
+            on_done(record)
+
+    times = arrival_times(load.request_rate, load.burstiness, load.seed)
+    for index, due in enumerate(times):
+        if load.num_requests is not None and index >= load.num_requests:
+            break
+        if load.duration is not None and due >= load.duration:
+            break
+        if (wait := due - target.now()) > 0:
+            await asyncio.sleep(wait)
+        held = False
+        if closed_loop and slots is not None:  # wait for a slot here: no unbounded queue
+            await slots.acquire()
+            held = True
+            if load.duration is not None and target.now() >= load.duration:
+                slots.release()
+                break
+            due = target.now()
+        req = next(requests)
+        record = RequestRecord(index, req.prompt_len, req.max_tokens, arrival=due)
+        records.append(record)
+        task = asyncio.create_task(one(req, record, held))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    if tasks:
+        await asyncio.gather(*tasks)
+    duration = max((r.end for r in records), default=target.now())
+    return records, max(duration, 1e-9)

@@ -1,0 +1,220 @@
+"""Where requests go: a splitserve router over gRPC, or an OpenAI-compatible HTTP server.
+
+``Target.send`` streams one request and fills a ``RequestRecord``: when it was sent, when each
+token-bearing chunk came, when it ended, the token counts the server reported, or the failure:
+the gRPC status code's name (``RESOURCE_EXHAUSTED``), ``HTTP <status>``, ``stream error <code>``
+(an error event after an HTTP stream started), ``timeout``, or the exception's class name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from splitserve.bench.metrics import RequestRecord
+from splitserve.bench.sse import SSEParser, error_message, parse_event
+from splitserve.bench.workloads import BenchRequest
+
+__all__ = ["GrpcTarget", "HttpTarget", "make_target"]
+
+
+def make_target(url: str, **options: Any) -> GrpcTarget | HttpTarget:
+    """``http://host:port`` (or https) → HttpTarget; ``grpc://host:port`` or ``host:port`` →
+    GrpcTarget."""
+    if url.startswith(("http://", "https://")):
+        return HttpTarget(url, **options)
+    address = url.removeprefix("grpc://")
+    if not address or "://" in address or ":" not in address:
+        raise ValueError(f"bad --target {url!r}: give grpc://host:port, host:port or http://...")
+    return GrpcTarget(address, **options)
+
+
+class _Target:
+    def __init__(
+        self,
+        url: str,
+        *,
+        model: str | None = None,
+        temperature: float = 0.0,
+        ignore_eos: bool = True,
+        timeout: float = 600.0,
+        api_key: str | None = None,
+    ) -> None:
+        self.url = url
+        self.model = model
+        self.temperature = temperature
+        self.ignore_eos = ignore_eos
+        self.timeout = timeout
+        self.api_key = api_key
+        self.t0 = time.perf_counter()  # the benchmark's start: records count from it
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    async def send(self, req: BenchRequest, record: RequestRecord) -> RequestRecord:
+        record.start = self.now()
+        try:
+            async with asyncio.timeout(self.timeout):
+                await self._stream(req, record)
+            if record.error is None and not record.token_times:
+                record.error, record.detail = "no output", "the stream ended without a token"
+        except TimeoutError:
+            record.error, record.detail = "timeout", f"not done within {self.timeout:g} s"
+        except Exception as exc:  # every failure is counted, by kind
+            record.error = self._failure(exc)
+            record.detail = (getattr(exc, "message", None) or str(exc) or repr(exc))[:500]
+        record.end = self.now()
+        return record
+
+    def _failure(self, exc: Exception) -> str:
+        return type(exc).__name__
+
+    async def _stream(self, req: BenchRequest, record: RequestRecord) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        pass
+
+
+class GrpcTarget(_Target):
+    """A splitserve router: ``RouterService.Generate`` through ``AsyncClient.stream``."""
+
+    kind = "grpc"
+
+    def __init__(self, address: str, **options: Any) -> None:
+        super().__init__(address, **options)
+        from splitserve.client import AsyncClient
+
+        self._client = AsyncClient(address, options=[("grpc.max_receive_message_length", -1)])
+
+    async def prepare(self) -> None:
+        pass
+
+    def _failure(self, exc: Exception) -> str:
+        from splitserve.client import SplitserveError
+
+        return exc.code.name if isinstance(exc, SplitserveError) else type(exc).__name__
+
+    async def _stream(self, req: BenchRequest, record: RequestRecord) -> None:
+        prompt = {"prompt": req.prompt} if isinstance(req.prompt, str) else {}
+        ids = None if isinstance(req.prompt, str) else list(req.prompt)
+        stream = self._client.stream(
+            **prompt,
+            prompt_token_ids=ids,
+            max_tokens=req.max_tokens,
+            temperature=self.temperature,
+            ignore_eos=self.ignore_eos,
+            timeout=self.timeout,
+        )
+        async for chunk in stream:
+            if chunk.token_ids:
+                record.token_times.append(self.now())
+                record.output_tokens += len(chunk.token_ids)
+            if chunk.usage is not None:
+                record.prompt_tokens = chunk.usage.prompt_tokens
+                record.cached_tokens = chunk.usage.cached_tokens
+                record.output_tokens = chunk.usage.completion_tokens
+
+    async def close(self) -> None:
+        await self._client.close()
+
+
+class HttpTarget(_Target):
+    """An OpenAI-compatible server: streamed ``POST /v1/completions`` with usage."""
+
+    kind = "http"
+
+    def __init__(self, url: str, **options: Any) -> None:
+        base = url.rstrip("/").removesuffix("/v1")
+        super().__init__(base, **options)
+        self._session = None
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def _get_session(self):
+        if self._session is None:
+            import aiohttp
+
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0),  # as many connections as requests
+                timeout=aiohttp.ClientTimeout(total=None),
+                headers=self._headers(),
+            )
+        return self._session
+
+    async def prepare(self) -> None:
+        """Without --model: the first model ``GET /v1/models`` lists."""
+        if self.model:
+            return
+        async with self._get_session().get(self.url + "/v1/models") as resp:
+            if resp.status != 200:
+                raise ValueError(f"GET {self.url}/v1/models answered HTTP {resp.status}")
+            models = (await resp.json()).get("data") or []
+        if not models:
+            raise ValueError(f"{self.url}/v1/models lists no model; give --model")
+        self.model = models[0]["id"]
+
+    def body(self, req: BenchRequest) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": req.prompt if isinstance(req.prompt, str) else list(req.prompt),
+            "max_tokens": req.max_tokens,
+            "temperature": self.temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if self.ignore_eos:
+            body["ignore_eos"] = True  # vLLM, SGLang and splitserve take it
+        return body
+
+    async def _stream(self, req: BenchRequest, record: RequestRecord) -> None:
+        session = self._get_session()
+        async with session.post(self.url + "/v1/completions", json=self.body(req)) as resp:
+            if resp.status != 200:
+                record.error = f"HTTP {resp.status}"
+                record.detail = error_message(await resp.read())
+                return
+            parser = SSEParser()
+            async for piece in resp.content.iter_any():
+                for data in parser.feed(piece):
+                    if self._event(data, record):
+                        return
+            for data in parser.close():
+                if self._event(data, record):
+                    return
+
+    def _event(self, data: str, record: RequestRecord) -> bool:
+        """Record one event; True when the stream is over."""
+        event = parse_event(data)
+        if event.error:
+            record.error, record.detail = event.error, event.detail
+            return True
+        if event.tokens:
+            record.token_times.append(self.now())
+            record.output_tokens += event.tokens
+        if event.usage:
+            u = event.usage
+            record.prompt_tokens = u.get("prompt_tokens", record.prompt_tokens)
+            record.output_tokens = u.get("completion_tokens", record.output_tokens)
+            details = u.get("prompt_tokens_details") or {}
+            record.cached_tokens = details.get("cached_tokens", record.cached_tokens)
+        return event.done
+
+    def _failure(self, exc: Exception) -> str:
+        if isinstance(exc, json.JSONDecodeError | UnicodeDecodeError):
+            return "bad stream"
+        return type(exc).__name__
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
