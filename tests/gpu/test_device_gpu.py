@@ -17,11 +17,12 @@ pytestmark = [
 def test_prefill_on_cuda1_and_decode_on_cuda0_serve_the_same_tokens_as_one_gpu(tmp_path):
     from splitserve.models.tiny import write_random_checkpoint
 
-    model = write_random_checkpoint(tmp_path / "m", with_tokenizer=True)
+    # bf16: what KV moves between GPUs in (the GPU paths take fp16/bf16 blocks).
+    model = write_random_checkpoint(tmp_path / "m", with_tokenizer=True, dtype="bfloat16")
     prompts = [[(5 * i + j) % 250 + 1 for j in range(40 + 17 * i)] for i in range(4)]
     outputs = []
     for prefill_dev, decode_dev in (("cuda:1", "cuda:0"), ("cuda:0", "cuda:0")):
-        flags = ("--dtype", "float32", "--gpu-memory-utilization", "0.2")
+        flags = ("--gpu-memory-utilization", "0.2")
         prefill = start_node("prefill", model, tmp_path, "--device", prefill_dev, *flags)
         decode = start_node("decode", model, tmp_path, "--device", decode_dev, *flags)
         router = start_router(model, tmp_path, [prefill.address], [decode.address])
