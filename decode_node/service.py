@@ -1,8 +1,9 @@
-"""DecodeNodeService servicer: turns TransferKV, Decode and GetStats messages into calls.
+"""DecodeNodeService servicer: turns TransferKV, Decode, Generate and GetStats messages into calls.
 
 Receiving KV (any path) is ``receiver.KVInbox`` / ``Transfer``; requests waiting for their
 Decode call are ``pending.PendingTable``. An adopted request joins the continuous-batching engine
-when the router's ``Decode`` call comes (or is freed at its deadline).
+when the router's ``Decode`` call comes (or is freed at its deadline). ``Generate`` (the router's
+direct route) is a whole request: prefilled in this node's own engine, then decoded there.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from splitserve.decode_node.header import TransferRefused
 from splitserve.decode_node.pending import Pending, PendingTable
 from splitserve.decode_node.receiver import BAD, KVInbox, Transfer
 from splitserve.kvstore import ModelIdentity
-from splitserve.models.engine import StepOutput
+from splitserve.models.engine import RequestDoesNotFit, StepOutput
 from splitserve.models.engine_loop import AsyncEngine
 from splitserve.runtime.metrics import LoadFigures
 from splitserve.runtime.node import node_stats
+from splitserve.runtime.protocol import sampling_from_proto
 from splitserve.transfer import DIST, GRPC, TCP, KVReceiver
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
@@ -43,7 +45,8 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
         self.pending = PendingTable()
         self.counters: Counter[str] = Counter()
         self.inbox = KVInbox(engine, receiver, identity, self.pending, self.counters)
-        self.draining = False  # set on SIGTERM: new transfers are refused, accepted ones finish
+        # Set on SIGTERM: new transfers and Generate calls are refused, accepted ones finish.
+        self.draining = False
         self._transfers = 0  # TransferKV calls in flight
 
     # ------------------------------------------------------------------ life cycle
@@ -239,4 +242,70 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             # engine's queue by the cancel): the blocks adopted under the id are freed either way.
             if not finished and await end_request(self.engine, rid):
                 self.counters["requests_aborted"] += 1
+            self.inbox.freed.notify()
+
+    # ------------------------------------------------------------------ generate (direct route)
+
+    async def Generate(self, request, context):
+        """A whole request on this node: prefill (chunked, cached prefix reused) and decode in
+        the one engine, every token streamed, the first message with ``cached_tokens``."""
+        if self.draining:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "decode node is draining; retry on another node"
+            )
+        rid = request.request_id
+        core = self.engine.engine
+        try:
+            if not rid:
+                raise ValueError("request_id is empty")
+            params = sampling_from_proto(request.sampling)
+            prompt = core.check_prompt(request.prompt_token_ids)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        queue = self.engine.subscribe(rid)
+        finished = False
+        try:
+            try:
+                req = await self.engine.call(
+                    core.add_request, rid, prompt, params, request.cache_salt or None
+                )
+            except ValueError as exc:  # the id is taken
+                await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+            self.engine.notify()
+            # The router cancels an abandoned call only once it has heard from this handler (a
+            # cancel arriving before the handler runs is lost): tell it now, not at the first
+            # token, which a long prompt delays.
+            await context.send_initial_metadata(())
+            self.counters["direct_requests"] += 1
+            first = True
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    code = (
+                        grpc.StatusCode.RESOURCE_EXHAUSTED
+                        if isinstance(out, RequestDoesNotFit)
+                        else grpc.StatusCode.INTERNAL
+                    )
+                    await context.abort(code, f"generating failed: {out}")
+                assert isinstance(out, StepOutput)
+                finished = out.finish_reason is not None
+                reply = nodes_pb2.DecodeResponse(
+                    token_ids=[out.new_token_id],
+                    logprobs=[out.logprob] if out.logprob is not None else [],
+                    finish_reason=out.finish_reason or "",
+                )
+                if first:
+                    first = False
+                    reply.cached_tokens = req.num_cached_tokens
+                    self.counters["direct_prompt_tokens"] += len(prompt)
+                    self.counters["direct_cached_tokens"] += req.num_cached_tokens
+                yield reply
+            self.counters["requests_finished"] += 1
+        finally:
+            self.engine.unsubscribe(rid)
+            if not finished:
+                # Cancelled mid-prefill: not scheduled again, whatever engine calls are queued.
+                core.abort_soon(rid)
+                if await end_request(self.engine, rid):
+                    self.counters["requests_aborted"] += 1
             self.inbox.freed.notify()

@@ -1,4 +1,5 @@
-"""The decode stage of a request: relay D's token stream, and free D's blocks when abandoned.
+"""The decode stage of a request: relay D's token stream (its Decode call, or on the direct route
+its Generate call), and free D's blocks when abandoned.
 
 The Decode stream failing mid-request cannot be retried (tokens were already sent): the client
 gets ``UNAVAILABLE`` and D is marked down. A client cancel or disconnect cancels the Decode
@@ -9,15 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import TYPE_CHECKING
 
 import grpc
 
 from splitserve.router.errors import UNREACHABLE, GenerateError
 from splitserve.router.pool import Node
-from splitserve.router.prefill_stage import Prefilled
 from splitserve.router.registry import NodeRegistry
 from splitserve.runtime.auth import call_metadata
 from splitserve.v1 import nodes_pb2
+
+if TYPE_CHECKING:
+    from splitserve.router.prefill_stage import Prefilled
 
 CANCEL_WAIT_S = 5.0  # how long an abandoned Decode call waits for the node's first answer
 
@@ -39,6 +43,20 @@ class DecodeStage:
             metadata=call_metadata(),
         )
         return DecodeCall(self, prefilled.decode_node, call, deadline)
+
+    def open_direct(
+        self, node: Node, request: nodes_pb2.GenerateOnNodeRequest, deadline: float
+    ) -> DecodeCall:
+        """The direct route: D's Generate stream (prefill and decode on D); read it with
+        ``DecodeCall.read`` (the first message is the first token), and always ``close`` it."""
+        call = self._registry.decode_stub(node).Generate(
+            request, timeout=max(deadline - time.monotonic(), 0.001), metadata=call_metadata()
+        )
+        # D sends its initial metadata once the request is in its engine, long before the first
+        # token of a long prompt: from then on a cancel reaches the handler.
+        return DecodeCall(
+            self, node, call, deadline, asyncio.ensure_future(call.initial_metadata())
+        )
 
     def discard(self, prefilled: Prefilled) -> None:
         """Free a transferred request on its decode node without waiting for its deadline:
@@ -86,12 +104,13 @@ class DecodeStage:
 
 
 class DecodeCall:
-    """One request's Decode stream on D.
+    """One request's Decode (or, direct, Generate) stream on D.
 
     NOTE: a cancel that reaches D before its Decode handler has started is dropped by gRPC, and
     D would hold the blocks until its transfer deadline. Until D has answered once, the read is
     shielded from our own cancellation, and an abandoned call is cancelled only once D has
-    answered (see ``DecodeStage.cancel_once_started``).
+    answered (see ``DecodeStage.cancel_once_started``): its first message, or ``started`` (the
+    direct route: Generate's initial metadata, sent once the request is in D's engine).
     """
 
     def __init__(
@@ -100,12 +119,16 @@ class DecodeCall:
         node: Node,
         call: grpc.aio.UnaryStreamCall,
         deadline: float,
+        started: asyncio.Future | None = None,
     ) -> None:
         self._stage = stage
         self._node = node
         self._call = call
         self._deadline = deadline
         self._first_read: asyncio.Future | None = asyncio.ensure_future(call.read())
+        self._started = started
+        if started is not None:
+            started.add_done_callback(lambda t: t.cancelled() or t.exception())
         # One wait on D's stall signal for the whole stream (not one per read: this relays
         # every token batch of every request).
         self._stall = asyncio.ensure_future(node.stall_signal().wait())
@@ -149,4 +172,5 @@ class DecodeCall:
         if self._first_read is None:
             self._call.cancel()  # no-op when the call has finished
         else:
-            self._stage.cancel_once_started(self._call, self._first_read)
+            answered = self._started if self._started is not None else self._first_read
+            self._stage.cancel_once_started(self._call, answered)

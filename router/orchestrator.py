@@ -1,4 +1,5 @@
-"""One request end to end: prefill on P shipping to D, then relay D's stream as public deltas.
+"""One request end to end: prefill on P shipping to D (or, the direct route, on D itself), then
+relay D's stream as public deltas.
 
 The stages own their failure handling (``router.prefill_stage``, ``router.decode_stage``); this
 joins them, keeps D counted as in flight while the request uses it, and turns the nodes' tokens
@@ -64,13 +65,16 @@ class Orchestrator:
             if output.finished:
                 decode_pool.release(node)
                 node = None
-                # NOTE: a stop string on the first token: D holds the shipped blocks until
-                # its transfer deadline unless told; a Decode call cancelled at once frees them.
-                if not first.finish_reason:
+                if prefilled.stream is not None:
+                    prefilled.stream.close()  # direct: D ends the request (a no-op if it did)
+                elif not first.finish_reason:
+                    # NOTE: a stop string on the first token: D holds the shipped blocks until
+                    # its transfer deadline unless told; a Decode call cancelled at once frees
+                    # them.
                     self._decode.discard(prefilled)
                 yield step(delta)
                 return
-            call = self._decode.open(prefilled, deadline)
+            call = prefilled.stream or self._decode.open(prefilled, deadline)
             try:
                 yield step(delta)
                 while True:
@@ -81,5 +85,7 @@ class Orchestrator:
             finally:
                 call.close()
         finally:
+            if prefilled.stream is not None:
+                prefilled.stream.close()  # idempotent
             if node is not None:
                 decode_pool.release(node)

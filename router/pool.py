@@ -39,6 +39,7 @@ class Node:
     rejected: str = ""  # why it is never routed to (a model identity mismatch)
     leaving: bool = False  # left the registry (draining) while requests were still in flight
     capacity: int | None = None  # decode: router requests it may hold at once (None: no limit)
+    slots: int | None = None  # decode: its max_num_seqs, once its GetStats answered
     # Set when the health checker finds the node silent: calls waiting on it give up then.
     stalled: asyncio.Event | None = field(default=None, repr=False)
     silent_probes: int = 0  # health checks failed in a row

@@ -1,10 +1,13 @@
-"""The prefill stage of a request: Prefill on some P shipping to some D, retried elsewhere.
+"""The prefill stage of a request: Prefill on some P shipping to some D, or (the direct route,
+``router.route``) D's Generate prefilling the prompt itself; retried elsewhere.
 
 - ``RESOURCE_EXHAUSTED`` (P or D full): try another pair, up to ``max_attempts``, with a short
   back-off when a node that refused must be asked again.
 - ``UNAVAILABLE`` / ``DEADLINE_EXCEEDED`` (before the request's own deadline): P is probed with
   grpc.health.v1; a healthy P means D was unreachable. The failed node is marked down and the
   stage retried elsewhere. No node left → ``UNAVAILABLE`` naming every node's state.
+- The direct route fails the same way before D's first token (full: busy; unreachable or
+  draining: marked down), and the next attempt chooses its route again.
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ import grpc
 
 from splitserve.kvstore.hashing import DEFAULT_BLOCK_SIZE
 from splitserve.router.admission import Admission
+from splitserve.router.decode_stage import DecodeCall, DecodeStage
 from splitserve.router.errors import UNREACHABLE, GenerateError
 from splitserve.router.pool import Node, NodePool, prompt_tokens_to_compute
 from splitserve.router.prefix import PrefixLookup
 from splitserve.router.registry import NodeRegistry
 from splitserve.router.request import GenerateParams
+from splitserve.router.route import DISAGGREGATED, NO_DIRECT, RoutePolicy, choose_route
 from splitserve.runtime.auth import call_metadata
 from splitserve.runtime.metrics import RouterMetrics
 from splitserve.runtime.protocol import sampling_to_proto
@@ -33,9 +38,10 @@ logger = logging.getLogger(__name__)
 
 
 class Prefilled(NamedTuple):
-    response: nodes_pb2.PrefillResponse
+    response: nodes_pb2.PrefillResponse  # direct: made from D's first message
     decode_node: Node  # still counted as in flight: the caller releases it
     node_request_id: str
+    stream: DecodeCall | None = None  # direct: D's Generate stream, its first message read
 
 
 class _Tried(NamedTuple):
@@ -54,6 +60,8 @@ class PrefillStage:
         block_size: int,
         lookup: PrefixLookup | None,
         admission: Admission | None = None,
+        decode: DecodeStage | None = None,
+        policy: RoutePolicy = NO_DIRECT,
     ) -> None:
         self._admission = admission  # requests wait there while every decode node is full
         self._registry = registry
@@ -61,9 +69,12 @@ class PrefillStage:
         self._max_attempts = max_attempts
         self._block_size = block_size
         self._lookup = lookup
+        self._decode = decode or DecodeStage(registry)  # opens the direct route's streams
+        self._policy = policy
 
     async def run(self, params: GenerateParams, deadline: float) -> Prefilled:
-        """Run Prefill on some P shipping to some D, retrying elsewhere on refusals/failures."""
+        """Run Prefill on some P shipping to some D (or D's Generate: the direct route), retrying
+        elsewhere on refusals/failures; the route is chosen again on each attempt."""
         tried = _Tried(set(), set())
         error = GenerateError(grpc.StatusCode.UNAVAILABLE, "no attempt made")
         cached = await self._cached_blocks(params)
@@ -74,16 +85,31 @@ class PrefillStage:
                     await asyncio.sleep(min(0.05 * 2**attempt, max(deadline - time.monotonic(), 0)))
             if self._admission is not None:
                 await self._admission.enter(deadline)
-            # NOTE: from here to the acquire in _attempt nothing awaits: the room just found
-            # is this request's.
-            p, d = self._choose_pair(params, tried, cached)
+            # NOTE: from here to the acquire in _attempt or _direct nothing awaits: the room
+            # just found is this request's.
+            d = self._choose_decode(tried, cached)
+            n_prompt = len(params.prompt_token_ids)
+            route = choose_route(
+                self._policy,
+                self._registry.prefill,
+                d,
+                cached,
+                n_prompt,
+                self._block_size,
+                tried.unreachable,
+            )
+            p = self._choose_prefill(params, tried, cached) if route == DISAGGREGATED else None
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise GenerateError(
                     grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed in prefill"
                 )
-            result = await self._attempt(params, (p, d), cached, tried, deadline, remaining)
+            if p is None:
+                result = await self._direct(params, d, tried, deadline)
+            else:
+                result = await self._attempt(params, (p, d), cached, tried, deadline, remaining)
             if isinstance(result, Prefilled):
+                self._metrics.routes.labels(route=route).inc()
                 return result
             error = result
             logger.info(
@@ -105,21 +131,62 @@ class PrefillStage:
             params.prompt_token_ids, params.cache_salt, addresses
         )
 
-    def _choose_pair(
-        self, params: GenerateParams, tried: _Tried, cached: dict[str, int]
-    ) -> tuple[Node, Node]:
-        reg = self._registry
+    def _choose_decode(self, tried: _Tried, cached: dict[str, int]) -> Node:
+        d = _choose(self._registry.decode, tried, cached)
+        if d is None:
+            raise _none_reachable(self._registry.decode)
+        return d
+
+    def _choose_prefill(self, params: GenerateParams, tried: _Tried, cached: dict[str, int]):
         n_prompt = len(params.prompt_token_ids)
-        p = _choose(reg.prefill, tried, cached, n_prompt, self._block_size)
-        d = _choose(reg.decode, tried, cached)
-        if p is None or d is None:
-            pool = reg.prefill if p is None else reg.decode
-            raise GenerateError(
-                grpc.StatusCode.UNAVAILABLE,
-                f"no {pool.role} node is reachable ({pool.describe()}); "
-                "start one or check the router's --prefill/--decode addresses",
-            )
-        return p, d
+        p = _choose(self._registry.prefill, tried, cached, n_prompt, self._block_size)
+        if p is None:  # not reached: choose_route goes direct when no prefill node is usable
+            raise _none_reachable(self._registry.prefill)
+        return p
+
+    async def _direct(
+        self, params: GenerateParams, d: Node, tried: _Tried, deadline: float
+    ) -> Prefilled | GenerateError:
+        """D's Generate up to its first token; the error when another attempt may succeed
+        (raised when none can). D stays counted as in flight on success: the caller releases it."""
+        node_request_id = f"{params.request_id}-{secrets.token_hex(4)}"
+        request = nodes_pb2.GenerateOnNodeRequest(
+            request_id=node_request_id,
+            prompt_token_ids=params.prompt_token_ids,
+            sampling=sampling_to_proto(params.sampling),
+            cache_salt=params.cache_salt,
+        )
+        pool = self._registry.decode
+        pool.acquire(d)
+        call = self._decode.open_direct(d, request, deadline)
+        ok = False
+        try:
+            reply = await call.read()  # marks D down when it is unreachable
+            if len(reply.token_ids) != 1:
+                raise GenerateError(
+                    grpc.StatusCode.INTERNAL,
+                    f"decode node {d.address} sent {len(reply.token_ids)} first tokens",
+                )
+            ok = True
+        except GenerateError as exc:
+            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                tried.busy.add(d)
+                return exc
+            if exc.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline:
+                tried.unreachable.add(d)
+                return exc
+            raise
+        finally:
+            if not ok:
+                call.close()
+                pool.release(d)
+        first = nodes_pb2.PrefillResponse(
+            first_token_id=reply.token_ids[0],
+            first_logprob=reply.logprobs[0] if reply.logprobs else 0.0,
+            finish_reason=reply.finish_reason,
+            cached_tokens=reply.cached_tokens,
+        )
+        return Prefilled(first, d, node_request_id, call)
 
     async def _attempt(
         self,
@@ -192,6 +259,14 @@ class PrefillStage:
             f"no {pool.role} node reachable: {culprit.address} failed ({details}); "
             f"nodes: {pool.describe()}",
         )
+
+
+def _none_reachable(pool: NodePool) -> GenerateError:
+    return GenerateError(
+        grpc.StatusCode.UNAVAILABLE,
+        f"no {pool.role} node is reachable ({pool.describe()}); "
+        "start one or check the router's --prefill/--decode addresses",
+    )
 
 
 async def _unless_stalled(call, p: Node, d: Node):

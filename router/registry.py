@@ -119,6 +119,7 @@ class NodeRegistry:
             return  # checked again on the next round
         node.verified = True
         if pool.role == "decode" and stats.max_num_seqs:
+            node.slots = stats.max_num_seqs
             node.capacity = max(1, int(stats.max_num_seqs * self.decode_overcommit))
             pool.notify_waiters()
         if self.expected_identity is None:

@@ -12,6 +12,7 @@ from splitserve.router.front import RequestFront
 from splitserve.router.http import HttpFront
 from splitserve.router.registry import NodeRegistry
 from splitserve.router.request import ModelInfo
+from splitserve.router.route import RoutePolicy
 from splitserve.router.service import RouterService
 from splitserve.runtime.auth import read_token_file, registry_key, use_token
 from splitserve.runtime.config import RouterConfig
@@ -53,6 +54,9 @@ def build_router(
         max_queue=config.max_queue,
         queue_timeout_s=config.queue_timeout_s,
         max_requests_per_client=config.max_requests_per_client,
+        route_policy=RoutePolicy(
+            config.direct_prefill_tokens, config.direct_prefill_backlog_tokens
+        ),
     )
     tls = TlsFiles.load(config.tls_cert, config.tls_key, config.tls_ca)
     use_tls(tls)  # the router's channels to the nodes, too
@@ -109,7 +113,7 @@ async def _serve(config: RouterConfig, model: ModelInfo) -> None:
     logger.info(
         "router on %s (prefill: %s; decode: %s)",
         server.address,
-        ", ".join(config.prefill_addresses),
+        ", ".join(config.prefill_addresses) or "none",
         ", ".join(config.decode_addresses),
     )
 
@@ -141,7 +145,9 @@ async def start_http(
         front,
         name,
         config.max_request_bytes,
-        ready=lambda: bool(registry.prefill.usable() and registry.decode.usable()),
+        # A usable decode node serves every request, prefilling it itself when no prefill
+        # node is configured or usable (the direct route, router.route).
+        ready=lambda: bool(registry.decode.usable()),
         grace_s=GRACE_S,
     )
     port = await http.start(config.http_host or config.host, config.http_port)

@@ -22,6 +22,7 @@ from splitserve.router.prefill_stage import PrefillStage
 from splitserve.router.prefix import PrefixLookup
 from splitserve.router.registry import NodeRegistry
 from splitserve.router.request import GenerateParams, ModelInfo
+from splitserve.router.route import NO_DIRECT, RoutePolicy
 from splitserve.runtime.metrics import RouterMetrics
 from splitserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -41,14 +42,18 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         max_queue: int = 4096,
         queue_timeout_s: float = 300.0,
         max_requests_per_client: int = 1024,
+        route_policy: RoutePolicy = NO_DIRECT,
     ) -> None:
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
         metrics = metrics or RouterMetrics()
         lookup = PrefixLookup(index, block_size) if index is not None else None
         admission = Admission(registry.decode, metrics, max_queue, queue_timeout_s)
-        prefill = PrefillStage(registry, metrics, max_attempts, block_size, lookup, admission)
-        orchestrator = Orchestrator(model, registry, prefill, DecodeStage(registry))
+        decode = DecodeStage(registry)
+        prefill = PrefillStage(
+            registry, metrics, max_attempts, block_size, lookup, admission, decode, route_policy
+        )
+        orchestrator = Orchestrator(model, registry, prefill, decode)
         # The request path the HTTP front shares (router.http).
         self.front = RequestFront(
             model, orchestrator, metrics, request_timeout_s, max_requests_per_client

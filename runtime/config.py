@@ -124,7 +124,8 @@ class RouterConfig:
         cli_default=None,
     )
     prefill_addresses: tuple[str, ...] = option(
-        help="static prefill nodes, host:port,host:port,...",
+        help="static prefill nodes, host:port,host:port,... (none: the decode nodes prefill "
+        "every request themselves)",
         flag="--prefill",
         cli_default="",
         convert=parse_addresses,
@@ -175,6 +176,18 @@ class RouterConfig:
         "prefill or transfer do not decode yet; the node queues the excess); the rest wait in "
         "the router's queue",
     )
+    direct_prefill_tokens: int = option(
+        0,
+        "send a request straight to its decode node, which prefills it itself (no KV transfer), "
+        "when its prompt has at most this many tokens not cached on that node (0: never; a "
+        "cluster without usable prefill nodes always does). Measure the break-even of your "
+        "model, GPUs and transfer path with benchmarks before setting it (docs/deploy.md)",
+    )
+    direct_prefill_backlog_tokens: int = option(
+        0,
+        "also go direct when every prefill node has at least this many prompt tokens of this "
+        "router's requests in flight and the decode node has a free batch slot (0: never)",
+    )
     redis_url: str | None = option(None, _REDIS_HELP)
     dtype: str | None = option(
         None, "the nodes' dtype, part of the model identity (default: the checkpoint's)"
@@ -190,6 +203,8 @@ class RouterConfig:
     block_size: int = option(DEFAULT_BLOCK_SIZE, _BLOCK_HELP)
 
     def __post_init__(self) -> None:
+        if self.direct_prefill_tokens < 0 or self.direct_prefill_backlog_tokens < 0:
+            raise ValueError("--direct-prefill-tokens and --direct-prefill-backlog-tokens: >= 0")
         host = self.http_host or self.host
         if self.http_port is not None and self.tls_cert and not _is_loopback(host):
             raise ValueError(

@@ -6,8 +6,9 @@ every scraped job never counts one thing twice:
 - the router: what users feel, once per request (``splitserve_time_to_first_token_seconds``,
   ``splitserve_inter_token_latency_seconds``, ``splitserve_request_latency_seconds``,
   ``splitserve_requests_total{code}``, ``splitserve_{prompt,cached,generation}_tokens_total``),
-  its own queue and retries (``splitserve_router_*``), and the load figures of every node it
-  routes to (``splitserve_node_*{role,node}``), so one scrape of the router is enough for a scaler;
+  its own queue, retries and routes (``splitserve_router_*``), and the load figures of every
+  node it routes to (``splitserve_node_*{role,node}``), so one scrape of the router is enough
+  for a scaler;
 - a prefill or decode node: its own load figures and counters (prefix hits, blocks and bytes
   shipped or fetched), read from the live engine at scrape time, under its role's prefix:
   ``splitserve_prefill_*`` and ``splitserve_decode_*`` (counters ``..._<name>_total``).
@@ -186,6 +187,15 @@ class RouterMetrics:
             "Prefill attempts retried on another node",
             registry=r,
         )
+        self.routes = Counter(
+            "splitserve_router_routes",
+            "Requests by route, counted at their first token: disaggregated (a prefill node "
+            "shipped the KV to a decode node) or direct (the decode node prefilled it itself)",
+            ["route"],
+            registry=r,
+        )
+        for route in ("disaggregated", "direct"):
+            self.routes.labels(route=route)
         self.queue_length = Gauge(
             "splitserve_router_queue_length",
             "Requests waiting at the router for a decode node with room",

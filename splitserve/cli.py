@@ -66,10 +66,11 @@ def cmd_node(args: argparse.Namespace) -> int:
 
 def cmd_router(args: argparse.Namespace) -> int:
     """Run the router (the public Generate service) until SIGTERM/Ctrl-C."""
-    if not args.redis_url and not (args.prefill_addresses and args.decode_addresses):
+    if not args.redis_url and not args.decode_addresses:
         return _error(
-            "give --prefill and --decode node addresses, or --redis-url to discover nodes from "
-            "the registry",
+            "give --decode node addresses (and --prefill ones; without, the decode nodes "
+            "prefill every request themselves), or --redis-url to discover nodes from the "
+            "registry",
             2,
         )
     try:

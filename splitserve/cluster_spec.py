@@ -22,12 +22,19 @@ class ClusterSpec:
         flag="--model",
         cli_default=None,
     )
-    num_prefill: int = option(1, "prefill nodes")
+    num_prefill: int = option(
+        1, "prefill nodes (0: the decode nodes prefill every request themselves, e.g. one GPU)"
+    )
     num_decode: int = option(1, "decode nodes")
     host: str = option("127.0.0.1", "listen address of every component")
     port: int = option(8000, "the router's port")
     http_port: int | None = option(
         None, "the router's OpenAI-compatible HTTP API on this port (0: a free one; default: none)"
+    )
+    direct_prefill_tokens: int | None = option(
+        None,
+        "the router's --direct-prefill-tokens: prompts with at most this many uncached tokens "
+        "are prefilled on their decode node (default: the router's, 0: never)",
     )
     tokenizer_path: str | None = option(
         None, "the router's tokenizer folder (default: the checkpoint's)", flag="--tokenizer"
@@ -68,8 +75,8 @@ class ClusterSpec:
     stop_grace_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if self.num_prefill < 1 or self.num_decode < 1:
-            raise ValueError("--num-prefill and --num-decode must be >= 1")
+        if self.num_prefill < 0 or self.num_decode < 1:
+            raise ValueError("--num-prefill must be >= 0 and --num-decode >= 1")
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
             raise ValueError(f"--http-port {self.http_port}: give 0..65535")
         last = 65535 - self.num_prefill - self.num_decode  # the router's, then one per node

@@ -168,6 +168,8 @@ class LocalCluster:
                 flags += ["--http-port-file", str(self._http_port_file)]
         if spec.tokenizer_path is not None:
             flags += ["--tokenizer", spec.tokenizer_path]
+        if spec.direct_prefill_tokens is not None:
+            flags += ["--direct-prefill-tokens", str(spec.direct_prefill_tokens)]
         if metrics_port is not None:
             flags += ["--metrics-port", str(metrics_port)]
         return flags

@@ -104,3 +104,22 @@ def test_up_prints_each_components_metrics_url_and_the_http_address(monkeypatch,
         "prefill  127.0.0.1:5001 metrics http://127.0.0.1:9101/metrics",
         "decode   127.0.0.1:5002 metrics http://127.0.0.1:9102/metrics",
     ]
+
+
+def test_a_decode_only_cluster_and_the_direct_prefill_threshold(capsys):
+    assert spec(num_prefill=0).placement(0) == [("cpu", None)]  # one decode node
+    for bad in (dict(num_prefill=-1), dict(num_decode=0)):
+        with pytest.raises(ValueError, match="--num-"):
+            spec(**bad)
+    cluster = LocalCluster(spec(num_prefill=0, direct_prefill_tokens=32))
+    try:
+        flags = cluster.router_flags((), ("d:1",), None)
+    finally:
+        cluster.stop()
+    assert _value(flags, "--prefill") == "" and _value(flags, "--direct-prefill-tokens") == "32"
+    assert "--direct-prefill-tokens" not in _router_flags(spec())
+    # The router needs decode nodes (or a registry), not prefill nodes.
+    from splitserve import cli
+
+    assert cli.cmd_router(build_parser().parse_args(["router", "--prefill", "p:1"])) == 2
+    assert "--decode" in capsys.readouterr().err

@@ -37,6 +37,7 @@ METHODS = [  # (component, method, request streaming, response streaming)
     ("prefill", "/splitserve.v1.PrefillNodeService/FetchBlocks", False, True),
     ("decode", "/splitserve.v1.DecodeNodeService/TransferKV", True, True),
     ("decode", "/splitserve.v1.DecodeNodeService/Decode", False, True),
+    ("decode", "/splitserve.v1.DecodeNodeService/Generate", False, True),
     ("decode", "/splitserve.v1.NodeStatsService/GetStats", False, False),
 ]
 

@@ -1,8 +1,10 @@
-"""The router's node choice: least loaded, cache-aware within the imbalance guard, down nodes."""
+"""The router's node choice: least loaded, cache-aware within the imbalance guard, down nodes;
+and the route choice (disaggregated or direct, router.route)."""
 
 from __future__ import annotations
 
 from splitserve.router.pool import MAX_IMBALANCE, NodePool, prompt_tokens_to_compute
+from splitserve.router.route import DIRECT, DISAGGREGATED, RoutePolicy, choose_route
 
 
 class FakeClock:
@@ -78,3 +80,42 @@ def test_down_nodes_are_skipped_then_tried_again():
     assert pool.pick(exclude={a, b}) is None
     pool.mark_up(b)
     assert pool.pick() is b
+
+
+def test_route_direct_without_a_usable_prefill_node_or_for_a_short_uncached_prompt():
+    clock = FakeClock()
+    prefill = NodePool("prefill", ["p:1", "p:2"], clock=clock)
+    (d,) = NodePool("decode", ["d:1"], clock=clock).nodes
+    off, short = RoutePolicy(), RoutePolicy(direct_prefill_tokens=32)
+
+    def route(policy, n, cached=None, exclude=()):
+        return choose_route(policy, prefill, d, cached or {}, n, 16, exclude)
+
+    assert route(off, 1) == DISAGGREGATED  # 0: never, however short
+    assert route(short, 32) == DIRECT
+    assert route(short, 33) == DISAGGREGATED
+    # The uncached part on the chosen decode node counts (a prefix on a prefill node does not).
+    assert route(short, 80, {"d:1": 3}) == DIRECT
+    assert route(short, 80, {"d:1": 2, "p:1": 5}) == DISAGGREGATED
+    # No usable prefill node: direct whatever the policy.
+    assert route(off, 500, exclude=prefill.nodes[:1]) == DISAGGREGATED
+    assert route(off, 500, exclude=prefill.nodes) == DIRECT
+    prefill.mark_down(prefill.nodes[0], "gone")
+    assert route(off, 500, exclude=prefill.nodes[1:]) == DIRECT
+    assert choose_route(off, NodePool("prefill", []), d, {}, 500, 16) == DIRECT
+
+
+def test_route_direct_when_every_prefill_node_is_backlogged_and_the_decode_node_has_a_slot():
+    prefill = NodePool("prefill", ["p:1", "p:2"])
+    (d,) = NodePool("decode", ["d:1"]).nodes
+    policy = RoutePolicy(direct_prefill_backlog_tokens=1000)
+    p1, p2 = prefill.nodes
+    prefill.acquire(p1, 1500)
+    assert choose_route(policy, prefill, d, {}, 500, 16) == DISAGGREGATED  # p2 is free
+    prefill.acquire(p2, 1000)
+    assert choose_route(policy, prefill, d, {}, 500, 16) == DISAGGREGATED  # slots unknown
+    d.slots = 2
+    assert choose_route(policy, prefill, d, {}, 500, 16) == DIRECT
+    d.in_flight = 2  # no free batch slot
+    assert choose_route(policy, prefill, d, {}, 500, 16) == DISAGGREGATED
+    assert choose_route(RoutePolicy(), prefill, d, {}, 500, 16) == DISAGGREGATED

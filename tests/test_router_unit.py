@@ -27,6 +27,8 @@ class FakeCluster:
         self.decode_cancelled: list[str] = []
         self.decode_delay_s = 0.0
         self.live_decode: set[str] = set()
+        self.generate_calls: list[str] = []  # decode addresses of the Generate calls (direct)
+        self.refuse_generate = 0  # the next n Generate calls answer RESOURCE_EXHAUSTED
 
 
 class FakePrefill(nodes_pb2_grpc.PrefillNodeServiceServicer):
@@ -57,6 +59,28 @@ class FakePrefill(nodes_pb2_grpc.PrefillNodeServiceServicer):
 class FakeDecode(nodes_pb2_grpc.DecodeNodeServiceServicer):
     def __init__(self, cluster: FakeCluster) -> None:
         self.cluster = cluster
+        self.address = ""
+
+    async def Generate(self, request, context):
+        """The direct route: the same fake answer, the first token alone with cached_tokens."""
+        c = self.cluster
+        c.generate_calls.append(self.address)
+        if c.refuse_generate:
+            c.refuse_generate -= 1
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free blocks")
+        answer = [*list(request.prompt_token_ids)[::-1], EOS][: request.sampling.max_tokens]
+        try:
+            for i, token in enumerate(answer):
+                if i:
+                    await asyncio.sleep(c.decode_delay_s)
+                last = i == len(answer) - 1
+                finish = ("stop" if token == EOS else "length") if last else ""
+                yield nodes_pb2.DecodeResponse(
+                    token_ids=[token], finish_reason=finish, cached_tokens=5 if i == 0 else 0
+                )
+        except asyncio.CancelledError:
+            c.decode_cancelled.append(request.request_id)
+            raise
 
     async def Decode(self, request, context):
         tokens = self.cluster.transferred.pop(request.request_id, None)
@@ -90,7 +114,9 @@ def unused_address() -> str:
     return f"127.0.0.1:{free_port()}"
 
 
-async def with_cluster(test, num_prefill=2, num_decode=2, dead_prefill=0, dead_decode=0):
+async def with_cluster(
+    test, num_prefill=2, num_decode=2, dead_prefill=0, dead_decode=0, **router_options
+):
     cluster = FakeCluster()
     servers, prefill, decode = [], [], []
     for _ in range(num_prefill):
@@ -101,15 +127,17 @@ async def with_cluster(test, num_prefill=2, num_decode=2, dead_prefill=0, dead_d
         servers.append(server)
         prefill.append(servicer.address)
     for _ in range(num_decode):
+        servicer = FakeDecode(cluster)
         server, address = await start_fake_node(
-            FakeDecode(cluster), nodes_pb2_grpc.add_DecodeNodeServiceServicer_to_server
+            servicer, nodes_pb2_grpc.add_DecodeNodeServiceServicer_to_server
         )
+        servicer.address = address
         servers.append(server)
         decode.append(address)
         cluster.live_decode.add(address)
     prefill += [unused_address() for _ in range(dead_prefill)]
     decode += [unused_address() for _ in range(dead_decode)]
-    config = RouterConfig("unused", tuple(prefill), tuple(decode))
+    config = RouterConfig("unused", tuple(prefill), tuple(decode), **router_options)
     router, registry = await start_router(config, MODEL)
     channel = grpc.aio.insecure_channel(router.address)
     try:
@@ -223,12 +251,72 @@ def test_no_reachable_node_is_unavailable_and_bad_input_touches_no_node():
             await collect(stub, prompt="hi", sampling={"temperature": -1.0})
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "temperature" in err.value.details()
+        assert not cluster.prefill_calls and not cluster.generate_calls
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await collect(stub, prompt="hi")
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "no prefill node is reachable" in err.value.details()
+        assert "no decode node is reachable" in err.value.details()
+
+    asyncio.run(with_cluster(test, num_prefill=1, num_decode=0, dead_decode=2))
+
+
+def test_dead_prefill_pool_is_served_by_the_decode_node_directly():
+    async def test(stub, cluster, registry):
+        msgs = await collect(stub, prompt="hi")  # both prefill nodes fail: then direct
+        assert [t for m in msgs for t in m.token_ids] == [*byte_ids("hi")[::-1], EOS]
+        assert len(cluster.generate_calls) == 1
+        assert all(not n.is_up(time.monotonic()) for n in registry.prefill.nodes)
+        await collect(stub, prompt="hi")  # the prefill pool is down: direct at once
+        assert len(cluster.generate_calls) == 2
+        assert all(n.in_flight == 0 for n in registry.prefill.nodes + registry.decode.nodes)
 
     asyncio.run(with_cluster(test, num_prefill=0, num_decode=1, dead_prefill=2))
+
+
+def test_decode_only_router_sends_every_request_direct_with_usage():
+    async def test(stub, cluster, registry):
+        msgs = await collect(stub, prompt="abc", sampling={"max_tokens": 100})
+        assert [t for m in msgs for t in m.token_ids] == [*byte_ids("abc")[::-1], EOS]
+        last = msgs[-1]
+        assert last.finish_reason == "stop" and last.usage.cached_tokens == 5
+        assert last.usage.prompt_tokens == 3 and last.usage.completion_tokens == 4
+        assert last.usage.time_to_first_token_s > 0
+        msgs = await collect(stub, prompt="xy", sampling={"max_tokens": 1})  # done at once
+        assert [m.finish_reason for m in msgs] == ["length"] and msgs[0].token_ids == [ord("y")]
+        assert len(cluster.generate_calls) == 2 and not cluster.prefill_calls
+        assert registry.decode.nodes[0].in_flight == 0
+
+    asyncio.run(with_cluster(test, num_prefill=0, num_decode=1))
+
+
+def test_short_prompts_go_direct_and_long_ones_through_prefill():
+    async def test(stub, cluster, registry):
+        await collect(stub, prompt="a" * 8)
+        await collect(stub, prompt="b" * 9)
+        assert len(cluster.generate_calls) == 1 and len(cluster.prefill_calls) == 1
+        cluster.refuse_generate = 1  # a full decode node: retried on the other one
+        msgs = await collect(stub, prompt="c" * 4)
+        assert msgs[-1].finish_reason == "stop"
+        assert len(set(cluster.generate_calls[1:])) == 2 and len(cluster.prefill_calls) == 1
+        assert all(n.in_flight == 0 for n in registry.prefill.nodes + registry.decode.nodes)
+
+    asyncio.run(with_cluster(test, num_prefill=1, num_decode=2, direct_prefill_tokens=8))
+
+
+def test_a_cancelled_direct_stream_reaches_the_decode_node():
+    async def test(stub, cluster, registry):
+        cluster.decode_delay_s = 0.05
+        call = stub.Generate(request(prompt="z" * 40, sampling={"max_tokens": 40}))
+        await call.read()
+        call.cancel()
+        for _ in range(50):
+            if cluster.decode_cancelled:
+                break
+            await asyncio.sleep(0.02)
+        assert len(cluster.decode_cancelled) == 1 and not cluster.prefill_calls
+        assert registry.decode.nodes[0].in_flight == 0
+
+    asyncio.run(with_cluster(test, num_prefill=0, num_decode=1))
 
 
 def test_client_deadline_reaches_the_nodes():

@@ -165,6 +165,11 @@ class DecodeNodeServiceStub:
                 request_serializer=splitserve_dot_v1_dot_nodes__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_nodes__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.Generate = channel.unary_stream(
+                '/splitserve.v1.DecodeNodeService/Generate',
+                request_serializer=splitserve_dot_v1_dot_nodes__pb2.GenerateOnNodeRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_nodes__pb2.DecodeResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeNodeServiceServicer:
@@ -187,6 +192,17 @@ class DecodeNodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Generate(self, request, context):
+        """Serve a whole request on this node (the router's direct route, no prefill node): prefill the
+        prompt in this node's own engine (cached prefix blocks reused, long prompts in chunks beside
+        the running decodes) and stream every token, the first one included, as Decode does. The
+        first message carries exactly the first token and cached_tokens. Refused with UNAVAILABLE
+        while the node drains.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeNodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -198,6 +214,11 @@ def add_DecodeNodeServiceServicer_to_server(servicer, server):
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
                     request_deserializer=splitserve_dot_v1_dot_nodes__pb2.DecodeRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_nodes__pb2.DecodeResponse.SerializeToString,
+            ),
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=splitserve_dot_v1_dot_nodes__pb2.GenerateOnNodeRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_nodes__pb2.DecodeResponse.SerializeToString,
             ),
     }
@@ -254,6 +275,33 @@ class DecodeNodeService:
             target,
             '/splitserve.v1.DecodeNodeService/Decode',
             splitserve_dot_v1_dot_nodes__pb2.DecodeRequest.SerializeToString,
+            splitserve_dot_v1_dot_nodes__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/splitserve.v1.DecodeNodeService/Generate',
+            splitserve_dot_v1_dot_nodes__pb2.GenerateOnNodeRequest.SerializeToString,
             splitserve_dot_v1_dot_nodes__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
