@@ -78,6 +78,9 @@ def main() -> None:
             for chunk in client.stream(prompt="Once upon a time", max_tokens=24, seed=1):
                 print(chunk.text, end="", flush=True)
             print()
+            # Chat messages, rendered with the checkpoint's chat template by the router.
+            messages = [{"role": "user", "content": "What is a BlockPool?"}]
+            show("chat", client.chat(messages, max_tokens=24, temperature=0.0, timeout=60))
         results = asyncio.run(concurrent(addresses.router, 8))
         cached = sum(r.usage.cached_tokens for r in results)
         prompt = sum(r.usage.prompt_tokens for r in results)
