@@ -11,8 +11,11 @@ from splitserve.models.engine_loop import AsyncEngine
 
 
 async def end_request(engine: AsyncEngine, request_id: str) -> bool:
-    """Drop a decoding (or never started) request and free every block held under its id, to
-    the end; True if it was still running."""
+    """Drop a decoding (or never started, or still prefilling) request and free every block held
+    under its id, to the end; True if it was still running. The next engine step drops it before
+    scheduling, even while other engine jobs are queued ahead of this one
+    (``LLMEngine.abort_soon``)."""
+    engine.engine.abort_soon(request_id)
     return await engine.call_to_end(_end_request, engine.engine, request_id)
 
 

@@ -20,11 +20,10 @@ from splitserve.decode_node.header import TransferRefused
 from splitserve.decode_node.pending import Pending, PendingTable
 from splitserve.decode_node.receiver import BAD, KVInbox, Transfer
 from splitserve.kvstore import ModelIdentity
-from splitserve.models.engine import RequestDoesNotFit, StepOutput
+from splitserve.models.engine import StepOutput
 from splitserve.models.engine_loop import AsyncEngine
 from splitserve.runtime.metrics import LoadFigures
-from splitserve.runtime.node import node_stats
-from splitserve.runtime.protocol import sampling_from_proto
+from splitserve.runtime.node import checked_request, failure_code, node_stats
 from splitserve.transfer import DIST, GRPC, TCP, KVReceiver
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
@@ -89,16 +88,13 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
         }
 
     async def GetStats(self, request, context):
-        load = self.load()
         return node_stats(
             "decode",
             self.engine.engine,
             self.identity,
-            load,
+            self.load(),
             self.all_counters(),
             transfer_endpoint=self.inbox.endpoint,
-            kv_tokens_held=load.kv_tokens_held,
-            kv_token_slots=load.kv_token_slots,
         )
 
     # ------------------------------------------------------------------ transfer
@@ -224,18 +220,9 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             except ValueError as exc:  # the id is taken (a repeated Decode of one request)
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
             self.engine.notify()
-            while not finished:
-                out = await queue.get()
-                if isinstance(out, BaseException):
-                    await context.abort(grpc.StatusCode.INTERNAL, f"decoding failed: {out}")
-                assert isinstance(out, StepOutput)
-                finished = out.finish_reason is not None
-                yield nodes_pb2.DecodeResponse(
-                    token_ids=[out.new_token_id],
-                    logprobs=[out.logprob] if out.logprob is not None else [],
-                    finish_reason=out.finish_reason or "",
-                )
-            self.counters["requests_finished"] += 1
+            async for reply in self._relay(queue, context, "decoding"):
+                finished = bool(reply.finish_reason)
+                yield reply
         finally:
             self.engine.unsubscribe(rid)
             # Cancelled, failed, or never joined (add_transferred refused, or dropped from the
@@ -256,10 +243,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
         rid = request.request_id
         core = self.engine.engine
         try:
-            if not rid:
-                raise ValueError("request_id is empty")
-            params = sampling_from_proto(request.sampling)
-            prompt = core.check_prompt(request.prompt_token_ids)
+            params, prompt = checked_request(core, request)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         queue = self.engine.subscribe(rid)
@@ -278,34 +262,34 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             await context.send_initial_metadata(())
             self.counters["direct_requests"] += 1
             first = True
-            while not finished:
-                out = await queue.get()
-                if isinstance(out, BaseException):
-                    code = (
-                        grpc.StatusCode.RESOURCE_EXHAUSTED
-                        if isinstance(out, RequestDoesNotFit)
-                        else grpc.StatusCode.INTERNAL
-                    )
-                    await context.abort(code, f"generating failed: {out}")
-                assert isinstance(out, StepOutput)
-                finished = out.finish_reason is not None
-                reply = nodes_pb2.DecodeResponse(
-                    token_ids=[out.new_token_id],
-                    logprobs=[out.logprob] if out.logprob is not None else [],
-                    finish_reason=out.finish_reason or "",
-                )
+            async for reply in self._relay(queue, context, "generating"):
                 if first:
                     first = False
                     reply.cached_tokens = req.num_cached_tokens
                     self.counters["direct_prompt_tokens"] += len(prompt)
                     self.counters["direct_cached_tokens"] += req.num_cached_tokens
+                finished = bool(reply.finish_reason)
                 yield reply
-            self.counters["requests_finished"] += 1
         finally:
             self.engine.unsubscribe(rid)
-            if not finished:
-                # Cancelled mid-prefill: not scheduled again, whatever engine calls are queued.
-                core.abort_soon(rid)
-                if await end_request(self.engine, rid):
-                    self.counters["requests_aborted"] += 1
+            # Cancelled (mid-prefill too), failed, or never added: its blocks are freed.
+            if not finished and await end_request(self.engine, rid):
+                self.counters["requests_aborted"] += 1
             self.inbox.freed.notify()
+
+    async def _relay(self, queue, context, doing: str):
+        """The request's tokens from the engine, a message each, until it finishes (counted);
+        an engine failure ends the call with its status."""
+        while True:
+            out = await queue.get()
+            if isinstance(out, BaseException):
+                await context.abort(failure_code(out), f"{doing} failed: {out}")
+            assert isinstance(out, StepOutput)
+            yield nodes_pb2.DecodeResponse(
+                token_ids=[out.new_token_id],
+                logprobs=[out.logprob] if out.logprob is not None else [],
+                finish_reason=out.finish_reason or "",
+            )
+            if out.finish_reason is not None:
+                self.counters["requests_finished"] += 1
+                return

@@ -16,7 +16,7 @@ from collections import Counter
 import grpc
 
 from splitserve.kvstore import ModelIdentity
-from splitserve.models.engine import RequestDoesNotFit, StepOutput
+from splitserve.models.engine import StepOutput
 from splitserve.models.engine_loop import AsyncEngine
 from splitserve.prefill_node.channels import Channels
 from splitserve.prefill_node.peer_fetch import PeerFetcher
@@ -24,8 +24,7 @@ from splitserve.prefill_node.peer_layer import LayerFetch
 from splitserve.prefill_node.rates import Rates
 from splitserve.prefill_node.shipper import KVShipper, ShipError
 from splitserve.runtime.metrics import LoadFigures
-from splitserve.runtime.node import node_stats
-from splitserve.runtime.protocol import sampling_from_proto
+from splitserve.runtime.node import checked_request, failure_code, node_stats
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -111,10 +110,7 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
         rid = request.request_id
         core = self.engine.engine
         try:
-            if not rid:
-                raise ValueError("request_id is empty")
-            params = sampling_from_proto(request.sampling)
-            prompt = core.check_prompt(request.prompt_token_ids)
+            params, prompt = checked_request(core, request)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if not request.decode_address:
@@ -162,12 +158,7 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
         self.engine.notify()
         out = await queue.get()
         if isinstance(out, BaseException):
-            code = (
-                grpc.StatusCode.RESOURCE_EXHAUSTED
-                if isinstance(out, RequestDoesNotFit)
-                else grpc.StatusCode.INTERNAL
-            )
-            await context.abort(code, str(out))
+            await context.abort(failure_code(out), str(out))
         assert isinstance(out, StepOutput)
         self.rates.prefilled(len(prompt) - req.num_cached_tokens, time.perf_counter() - started)
         self.counters["prefills"] += 1
@@ -207,14 +198,11 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
         # What askers choose a fetch path from: the fetch sender's endpoint.
         fetch = self.fetch_sender
         endpoint = fetch.endpoint().to_bytes() if fetch is not None else b""
-        load = self.load()
         return node_stats(
             "prefill",
             engine,
             self.identity,
-            load,
+            self.load(),
             self.all_counters(),
             transfer_endpoint=endpoint,
-            kv_tokens_held=load.kv_tokens_held,
-            kv_token_slots=load.kv_token_slots,
         )

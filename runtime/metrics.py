@@ -17,13 +17,14 @@ every scraped job never counts one thing twice:
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from splitserve.kvstore.kv_cache_manager import SlotUsage
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class LoadFigures:
         over time, take the ratio of the sums of the two raw gauges); None when not known."""
         if self.kv_tokens_held is None or self.kv_token_slots is None:
             return None
-        return self.kv_tokens_held / self.kv_token_slots if self.kv_token_slots else math.nan
+        return SlotUsage(self.kv_tokens_held, self.kv_token_slots).utilization
 
     @classmethod
     def of_engine(cls, engine, pending_transfers: int = 0) -> LoadFigures:

@@ -8,8 +8,11 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+import grpc
+
 from splitserve.runtime.auth import TokenCheck, read_token_file, registry_key, use_token
 from splitserve.runtime.config import NodeConfig
+from splitserve.runtime.protocol import sampling_from_proto
 from splitserve.runtime.server import Server
 from splitserve.runtime.tls import TlsFiles, use_tls
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
@@ -19,6 +22,7 @@ if TYPE_CHECKING:
     from splitserve.kvstore.redis_index import IndexPublisher
     from splitserve.models.engine import LLMEngine
     from splitserve.models.engine_loop import AsyncEngine
+    from splitserve.models.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -246,6 +250,24 @@ def transfer_paths(config: NodeConfig) -> tuple[str, ...]:
     return (*[p for p in (IPC, DIST, TCP) if p in names], GRPC)
 
 
+def checked_request(core: LLMEngine, request) -> tuple[SamplingParams, list[int]]:
+    """A request's sampling parameters and prompt (a PrefillRequest or GenerateOnNodeRequest:
+    ``request_id``, ``sampling``, ``prompt_token_ids``); ``ValueError`` saying what is wrong."""
+    if not request.request_id:
+        raise ValueError("request_id is empty")
+    return sampling_from_proto(request.sampling), core.check_prompt(request.prompt_token_ids)
+
+
+def failure_code(exc: BaseException) -> grpc.StatusCode:
+    """The status of a request the engine failed: a prompt that can never fit the KV cache is
+    RESOURCE_EXHAUSTED (another node may have room), anything else INTERNAL."""
+    from splitserve.models.engine import RequestDoesNotFit
+
+    if isinstance(exc, RequestDoesNotFit):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    return grpc.StatusCode.INTERNAL
+
+
 def node_stats(role: str, engine, identity: ModelIdentity, load, counters, **extra):
     """A node's ``GetStats`` answer: its identity, load figures (splitserve.metrics.LoadFigures)
     and counters; ``extra``: role-specific fields."""
@@ -261,6 +283,8 @@ def node_stats(role: str, engine, identity: ModelIdentity, load, counters, **ext
         prefill_tokens_waiting=load.prefill_tokens_waiting,
         pending_transfers=load.pending_transfers,
         max_num_seqs=engine.max_num_seqs,
+        kv_tokens_held=load.kv_tokens_held,
+        kv_token_slots=load.kv_token_slots,
         counters=counters,
         **extra,
     )
