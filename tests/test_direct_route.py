@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 from cluster import node_stats, start_node, start_router
 from prometheus_client.parser import text_string_to_metric_families
-from test_pipeline_e2e import hf_greedy
+from reference import hf_greedy
 
 from splitserve.client import AsyncClient
 from splitserve.launcher import ClusterSpec, LocalCluster, free_port
@@ -39,16 +39,6 @@ def model_dir(tmp_path_factory):
         head_dim=64,
         vocab_size=300,
     )
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    return model
 
 
 def _decode_only(model_dir) -> LocalCluster:
@@ -129,13 +119,14 @@ def routes(metrics_url: str) -> dict[str, float]:
     raise AssertionError("no splitserve_router_routes in the router's /metrics")
 
 
-def test_decode_only_cluster_matches_transformers(clusters, hf):
+def test_decode_only_cluster_matches_transformers(clusters, model_dir):
     cluster = clusters.alone
     assert cluster.addresses.prefill == ()
     rng = random.Random(3)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (1, 5, 17, 33, 48, 90, 130)]
     results = generate_all(cluster.addresses.router, prompts)
-    assert [list(r.token_ids) for r in results] == [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    want = [hf_greedy(model_dir, p, MAX_NEW) for p in prompts]
+    assert [list(r.token_ids) for r in results] == want
     for prompt, r in zip(prompts, results, strict=True):
         assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == MAX_NEW
         assert r.usage.time_to_first_token_s > 0
@@ -183,7 +174,7 @@ def test_a_cancelled_direct_stream_frees_every_block(clusters):
     assert s.counters["requests_aborted"] > 0
 
 
-def test_short_prompts_go_direct_and_long_ones_through_prefill(clusters, hf):
+def test_short_prompts_go_direct_and_long_ones_through_prefill(clusters, model_dir):
     prefill, decode, router = clusters.mixed.procs
     rng = random.Random(7)
     lengths = [1, 9, 16, DIRECT_TOKENS, DIRECT_TOKENS + 1, 50, 77]
@@ -192,7 +183,8 @@ def test_short_prompts_go_direct_and_long_ones_through_prefill(clusters, hf):
     before_p, before_d = node_stats(prefill).counters, node_stats(decode).counters
     before = routes(clusters.mixed.metrics)
     results = generate_all(router.address, prompts)
-    assert [list(r.token_ids) for r in results] == [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    want = [hf_greedy(model_dir, p, MAX_NEW) for p in prompts]
+    assert [list(r.token_ids) for r in results] == want
     after_p, after_d = node_stats(prefill).counters, node_stats(decode).counters
     after = routes(clusters.mixed.metrics)
     assert after_p["prefills"] - before_p.get("prefills", 0) == len(lengths) - short
