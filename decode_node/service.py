@@ -47,6 +47,10 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
         # Set on SIGTERM: new transfers and Generate calls are refused, accepted ones finish.
         self.draining = False
         self._transfers = 0  # TransferKV calls in flight
+        # Decode and Generate calls in flight: counted from the handler's first line, so a drain
+        # cannot end in the moment a call has taken its pending entry but not yet reached the
+        # engine.
+        self._calls = 0
 
     # ------------------------------------------------------------------ life cycle
 
@@ -61,12 +65,13 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
         transferred requests waiting for their Decode call, and requests decoding."""
         deadline = time.monotonic() + timeout_s
         engine = self.engine.engine
-        while self._transfers or self.pending or engine.requests:
+        while self._transfers or self._calls or self.pending or engine.requests:
             if time.monotonic() >= deadline:
                 logger.warning(
-                    "drain: %d transfers, %d pending, %d decoding after %.0f s",
+                    "drain: %d transfers, %d pending, %d calls, %d in the engine after %.0f s",
                     self._transfers,
                     len(self.pending),
+                    self._calls,
                     len(engine.requests),
                     timeout_s,
                 )
@@ -198,6 +203,10 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
     # ------------------------------------------------------------------ decode
 
     async def Decode(self, request, context):
+        async for reply in self._counted(self._decode(request, context)):
+            yield reply
+
+    async def _decode(self, request, context):
         rid = request.request_id
         pending = self.pending.pop(rid)
         if pending is None:
@@ -236,6 +245,10 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
     async def Generate(self, request, context):
         """A whole request on this node: prefill (chunked, cached prefix reused) and decode in
         the one engine, every token streamed, the first message with ``cached_tokens``."""
+        async for reply in self._counted(self._generate(request, context)):
+            yield reply
+
+    async def _generate(self, request, context):
         if self.draining:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, "decode node is draining; retry on another node"
@@ -276,6 +289,19 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             if not finished and await end_request(self.engine, rid):
                 self.counters["requests_aborted"] += 1
             self.inbox.freed.notify()
+
+    async def _counted(self, replies):
+        """``replies`` as a call in flight: a drain waits until its last message is sent."""
+        self._calls += 1
+        try:
+            async for reply in replies:
+                yield reply
+        finally:
+            try:
+                await replies.aclose()  # its own cleanup now, not when the loop finalizes it
+            finally:
+                self._calls -= 1
+                self.inbox.freed.notify()
 
     async def _relay(self, queue, context, doing: str):
         """The request's tokens from the engine, a message each, until it finishes (counted);

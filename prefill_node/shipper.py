@@ -131,7 +131,13 @@ class KVShipper:
             code = exc.code()
             if code == grpc.StatusCode.INTERNAL and exc.details() == TRANSPORT_BROKE:
                 code = grpc.StatusCode.UNAVAILABLE  # the stream broke, not the transfer
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            # CANCELLED: the decode node's server stopped the call (shutting down); the stream
+            # is ours, so a cancel of our own would have raised asyncio.CancelledError instead.
+            if code in (
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.CANCELLED,
+            ):
                 raise ShipError(
                     code, f"decode node {address} unreachable: {exc.details()}"
                 ) from None

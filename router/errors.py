@@ -5,8 +5,14 @@ from __future__ import annotations
 import grpc
 
 # A node that did not answer (as opposed to one that answered with an error): it is marked down
-# and, where the stage allows, the request is retried elsewhere.
-UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# and, where the stage allows, the request is retried elsewhere. CANCELLED is here because only
+# the node can have sent it (a call the router cancels itself raises asyncio.CancelledError, not
+# a status): the node's server stopped the call, as one does when it shuts down.
+UNREACHABLE = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+)
 
 
 class GenerateError(Exception):

@@ -24,6 +24,7 @@ class FakeCluster:
         self.transferred: dict[str, list[int]] = {}  # decode side: request id -> tokens to send
         self.prefill_calls: list[tuple[str, str]] = []  # (prefill address, decode address)
         self.refuse = 0  # the next n Prefill calls answer RESOURCE_EXHAUSTED
+        self.stopped = 0  # the next n Prefill calls end CANCELLED, as a node's server stopping
         self.decode_cancelled: list[str] = []
         self.decode_delay_s = 0.0
         self.live_decode: set[str] = set()
@@ -44,6 +45,9 @@ class FakePrefill(nodes_pb2_grpc.PrefillNodeServiceServicer):
         if c.refuse:
             c.refuse -= 1
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free blocks")
+        if c.stopped:
+            c.stopped -= 1
+            await context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
         answer = [*list(request.prompt_token_ids)[::-1], EOS]
         answer = answer[: request.sampling.max_tokens]
         finish = ""
@@ -223,6 +227,19 @@ def test_full_nodes_are_retried_elsewhere():
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await collect(stub, prompt="ab")
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    asyncio.run(with_cluster(test))
+
+
+def test_a_call_a_stopping_node_cancels_is_retried_elsewhere():
+    """A node whose server stops mid-call ends it CANCELLED: that is the node going away, not
+    the client cancelling, so the request is retried on another node."""
+
+    async def test(stub, cluster, registry):
+        cluster.stopped = 1
+        msgs = await collect(stub, prompt="ab")
+        assert msgs[-1].finish_reason == "stop"
+        assert len(cluster.prefill_calls) == 2
 
     asyncio.run(with_cluster(test))
 

@@ -1,0 +1,65 @@
+"""A draining decode node waits for every call it has accepted, including one that has not yet
+reached the engine: the real node service and engine behind a real gRPC server, in one process so
+the engine thread can be held busy at will."""
+
+import asyncio
+import time
+
+import grpc
+
+from splitserve.decode_node.server import make_service
+from splitserve.models.engine_loop import AsyncEngine
+from splitserve.runtime.config import NodeConfig
+from splitserve.runtime.node import build_engine
+from splitserve.v1 import common_pb2, nodes_pb2, nodes_pb2_grpc
+
+
+def test_drain_waits_for_a_call_not_yet_in_the_engine(tmp_path):
+    from splitserve.models.tiny import write_random_checkpoint
+
+    model = write_random_checkpoint(tmp_path / "model", with_tokenizer=False)
+    config = NodeConfig(model_path=str(model), kv_cache_mb=16, kv_transfer="none")
+    engine, identity = build_engine(config, prefill_only=False)
+
+    async def scenario():
+        loop_engine = AsyncEngine(engine)
+        loop_engine.start()
+        service = make_service(loop_engine, identity, config, "127.0.0.1:0")
+        server = grpc.aio.server()
+        nodes_pb2_grpc.add_DecodeNodeServiceServicer_to_server(service, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = nodes_pb2_grpc.DecodeNodeServiceStub(channel)
+                # The engine thread is busy for a while: the call's add_request waits behind it,
+                # so the call is accepted but nothing of it is in the engine yet.
+                busy = asyncio.ensure_future(loop_engine.call(time.sleep, 1.0))
+                await asyncio.sleep(0.1)
+                request = nodes_pb2.GenerateOnNodeRequest(
+                    request_id="r1",
+                    prompt_token_ids=list(range(3, 40)),
+                    sampling=common_pb2.SamplingParams(max_tokens=6, ignore_eos=True),
+                )
+                call = stub.Generate(request, timeout=60)
+                tokens = asyncio.ensure_future(_tokens(call))
+                await asyncio.sleep(0.3)  # the handler has started; the engine is still busy
+                assert not engine.requests
+                service.draining = True
+                await service.drain(30)
+                # The call could not have finished before the engine thread was free again: a
+                # drain that ended earlier did not wait for it.
+                assert busy.done(), "the drain ended while a call was still in flight"
+                assert len(await tokens) == 6
+        finally:
+            await server.stop(None)
+            await loop_engine.stop()
+
+    asyncio.run(scenario())
+
+
+async def _tokens(call) -> list[int]:
+    out = []
+    async for reply in call:
+        out.extend(reply.token_ids)
+    return out
