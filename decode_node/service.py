@@ -3,7 +3,8 @@
 Receiving KV (any path) is ``receiver.KVInbox`` / ``Transfer``; requests waiting for their
 Decode call are ``pending.PendingTable``. An adopted request joins the continuous-batching engine
 when the router's ``Decode`` call comes (or is freed at its deadline). ``Generate`` (the router's
-direct route) is a whole request: prefilled in this node's own engine, then decoded there.
+direct route) is a whole request: prefilled in this node's own engine, then decoded there. Both
+stream the tokens with ``relay.relay_tokens``.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ from splitserve.decode_node.cleanup import end_request
 from splitserve.decode_node.header import TransferRefused
 from splitserve.decode_node.pending import Pending, PendingTable
 from splitserve.decode_node.receiver import BAD, KVInbox, Transfer
+from splitserve.decode_node.relay import relay_tokens
 from splitserve.kvstore import ModelIdentity
-from splitserve.models.engine import StepOutput
 from splitserve.models.engine_loop import AsyncEngine
 from splitserve.runtime.metrics import LoadFigures
-from splitserve.runtime.node import checked_request, failure_code, node_stats
+from splitserve.runtime.node import checked_request, node_stats
 from splitserve.transfer import DIST, GRPC, TCP, KVReceiver
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
@@ -229,7 +230,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             except ValueError as exc:  # the id is taken (a repeated Decode of one request)
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
             self.engine.notify()
-            async for reply in self._relay(queue, context, "decoding"):
+            async for reply in relay_tokens(queue, context, "decoding", self.counters):
                 finished = bool(reply.finish_reason)
                 yield reply
         finally:
@@ -275,7 +276,9 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             await context.send_initial_metadata(())
             self.counters["direct_requests"] += 1
             first = True
-            async for reply in self._relay(queue, context, "generating"):
+            async for reply in relay_tokens(
+                queue, context, "generating", self.counters, first_alone=True
+            ):
                 if first:
                     first = False
                     reply.cached_tokens = req.num_cached_tokens
@@ -302,20 +305,3 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             finally:
                 self._calls -= 1
                 self.inbox.freed.notify()
-
-    async def _relay(self, queue, context, doing: str):
-        """The request's tokens from the engine, a message each, until it finishes (counted);
-        an engine failure ends the call with its status."""
-        while True:
-            out = await queue.get()
-            if isinstance(out, BaseException):
-                await context.abort(failure_code(out), f"{doing} failed: {out}")
-            assert isinstance(out, StepOutput)
-            yield nodes_pb2.DecodeResponse(
-                token_ids=[out.new_token_id],
-                logprobs=[out.logprob] if out.logprob is not None else [],
-                finish_reason=out.finish_reason or "",
-            )
-            if out.finish_reason is not None:
-                self.counters["requests_finished"] += 1
-                return

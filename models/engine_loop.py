@@ -2,11 +2,16 @@
 
 Every engine operation (steps, adds, aborts, KV reads and writes) runs on one dedicated thread, in
 the order submitted, so the engine needs no locks and the event loop never blocks on the model.
-Per-request outputs are delivered through asyncio queues.
+The thread steps on its own: between two steps it runs the jobs queued meanwhile, then starts the
+next step at once, so the model never waits for the event loop. Each step's outputs reach the
+loop in one callback, which hands them to per-request asyncio queues; the loop streams them while
+the next step computes. (Driving each step from the loop instead left the GPU idle whenever the
+loop was busy sending the previous step's tokens, which on a node with hundreds of streams is
+most of the time.)
 
 Releases must happen whatever interrupts them. ``await call(free, rid)`` is not enough: cancelling
 the awaiting task (a client cancel, then the call torn down while it cleans up) cancels the
-executor job too, and a job still queued behind a step is then dropped — the blocks stay
+queued job too, and a job still queued behind a step is then dropped — the blocks stay
 allocated for good. Releases, reservations and pins therefore go through ``call_to_end`` (or
 ``acquire``), which queue the job first and wait for it through any number of cancellations.
 """
@@ -14,9 +19,12 @@ allocated for good. Releases, reservations and pins therefore go through ``call_
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TypeVar
 
 from splitserve.models.engine import LLMEngine, RequestDoesNotFit, StepOutput
@@ -25,24 +33,26 @@ from splitserve.models.kv_port import KVPort
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
+# A step that scheduled nothing although requests wait (the pool is held by transfers in flight):
+# the thread waits this long, or until a job comes, instead of spinning.
+IDLE_WAIT_S = 0.002
+
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        device = engine.runner.device if engine is not None else None
+        self._device = engine.runner.device if engine is not None else None
+        self._jobs: deque[tuple[Future, Callable, tuple]] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by start(): steps run then
+        self._queues: dict[str, asyncio.Queue[StepOutput | BaseException]] = {}
+        self.steps = 0
         # NOTE: CUDA's current device is per thread, and Triton launches on it: the engine thread
         # must make the node's GPU current itself (a node on cuda:1 whose steps ran with cuda:0
         # current would launch its kernels on the wrong GPU).
-        self._executor = ThreadPoolExecutor(
-            max_workers=1,
-            thread_name_prefix="engine",
-            initializer=_bind_device,
-            initargs=(device,),
-        )
-        self._queues: dict[str, asyncio.Queue[StepOutput | BaseException]] = {}
-        self._wakeup = asyncio.Event()
-        self._task: asyncio.Task | None = None
-        self.steps = 0
+        self._thread = threading.Thread(target=self._main, name="engine", daemon=True)
+        self._thread.start()
 
     @property
     def kv_port(self) -> KVPort:
@@ -50,23 +60,35 @@ class AsyncEngine:
         return self.engine.kv_port
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
+        """Start stepping; outputs go to this event loop's queues."""
+        self._loop = asyncio.get_running_loop()
+        self.notify()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        """Stop after the step or job in progress; jobs still queued are cancelled."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        await asyncio.to_thread(self._thread.join)
+        while self._jobs:
+            self._jobs.popleft()[0].cancel()
 
     async def call(self, fn: Callable[..., T], *args) -> T:
         """Run ``fn(*args)`` on the engine thread, between steps."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await self.submit(fn, *args)
 
     def submit(self, fn: Callable[..., T], *args) -> asyncio.Future[T]:
         """Queue ``fn(*args)`` on the engine thread now. Cancelling the future drops a job still
         queued behind a step (harmless for a read, a leak for a release): await it with
         ``settle`` or shielded where the job must run."""
-        return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        future: Future = Future()
+        with self._cond:
+            if self._stopping:
+                future.cancel()
+            else:
+                self._jobs.append((future, fn, args))
+                self._cond.notify()
+        return asyncio.wrap_future(future)
 
     async def call_to_end(self, fn: Callable[..., T], *args) -> T:
         """``call`` that a cancellation of the caller cannot stop half way: ``fn`` runs, and the
@@ -78,8 +100,8 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         """Drop a request and free its blocks, to the end whatever cancels the caller
         (``call_to_end``). It takes effect before the next step schedules, even when other
-        engine calls (or the next step) are queued ahead of the abort job: only the step
-        already running when it is called still computes the request. Idempotent."""
+        engine calls are queued ahead of the abort job: only the step already running when it
+        is called still computes the request. Idempotent."""
         self.engine.abort_soon(request_id)  # read at the top of every step
         await self.call_to_end(self.engine.abort, request_id)
 
@@ -102,50 +124,82 @@ class AsyncEngine:
     def subscribe(self, request_id: str) -> asyncio.Queue[StepOutput | BaseException]:
         queue: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
-        self._wakeup.set()
+        self.notify()
         return queue
 
     def unsubscribe(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
 
     def notify(self) -> None:
-        """New work was added: run steps."""
-        self._wakeup.set()
+        """New work was added: wake the engine thread."""
+        with self._cond:
+            self._cond.notify()
 
-    async def _run(self) -> None:
+    # ------------------------------------------------------------------ the engine thread
+
+    def _main(self) -> None:
+        _bind_device(self._device)
         engine = self.engine
         while True:
-            if not engine.has_unfinished():
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            try:
-                outputs = await self.call(engine.step)
-            except RequestDoesNotFit as exc:
-                queue = self._queues.get(exc.request_id)
-                if queue is not None:
-                    queue.put_nowait(exc)
-                continue
-            except Exception as exc:  # a failed step fails its requests, not the node
-                logger.exception("engine step failed")
-                for rid in [
-                    r.request_id for r in (*engine.running, *engine.waiting, *engine.ready)
-                ]:
-                    await self.call(engine.abort, rid)
-                    queue = self._queues.get(rid)
-                    if queue is not None:
-                        queue.put_nowait(exc)
-                continue
-            if engine.last_num_scheduled:
-                self.steps += 1  # forwards run (not the steps that found nothing to schedule)
-            for out in outputs:
-                queue = self._queues.get(out.request_id)
-                if queue is not None:
-                    queue.put_nowait(out)
-            if not outputs:
-                # Nothing could be scheduled (the pool is held by transfers in flight): wait a
-                # little instead of spinning; else just let the event loop run.
-                await asyncio.sleep(0.002 if engine.last_num_scheduled == 0 else 0)
+            with self._cond:
+                while not (self._jobs or self._stopping or self._can_step()):
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                jobs = list(self._jobs)
+                self._jobs.clear()
+            for future, fn, args in jobs:
+                if not future.set_running_or_notify_cancel():
+                    continue  # cancelled while queued
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:
+                    future.set_exception(exc)
+            if self._can_step() and not self._step(engine):
+                with self._cond:  # nothing could be scheduled: wait a little, or for a job
+                    if not self._jobs and not self._stopping:
+                        self._cond.wait(IDLE_WAIT_S)
+
+    def _can_step(self) -> bool:
+        return self._loop is not None and self.engine is not None and self.engine.has_unfinished()
+
+    def _step(self, engine: LLMEngine) -> bool:
+        """One engine step, its outputs posted to the loop; False when nothing was scheduled."""
+        try:
+            outputs = engine.step()
+        except RequestDoesNotFit as exc:
+            self._post(self._fail, [exc.request_id], exc)
+            return True
+        except Exception as exc:  # a failed step fails its requests, not the node
+            logger.exception("engine step failed")
+            rids = [r.request_id for r in (*engine.running, *engine.waiting, *engine.ready)]
+            for rid in rids:
+                engine.abort(rid)
+            self._post(self._fail, rids, exc)
+            return True
+        if engine.last_num_scheduled:
+            self.steps += 1  # forwards run (not the steps that found nothing to schedule)
+        if outputs:
+            self._post(self._deliver, outputs)
+        return bool(engine.last_num_scheduled)
+
+    def _post(self, fn: Callable, *args) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is left to hear
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    # ------------------------------------------------------------------ on the event loop
+
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+
+    def _fail(self, request_ids: list[str], exc: BaseException) -> None:
+        for rid in request_ids:
+            queue = self._queues.get(rid)
+            if queue is not None:
+                queue.put_nowait(exc)
 
 
 async def settle(future: asyncio.Future[T]) -> T:
