@@ -120,6 +120,12 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--seed", type=int, default=0, help="seeds the workload and the arrivals (0)")
     w.add_argument("--temperature", type=float, default=0.0, help="(0: greedy)")
     w.add_argument(
+        "--cache-salt",
+        default=None,
+        help="sent with every request: runs under different salts find nothing of each other's "
+        "prompts in the prefix cache (splitserve; vLLM's cache_salt on HTTP)",
+    )
+    w.add_argument(
         "--ignore-eos",
         action=argparse.BooleanOptionalAction,
         default=True,

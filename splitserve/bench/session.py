@@ -66,6 +66,7 @@ def config_of(args: argparse.Namespace, slo: dict[str, float]) -> dict[str, Any]
         "warmup",
         "temperature",
         "ignore_eos",
+        "cache_salt",
         "timeout",
         "metrics_url",
         "scrape_interval",
@@ -100,6 +101,7 @@ async def run_bench(args: argparse.Namespace, slo: dict[str, float]) -> dict[str
         ignore_eos=args.ignore_eos,
         timeout=args.timeout,
         api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+        cache_salt=args.cache_salt,
     )
     async with target:
         await target.prepare()

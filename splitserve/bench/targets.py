@@ -41,8 +41,10 @@ class _Target:
         ignore_eos: bool = True,
         timeout: float = 600.0,
         api_key: str | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.url = url
+        self.cache_salt = cache_salt
         self.model = model
         self.temperature = temperature
         self.ignore_eos = ignore_eos
@@ -112,6 +114,7 @@ class GrpcTarget(_Target):
             max_tokens=req.max_tokens,
             temperature=self.temperature,
             ignore_eos=self.ignore_eos,
+            cache_salt=self.cache_salt,
             timeout=self.timeout,
         )
         async for chunk in stream:
@@ -174,6 +177,8 @@ class HttpTarget(_Target):
         }
         if self.ignore_eos:
             body["ignore_eos"] = True  # vLLM, SGLang and splitserve take it
+        if self.cache_salt:
+            body["cache_salt"] = self.cache_salt  # vLLM and splitserve take it
         return body
 
     async def _stream(self, req: BenchRequest, record: RequestRecord) -> None:
