@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
 
 import grpc
 
@@ -19,9 +18,6 @@ from splitserve.router.pool import Node
 from splitserve.router.registry import NodeRegistry
 from splitserve.runtime.auth import call_metadata
 from splitserve.v1 import nodes_pb2
-
-if TYPE_CHECKING:
-    from splitserve.router.prefill_stage import Prefilled
 
 CANCEL_WAIT_S = 5.0  # how long an abandoned Decode call waits for the node's first answer
 
@@ -33,16 +29,16 @@ class DecodeStage:
         self._registry = registry
         self._background: set[asyncio.Task] = set()
 
-    def open(self, prefilled: Prefilled, deadline: float) -> DecodeCall:
+    def open(self, node: Node, node_request_id: str, deadline: float) -> DecodeCall:
         """Start D's Decode stream at once (so that it overlaps with relaying the first token);
         read it with ``DecodeCall.read``, and always ``close`` it."""
-        stub = self._registry.decode_stub(prefilled.decode_node)
+        stub = self._registry.decode_stub(node)
         call = stub.Decode(
-            nodes_pb2.DecodeRequest(request_id=prefilled.node_request_id),
+            nodes_pb2.DecodeRequest(request_id=node_request_id),
             timeout=max(deadline - time.monotonic(), 0.001),
             metadata=call_metadata(),
         )
-        return DecodeCall(self, prefilled.decode_node, call, deadline)
+        return DecodeCall(self, node, call, deadline)
 
     def open_direct(
         self, node: Node, request: nodes_pb2.GenerateOnNodeRequest, deadline: float
@@ -58,12 +54,12 @@ class DecodeStage:
             self, node, call, deadline, asyncio.ensure_future(call.initial_metadata())
         )
 
-    def discard(self, prefilled: Prefilled) -> None:
+    def discard(self, node: Node, node_request_id: str) -> None:
         """Free a transferred request on its decode node without waiting for its deadline:
         start its Decode and cancel it (in the background; the client has its answer)."""
-        stub = self._registry.decode_stub(prefilled.decode_node)
+        stub = self._registry.decode_stub(node)
         call = stub.Decode(
-            nodes_pb2.DecodeRequest(request_id=prefilled.node_request_id),
+            nodes_pb2.DecodeRequest(request_id=node_request_id),
             metadata=call_metadata(),
         )
         self.cancel_once_started(call, asyncio.ensure_future(call.read()))

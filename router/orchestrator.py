@@ -71,10 +71,10 @@ class Orchestrator:
                     # NOTE: a stop string on the first token: D holds the shipped blocks until
                     # its transfer deadline unless told; a Decode call cancelled at once frees
                     # them.
-                    self._decode.discard(prefilled)
+                    self._decode.discard(prefilled.decode_node, prefilled.node_request_id)
                 yield step(delta)
                 return
-            call = prefilled.stream or self._decode.open(prefilled, deadline)
+            call = prefilled.stream or self._decode.open(node, prefilled.node_request_id, deadline)
             try:
                 yield step(delta)
                 while True:

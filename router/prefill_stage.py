@@ -16,15 +16,16 @@ import asyncio
 import logging
 import secrets
 import time
-from typing import NamedTuple
 
 import grpc
 
 from splitserve.kvstore.hashing import DEFAULT_BLOCK_SIZE
 from splitserve.router.admission import Admission
-from splitserve.router.decode_stage import DecodeCall, DecodeStage
+from splitserve.router.decode_stage import DecodeStage
+from splitserve.router.direct import open_direct
 from splitserve.router.errors import UNREACHABLE, GenerateError
 from splitserve.router.pool import Node, NodePool, prompt_tokens_to_compute
+from splitserve.router.prefilled import Prefilled, Tried
 from splitserve.router.prefix import PrefixLookup
 from splitserve.router.registry import NodeRegistry
 from splitserve.router.request import GenerateParams
@@ -35,20 +36,6 @@ from splitserve.runtime.protocol import sampling_to_proto
 from splitserve.v1 import nodes_pb2
 
 logger = logging.getLogger(__name__)
-
-
-class Prefilled(NamedTuple):
-    response: nodes_pb2.PrefillResponse  # direct: made from D's first message
-    decode_node: Node  # still counted as in flight: the caller releases it
-    node_request_id: str
-    stream: DecodeCall | None = None  # direct: D's Generate stream, its first message read
-
-
-class _Tried(NamedTuple):
-    """The nodes a request already tried: those that failed and those that only refused."""
-
-    unreachable: set[Node]
-    busy: set[Node]
 
 
 class PrefillStage:
@@ -75,7 +62,7 @@ class PrefillStage:
     async def run(self, params: GenerateParams, deadline: float) -> Prefilled:
         """Run Prefill on some P shipping to some D (or D's Generate: the direct route), retrying
         elsewhere on refusals/failures; the route is chosen again on each attempt."""
-        tried = _Tried(set(), set())
+        tried = Tried(set(), set())
         error = GenerateError(grpc.StatusCode.UNAVAILABLE, "no attempt made")
         cached = await self._cached_blocks(params)
         for attempt in range(self._max_attempts):
@@ -105,7 +92,9 @@ class PrefillStage:
                     grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed in prefill"
                 )
             if p is None:
-                result = await self._direct(params, d, tried, deadline)
+                result = await open_direct(
+                    self._decode, self._registry.decode, params, d, tried, deadline
+                )
             else:
                 result = await self._attempt(params, (p, d), cached, tried, deadline, remaining)
             if isinstance(result, Prefilled):
@@ -131,69 +120,25 @@ class PrefillStage:
             params.prompt_token_ids, params.cache_salt, addresses
         )
 
-    def _choose_decode(self, tried: _Tried, cached: dict[str, int]) -> Node:
+    def _choose_decode(self, tried: Tried, cached: dict[str, int]) -> Node:
         d = _choose(self._registry.decode, tried, cached)
         if d is None:
             raise _none_reachable(self._registry.decode)
         return d
 
-    def _choose_prefill(self, params: GenerateParams, tried: _Tried, cached: dict[str, int]):
+    def _choose_prefill(self, params: GenerateParams, tried: Tried, cached: dict[str, int]):
         n_prompt = len(params.prompt_token_ids)
         p = _choose(self._registry.prefill, tried, cached, n_prompt, self._block_size)
         if p is None:  # not reached: choose_route goes direct when no prefill node is usable
             raise _none_reachable(self._registry.prefill)
         return p
 
-    async def _direct(
-        self, params: GenerateParams, d: Node, tried: _Tried, deadline: float
-    ) -> Prefilled | GenerateError:
-        """D's Generate up to its first token; the error when another attempt may succeed
-        (raised when none can). D stays counted as in flight on success: the caller releases it."""
-        node_request_id = f"{params.request_id}-{secrets.token_hex(4)}"
-        request = nodes_pb2.GenerateOnNodeRequest(
-            request_id=node_request_id,
-            prompt_token_ids=params.prompt_token_ids,
-            sampling=sampling_to_proto(params.sampling),
-            cache_salt=params.cache_salt,
-        )
-        pool = self._registry.decode
-        pool.acquire(d)
-        call = self._decode.open_direct(d, request, deadline)
-        ok = False
-        try:
-            reply = await call.read()  # marks D down when it is unreachable
-            if len(reply.token_ids) != 1:
-                raise GenerateError(
-                    grpc.StatusCode.INTERNAL,
-                    f"decode node {d.address} sent {len(reply.token_ids)} first tokens",
-                )
-            ok = True
-        except GenerateError as exc:
-            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                tried.busy.add(d)
-                return exc
-            if exc.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline:
-                tried.unreachable.add(d)
-                return exc
-            raise
-        finally:
-            if not ok:
-                call.close()
-                pool.release(d)
-        first = nodes_pb2.PrefillResponse(
-            first_token_id=reply.token_ids[0],
-            first_logprob=reply.logprobs[0] if reply.logprobs else 0.0,
-            finish_reason=reply.finish_reason,
-            cached_tokens=reply.cached_tokens,
-        )
-        return Prefilled(first, d, node_request_id, call)
-
     async def _attempt(
         self,
         params: GenerateParams,
         pair: tuple[Node, Node],
         cached: dict[str, int],
-        tried: _Tried,
+        tried: Tried,
         deadline: float,
         remaining: float,
     ) -> Prefilled | GenerateError:
@@ -231,7 +176,7 @@ class PrefillStage:
                 reg.decode.release(d)
 
     async def _classify(
-        self, p: Node, d: Node, exc: grpc.aio.AioRpcError, deadline: float, tried: _Tried
+        self, p: Node, d: Node, exc: grpc.aio.AioRpcError, deadline: float, tried: Tried
     ) -> GenerateError:
         """Classify a failed Prefill; raise when retrying cannot help, else return the error."""
         code, details = exc.code(), exc.details()
@@ -309,7 +254,7 @@ def _peer_hint(
 
 def _choose(
     pool: NodePool,
-    tried: _Tried,
+    tried: Tried,
     cached: dict[str, int],
     prompt_tokens: int | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,

@@ -1,0 +1,24 @@
+"""What the prefill stage hands on: the request prefilled on some node (``Prefilled``), and the
+nodes an attempt already tried (``Tried``)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from splitserve.router.decode_stage import DecodeCall
+from splitserve.router.pool import Node
+from splitserve.v1 import nodes_pb2
+
+
+class Prefilled(NamedTuple):
+    response: nodes_pb2.PrefillResponse  # direct: made from D's first message
+    decode_node: Node  # still counted as in flight: the caller releases it
+    node_request_id: str
+    stream: DecodeCall | None = None  # direct: D's Generate stream, its first message read
+
+
+class Tried(NamedTuple):
+    """The nodes a request already tried: those that failed and those that only refused."""
+
+    unreachable: set[Node]
+    busy: set[Node]
