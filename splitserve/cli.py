@@ -7,6 +7,14 @@ from SPLITSERVE_<OPTION>. ``hash``, ``kv-demo`` and ``generate`` live in cli_too
 
 from __future__ import annotations
 
+import os
+
+# NOTE: before grpc is imported. grpcio's fork handlers can deadlock a fork made while its threads
+# are busy (e.g. grpc/grpc#22624); `splitserve up` forks (fork + exec, for its parent-death signal)
+# while its health-check channels are open, and no splitserve process uses gRPC across a fork.
+# The processes it starts inherit the setting.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 import argparse
 import logging
 import sys
