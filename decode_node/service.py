@@ -91,6 +91,8 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             **self.counters,
             "preemptions": engine.num_preemptions,
             "steps": self.engine.steps,
+            "step_seconds": self.engine.step_seconds,
+            "engine_job_seconds": self.engine.job_seconds,
         }
 
     async def GetStats(self, request, context):

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -48,6 +49,11 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None  # set by start(): steps run then
         self._queues: dict[str, asyncio.Queue[StepOutput | BaseException]] = {}
         self.steps = 0
+        # Wall seconds the engine thread spent in steps that ran a forward, and in jobs: over a
+        # run, step_seconds / steps is the mean step as the node sees it (GIL waits included),
+        # and (step_seconds + job_seconds) / elapsed how busy the thread was.
+        self.step_seconds = 0.0
+        self.job_seconds = 0.0
         # NOTE: CUDA's current device is per thread, and Triton launches on it: the engine thread
         # must make the node's GPU current itself (a node on cuda:1 whose steps ran with cuda:0
         # current would launch its kernels on the wrong GPU).
@@ -148,6 +154,7 @@ class AsyncEngine:
                     return
                 jobs = list(self._jobs)
                 self._jobs.clear()
+            started = time.perf_counter()
             for future, fn, args in jobs:
                 if not future.set_running_or_notify_cancel():
                     continue  # cancelled while queued
@@ -155,6 +162,8 @@ class AsyncEngine:
                     future.set_result(fn(*args))
                 except BaseException as exc:
                     future.set_exception(exc)
+            if jobs:
+                self.job_seconds += time.perf_counter() - started
             if self._can_step() and not self._step(engine):
                 with self._cond:  # nothing could be scheduled: wait a little, or for a job
                     if not self._jobs and not self._stopping:
@@ -165,6 +174,7 @@ class AsyncEngine:
 
     def _step(self, engine: LLMEngine) -> bool:
         """One engine step, its outputs posted to the loop; False when nothing was scheduled."""
+        started = time.perf_counter()
         try:
             outputs = engine.step()
         except RequestDoesNotFit as exc:
@@ -179,6 +189,7 @@ class AsyncEngine:
             return True
         if engine.last_num_scheduled:
             self.steps += 1  # forwards run (not the steps that found nothing to schedule)
+            self.step_seconds += time.perf_counter() - started
         if outputs:
             self._post(self._deliver, outputs)
         return bool(engine.last_num_scheduled)

@@ -88,7 +88,13 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
         return LoadFigures.of_engine(self.engine.engine)
 
     def all_counters(self) -> dict[str, float]:
-        return {**self.counters, **self.engine.kv_port.prefix_stats(), "steps": self.engine.steps}
+        return {
+            **self.counters,
+            **self.engine.kv_port.prefix_stats(),
+            "steps": self.engine.steps,
+            "step_seconds": self.engine.step_seconds,
+            "engine_job_seconds": self.engine.job_seconds,
+        }
 
     # ------------------------------------------------------------------ Prefill
 

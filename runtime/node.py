@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
 from typing import TYPE_CHECKING
 
 import grpc
@@ -162,6 +164,12 @@ async def serve_node(config: NodeConfig, role: str, make_service, add_servicer, 
     logger.info("%s node: %s", role, identity)
     from splitserve.models.engine_loop import AsyncEngine
 
+    # The engine thread and the event loop share the GIL; a thread that wants it waits up to the
+    # interpreter's switch interval (5 ms by default) for the holder to let go. A knob to measure
+    # that with (docs/benchmarks.md); unset, Python's default stands.
+    switch_ms = os.environ.get("SPLITSERVE_GIL_SWITCH_INTERVAL_MS")
+    if switch_ms:
+        sys.setswitchinterval(float(switch_ms) / 1000)
     loop_engine = AsyncEngine(engine)
     loop_engine.start()
     token = read_token_file(config.auth_token_file) if config.auth_token_file else None

@@ -67,7 +67,13 @@ def _node_counters(role: str) -> dict[str, float]:
     """What ``all_counters`` of the real service returns once every counter has moved."""
     kv = SimpleNamespace(stats=SimpleNamespace(requests=1, queried_tokens=1, hit_tokens=1))
     port = SimpleNamespace(prefix_stats=lambda: KVPort.prefix_stats(SimpleNamespace(_kv=kv)))
-    engine = SimpleNamespace(kv_port=port, steps=1, engine=SimpleNamespace(num_preemptions=1))
+    engine = SimpleNamespace(
+        kv_port=port,
+        steps=1,
+        step_seconds=0.1,
+        job_seconds=0.1,
+        engine=SimpleNamespace(num_preemptions=1),
+    )
     if role == "prefill":
         service = SimpleNamespace(counters=_counter_names(splitserve.prefill_node), engine=engine)
         return PrefillService.all_counters(service)

@@ -124,6 +124,13 @@ def test_a_cancelled_prefill_is_not_scheduled_by_a_step_queued_before_its_abort(
             done = await service.Prefill(_prefill_request("next", prompt[:40], 1), _Context())
             assert done.finish_reason == "length"
             assert core.pool.num_free_blocks == idle
+
+            # The engine thread's time is accounted: the steps run, and the job that held the
+            # thread for at least the three 20 ms cancels above.
+            counters = service.all_counters()
+            assert counters["steps"] == engine.steps > 4
+            assert 0 < counters["step_seconds"] == engine.step_seconds
+            assert counters["engine_job_seconds"] >= 0.06
         finally:
             await service.close()
             await engine.stop()
