@@ -1,7 +1,7 @@
 """The in-process engine on a serving workload, and where a step's time goes.
 
     python benchmarks/engine.py --device cuda --make-8b /tmp/llama8b [--requests 256]
-        [--prompt-range 128 1024] [--gen 128] [--repeats 2] [--async-scheduling on off]
+        [--prompt-range 128 1024] [--gen 128] [--repeats 2]
     python benchmarks/engine.py --device cpu --tiny --requests 8 --prompt-range 16 64 --gen 8
 
 The engine is built as a decode node builds it (``runtime.node.build_engine``: the real loader,
@@ -9,13 +9,12 @@ The engine is built as a decode node builds it (``runtime.node.build_engine``: t
 ``benchmarks/pipeline.py`` (random token ids, lengths uniform in ``--prompt-range``, seed 0),
 ``--gen`` tokens each (greedy, ignore_eos), all added at once, then stepped to the end.
 
-Per run: output tok/s, steps, and a profile of the steps split into those that computed prompt
-tokens ("prefill", chunks mixed with decodes) and decode-only ones: wall ms per step, the GPU
-time of the forward and sampling (CUDA events around them, so launch gaps inside a forward
-count as busy), the GPU's idle time between them (wall - GPU: what overlapping the CPU's step
-work with the GPU can win back), and the CPU time of schedule, input preparation, the forward's
-launch, sampling and the rest (bookkeeping, stop checks). ``--async-scheduling on off`` runs
-both modes on one engine, alternately.
+Per run: output tok/s, steps, and a profile of the steps (``models/step_profile.py``) split into
+those that computed prompt tokens ("prefill", chunks mixed with decodes) and decode-only ones:
+wall ms per step, the GPU time of the forward and sampling, the GPU's idle time between them
+(wall - GPU: what overlapping the CPU's step work with the GPU can win back), and the CPU time of
+schedule, input preparation, the forward's launch, sampling and the rest. A node records the
+same profile with ``SPLITSERVE_STEP_PROFILE=FILE`` (docs/benchmarks.md compares the two).
 """
 
 from __future__ import annotations
@@ -33,85 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from splitserve.models.sampling_params import SamplingParams
+from splitserve.models.step_profile import PHASES, StepProfile
 from splitserve.runtime.config import NodeConfig
 from splitserve.runtime.node import build_engine
-
-PHASES = ("schedule", "prepare", "launch", "sample", "other")
-
-
-class StepProfile:
-    """Wraps one engine's scheduler, runner and sampler to time every step's phases."""
-
-    def __init__(self, engine) -> None:
-        self.engine = engine
-        self.cuda = engine.runner.device.type == "cuda"
-        self.rows: list[dict] = []
-        self._cur: dict = {}
-        self._events: list[tuple] = []
-        self._wrap(engine.scheduler, "schedule", "schedule")
-        self._wrap(engine.runner, "prepare", "prepare")
-        self._wrap(engine.runner, "execute", "execute", start_event=True)
-        self._wrap(engine.sampler, "sample", "sample", end_event=True)
-
-    def _wrap(self, obj, name: str, phase: str, start_event=False, end_event=False) -> None:
-        inner = getattr(obj, name)
-
-        def timed(*args, **kwargs):
-            if start_event and self.cuda:
-                self._cur["ev0"] = torch.cuda.Event(enable_timing=True)
-                self._cur["ev0"].record()
-            t0 = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self._cur[phase] = self._cur.get(phase, 0.0) + time.perf_counter() - t0
-                if end_event and self.cuda and "ev0" in self._cur:
-                    ev1 = torch.cuda.Event(enable_timing=True)
-                    ev1.record()
-                    self._events.append((len(self.rows), self._cur.pop("ev0"), ev1))
-
-        setattr(obj, name, timed)
-
-    def step(self):
-        engine = self.engine
-        prefill = any(
-            r.num_computed_tokens < len(r.prompt_token_ids)
-            for r in (*engine.scheduler.running, *engine.scheduler.waiting)
-        )
-        self._cur = {}
-        t0 = time.perf_counter()
-        outputs = engine.step()
-        wall = time.perf_counter() - t0
-        cur = self._cur
-        row = {"wall": wall, "prefill": prefill, "gpu": 0.0}
-        row["schedule"] = cur.get("schedule", 0.0)
-        row["prepare"] = cur.get("prepare", 0.0)
-        row["launch"] = cur.get("execute", 0.0) - row["prepare"]
-        row["sample"] = cur.get("sample", 0.0)
-        row["other"] = wall - sum(row[p] for p in PHASES[:-1])
-        self.rows.append(row)
-        return outputs
-
-    def table(self) -> list[dict]:
-        if self.cuda:
-            torch.cuda.synchronize()
-            for i, ev0, ev1 in self._events:
-                self.rows[i]["gpu"] += ev0.elapsed_time(ev1) / 1e3
-        out = []
-        for kind in ("prefill", "decode"):
-            rows = [r for r in self.rows if r["prefill"] == (kind == "prefill")]
-            if not rows:
-                continue
-            n = len(rows)
-            line = {"steps": kind, "count": n}
-            for key in ("wall", "gpu"):
-                line[f"{key}_ms"] = 1e3 * sum(r[key] for r in rows) / n
-            line["gpu_idle_ms"] = line["wall_ms"] - line["gpu_ms"] if self.cuda else None
-            for p in PHASES:
-                line[f"{p}_ms"] = 1e3 * sum(r[p] for r in rows) / n
-            line["total_s"] = sum(r["wall"] for r in rows)
-            out.append(line)
-        return out
 
 
 def run(engine, prompts, gen: int, tag: str) -> dict:
@@ -149,13 +72,6 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--prompt-range", type=int, nargs=2, default=[128, 1024])
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument(
-        "--async-scheduling",
-        nargs="+",
-        choices=("on", "off"),
-        default=["on"],
-        help="engine modes to run, in turn, per repeat",
-    )
     return ap.parse_args()
 
 
@@ -190,17 +106,22 @@ def main() -> None:
 
     rows = []
     for rep in range(args.repeats):
-        for mode in args.async_scheduling:
-            engine.async_scheduling = mode == "on"
-            tag = f"r{rep}-async-{mode}"
-            row = run(engine, prompts, args.gen, tag)
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+        row = run(engine, prompts, args.gen, f"r{rep}")
+        print(json.dumps(row), flush=True)
+        rows.append(row)
     print("\n| run | output tok/s | wall s | steps |")
     print("|---|---|---|---|")
     for r in rows:
         print(f"| {r['run']} | {r['output_tok_s']:,.0f} | {r['wall_s']:.2f} | {r['steps']} |")
-    keys = ["count", "wall_ms", "gpu_ms", "gpu_idle_ms", *(f"{p}_ms" for p in PHASES), "total_s"]
+    keys = [
+        "count",
+        "seqs",
+        "wall_ms",
+        "gpu_ms",
+        "gpu_idle_ms",
+        *(f"{p}_ms" for p in PHASES),
+        "total_s",
+    ]
     print("\n| run | steps | " + " | ".join(keys) + " |")
     print("|---|---|" + "---|" * len(keys))
     for r in rows:

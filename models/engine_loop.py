@@ -40,8 +40,16 @@ IDLE_WAIT_S = 0.002
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, profile_path: str | None = None) -> None:
+        """``profile_path``: time every step's phases (models.step_profile) and write them
+        there when stopped."""
         self.engine = engine
+        self._profile_path = profile_path
+        self._profile = None
+        if profile_path and engine is not None:
+            from splitserve.models.step_profile import StepProfile
+
+            self._profile = StepProfile(engine)
         self._device = engine.runner.device if engine is not None else None
         self._jobs: deque[tuple[Future, Callable, tuple]] = deque()
         self._cond = threading.Condition()
@@ -78,6 +86,12 @@ class AsyncEngine:
         await asyncio.to_thread(self._thread.join)
         while self._jobs:
             self._jobs.popleft()[0].cancel()
+        if self._profile is not None:
+            try:
+                self._profile.dump(self._profile_path)
+                logger.info("step profile written to %s", self._profile_path)
+            except OSError as exc:
+                logger.warning("cannot write the step profile to %s: %s", self._profile_path, exc)
 
     async def call(self, fn: Callable[..., T], *args) -> T:
         """Run ``fn(*args)`` on the engine thread, between steps."""
@@ -176,7 +190,7 @@ class AsyncEngine:
         """One engine step, its outputs posted to the loop; False when nothing was scheduled."""
         started = time.perf_counter()
         try:
-            outputs = engine.step()
+            outputs = engine.step() if self._profile is None else self._profile.step()
         except RequestDoesNotFit as exc:
             self._post(self._fail, [exc.request_id], exc)
             return True

@@ -170,7 +170,11 @@ async def serve_node(config: NodeConfig, role: str, make_service, add_servicer, 
     switch_ms = os.environ.get("SPLITSERVE_GIL_SWITCH_INTERVAL_MS")
     if switch_ms:
         sys.setswitchinterval(float(switch_ms) / 1000)
-    loop_engine = AsyncEngine(engine)
+    # SPLITSERVE_STEP_PROFILE=PATH: the engine thread times every step's phases and writes them
+    # to PATH.<role>.<pid>.json when the node stops (models.step_profile).
+    profile = os.environ.get("SPLITSERVE_STEP_PROFILE")
+    profile_path = f"{profile}.{role}.{os.getpid()}.json" if profile else None
+    loop_engine = AsyncEngine(engine, profile_path)
     loop_engine.start()
     token = read_token_file(config.auth_token_file) if config.auth_token_file else None
     use_token(token)  # its own calls to peers carry it too

@@ -1,0 +1,57 @@
+"""The step profile a node records with SPLITSERVE_STEP_PROFILE (models.step_profile): the real
+engine behind AsyncEngine, as a node runs it; the rows and table written when it stops."""
+
+import asyncio
+import json
+
+from splitserve.models.engine_loop import AsyncEngine
+from splitserve.models.sampling_params import SamplingParams
+from splitserve.models.step_profile import PHASES
+from splitserve.models.tiny import write_random_checkpoint
+from splitserve.runtime.config import NodeConfig
+from splitserve.runtime.node import build_engine
+
+
+def test_an_engine_thread_profiles_its_steps_and_writes_them_when_stopped(tmp_path):
+    model = write_random_checkpoint(tmp_path / "model", with_tokenizer=False)
+    config = NodeConfig(
+        model_path=str(model), kv_cache_mb=16, kv_transfer="none", max_num_batched_tokens=32
+    )
+    engine, _ = build_engine(config, prefill_only=False)
+    path = tmp_path / "profile.json"
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    async def scenario() -> None:
+        loop_engine = AsyncEngine(engine, str(path))
+        loop_engine.start()
+        try:
+            queues = [loop_engine.subscribe(f"r{i}") for i in range(3)]
+            for i in range(3):  # 3 prompts of 40 tokens: 4 chunked-prefill steps, then decodes
+                await loop_engine.call(engine.add_request, f"r{i}", [7 + i] * 40, params)
+            for queue in queues:
+                while (await asyncio.wait_for(queue.get(), 30)).finish_reason is None:
+                    pass
+        finally:
+            await loop_engine.stop()
+        assert path.exists()
+        assert loop_engine.steps > 4
+
+    asyncio.run(scenario())
+    profile = json.loads(path.read_text())
+    rows = profile["rows"]
+    assert len(rows) == engine_steps(profile)
+    assert {r["prefill"] for r in rows} == {True, False}
+    for row in rows:
+        assert 1 <= row["seqs"] <= 3
+        assert row["wall"] > 0 and all(row[p] >= 0 for p in PHASES[:-1])
+        # The phases add up to the step's wall time (``other`` is the rest).
+        assert abs(sum(row[p] for p in PHASES) - row["wall"]) < 1e-9
+    table = {line["steps"]: line for line in profile["table"]}
+    assert table["prefill"]["count"] + table["decode"]["count"] == len(rows)
+    assert table["prefill"]["count"] >= 4  # 120 prompt tokens at 32 a step
+    assert max(r["seqs"] for r in rows if not r["prefill"]) == 3  # the three decode together
+    assert 1 <= table["decode"]["seqs"] <= 3
+
+
+def engine_steps(profile: dict) -> int:
+    return sum(line["count"] for line in profile["table"])
