@@ -4,8 +4,9 @@ Shape, dtype and stride checks are free (host metadata) and always run. Checks o
 *contents* (block ids inside the pool, sequence lengths that fit the block table, slots inside
 the cache) cost a device-to-host sync and some small kernels (~0.1-0.4 ms on an H200 in eager
 mode); they run when `validate=True` (the default) unless a CUDA graph is being captured, where
-no sync is allowed. A model runner that calls an op once per layer with the same tables checks
-them on the first layer and passes `validate=False` for the others.
+no sync is allowed. The model runner checks its tables on the host once per step
+(`ModelRunner.prepare`) and passes `validate=False` to every layer's ops: a sync in a layer would
+stall the launch of the rest of the forward.
 """
 
 from __future__ import annotations

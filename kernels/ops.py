@@ -4,8 +4,8 @@ Each op runs the Triton kernel on CUDA tensors and the plain-torch reference (`k
 same signature) on CPU tensors. Launchers check shapes, strides and dtypes (ValueError) before
 anything runs. With `validate=True` (default) they also check table contents (block ids inside
 the pool, seq_lens that fit the block table, slots): one host sync, skipped during CUDA graph
-capture; pass `validate=False` for the other layers of a step once one layer has checked them
-(see `kernels.checks`).
+capture; pass `validate=False` where the contents were checked on the host already (the model
+runner checks them once per step, in `ModelRunner.prepare`; see `kernels.checks`).
 
 NOTE: the Triton modules are imported on first CUDA use, so CPU-only processes never load Triton.
 

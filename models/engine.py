@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -228,9 +228,11 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
 
-    def step(self) -> list[StepOutput]:
+    def step(self, on_launch: Callable[[], None] | None = None) -> list[StepOutput]:
         """One iteration: apply pending aborts, schedule, run the forward, then sample and end
-        finished requests."""
+        finished requests. ``on_launch`` is called once the forward is queued on the device and
+        before the wait for its results (on a GPU, what runs then overlaps the forward); not
+        called when nothing was scheduled."""
         self._apply_aborts()
         scheduled = self.scheduler.schedule()
         self.last_num_scheduled = len(scheduled)
@@ -238,6 +240,8 @@ class LLMEngine:
             self._drop_unfittable()
             return []
         logits = self._run_model(scheduled)
+        if on_launch is not None:
+            on_launch()
         ready = self.scheduler.update_after_forward(scheduled)
         if not ready:
             return []

@@ -9,6 +9,16 @@ the next step computes. (Driving each step from the loop instead left the GPU id
 loop was busy sending the previous step's tokens, which on a node with hundreds of streams is
 most of the time.)
 
+On a GPU a step's outputs are handed over once the next step's forward is queued on the device,
+not before: the loop and the engine thread share the GIL, and a loop that wakes to stream 256
+tokens holds it in bursts of milliseconds. Woken before the next step is prepared, it stretched
+that preparation (Python, and torch calls that each give the GIL up and wait to get it back)
+while the GPU idled: decode steps of 256 requests took 26-33 ms in a node against 16.5 ms in
+process (docs/benchmarks.md). Woken after the launch, its burst runs while the GPU computes and
+the engine thread waits for the results. A token reaches the loop one schedule-and-prepare later
+(~2-3 ms); when no step follows, at once. On the CPU the forward runs inside the launch, so
+outputs are handed over at once.
+
 Releases must happen whatever interrupts them. ``await call(free, rid)`` is not enough: cancelling
 the awaiting task (a client cancel, then the call torn down while it cleans up) cancels the
 queued job too, and a job still queued behind a step is then dropped — the blocks stay
@@ -51,6 +61,9 @@ class AsyncEngine:
 
             self._profile = StepProfile(engine)
         self._device = engine.runner.device if engine is not None else None
+        # GPU: a step's outputs wait here until the next step's forward is launched (see above).
+        self._defer_outputs = self._device is not None and self._device.type == "cuda"
+        self._held: list[StepOutput] | None = None
         self._jobs: deque[tuple[Future, Callable, tuple]] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -165,6 +178,7 @@ class AsyncEngine:
                 while not (self._jobs or self._stopping or self._can_step()):
                     self._cond.wait()
                 if self._stopping:
+                    self._hand_over()
                     return
                 jobs = list(self._jobs)
                 self._jobs.clear()
@@ -182,6 +196,8 @@ class AsyncEngine:
                 with self._cond:  # nothing could be scheduled: wait a little, or for a job
                     if not self._jobs and not self._stopping:
                         self._cond.wait(IDLE_WAIT_S)
+            if self._held is not None and not self._can_step():
+                self._hand_over()  # no step follows to launch first
 
     def _can_step(self) -> bool:
         return self._loop is not None and self.engine is not None and self.engine.has_unfinished()
@@ -189,24 +205,40 @@ class AsyncEngine:
     def _step(self, engine: LLMEngine) -> bool:
         """One engine step, its outputs posted to the loop; False when nothing was scheduled."""
         started = time.perf_counter()
+        launched = self._hand_over if self._held is not None else None
         try:
-            outputs = engine.step() if self._profile is None else self._profile.step()
+            if self._profile is None:
+                outputs = engine.step(launched)
+            else:
+                outputs = self._profile.step(launched)
         except RequestDoesNotFit as exc:
+            self._hand_over()
             self._post(self._fail, [exc.request_id], exc)
             return True
         except Exception as exc:  # a failed step fails its requests, not the node
+            self._hand_over()
             logger.exception("engine step failed")
             rids = [r.request_id for r in (*engine.running, *engine.waiting, *engine.ready)]
             for rid in rids:
                 engine.abort(rid)
             self._post(self._fail, rids, exc)
             return True
+        self._hand_over()  # nothing launched (nothing scheduled): the last outputs go now
         if engine.last_num_scheduled:
             self.steps += 1  # forwards run (not the steps that found nothing to schedule)
             self.step_seconds += time.perf_counter() - started
         if outputs:
-            self._post(self._deliver, outputs)
+            if self._defer_outputs:
+                self._held = outputs
+            else:
+                self._post(self._deliver, outputs)
         return bool(engine.last_num_scheduled)
+
+    def _hand_over(self) -> None:
+        """Post the outputs held back from the last step, if any."""
+        held, self._held = self._held, None
+        if held:
+            self._post(self._deliver, held)
 
     def _post(self, fn: Callable, *args) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is left to hear

@@ -17,6 +17,9 @@ class AttentionMetadata:
     ``T`` tokens of ``B`` sequences; sequence b's new tokens are rows
     ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and it has ``seq_lens[b]`` tokens of context after this
     step (cached prefix + new tokens). ``is_decode``: every sequence has exactly one new token.
+    ``checked``: the contents were checked on the host when they were built
+    (``ModelRunner.prepare``), so the kernels skip their own contents checks: each costs a
+    device-to-host sync, which in every layer would stall the launch of the rest of the forward.
     """
 
     slot_mapping: torch.Tensor  # [T] int64, slot = block_id * block_size + offset (< 0: padding)
@@ -25,6 +28,7 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor  # [B + 1] int32
     max_query_len: int
     is_decode: bool
+    checked: bool = False
 
 
 class RMSNorm(nn.Module):
@@ -96,10 +100,17 @@ class PagedAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         rotary(positions, q, k)
         key_cache, value_cache = kv_cache
-        ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        validate = not meta.checked
+        ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, validate=validate)
         if meta.is_decode:
             out = ops.paged_decode_attention(
-                q, key_cache, value_cache, meta.block_table, meta.seq_lens, self.scale
+                q,
+                key_cache,
+                value_cache,
+                meta.block_table,
+                meta.seq_lens,
+                self.scale,
+                validate=validate,
             )
         else:
             out = ops.paged_prefill_attention(
@@ -111,6 +122,7 @@ class PagedAttention(nn.Module):
                 meta.seq_lens,
                 self.scale,
                 max_query_len=meta.max_query_len,
+                validate=validate,
             )
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

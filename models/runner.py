@@ -236,6 +236,7 @@ class ModelRunner:
             cu_seqlens_q=put(cu),
             max_query_len=int(q_lens.max()),
             is_decode=is_decode,
+            checked=True,  # block ids, lengths, slots and token ids: all checked above
         )
         return put(input_ids), put(positions), meta, is_decode
 
@@ -254,6 +255,10 @@ class ModelRunner:
             block_table[i, :need] = s.block_ids[:need]
         if block_table.max() >= self.num_blocks or block_table.min() < 0:
             raise ValueError(f"block ids must be in [0, {self.num_blocks})")
+        # Block 0 is the null block (the padding above): a sequence's own blocks are never it.
+        used = np.arange(block_table.shape[1]) * bs < seq_lens[:, None]
+        if (block_table[used] == 0).any():
+            raise ValueError("a sequence's block table names the reserved null block 0")
         return block_table
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:

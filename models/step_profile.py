@@ -55,8 +55,8 @@ class StepProfile:
 
         setattr(obj, name, timed)
 
-    def step(self):
-        """``engine.step()``, timed; a step that scheduled nothing is not recorded."""
+    def step(self, on_launch=None):
+        """``engine.step(on_launch)``, timed; a step that scheduled nothing is not recorded."""
         engine = self.engine
         prefill = any(
             r.num_computed_tokens < len(r.prompt_token_ids)
@@ -64,7 +64,7 @@ class StepProfile:
         )
         self._cur = {}
         t0 = time.perf_counter()
-        outputs = engine.step()
+        outputs = engine.step(on_launch)
         wall = time.perf_counter() - t0
         if not engine.last_num_scheduled:
             self._cur.pop("ev0", None)

@@ -134,3 +134,20 @@ def test_a_preempted_request_is_not_starved_by_transferred_ones(model):
     engine.step()
     assert engine.running == [t]
     engine.abort("t")
+
+
+def test_prepare_checks_tables_on_the_host_so_the_layers_need_not(model):
+    from splitserve.models.runner import SequenceInput
+
+    runner = _engine(model).runner
+    ids, positions, meta, is_decode = runner.prepare([SequenceInput([5, 6, 7], 0, [3])])
+    assert meta.checked and not is_decode  # the layers pass validate=False to the kernels
+    assert meta.slot_mapping.tolist() == [48, 49, 50] and positions.tolist() == [0, 1, 2]
+    assert ids.tolist() == [5, 6, 7]
+    # What the kernels' own checks would have caught is refused here, before any forward.
+    with pytest.raises(ValueError, match="null block 0"):
+        runner.prepare([SequenceInput([5] * 20, 0, [3, 0])])
+    with pytest.raises(ValueError, match="block ids must be in"):
+        runner.prepare([SequenceInput([5], 0, [runner.num_blocks])])
+    with pytest.raises(ValueError, match="2 blocks for"):
+        runner.prepare([SequenceInput([5] * 20, 20, [3, 4])])

@@ -89,3 +89,56 @@ def test_settle_waits_for_the_work_through_cancellations():
         return events
 
     assert asyncio.run(main()) == ["done"]
+
+
+def test_held_outputs_go_when_the_next_forward_is_launched_and_the_last_at_once(tmp_path):
+    """On a GPU a step's outputs are handed to the loop once the next step's forward is queued
+    (models.engine_loop); the CPU engine is made to do the same here. Every token arrives, in
+    order, the final ones too (no step follows them), each step's after the next launch."""
+    from splitserve.models.sampling_params import SamplingParams
+    from splitserve.models.tiny import write_random_checkpoint
+    from splitserve.runtime.config import NodeConfig
+    from splitserve.runtime.node import build_engine
+
+    model = write_random_checkpoint(tmp_path / "model", with_tokenizer=False)
+    core, _ = build_engine(NodeConfig(model_path=str(model), kv_cache_mb=16), prefill_only=False)
+    launches = []
+    execute = core.runner.execute
+
+    def counted(seqs):
+        launches.append(len(seqs))
+        return execute(seqs)
+
+    core.runner.execute = counted
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    reference = [core.generate([[9, 8, 7 + i]], params)[0].output_token_ids for i in range(2)]
+    launches.clear()
+
+    async def scenario():
+        engine = AsyncEngine(core)
+        engine._defer_outputs = True  # as on a GPU
+        posted = []  # forwards launched when each step's outputs were posted
+        post = engine._post
+        engine._post = lambda fn, *args: (posted.append(len(launches)), post(fn, *args))
+        engine.start()
+        try:
+            queues = [engine.subscribe(f"r{i}") for i in range(2)]
+            for i in range(2):
+                await engine.call(core.add_request, f"r{i}", [9, 8, 7 + i], params)
+            got = [[], []]
+            for i, queue in enumerate(queues):
+                while True:
+                    out = await asyncio.wait_for(queue.get(), 20)
+                    got[i].append(out.new_token_id)
+                    if out.finish_reason is not None:
+                        assert out.finish_reason == "length"
+                        break
+        finally:
+            await engine.stop()
+        return got, posted
+
+    got, posted = asyncio.run(scenario())
+    assert got == reference
+    assert posted[-1] == len(launches)  # the last step's outputs: no launch followed them
+    # Every other step's outputs went out during the next step, after its launch.
+    assert len(posted) >= 2 and all(n >= i + 2 for i, n in enumerate(posted[:-1])), posted
