@@ -5,7 +5,8 @@ instead of ``engine.step()``. Each step becomes a row: its wall time; the CPU ti
 input preparation, the forward's launch, sampling and the rest (bookkeeping, stop checks, and the
 wait for the GPU's results); on CUDA the GPU time from the forward's start to sampling's end
 (CUDA events, so launch gaps inside a forward count as busy); whether it computed prompt tokens;
-and how many requests it ran. ``table()`` sums the rows up by kind, ``dump(path)`` writes both.
+how many requests it ran; and when it started (so the gaps between steps show when the engine
+had nothing to run). ``table()`` sums the rows up by kind, ``dump(path)`` writes both.
 
 Used by ``benchmarks/engine.py`` (in process) and by a node whose ``SPLITSERVE_STEP_PROFILE``
 names a file (``runtime.node``): the same figures with the node's event loop beside the engine
@@ -29,6 +30,7 @@ class StepProfile:
         self.engine = engine
         self.cuda = engine.runner.device.type == "cuda"
         self.rows: list[dict] = []
+        self._t0 = time.perf_counter()  # rows' "start": seconds from here (gaps are idle time)
         self._cur: dict = {}
         self._events: list[tuple] = []
         self._wrap(engine.scheduler, "schedule", "schedule")
@@ -70,7 +72,13 @@ class StepProfile:
             self._cur.pop("ev0", None)
             return outputs
         cur = self._cur
-        row = {"wall": wall, "prefill": prefill, "seqs": engine.last_num_scheduled, "gpu": 0.0}
+        row = {
+            "start": t0 - self._t0,
+            "wall": wall,
+            "prefill": prefill,
+            "seqs": engine.last_num_scheduled,
+            "gpu": 0.0,
+        }
         row["schedule"] = cur.get("schedule", 0.0)
         row["prepare"] = cur.get("prepare", 0.0)
         row["launch"] = cur.get("execute", 0.0) - row["prepare"]

@@ -41,6 +41,8 @@ def test_an_engine_thread_profiles_its_steps_and_writes_them_when_stopped(tmp_pa
     rows = profile["rows"]
     assert len(rows) == engine_steps(profile)
     assert {r["prefill"] for r in rows} == {True, False}
+    starts = [r["start"] for r in rows]
+    assert starts == sorted(starts) and starts[0] >= 0
     for row in rows:
         assert 1 <= row["seqs"] <= 3
         assert row["wall"] > 0 and all(row[p] >= 0 for p in PHASES[:-1])
