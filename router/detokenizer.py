@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 # What a byte-level or SentencePiece decoder produces for bytes that do not (yet) form a
@@ -24,6 +24,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
+        self._fast = tokenizers_decode(tokenizer)
         self._token_ids: list[int] = []
         # NOTE: ids[prefix_offset:read_offset] were emitted in full; they are decoded again as
         # context so that tokenizers which drop a word's leading space at the start of a decode
@@ -34,6 +35,8 @@ class IncrementalDetokenizer:
         self._pending_sent = 0
 
     def _decode(self, ids: Sequence[int]) -> str:
+        if self._fast is not None:
+            return self._fast(ids)
         return self._tokenizer.decode(
             ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
         )
@@ -62,6 +65,24 @@ class IncrementalDetokenizer:
         else:
             self._pending_sent = max(self._pending_sent, len(complete))
         return delta
+
+
+def tokenizers_decode(tokenizer: Any) -> Callable[[Sequence[int]], str] | None:
+    """The tokenizers library's own decode (skipping special tokens), where transformers'
+    ``decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)`` is exactly
+    that: a fast tokenizer whose ``_decode`` is transformers' own. The same text without
+    transformers' per-call conversions, which were most of the router's detokenizing time (it
+    decodes twice per token). None otherwise (then ``tokenizer.decode`` is used)."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: the general path
+        return None
+    if not isinstance(tokenizer, TokenizersBackend):
+        return None
+    if type(tokenizer)._decode is not TokenizersBackend._decode:
+        return None  # a tokenizer that decodes its own way
+    backend = tokenizer.backend_tokenizer
+    return lambda ids: backend.decode(list(ids), skip_special_tokens=True)
 
 
 class StopStringMatcher:

@@ -108,3 +108,29 @@ def test_random_text_and_stop_strings_match_a_plain_search(trial):
 def test_stop_matcher_without_stop_strings_holds_nothing_back():
     matcher = StopStringMatcher(())
     assert matcher.add("abc") == ("abc", False)
+
+
+def test_the_fast_decode_gives_transformers_text_for_any_ids():
+    """The detokenizer decodes with the tokenizers library directly when transformers' decode is
+    exactly that; random ids (bytes that do not form UTF-8, special tokens) give the same text."""
+    from splitserve.router.detokenizer import tokenizers_decode
+
+    fast = tokenizers_decode(TOKENIZER)
+    assert fast is not None  # the embedded byte-level tokenizer is a fast one
+    rng = random.Random(7)
+    for _ in range(200):
+        ids = [rng.randrange(len(TOKENIZER)) for _ in range(rng.randint(0, 12))]
+        want = TOKENIZER.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        assert fast(ids) == want, ids
+
+
+def test_a_tokenizer_with_its_own_decode_is_not_bypassed():
+    from splitserve.router.detokenizer import tokenizers_decode
+
+    class Custom(type(TOKENIZER)):
+        def _decode(self, token_ids, **kwargs):
+            return "custom"
+
+    custom = Custom.__new__(Custom)
+    assert tokenizers_decode(custom) is None
+    assert tokenizers_decode(object()) is None
