@@ -264,7 +264,7 @@ class LocalCluster:
         time.sleep(0.1)
 
     def pids(self) -> dict[str, int]:
-        """Each component's process id, by name (router, prefill-0, ..., redis)."""
+        """Each component's process id, by name (router-0, prefill-0, ..., redis)."""
         return {proc.name: proc.popen.pid for proc in self._procs}
 
     def poll(self) -> str | None:
