@@ -28,18 +28,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline import make_8b
+from local_cluster import add_model_args, cluster_spec
 
-from splitserve.cluster_spec import ClusterSpec, free_port
+from splitserve.cluster_spec import free_port
 from splitserve.launcher import LocalCluster
 
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="a checkpoint (default: the embedded model)")
-    ap.add_argument("--make-8b", default=None, metavar="DIR")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--node-hostnames", action="store_true")
+    add_model_args(ap)
     ap.add_argument("--thresholds", type=int, nargs="+", default=[0, 64, 128, 256, 512])
     ap.add_argument("--input-len", default="uniform:16:512")
     ap.add_argument("--output-len", default="128")
@@ -147,25 +144,9 @@ def one_threshold(args, cluster, threshold: int, out: Path) -> dict:
 
 def main() -> None:
     args = parse_args()
-    node_args: tuple[str, ...] = ()
-    if args.make_8b:
-        model = make_8b(Path(args.make_8b))
-        node_args = ("--load-format", "dummy")
-    else:
-        from splitserve.models.tiny import ensure_tiny_model
-
-        model = Path(args.model) if args.model else ensure_tiny_model()
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="direct-threshold-"))
     out.mkdir(parents=True, exist_ok=True)
-    spec = ClusterSpec(
-        model_path=str(model),
-        num_prefill=1,
-        num_decode=1,
-        port=free_port(),
-        device=args.device,
-        node_args=node_args,
-        node_hostnames=args.node_hostnames,
-    )
+    spec = cluster_spec(args, num_prefill=1)
     rows = []
     with LocalCluster(spec) as cluster:
         for threshold in args.thresholds:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -23,18 +22,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline import make_8b
+from local_cluster import add_model_args, cluster_spec
+from pipeline import cpu_seconds
 
-from splitserve.cluster_spec import ClusterSpec, free_port
 from splitserve.launcher import LocalCluster
 
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="a checkpoint (default: the embedded model)")
-    ap.add_argument("--make-8b", default=None, metavar="DIR")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--node-hostnames", action="store_true")
+    add_model_args(ap)
     ap.add_argument("--num-prefill", type=int, default=0)
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--input-len", default="uniform:32:64")
@@ -43,31 +39,10 @@ def parse_args() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def main() -> None:
     args = parse_args()
-    node_args: tuple[str, ...] = ()
-    if args.make_8b:
-        model = make_8b(Path(args.make_8b))
-        node_args = ("--load-format", "dummy")
-    else:
-        from splitserve.models.tiny import ensure_tiny_model
-
-        model = Path(args.model) if args.model else ensure_tiny_model()
     out = Path(tempfile.mkdtemp(prefix="router-cpu-"))
-    spec = ClusterSpec(
-        model_path=str(model),
-        num_prefill=args.num_prefill,
-        num_decode=1,
-        port=free_port(),
-        device=args.device,
-        node_args=node_args,
-        node_hostnames=args.node_hostnames,
-    )
+    spec = cluster_spec(args, args.num_prefill)
     rows = []
     with LocalCluster(spec) as cluster:
         router = next(pid for name, pid in cluster.pids().items() if name.startswith("router"))
