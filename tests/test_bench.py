@@ -586,3 +586,25 @@ def test_bench_command_against_up_over_grpc_and_http(tmp_path):
             up.wait(timeout=30)
         except subprocess.TimeoutExpired:
             up.kill()
+
+
+def test_a_random_workload_found_in_the_cache_is_flagged():
+    def table(workload, salt, cached):
+        records = [rec(0, 0.0, [0.5, 0.6], end=0.6)]
+        results = metrics.summarize(records, 1.0, {})
+        results.update(input_tokens=1000, cached_tokens=cached)
+        doc = report.result_document(
+            target={"url": "h:1", "kind": "grpc", "model": None},
+            config={"workload": workload, "cache_salt": salt},
+            results=results,
+            timeline=metrics.timeline(records, 1.0),
+            server_metrics={},
+            records=records,
+        )
+        return report.format_table(doc)
+
+    assert "served 98% of the prompt tokens" in table("random", None, 980)
+    assert "--cache-salt" in table("random", None, 980)
+    assert "note:" not in table("random", None, 100)  # a little reuse is not a repeat
+    assert "note:" not in table("random", "run-2", 980)  # salted: the server's own business
+    assert "note:" not in table("shared-prefix", None, 980)  # sharing is the workload's point

@@ -134,4 +134,28 @@ def format_table(doc: dict[str, Any]) -> str:
             for name, s in sorted(kv[family].items()):
                 lines.append(f"  {name:<56}{s['mean']:7.3f} / {s['max']:.3f}")
     lines.append("=" * 76)
+    note = cache_note(doc)
+    if note:
+        lines.append(note)
     return "\n".join(lines)
+
+
+# A random workload's prompts share no prefix: more of them served from the prefix cache than this
+# means they were sent before (the same --seed against the same server).
+CACHED_SHARE_NOTE = 0.5
+
+
+def cache_note(doc: dict[str, Any]) -> str | None:
+    """A warning when a random workload without a cache salt found most of its prompt tokens in
+    the server's prefix cache: the run measured cache hits, not prefill."""
+    config, res = doc["config"], doc["results"]
+    if config.get("workload") != "random" or config.get("cache_salt"):
+        return None
+    cached, total = res.get("cached_tokens") or 0, res.get("input_tokens") or 0
+    if not total or cached / total < CACHED_SHARE_NOTE:
+        return None
+    return (
+        f"note: the server served {cached / total:.0%} of the prompt tokens from its prefix "
+        "cache: these prompts were sent to it before (same --seed). To measure prefill, give "
+        "each run its own --cache-salt (or another --seed)."
+    )
