@@ -78,7 +78,8 @@ def test_hash_prints_what_a_node_serving_the_checkpoint_publishes(model_dir, tmp
         router = start_router(model_dir, tmp_path, [prefill.address], [decode.address], *flags)
         procs.append(router)
         with Client(router.address) as client:
-            assert len(client.generate(prompt_token_ids=TOKENS, max_tokens=2).token_ids) == 2
+            reply = client.generate(prompt_token_ids=TOKENS, max_tokens=2, ignore_eos=True)
+            assert len(reply.token_ids) == 2
         deadline = time.monotonic() + 20
         for node in (prefill.address, decode.address):
             while blocks_held(redis.address, root, node, hashes) < len(hashes):
