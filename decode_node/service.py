@@ -90,9 +90,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
         return {
             **self.counters,
             "preemptions": engine.num_preemptions,
-            "steps": self.engine.steps,
-            "step_seconds": self.engine.step_seconds,
-            "engine_job_seconds": self.engine.job_seconds,
+            **self.engine.counters(),
         }
 
     async def GetStats(self, request, context):

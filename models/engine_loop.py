@@ -81,6 +81,15 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._main, name="engine", daemon=True)
         self._thread.start()
 
+    def counters(self) -> dict[str, float]:
+        """The engine thread's monotonic counters, for a node's ``all_counters``: forwards run,
+        and the wall seconds spent in them and in the jobs between them."""
+        return {
+            "steps": self.steps,
+            "step_seconds": self.step_seconds,
+            "engine_job_seconds": self.job_seconds,
+        }
+
     @property
     def kv_port(self) -> KVPort:
         """The engine's KV port (its methods run on the engine thread: pass them to ``call``)."""

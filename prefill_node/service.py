@@ -91,9 +91,7 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
         return {
             **self.counters,
             **self.engine.kv_port.prefix_stats(),
-            "steps": self.engine.steps,
-            "step_seconds": self.engine.step_seconds,
-            "engine_job_seconds": self.engine.job_seconds,
+            **self.engine.counters(),
         }
 
     # ------------------------------------------------------------------ Prefill

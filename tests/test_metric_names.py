@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import splitserve.decode_node
 import splitserve.prefill_node
 from splitserve.decode_node.service import DecodeService
+from splitserve.models.engine_loop import AsyncEngine
 from splitserve.models.kv_port import KVPort
 from splitserve.prefill_node.service import PrefillService
 from splitserve.runtime.metrics import LoadFigures, NodeCollector, RouterMetrics
@@ -67,11 +68,10 @@ def _node_counters(role: str) -> dict[str, float]:
     """What ``all_counters`` of the real service returns once every counter has moved."""
     kv = SimpleNamespace(stats=SimpleNamespace(requests=1, queried_tokens=1, hit_tokens=1))
     port = SimpleNamespace(prefix_stats=lambda: KVPort.prefix_stats(SimpleNamespace(_kv=kv)))
+    loop = SimpleNamespace(steps=1, step_seconds=0.1, job_seconds=0.1)
     engine = SimpleNamespace(
         kv_port=port,
-        steps=1,
-        step_seconds=0.1,
-        job_seconds=0.1,
+        counters=lambda: AsyncEngine.counters(loop),
         engine=SimpleNamespace(num_preemptions=1),
     )
     if role == "prefill":

@@ -34,26 +34,23 @@ def test_an_engine_thread_profiles_its_steps_and_writes_them_when_stopped(tmp_pa
         finally:
             await loop_engine.stop()
         assert path.exists()
-        assert loop_engine.steps > 4
+        return loop_engine.steps, loop_engine.step_seconds
 
-    asyncio.run(scenario())
+    steps, step_seconds = asyncio.run(scenario())
     profile = json.loads(path.read_text())
     rows = profile["rows"]
-    assert len(rows) == engine_steps(profile)
+    assert len(rows) == steps > 4  # a row per forward the engine thread counted
+    # The rows' walls lie inside the engine thread's own timing of the same steps.
+    assert 0 < sum(r["wall"] for r in rows) <= step_seconds
     assert {r["prefill"] for r in rows} == {True, False}
     starts = [r["start"] for r in rows]
     assert starts == sorted(starts) and starts[0] >= 0
     for row in rows:
         assert 1 <= row["seqs"] <= 3
-        assert row["wall"] > 0 and all(row[p] >= 0 for p in PHASES[:-1])
-        # The phases add up to the step's wall time (``other`` is the rest).
-        assert abs(sum(row[p] for p in PHASES) - row["wall"]) < 1e-9
+        # Every timed phase lies inside the step (``other``, the rest, is what is left).
+        assert row["wall"] > 0 and all(row[p] >= 0 for p in PHASES)
     table = {line["steps"]: line for line in profile["table"]}
-    assert table["prefill"]["count"] + table["decode"]["count"] == len(rows)
+    assert table["prefill"]["count"] == sum(r["prefill"] for r in rows)
     assert table["prefill"]["count"] >= 4  # 120 prompt tokens at 32 a step
     assert max(r["seqs"] for r in rows if not r["prefill"]) == 3  # the three decode together
     assert 1 <= table["decode"]["seqs"] <= 3
-
-
-def engine_steps(profile: dict) -> int:
-    return sum(line["count"] for line in profile["table"])
