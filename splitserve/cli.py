@@ -49,7 +49,10 @@ def cmd_node(args: argparse.Namespace) -> int:
         claimed = claim_for_node(args.device, args.gpu_lock_dir)
     except GpuClaimError as exc:
         return _error(str(exc), 1)
-    kwargs = config_kwargs(NodeConfig, args, model_path=model_path(args.model_path))
+    try:
+        kwargs = config_kwargs(NodeConfig, args, model_path=model_path(args.model_path))
+    except ValueError as exc:
+        return _error(str(exc), 2)
     config = NodeConfig(**{**kwargs, "device": claimed or kwargs["device"]})
     try:
         from splitserve.runtime.auth import read_token_file

@@ -13,12 +13,12 @@ IDENTITY_OPTIONS = ("model_path", "dtype", "block_size")  # what a node's model 
 
 
 def model_path(path: str | None) -> str:
-    """``path``, or the embedded tiny model's folder (written on first use)."""
-    if path:
-        return path
-    from splitserve.models.tiny import ensure_tiny_model
+    """The checkpoint folder a ``--model`` value stands for: the default model (nothing given),
+    ``tiny``, a GGUF file or a folder holding one (converted once, cached), or a checkpoint
+    folder as is (``models.embedded``)."""
+    from splitserve.models.embedded import resolve_model_path
 
-    return str(ensure_tiny_model())
+    return resolve_model_path(path)
 
 
 def _identity(args: argparse.Namespace):
@@ -118,9 +118,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from splitserve.models.runner import ModelRunner, RunnerConfig
     from splitserve.models.sampling_params import SamplingParams
 
-    path = model_path(args.model_path)
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     try:
+        path = model_path(args.model_path)
         params = SamplingParams(
             temperature=args.temperature,
             top_p=args.top_p,
@@ -209,7 +209,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("generate", help=cmd_generate.__doc__)
     p.add_argument("prompt", nargs="*", help="prompts (default: one example)")
-    p.add_argument("--model-path", default=None, help="checkpoint folder (default: tiny model)")
+    p.add_argument(
+        "--model-path",
+        "--model",
+        default=None,
+        help="checkpoint folder, .gguf file or `tiny` (default: SmolLM2-135M-Instruct)",
+    )
     add_options(p, NodeConfig, ("dtype", "kv_cache_mb"))
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)

@@ -18,7 +18,8 @@ class ClusterSpec:
     """What ``splitserve up`` starts (its options are these fields; see runtime.options)."""
 
     model_path: str = option(
-        help="checkpoint folder (default: the embedded tiny model)",
+        help="checkpoint folder, .gguf file (or a folder holding one) or `tiny` (the random "
+        "test model); default: SmolLM2-135M-Instruct",
         flag="--model",
         cli_default=None,
     )
@@ -72,6 +73,9 @@ class ClusterSpec:
     tls_cert: str | None = option(None, "mTLS for every component: its certificate (PEM)")
     tls_key: str | None = option(None, "mTLS: the private key of --tls-cert")
     tls_ca: str | None = option(None, "mTLS: the CA that signed it (and every client's)")
+    log_file: str | None = option(
+        None, "append every component's log to this file (default: this terminal's stderr)"
+    )
     stop_grace_s: float = 10.0
 
     def __post_init__(self) -> None:

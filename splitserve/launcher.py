@@ -98,7 +98,10 @@ class LocalCluster:
             # NOTE: a new UTS namespace gets the new host name before the node starts; the node
             # still shares the kernel, loopback and GPUs, like a container with host networking.
             argv = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', name, *argv]
-        return self._spawn(name, argv, port_file)
+        if self.spec.log_file is None:
+            return self._spawn(name, argv, port_file)
+        with open(self.spec.log_file, "ab") as log:  # the child keeps its own descriptor
+            return self._spawn(name, argv, port_file, stdout=log, stderr=subprocess.STDOUT)
 
     def start(self) -> ClusterAddresses:
         """Start every component (``with LocalCluster(spec) as cluster`` calls this; then read
@@ -250,10 +253,11 @@ class LocalCluster:
                     pass
                 self._sleep_until(deadline, proc)
 
-    @staticmethod
-    def _check_alive(proc: _Process) -> None:
+    def _check_alive(self, proc: _Process) -> None:
         if (rc := proc.popen.poll()) is not None:
-            raise RuntimeError(f"{proc.name} exited with status {rc} while starting (see its log)")
+            log = self.spec.log_file if proc.name != "redis" else None
+            where = f"its log is in {log}" if log else "see its log"
+            raise RuntimeError(f"{proc.name} exited with status {rc} while starting ({where})")
 
     def _sleep_until(self, deadline: float, proc: _Process) -> None:
         if time.monotonic() > deadline:

@@ -38,14 +38,14 @@ def test_hash_rejects_a_folder_without_a_checkpoint(tmp_path):
 
 
 def test_hash_rejects_negative_token_ids_with_a_clear_message():
-    proc = _run("hash", "1,2,-3")
+    proc = _run("hash", "--model", "tiny", "1,2,-3")
     assert proc.returncode == 2
     assert "non-negative" in proc.stderr or "[0, 2**32)" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
 def test_kv_demo_runs_and_reports_prefix_hits():
-    proc = _run("kv-demo", "--requests", "200", "--num-blocks", "512")
+    proc = _run("kv-demo", "--model", "tiny", "--requests", "200", "--num-blocks", "512")
     assert proc.returncode == 0, proc.stderr
     summary = proc.stdout.strip().splitlines()[-1]
     assert summary.startswith("200 lookups")
