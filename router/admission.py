@@ -1,99 +1,222 @@
-"""Overload queues, it does not fail: requests wait at the router, in arrival order, while every
-decode node holds as many of this router's requests as it may take (``Node.capacity``: its
-``max_num_seqs`` times the router's ``--decode-overcommit``), and go as soon as one ends.
+"""Overload queues at the router, in one bounded place, and what cannot wait is refused at once.
 
-A request fails only when the queue is full (``--max-queue``: RESOURCE_EXHAUSTED at once) or
-its wait runs past ``--queue-timeout-s`` (RESOURCE_EXHAUSTED) or its deadline
-(DEADLINE_EXCEEDED). Arrival order is kept: a newcomer queues behind waiting requests even when
-a slot is free at that instant. Queue length and waits are in ``/metrics``.
+A request is let go to the pools only when both can take it:
+
+- a decode node has a sequence slot for it (``Node.capacity``: its ``max_num_seqs`` times the
+  router's ``--decode-overcommit``) and room in its KV ledger for its blocks
+  (``router.kv_budget``), so the prefill node never computes KV that has nowhere to go;
+- a prefill node has room for its prompt tokens (``Node.max_queued_tokens``), so the excess waits
+  here, where a node that joins finds it, not in one node's queue.
+
+Requests wait in arrival order (a newcomer queues behind waiting requests even when there is room
+at that instant; only the head is let go). A request is refused with RESOURCE_EXHAUSTED, before
+any node did work for it, when the queue is full (``--max-queue``), when its prompt is larger than
+any decode node's KV, when the queue's recent pace says its wait would outlast its deadline or
+``--queue-timeout-s``, or when it has waited that long; its deadline passing in the queue is
+DEADLINE_EXCEEDED. Each refusal carries a retry-after hint and is counted by reason
+(``splitserve_router_refused_total{reason}``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
+from dataclasses import dataclass, field
 
 import grpc
 
 from splitserve.router.errors import GenerateError
+from splitserve.router.kv_budget import KVDemand
 from splitserve.router.pool import NodePool
-from splitserve.runtime.metrics import RouterMetrics
+from splitserve.runtime.metrics import REFUSAL_REASONS, RouterMetrics
 
 RECHECK_S = 0.5  # waiters look again this often even without news (a node joined, came back)
+PACE_WINDOW = 64  # departures from the queue the wait estimate is drawn from
+PACE_MIN = 16  # fewer departures than this: no estimate, requests wait up to their limits
+PACE_STALE_S = 5.0  # no departure for this long: the pace is not known
+WAITS_WINDOW_S = 60.0  # queue wait quantiles are over the requests that left in this window
+
+
+@dataclass(slots=True, eq=False)
+class Waiter:
+    wake: asyncio.Future
+    demand: KVDemand | None
+    work: int  # prompt tokens to compute
+    since: float = field(default_factory=time.monotonic)
 
 
 class Admission:
     def __init__(
         self,
-        pool: NodePool,
+        decode: NodePool,
         metrics: RouterMetrics,
         max_waiting: int = 4096,
         max_wait_s: float = 300.0,
+        prefill: NodePool | None = None,
     ) -> None:
-        self._pool = pool
+        self._decode = decode
+        self._prefill = prefill  # None: prefill room is not waited for
         self._metrics = metrics
         self.max_waiting = max_waiting
         self.max_wait_s = max_wait_s
-        # One wake-up future per waiter, in arrival order; only the head is woken.
-        self._waiters: deque[list[asyncio.Future]] = deque()
-        pool.on_release = self.notify  # a request left a decode node: the head may go
+        # In arrival order; only the head is woken.
+        self._waiters: deque[Waiter] = deque()
+        self._departures: deque[float] = deque(maxlen=PACE_WINDOW)  # when waiters were let go
+        self._waits: deque[tuple[float, float]] = deque()  # (when it left, how long it waited)
+        decode.on_release = self.notify  # a request left a decode node: the head may go
+        if prefill is not None:
+            prefill.on_release = self.notify
 
     def __len__(self) -> int:
         return len(self._waiters)
 
+    @property
+    def queued_prompt_tokens(self) -> int:
+        return sum(w.work for w in self._waiters)
+
+    def oldest_wait_s(self) -> float:
+        return time.monotonic() - self._waiters[0].since if self._waiters else 0.0
+
+    def wait_quantiles(self, qs: tuple[float, ...]) -> list[float]:
+        """Quantiles of the queue waits of the requests that left in the last WAITS_WINDOW_S
+        (0 when none did)."""
+        self._trim_waits(time.monotonic())
+        waits = sorted(w for _, w in self._waits)
+        if not waits:
+            return [0.0 for _ in qs]
+        return [waits[min(int(q * len(waits)), len(waits) - 1)] for q in qs]
+
     def notify(self) -> None:
-        """Wake the head of the queue (it looks whether a node has room now)."""
+        """Wake the head of the queue (it looks whether the pools have room now)."""
         if self._waiters:
-            wake = self._waiters[0][0]
+            wake = self._waiters[0].wake
             if not wake.done():
                 wake.set_result(None)
 
-    async def enter(self, deadline: float) -> None:
-        """Return once this request may be sent to a decode node (at once when nothing waits
-        and a node has room, or when no node is usable: the caller then reports that);
-        ``GenerateError`` when it may not wait any longer."""
-        if (not self._waiters and self._pool.has_room()) or not self._pool.usable():
+    def _room(self, demand: KVDemand | None, work: int) -> bool:
+        if not self._decode.has_room(demand):
+            return False
+        prefill = self._prefill
+        return prefill is None or not prefill.usable() or prefill.has_room(work=work)
+
+    async def enter(self, deadline: float, demand: KVDemand | None = None, work: int = 0) -> None:
+        """Return once this request may be sent to the pools (at once when nothing waits and
+        they have room, or when no decode node is usable: the caller then reports that);
+        ``GenerateError`` when it may not wait (any longer)."""
+        if not self._decode.usable():
+            return
+        self._check_fits(demand)
+        if not self._waiters and self._room(demand, work):
             return
         if len(self._waiters) >= self.max_waiting:
-            raise GenerateError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"every decode node is full and {len(self._waiters)} requests are already "
-                "waiting (the router's --max-queue); retry later or add decode nodes",
+            raise self._refuse(
+                "queue_full",
+                f"the pools are full and {len(self._waiters)} requests are already waiting (the "
+                "router's --max-queue); retry later or add nodes",
+                self._pace_wait(len(self._waiters)),
             )
-        loop = asyncio.get_running_loop()
-        me = [loop.create_future()]
-        self._waiters.append(me)
-        self._metrics.queue_length.set(len(self._waiters))
         start = time.monotonic()
         give_up = min(deadline, start + self.max_wait_s)
+        estimate = self._pace_wait(len(self._waiters) + 1)
+        if estimate is not None and start + estimate > give_up:
+            limit = "deadline" if deadline < start + self.max_wait_s else "--queue-timeout-s"
+            raise self._refuse(
+                "queue_wait",
+                f"{len(self._waiters)} requests are waiting ahead of this one and the router lets "
+                f"about {self._pace():.1f}/s go: its wait (~{estimate:.1f} s) would outlast its "
+                f"{limit} ({give_up - start:.1f} s); retry later or add nodes",
+                estimate,
+            )
+        loop = asyncio.get_running_loop()
+        me = Waiter(loop.create_future(), demand, work, start)
+        self._waiters.append(me)
+        self._metrics.queue_length.set(len(self._waiters))
+        let_go = False
         try:
-            while not (
-                self._waiters[0] is me and (self._pool.has_room() or not self._pool.usable())
-            ):
+            while not (self._waiters[0] is me and self._can_go(me)):
                 left = give_up - time.monotonic()
                 if left <= 0:
                     raise self._timed_out(deadline, start)
-                if me[0].done():
-                    me[0] = loop.create_future()
+                if me.wake.done():
+                    me.wake = loop.create_future()
                 # The head also looks again now and then (a node joined or came back up).
                 timeout = min(left, RECHECK_S) if self._waiters[0] is me else left
-                await asyncio.wait([me[0]], timeout=timeout)
+                await asyncio.wait([me.wake], timeout=timeout)
+            let_go = True
         finally:
             self._waiters.remove(me)
+            now = time.monotonic()
             self._metrics.queue_length.set(len(self._waiters))
-            self._metrics.queue_wait.observe(time.monotonic() - start)
+            self._metrics.queue_wait.observe(now - start)
+            self._waits.append((now, now - start))
+            self._trim_waits(now)
+            if let_go:
+                self._departures.append(now)
             self.notify()  # the next in line looks again
+
+    def _can_go(self, me: Waiter) -> bool:
+        if not self._decode.usable():
+            return True  # the caller reports that no node is usable
+        return self._room(me.demand, me.work)
+
+    def _check_fits(self, demand: KVDemand | None) -> None:
+        """Refuse a prompt no usable decode node could ever hold (its KV would have nowhere to
+        go however long it waited)."""
+        if demand is None:
+            return
+        nodes = self._decode.usable()
+        if any(n.kv.can_ever_fit(demand) for n in nodes):
+            return
+        largest = max(n.kv.num_blocks or 0 for n in nodes)
+        raise self._refuse(
+            "prompt_too_large",
+            f"the prompt needs {demand.prompt_blocks} KV blocks of {demand.block_size} tokens; "
+            f"the largest decode node holds {largest}: shorten it or add a larger decode node",
+            None,
+        )
+
+    def _pace(self) -> float:
+        """Requests let go from the queue per second, recently (0: not known)."""
+        d = self._departures
+        if len(d) < PACE_MIN or time.monotonic() - d[-1] > PACE_STALE_S or d[-1] <= d[0]:
+            return 0.0
+        return (len(d) - 1) / (d[-1] - d[0])
+
+    def _pace_wait(self, position: int) -> float | None:
+        """How long the ``position``-th in line will wait at the recent pace (None: unknown)."""
+        pace = self._pace()
+        return position / pace if pace > 0 else None
+
+    def _trim_waits(self, now: float) -> None:
+        while self._waits and self._waits[0][0] < now - WAITS_WINDOW_S:
+            self._waits.popleft()
+
+    def _refuse(self, reason: str, message: str, retry_after_s: float | None) -> GenerateError:
+        assert reason in REFUSAL_REASONS, reason
+        self._metrics.refused.labels(reason=reason).inc()
+        hint = retry_after_hint(retry_after_s)
+        return GenerateError(grpc.StatusCode.RESOURCE_EXHAUSTED, message, retry_after_s=hint)
 
     def _timed_out(self, deadline: float, start: float) -> GenerateError:
         waited = time.monotonic() - start
         if time.monotonic() >= deadline:
+            self._metrics.refused.labels(reason="deadline").inc()
             return GenerateError(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"the request's deadline passed after {waited:.1f} s waiting for a decode slot",
+                f"the request's deadline passed after {waited:.1f} s waiting for room in the pools",
             )
-        return GenerateError(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"waited {waited:.1f} s (the router's --queue-timeout-s) for a decode slot; every "
-            "decode node stayed full: retry later or add decode nodes",
+        return self._refuse(
+            "queue_timeout",
+            f"waited {waited:.1f} s (the router's --queue-timeout-s) for room in the pools; they "
+            "stayed full: retry later or add nodes",
+            self._pace_wait(len(self._waiters)),
         )
+
+
+def retry_after_hint(seconds: float | None) -> int:
+    """Whole seconds for a Retry-After header: the estimate rounded up, 1 at least."""
+    if seconds is None or not math.isfinite(seconds):
+        return 1
+    return max(1, min(math.ceil(seconds), 3600))

@@ -10,6 +10,7 @@ import grpc
 
 from splitserve.router.decode_stage import DecodeStage
 from splitserve.router.errors import GenerateError
+from splitserve.router.kv_budget import KVDemand
 from splitserve.router.pool import Node, NodePool
 from splitserve.router.prefilled import Prefilled, Tried
 from splitserve.router.request import GenerateParams
@@ -21,12 +22,14 @@ async def open_direct(
     stage: DecodeStage,
     pool: NodePool,
     params: GenerateParams,
-    d: Node,
+    target: tuple[Node, KVDemand],
     tried: Tried,
     deadline: float,
 ) -> Prefilled | GenerateError:
     """D's Generate up to its first token; the error when another attempt may succeed
-    (raised when none can). D stays counted as in flight on success: the caller releases it."""
+    (raised when none can). D stays counted as in flight (with the request's KV ``demand``) on
+    success: the caller releases it."""
+    d, demand = target
     node_request_id = f"{params.request_id}-{secrets.token_hex(4)}"
     request = nodes_pb2.GenerateOnNodeRequest(
         request_id=node_request_id,
@@ -34,7 +37,7 @@ async def open_direct(
         sampling=sampling_to_proto(params.sampling),
         cache_salt=params.cache_salt,
     )
-    pool.acquire(d)
+    pool.acquire(d, demand=demand)
     call = stage.open_direct(d, request, deadline)
     ok = False
     try:
@@ -56,11 +59,11 @@ async def open_direct(
     finally:
         if not ok:
             call.close()
-            pool.release(d)
+            pool.release(d, demand=demand)
     first = nodes_pb2.PrefillResponse(
         first_token_id=reply.token_ids[0],
         first_logprob=reply.logprobs[0] if reply.logprobs else 0.0,
         finish_reason=reply.finish_reason,
         cached_tokens=reply.cached_tokens,
     )
-    return Prefilled(first, d, node_request_id, call)
+    return Prefilled(first, d, node_request_id, call, demand)

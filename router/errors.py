@@ -18,7 +18,12 @@ UNREACHABLE = (
 class GenerateError(Exception):
     """Ends a request with a gRPC status."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, message: str, retry_after_s: int | None = None
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        # A refusal for want of room: when to try again (HTTP Retry-After; gRPC's
+        # grpc-retry-pushback-ms trailer). None: not a refusal of that kind.
+        self.retry_after_s = retry_after_s

@@ -62,10 +62,12 @@ class RequestFront:
         params: GenerateParams | None = None
         try:
             if self._in_flight[client] >= self._max_per_client:
+                self._metrics.refused.labels(reason="client_cap").inc()
                 raise GenerateError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"client {client} has {self._in_flight[client]} requests in flight (the "
                     "router's --max-requests-per-client); wait for one to end",
+                    retry_after_s=1,
                 )
             self._in_flight[client] += 1
             counted = True

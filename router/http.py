@@ -34,8 +34,10 @@ _END = object()
 ACCEPT_BACKLOG = 4096  # connections waiting to be accepted (the kernel caps it at somaxconn)
 
 
-def _error(exc: ApiError) -> web.Response:
-    return web.json_response(exc.body(), status=exc.status)
+def _error(exc: ApiError, retry_after_s: int | None = None) -> web.Response:
+    """OpenAI's error JSON; a refusal for want of room says when to retry (Retry-After)."""
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
+    return web.json_response(exc.body(), status=exc.status, headers=headers)
 
 
 @web.middleware
@@ -166,7 +168,7 @@ class HttpFront:
                     return await self._stream(request, api, outputs)
                 return await self._whole(api, outputs)
         except GenerateError as exc:
-            return _error(ApiError.of_grpc(exc.code, exc.message))
+            return _error(ApiError.of_grpc(exc.code, exc.message), exc.retry_after_s)
 
     async def _outputs(self, api: ApiRequest, client: str) -> AsyncIterator[tuple[int, Step]]:
         """(choice index, step) of every choice as they come; ``GenerateError`` if any fails

@@ -63,7 +63,7 @@ class Orchestrator:
 
             delta = output.add([first.first_token_id], [first.first_logprob], first.finish_reason)
             if output.finished:
-                decode_pool.release(node)
+                decode_pool.release(node, demand=prefilled.demand)
                 node = None
                 if prefilled.stream is not None:
                     prefilled.stream.close()  # direct: D ends the request (a no-op if it did)
@@ -79,7 +79,10 @@ class Orchestrator:
                 yield step(delta)
                 while True:
                     reply = await call.read()
-                    yield step(output.add(reply.token_ids, reply.logprobs, reply.finish_reason))
+                    delta = output.add(reply.token_ids, reply.logprobs, reply.finish_reason)
+                    if prefilled.demand is not None:  # its output fills blocks beyond the reserve
+                        node.kv.grow(prefilled.demand, output.num_tokens)
+                    yield step(delta)
                     if output.finished:
                         return
             finally:
@@ -88,4 +91,4 @@ class Orchestrator:
             if prefilled.stream is not None:
                 prefilled.stream.close()  # idempotent
             if node is not None:
-                decode_pool.release(node)
+                decode_pool.release(node, demand=prefilled.demand)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from splitserve.kvstore.hashing import DEFAULT_BLOCK_SIZE
+from splitserve.router.kv_budget import KVDemand, KVLedger
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,11 @@ class Node:
     leaving: bool = False  # left the registry (draining) while requests were still in flight
     capacity: int | None = None  # decode: router requests it may hold at once (None: no limit)
     slots: int | None = None  # decode: its max_num_seqs, once its GetStats answered
+    # decode: the KV blocks this router's requests there will need (router.kv_budget)
+    kv: KVLedger = field(default_factory=KVLedger, repr=False)
+    # prefill: prompt tokens of this router's requests it may have to compute at once (None: no
+    # limit): beyond it requests wait in the router's queue, not in the node's
+    max_queued_tokens: int | None = None
     # Set when the health checker finds the node silent: calls waiting on it give up then.
     stalled: asyncio.Event | None = field(default=None, repr=False)
     silent_probes: int = 0  # health checks failed in a row
@@ -49,8 +55,18 @@ class Node:
             self.stalled = asyncio.Event()
         return self.stalled
 
-    def has_room(self) -> bool:
-        return self.capacity is None or self.in_flight < self.capacity
+    def has_room(self, demand: KVDemand | None = None, work: int = 0) -> bool:
+        """Room for one more request: a sequence slot and, with ``demand``, its KV blocks
+        (decode); with ``work``, that many prompt tokens to compute (prefill; a node with
+        nothing queued always has room)."""
+        if self.capacity is not None and self.in_flight >= self.capacity:
+            return False
+        if demand is not None and not self.kv.fits(demand):
+            return False
+        limit = self.max_queued_tokens
+        if work and limit is not None and self.queued_tokens > 0:
+            return self.queued_tokens + work <= limit
+        return True
 
     def is_up(self, now: float) -> bool:
         return now >= self.down_until
@@ -77,15 +93,20 @@ class NodePool:
         addresses: Sequence[str],
         clock: Callable[[], float] = time.monotonic,
         down_s: float = DEFAULT_DOWN_S,
+        kv_headroom: float = 0.0,
     ) -> None:
         if len(set(addresses)) != len(addresses):
             raise ValueError(f"{role} node addresses repeat: {', '.join(addresses)}")
         self.role = role
-        self.nodes = [Node(address, role) for address in addresses]
+        self.kv_headroom = kv_headroom  # decode: the KV ledger's headroom (router.kv_budget)
+        self.nodes = [self._new_node(address) for address in addresses]
         self._clock = clock
         self._down_s = down_s
         self._rr = 0
         self.on_release: Callable[[], None] | None = None  # news for whoever waits for room
+
+    def _new_node(self, address: str, discovered: bool = False) -> Node:
+        return Node(address, self.role, discovered=discovered, kv=KVLedger(self.kv_headroom))
 
     def pick(
         self,
@@ -93,6 +114,7 @@ class NodePool:
         cached: Mapping[str, int] | None = None,
         prompt_tokens: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        demand: KVDemand | None = None,
     ) -> Node | None:
         """The up node with the fewest in-flight requests; with ``cached`` (address → leading
         blocks of the prompt the node holds), the one holding the longest prefix among those
@@ -100,7 +122,9 @@ class NodePool:
 
         With ``prompt_tokens`` (prefill), the node where the prompt would be computed soonest:
         least ``queued_tokens`` plus the tokens it would compute for this prompt
-        (``prompt_tokens_to_compute``); fewest in flight, then round robin among ties."""
+        (``prompt_tokens_to_compute``); fewest in flight, then round robin among ties.
+
+        With ``demand`` (decode), nodes whose KV ledger has room for it come first."""
         now = self._clock()
         candidates = [
             n for n in self.nodes if n not in exclude and not n.rejected and not n.leaving
@@ -110,7 +134,7 @@ class NodePool:
             if not candidates:
                 return None
             return min(candidates, key=lambda n: n.down_until)
-        roomy = [n for n in up if n.has_room()]
+        roomy = [n for n in up if n.has_room(demand)]
         up = roomy or up  # full nodes only when every node is full (the admission queue's job)
         if prompt_tokens is not None:
             cached = cached or {}
@@ -138,9 +162,9 @@ class NodePool:
         now = self._clock()
         return [n for n in self.nodes if n.is_up(now) and not n.rejected and not n.leaving]
 
-    def has_room(self) -> bool:
-        """A node that may take work has room for one more request."""
-        return any(n.has_room() for n in self.usable())
+    def has_room(self, demand: KVDemand | None = None, work: int = 0) -> bool:
+        """A node that may take work has room for one more request (``Node.has_room``)."""
+        return any(n.has_room(demand, work) for n in self.usable())
 
     def notify_waiters(self) -> None:
         if self.on_release is not None:
@@ -151,7 +175,7 @@ class NodePool:
         known = {n.address for n in self.nodes}
         for address in sorted(set(addresses) - known):
             logger.info("%s node %s registered", self.role, address)
-            self.nodes.append(Node(address, self.role, discovered=True))
+            self.nodes.append(self._new_node(address, discovered=True))
             self.notify_waiters()
         for node in self.nodes:
             if node.leaving and node.address in addresses:
@@ -166,15 +190,19 @@ class NodePool:
                 logger.info("%s node %s is leaving the registry", self.role, node.address)
                 node.leaving = True
 
-    def acquire(self, node: Node, tokens: int = 0) -> None:
-        """Count one more in-flight request on ``node`` (and ``tokens`` to compute there); pair
-        every call with ``release`` of the same tokens."""
+    def acquire(self, node: Node, tokens: int = 0, demand: KVDemand | None = None) -> None:
+        """Count one more in-flight request on ``node`` (and ``tokens`` to compute there, and
+        ``demand``'s KV blocks); pair every call with ``release`` of the same arguments."""
         node.in_flight += 1
         node.queued_tokens += tokens
+        if demand is not None:
+            node.kv.take(demand)
 
-    def release(self, node: Node, tokens: int = 0) -> None:
+    def release(self, node: Node, tokens: int = 0, demand: KVDemand | None = None) -> None:
         node.in_flight -= 1
         node.queued_tokens -= tokens
+        if demand is not None:
+            node.kv.give_back(demand)
         assert node.in_flight >= 0, f"{node.address}: released more than acquired"
         self.notify_waiters()
 

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -24,6 +25,7 @@ from splitserve.router.admission import Admission
 from splitserve.router.decode_stage import DecodeStage
 from splitserve.router.direct import open_direct
 from splitserve.router.errors import UNREACHABLE, GenerateError
+from splitserve.router.kv_budget import KVDemand
 from splitserve.router.pool import Node, NodePool, prompt_tokens_to_compute
 from splitserve.router.prefilled import Prefilled, Tried
 from splitserve.router.prefix import PrefixLookup
@@ -49,8 +51,10 @@ class PrefillStage:
         admission: Admission | None = None,
         decode: DecodeStage | None = None,
         policy: RoutePolicy = NO_DIRECT,
+        kv_reserve_tokens: int = 256,
+        on_computed: Callable[[int], None] | None = None,
     ) -> None:
-        self._admission = admission  # requests wait there while every decode node is full
+        self._admission = admission  # requests wait there while the pools are full
         self._registry = registry
         self._metrics = metrics
         self._max_attempts = max_attempts
@@ -58,6 +62,8 @@ class PrefillStage:
         self._lookup = lookup
         self._decode = decode or DecodeStage(registry)  # opens the direct route's streams
         self._policy = policy
+        self._kv_reserve_tokens = kv_reserve_tokens  # router.kv_budget's up-front output
+        self._on_computed = on_computed  # prompt tokens a prefill node computed (pressure)
 
     async def run(self, params: GenerateParams, deadline: float) -> Prefilled:
         """Run Prefill on some P shipping to some D (or D's Generate: the direct route), retrying
@@ -65,17 +71,24 @@ class PrefillStage:
         tried = Tried(set(), set())
         error = GenerateError(grpc.StatusCode.UNAVAILABLE, "no attempt made")
         cached = await self._cached_blocks(params)
+        demand = KVDemand.of(
+            params.prompt_token_ids,
+            params.cache_salt,
+            params.sampling.max_tokens,
+            self._block_size,
+            self._kv_reserve_tokens,
+        )
+        n_prompt = len(params.prompt_token_ids)
         for attempt in range(self._max_attempts):
             if attempt:
                 self._metrics.retries.inc()
                 if tried.busy:  # a node refused: give it a moment (before queueing again)
                     await asyncio.sleep(min(0.05 * 2**attempt, max(deadline - time.monotonic(), 0)))
             if self._admission is not None:
-                await self._admission.enter(deadline)
+                await self._admission.enter(deadline, demand, n_prompt)
             # NOTE: from here to the acquire in _attempt or _direct nothing awaits: the room
             # just found is this request's.
-            d = self._choose_decode(tried, cached)
-            n_prompt = len(params.prompt_token_ids)
+            d = self._choose_decode(tried, cached, demand)
             route = choose_route(
                 self._policy,
                 self._registry.prefill,
@@ -93,10 +106,12 @@ class PrefillStage:
                 )
             if p is None:
                 result = await open_direct(
-                    self._decode, self._registry.decode, params, d, tried, deadline
+                    self._decode, self._registry.decode, params, (d, demand), tried, deadline
                 )
             else:
-                result = await self._attempt(params, (p, d), cached, tried, deadline, remaining)
+                result = await self._attempt(
+                    params, (p, d), demand, cached, tried, (deadline, remaining)
+                )
             if isinstance(result, Prefilled):
                 self._metrics.routes.labels(route=route).inc()
                 return result
@@ -120,8 +135,8 @@ class PrefillStage:
             params.prompt_token_ids, params.cache_salt, addresses
         )
 
-    def _choose_decode(self, tried: Tried, cached: dict[str, int]) -> Node:
-        d = _choose(self._registry.decode, tried, cached)
+    def _choose_decode(self, tried: Tried, cached: dict[str, int], demand: KVDemand) -> Node:
+        d = _choose(self._registry.decode, tried, cached, demand=demand)
         if d is None:
             raise _none_reachable(self._registry.decode)
         return d
@@ -137,14 +152,16 @@ class PrefillStage:
         self,
         params: GenerateParams,
         pair: tuple[Node, Node],
+        demand: KVDemand,
         cached: dict[str, int],
         tried: Tried,
-        deadline: float,
-        remaining: float,
+        times: tuple[float, float],
     ) -> Prefilled | GenerateError:
-        """One Prefill call; the error when another pair may succeed (raised when none can)."""
+        """One Prefill call; the error when another pair may succeed (raised when none can).
+        ``times``: the request's deadline and the seconds left until it."""
         reg = self._registry
         p, d = pair
+        deadline, remaining = times
         node_request_id = f"{params.request_id}-{secrets.token_hex(4)}"
         request = nodes_pb2.PrefillRequest(
             request_id=node_request_id,
@@ -157,7 +174,7 @@ class PrefillStage:
         n_prompt = len(params.prompt_token_ids)
         work = prompt_tokens_to_compute(n_prompt, cached.get(p.address, 0), self._block_size)
         reg.prefill.acquire(p, work)
-        reg.decode.acquire(d)
+        reg.decode.acquire(d, demand=demand)
         ok = False
         try:
             call = reg.prefill_stub(p).Prefill(request, timeout=remaining, metadata=call_metadata())
@@ -166,14 +183,16 @@ class PrefillStage:
             finally:
                 call.cancel()
             ok = True
-            return Prefilled(response, d, node_request_id)
+            if self._on_computed is not None:
+                self._on_computed(max(n_prompt - response.cached_tokens, 0))
+            return Prefilled(response, d, node_request_id, demand=demand)
         except grpc.aio.AioRpcError as exc:
             # NOTE: classified while p and d still count this request: a probe may take a while.
             return await self._classify(p, d, exc, deadline, tried)
         finally:
             reg.prefill.release(p, work)
             if not ok:
-                reg.decode.release(d)
+                reg.decode.release(d, demand=demand)
 
     async def _classify(
         self, p: Node, d: Node, exc: grpc.aio.AioRpcError, deadline: float, tried: Tried
@@ -258,7 +277,8 @@ def _choose(
     cached: dict[str, int],
     prompt_tokens: int | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    demand: KVDemand | None = None,
 ) -> Node | None:
     """A node not yet tried by this request if any, else one that only refused (full)."""
-    args = (cached, prompt_tokens, block_size)
+    args = (cached, prompt_tokens, block_size, demand)
     return pool.pick(tried.unreachable | tried.busy, *args) or pool.pick(tried.unreachable, *args)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from splitserve.router.decode_stage import DecodeCall
+from splitserve.router.kv_budget import KVDemand
 from splitserve.router.pool import Node
 from splitserve.v1 import nodes_pb2
 
@@ -15,6 +16,7 @@ class Prefilled(NamedTuple):
     decode_node: Node  # still counted as in flight: the caller releases it
     node_request_id: str
     stream: DecodeCall | None = None  # direct: D's Generate stream, its first message read
+    demand: KVDemand | None = None  # D's KV blocks charged to it: released with D
 
 
 class Tried(NamedTuple):

@@ -28,6 +28,10 @@ from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 EMPTY_GRACE_S = 5.0  # a role that vanished whole from the registry is kept this long
 
+# A prefill node may have this many steps' worth of prompt tokens (its max_num_batched_tokens) of
+# the router's requests to compute: enough to keep its batches full, the rest waits at the router.
+PREFILL_QUEUE_STEPS = 4
+
 STALL_PROBES = 2  # failed health checks in a row before a node counts as stalled
 
 logger = logging.getLogger(__name__)
@@ -43,12 +47,18 @@ class NodeRegistry:
         down_s: float = DEFAULT_DOWN_S,
         expected_identity: ModelIdentity | None = None,
         decode_overcommit: float = 1.5,
+        decode_kv_headroom: float = 0.0,
+        prefill_queue_tokens: int = 0,
     ) -> None:
         # A decode node may hold this many of the router's requests per max_num_seqs slot: those
         # in prefill or transfer do not decode yet, and the node queues the rest it receives.
         self.decode_overcommit = decode_overcommit
+        # A prefill node's queue bound (0: PREFILL_QUEUE_STEPS of its own step budget).
+        self.prefill_queue_tokens = prefill_queue_tokens
         self.prefill = NodePool("prefill", prefill_addresses, down_s=down_s)
-        self.decode = NodePool("decode", decode_addresses, down_s=down_s)
+        self.decode = NodePool(
+            "decode", decode_addresses, down_s=down_s, kv_headroom=decode_kv_headroom
+        )
         self.expected_identity = expected_identity
         self._empty_since: dict[str, float] = {}  # role → when the registry first had none
         self._foreign_reported: set[str] = set()
@@ -121,6 +131,12 @@ class NodeRegistry:
         if pool.role == "decode" and stats.max_num_seqs:
             node.slots = stats.max_num_seqs
             node.capacity = max(1, int(stats.max_num_seqs * self.decode_overcommit))
+            node.kv.num_blocks = stats.num_blocks or None
+            pool.notify_waiters()
+        if pool.role == "prefill" and (self.prefill_queue_tokens or stats.max_num_batched_tokens):
+            node.max_queued_tokens = (
+                self.prefill_queue_tokens or PREFILL_QUEUE_STEPS * stats.max_num_batched_tokens
+            )
             pool.notify_waiters()
         if self.expected_identity is None:
             return

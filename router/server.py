@@ -42,6 +42,8 @@ def build_router(
         config.decode_addresses,
         expected_identity=identity,
         decode_overcommit=config.decode_overcommit,
+        decode_kv_headroom=config.decode_kv_headroom,
+        prefill_queue_tokens=config.prefill_queue_tokens,
     )
     service = RouterService(
         model,
@@ -57,6 +59,7 @@ def build_router(
         route_policy=RoutePolicy(
             config.direct_prefill_tokens, config.direct_prefill_backlog_tokens
         ),
+        kv_reserve_tokens=config.decode_kv_reserve_tokens,
     )
     tls = TlsFiles.load(config.tls_cert, config.tls_key, config.tls_ca)
     use_tls(tls)  # the router's channels to the nodes, too

@@ -20,6 +20,7 @@ from splitserve.router.orchestrator import Orchestrator, Step
 from splitserve.router.output import Delta
 from splitserve.router.prefill_stage import PrefillStage
 from splitserve.router.prefix import PrefixLookup
+from splitserve.router.pressure import Pressure
 from splitserve.router.registry import NodeRegistry
 from splitserve.router.request import GenerateParams, ModelInfo
 from splitserve.router.route import NO_DIRECT, RoutePolicy
@@ -43,15 +44,37 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         queue_timeout_s: float = 300.0,
         max_requests_per_client: int = 1024,
         route_policy: RoutePolicy = NO_DIRECT,
+        kv_reserve_tokens: int = 256,
     ) -> None:
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
         metrics = metrics or RouterMetrics()
         lookup = PrefixLookup(index, block_size) if index is not None else None
-        admission = Admission(registry.decode, metrics, max_queue, queue_timeout_s)
+        # NOTE: with --direct-prefill-backlog-tokens, backlogged prefill nodes are a reason to go
+        # direct, not to wait: requests then wait for decode room only.
+        prefill_room = registry.prefill if not route_policy.direct_prefill_backlog_tokens else None
+        admission = Admission(
+            registry.decode, metrics, max_queue, queue_timeout_s, prefill=prefill_room
+        )
+        pressure = Pressure(registry, admission)
+        metrics.watch_pressure(pressure.figures)
+
+        def computed(tokens: int) -> None:
+            metrics.prefill_computed_tokens.inc(tokens)
+            pressure.computed(tokens)
+
         decode = DecodeStage(registry)
         prefill = PrefillStage(
-            registry, metrics, max_attempts, block_size, lookup, admission, decode, route_policy
+            registry,
+            metrics,
+            max_attempts,
+            block_size,
+            lookup,
+            admission,
+            decode,
+            route_policy,
+            kv_reserve_tokens=kv_reserve_tokens,
+            on_computed=computed,
         )
         orchestrator = Orchestrator(model, registry, prefill, decode)
         # The request path the HTTP front shares (router.http).
@@ -68,7 +91,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
                 async for params, step in steps:
                     yield _message(params, step)
         except GenerateError as exc:
-            await context.abort(exc.code, exc.message)
+            await _abort(context, exc)
 
     async def Complete(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -78,7 +101,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
                 request, client_of(context), context.time_remaining()
             )
         except GenerateError as exc:
-            await context.abort(exc.code, exc.message)
+            await _abort(context, exc)
         whole = Delta(
             text="".join(s.delta.text for s in steps),
             token_ids=[t for s in steps for t in s.delta.token_ids],
@@ -86,6 +109,16 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
             finish_reason=steps[-1].delta.finish_reason,
         )
         return _message(params, Step(whole, steps[-1].usage))
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: GenerateError) -> None:
+    """End the call with the error's status; a refusal for want of room says when to retry
+    (the ``grpc-retry-pushback-ms`` trailer of gRPC's retry design, gRFC A6)."""
+    if exc.retry_after_s is not None:
+        context.set_trailing_metadata(
+            (("grpc-retry-pushback-ms", str(int(exc.retry_after_s * 1000))),)
+        )
+    await context.abort(exc.code, exc.message)
 
 
 def client_of(context) -> str:

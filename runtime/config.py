@@ -176,6 +176,23 @@ class RouterConfig:
         "prefill or transfer do not decode yet; the node queues the excess); the rest wait in "
         "the router's queue",
     )
+    decode_kv_headroom: float = option(
+        0.02,
+        "share of each decode node's KV blocks kept out of the router's admission budget: a "
+        "request goes to a prefill node only once its decode node can hold its KV (its prompt's "
+        "blocks, a block shared with other requests once, and its output's)",
+    )
+    decode_kv_reserve_tokens: int = option(
+        256,
+        "output tokens of each request whose KV blocks are charged to its decode node before it "
+        "is sent (min with its max_tokens; blocks its output fills beyond are charged as it "
+        "grows)",
+    )
+    prefill_queue_tokens: int = option(
+        0,
+        "prompt tokens of this router's requests a prefill node may have to compute at once; "
+        "beyond, requests wait in the router's queue (0: 4 x the node's --max-num-batched-tokens)",
+    )
     direct_prefill_tokens: int = option(
         0,
         "send a request straight to its decode node, which prefills it itself (no KV transfer), "
@@ -205,6 +222,10 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.direct_prefill_tokens < 0 or self.direct_prefill_backlog_tokens < 0:
             raise ValueError("--direct-prefill-tokens and --direct-prefill-backlog-tokens: >= 0")
+        if not 0.0 <= self.decode_kv_headroom < 1.0:
+            raise ValueError(f"--decode-kv-headroom: in [0, 1), got {self.decode_kv_headroom}")
+        if self.decode_kv_reserve_tokens < 0 or self.prefill_queue_tokens < 0:
+            raise ValueError("--decode-kv-reserve-tokens and --prefill-queue-tokens: >= 0")
         host = self.http_host or self.host
         if self.http_port is not None and self.tls_cert and not _is_loopback(host):
             raise ValueError(

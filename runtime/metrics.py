@@ -208,8 +208,126 @@ class RouterMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.refused = Counter(
+            "splitserve_router_refused",
+            "Requests refused for want of room before any node did work for them, by reason: "
+            + ", ".join(f"{k} ({v})" for k, v in REFUSAL_REASONS.items()),
+            ["reason"],
+            registry=r,
+        )
+        for reason in REFUSAL_REASONS:
+            self.refused.labels(reason=reason)
+        self.prefill_computed_tokens = Counter(
+            "splitserve_router_prefill_computed_tokens",
+            "Prompt tokens prefill nodes computed for this router's requests (prompt less cached)",
+            registry=r,
+        )
         self.nodes: dict[tuple[str, str], LoadFigures] = {}  # (role, address) → last figures
         r.register(_NodesCollector(self.nodes))
+
+    def watch_pressure(self, figures: Callable[[], PressureFigures]) -> None:
+        """Export the pools' pressure (``PressureFigures``), read at scrape time."""
+        self.registry.register(_PressureCollector(figures))
+
+
+REFUSAL_REASONS = {
+    "queue_full": "the router's --max-queue requests were already waiting",
+    "queue_wait": "the queue's recent pace put its wait past its deadline or --queue-timeout-s",
+    "queue_timeout": "it waited --queue-timeout-s",
+    "deadline": "its deadline passed while it waited",
+    "prompt_too_large": "its prompt's KV is larger than any decode node's",
+    "client_cap": "its client had --max-requests-per-client in flight",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPressure:
+    """One pool as the router sees it (usable nodes only)."""
+
+    nodes: int  # usable: up, identity checked, not leaving
+    in_flight: int  # this router's requests on them
+    slots: int  # decode: their max_num_seqs summed (0: not known)
+    prompt_tokens: int  # prefill: prompt tokens they have to compute for this router
+    kv_blocks_total: int  # decode: usable KV blocks (0: not known)
+    kv_blocks_charged: int  # decode: blocks this router's requests there will need
+
+
+@dataclass(frozen=True, slots=True)
+class PressureFigures:
+    """What a scaler needs of the pools: the router's queue and each pool's load."""
+
+    queued: int
+    queued_prompt_tokens: int
+    oldest_wait_s: float
+    wait_p50_s: float  # over the requests that left the queue in the last minute
+    wait_p99_s: float
+    prefill_tokens_per_s: float  # computed by the prefill pool, recently
+    prefill: PoolPressure
+    decode: PoolPressure
+
+
+class _PressureCollector(Collector):
+    def __init__(self, figures: Callable[[], PressureFigures]) -> None:
+        self._figures = figures
+
+    def collect(self) -> Iterable[Metric]:
+        f = self._figures()
+
+        def gauge(name: str, text: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"splitserve_router_{name}", text, value=value)
+
+        yield gauge(
+            "queue_prompt_tokens",
+            "Prompt tokens of the requests waiting in the router's queue",
+            f.queued_prompt_tokens,
+        )
+        yield gauge(
+            "queue_oldest_wait_seconds",
+            "How long the head of the router's queue has waited",
+            f.oldest_wait_s,
+        )
+        waits = GaugeMetricFamily(
+            "splitserve_router_queue_wait_recent_seconds",
+            "Queue wait quantiles of the requests that left the router's queue in the last minute",
+            labels=("quantile",),
+        )
+        waits.add_metric(["0.5"], f.wait_p50_s)
+        waits.add_metric(["0.99"], f.wait_p99_s)
+        yield waits
+        yield gauge(
+            "prefill_tokens_per_second",
+            "Prompt tokens the prefill pool computed per second for this router (last 10 s)",
+            f.prefill_tokens_per_s,
+        )
+        per_role = {
+            "in_flight": "This router's requests on the pool's nodes",
+            "slots": "Decode: sequence slots (max_num_seqs) of the usable nodes",
+            "prompt_tokens": "Prefill: prompt tokens the pool has to compute for this router",
+        }
+        for name, text in per_role.items():
+            family = GaugeMetricFamily(f"splitserve_router_pool_{name}", text, labels=("role",))
+            for role, pool in (("prefill", f.prefill), ("decode", f.decode)):
+                family.add_metric([role], float(getattr(pool, name)))
+            yield family
+        nodes = GaugeMetricFamily(
+            "splitserve_router_nodes",
+            "Usable nodes the router routes to (up, identity checked, not leaving)",
+            labels=("role",),
+        )
+        for role, pool in (("prefill", f.prefill), ("decode", f.decode)):
+            nodes.add_metric([role], float(pool.nodes))
+        yield nodes
+        kv = GaugeMetricFamily(
+            "splitserve_router_decode_kv_blocks",
+            "Decode pool KV blocks as the router's admission counts them: total (usable, less "
+            "no headroom), charged (what its requests there will need), free (total - charged)",
+            labels=("state",),
+        )
+        d = f.decode
+        kv.add_metric(["total"], float(d.kv_blocks_total))
+        kv.add_metric(["charged"], float(d.kv_blocks_charged))
+        kv.add_metric(["free"], float(max(d.kv_blocks_total - d.kv_blocks_charged, 0)))
+        yield kv
 
 
 class _NodesCollector(Collector):

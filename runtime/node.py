@@ -302,6 +302,7 @@ def node_stats(role: str, engine, identity: ModelIdentity, load, counters, **ext
         prefill_tokens_waiting=load.prefill_tokens_waiting,
         pending_transfers=load.pending_transfers,
         max_num_seqs=engine.max_num_seqs,
+        max_num_batched_tokens=engine.max_num_batched_tokens,
         kv_tokens_held=load.kv_tokens_held,
         kv_token_slots=load.kv_token_slots,
         counters=counters,

@@ -174,7 +174,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("role", "num_blocks", "num_free_blocks", "num_cached_blocks", "running", "waiting", "pending_transfers", "counters", "model_root_hash", "model_identity", "prefill_tokens_waiting", "transfer_endpoint", "max_num_seqs", "kv_tokens_held", "kv_token_slots")
+    __slots__ = ("role", "num_blocks", "num_free_blocks", "num_cached_blocks", "running", "waiting", "pending_transfers", "counters", "model_root_hash", "model_identity", "prefill_tokens_waiting", "transfer_endpoint", "max_num_seqs", "kv_tokens_held", "kv_token_slots", "max_num_batched_tokens")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +197,7 @@ class GetStatsResponse(_message.Message):
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_HELD_FIELD_NUMBER: _ClassVar[int]
     KV_TOKEN_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_blocks: int
     num_free_blocks: int
@@ -212,4 +213,5 @@ class GetStatsResponse(_message.Message):
     max_num_seqs: int
     kv_tokens_held: int
     kv_token_slots: int
-    def __init__(self, role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., pending_transfers: _Optional[int] = ..., counters: _Optional[_Mapping[str, float]] = ..., model_root_hash: _Optional[bytes] = ..., model_identity: _Optional[str] = ..., prefill_tokens_waiting: _Optional[int] = ..., transfer_endpoint: _Optional[bytes] = ..., max_num_seqs: _Optional[int] = ..., kv_tokens_held: _Optional[int] = ..., kv_token_slots: _Optional[int] = ...) -> None: ...
+    max_num_batched_tokens: int
+    def __init__(self, role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., pending_transfers: _Optional[int] = ..., counters: _Optional[_Mapping[str, float]] = ..., model_root_hash: _Optional[bytes] = ..., model_identity: _Optional[str] = ..., prefill_tokens_waiting: _Optional[int] = ..., transfer_endpoint: _Optional[bytes] = ..., max_num_seqs: _Optional[int] = ..., kv_tokens_held: _Optional[int] = ..., kv_token_slots: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,59 @@
+"""The pools' pressure as the router sees it, read at scrape time (``runtime.metrics``): the
+autoscaler's inputs (docs/deploy.md, "Overload")."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from splitserve.router.admission import Admission
+from splitserve.router.pool import NodePool
+from splitserve.router.registry import NodeRegistry
+from splitserve.runtime.metrics import PoolPressure, PressureFigures
+
+RATE_WINDOW_S = 10.0
+
+
+class Pressure:
+    def __init__(self, registry: NodeRegistry, admission: Admission) -> None:
+        self._registry = registry
+        self._admission = admission
+        self._computed: deque[tuple[float, int]] = deque()  # (when, prompt tokens computed)
+
+    def computed(self, tokens: int) -> None:
+        """A prefill node computed ``tokens`` prompt tokens for one of this router's requests."""
+        now = time.monotonic()
+        self._computed.append((now, tokens))
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._computed and self._computed[0][0] < now - RATE_WINDOW_S:
+            self._computed.popleft()
+
+    def figures(self) -> PressureFigures:
+        now = time.monotonic()
+        self._trim(now)
+        admission = self._admission
+        p50, p99 = admission.wait_quantiles((0.5, 0.99))
+        return PressureFigures(
+            queued=len(admission),
+            queued_prompt_tokens=admission.queued_prompt_tokens,
+            oldest_wait_s=admission.oldest_wait_s(),
+            wait_p50_s=p50,
+            wait_p99_s=p99,
+            prefill_tokens_per_s=sum(t for _, t in self._computed) / RATE_WINDOW_S,
+            prefill=_pool(self._registry.prefill),
+            decode=_pool(self._registry.decode),
+        )
+
+
+def _pool(pool: NodePool) -> PoolPressure:
+    nodes = pool.usable()
+    return PoolPressure(
+        nodes=len(nodes),
+        in_flight=sum(n.in_flight for n in nodes),
+        slots=sum(n.slots or 0 for n in nodes),
+        prompt_tokens=sum(n.queued_tokens for n in nodes),
+        kv_blocks_total=sum(n.kv.limit or 0 for n in nodes),
+        kv_blocks_charged=sum(n.kv.used for n in nodes),
+    )
