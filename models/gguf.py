@@ -1,11 +1,12 @@
 """GGUF checkpoints (llama.cpp's single-file format) as checkpoint folders the loader reads.
 
 ``ensure_converted(file)`` dequantizes the file's tensors once into a safetensors checkpoint
-folder under the cache directory, named after the file's SHA-256: ``config.json`` built from the
+folder under the cache directory, found by the file's SHA-256: ``config.json`` built from the
 file's metadata, the weights in float32 (what every supported quantization dequantizes to
 exactly), and the tokenizer with its chat template. A second start finds that folder and only
-hashes the file. The folder's name and ``config.json`` carry the hash, so the model identity (and
-every block hash) of two different files never agree.
+hashes the file. ``config.json`` carries the hash and the folder is named from the file's
+metadata (never its file name), so the model identity (and every block hash) follows the file's
+content: the same on every host whatever the file is called, different for two files.
 
 Torch-free (numpy, the ``gguf`` package, tokenizers): the router converts a file too when it is
 the first component given it.
@@ -18,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -95,24 +97,49 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def converted_dir(file: Path, sha256: str, cache_dir: Path) -> Path:
-    return cache_dir / f"gguf-v{CONVERTER_VERSION}" / f"{file.stem}-{sha256[:16]}"
+def model_name(file: Path) -> str:
+    """A name for the file's model from its metadata alone (base name, size, quantization):
+    the same file under another name, or on another host, gets the same folder name, so the
+    same model identity."""
+    import gguf
+
+    reader = gguf.GGUFReader(file)
+    meta = _Metadata(reader, file)
+    parts = [meta.get("general.basename", None) or meta.get("general.name", None) or meta.arch]
+    parts.append(meta.get("general.size_label", None))
+    file_type = meta.get("general.file_type", None)
+    if file_type is not None:
+        try:
+            parts.append(gguf.LlamaFileType(file_type).name.removeprefix("MOSTLY_"))
+        except ValueError:
+            parts.append(f"type{file_type}")
+    name = "-".join(str(p) for p in parts if p)
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "model"
+
+
+def _converted(sha_dir: Path) -> Path | None:
+    done = (
+        [d for d in sha_dir.iterdir() if (d / "config.json").is_file()] if sha_dir.is_dir() else []
+    )
+    return done[0] if done else None
 
 
 def ensure_converted(file: str | Path, cache_dir: str | Path) -> Path:
-    """The checkpoint folder of GGUF ``file``, converted on first use (under a lock, written
-    atomically: concurrent first uses convert once) and reused afterwards."""
+    """The checkpoint folder of GGUF ``file`` (``CACHE/gguf-vN/SHA16/NAME``), converted on first
+    use (under a lock, written atomically: concurrent first uses convert once) and reused
+    afterwards."""
     file = Path(file)
     sha = file_sha256(file)
-    target = converted_dir(file, sha, Path(cache_dir))
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as lock:
+    sha_dir = Path(cache_dir) / f"gguf-v{CONVERTER_VERSION}" / sha[:16]
+    if (found := _converted(sha_dir)) is not None:
+        return found
+    sha_dir.mkdir(parents=True, exist_ok=True)
+    with open(sha_dir / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # NOTE: others wait here, then find the folder
-        if (target / "config.json").is_file():
-            return target
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+        if (found := _converted(sha_dir)) is not None:
+            return found
+        target = sha_dir / model_name(file)
+        tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=sha_dir))
         try:
             t0 = time.perf_counter()
             convert_gguf(file, tmp, sha)
@@ -208,7 +235,6 @@ def _hf_config(meta: _Metadata, reader: Any, file: Path, sha256: str) -> dict[st
     config["dtype"] = "float32"
     # NOTE: part of config.json, so of the digest in every node's model identity.
     config["splitserve_gguf"] = {
-        "file": file.name,
         "sha256": sha256,
         "converter": CONVERTER_VERSION,
         "name": meta.get("general.name", ""),
