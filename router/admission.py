@@ -37,6 +37,7 @@ PACE_WINDOW = 64  # departures from the queue the wait estimate is drawn from
 PACE_MIN = 16  # fewer departures than this: no estimate, requests wait up to their limits
 PACE_STALE_S = 5.0  # no departure for this long: the pace is not known
 WAITS_WINDOW_S = 60.0  # queue wait quantiles are over the requests that left in this window
+EWMA = 0.05  # weight of the newest request in the service-time estimate
 
 
 @dataclass(slots=True, eq=False)
@@ -65,6 +66,10 @@ class Admission:
         self._waiters: deque[Waiter] = deque()
         self._departures: deque[float] = deque(maxlen=PACE_WINDOW)  # when waiters were let go
         self._waits: deque[tuple[float, float]] = deque()  # (when it left, how long it waited)
+        # How long a request takes once let go (its latency less its wait), recently: one that
+        # could not finish before its deadline is refused rather than let go to fail there.
+        self._latency_s = 0.0
+        self._wait_s = 0.0
         decode.on_release = self.notify  # a request left a decode node: the head may go
         if prefill is not None:
             prefill.on_release = self.notify
@@ -87,6 +92,15 @@ class Admission:
         if not waits:
             return [0.0 for _ in qs]
         return [waits[min(int(q * len(waits)), len(waits) - 1)] for q in qs]
+
+    def note_served(self, latency_s: float) -> None:
+        """A request was served in ``latency_s`` from its arrival (for the service estimate)."""
+        self._latency_s += EWMA * (latency_s - self._latency_s)
+
+    @property
+    def service_s(self) -> float:
+        """Recent time from leaving the queue to the last token (0 until requests were served)."""
+        return max(self._latency_s - self._wait_s, 0.0)
 
     def notify(self) -> None:
         """Wake the head of the queue (it looks whether the pools have room now)."""
@@ -118,15 +132,18 @@ class Admission:
                 self._pace_wait(len(self._waiters)),
             )
         start = time.monotonic()
-        give_up = min(deadline, start + self.max_wait_s)
+        # Past this it could not be served before its deadline: refused rather than let go.
+        latest = deadline - self.service_s
+        give_up = min(latest, start + self.max_wait_s)
         estimate = self._pace_wait(len(self._waiters) + 1)
         if estimate is not None and start + estimate > give_up:
-            limit = "deadline" if deadline < start + self.max_wait_s else "--queue-timeout-s"
+            limit = "deadline" if latest < start + self.max_wait_s else "--queue-timeout-s"
             raise self._refuse(
                 "queue_wait",
                 f"{len(self._waiters)} requests are waiting ahead of this one and the router lets "
                 f"about {self._pace():.1f}/s go: its wait (~{estimate:.1f} s) would outlast its "
-                f"{limit} ({give_up - start:.1f} s); retry later or add nodes",
+                f"{limit} (less ~{self.service_s:.1f} s to serve it: {give_up - start:.1f} s "
+                "left); retry later or add nodes",
                 estimate,
             )
         loop = asyncio.get_running_loop()
@@ -138,7 +155,7 @@ class Admission:
             while not (self._waiters[0] is me and self._can_go(me)):
                 left = give_up - time.monotonic()
                 if left <= 0:
-                    raise self._timed_out(deadline, start)
+                    raise self._timed_out(deadline, latest, start)
                 if me.wake.done():
                     me.wake = loop.create_future()
                 # The head also looks again now and then (a node joined or came back up).
@@ -154,6 +171,7 @@ class Admission:
             self._trim_waits(now)
             if let_go:
                 self._departures.append(now)
+                self._wait_s += EWMA * (now - start - self._wait_s)
             self.notify()  # the next in line looks again
 
     def _can_go(self, me: Waiter) -> bool:
@@ -199,13 +217,22 @@ class Admission:
         hint = retry_after_hint(retry_after_s)
         return GenerateError(grpc.StatusCode.RESOURCE_EXHAUSTED, message, retry_after_s=hint)
 
-    def _timed_out(self, deadline: float, start: float) -> GenerateError:
-        waited = time.monotonic() - start
-        if time.monotonic() >= deadline:
+    def _timed_out(self, deadline: float, latest: float, start: float) -> GenerateError:
+        now = time.monotonic()
+        waited = now - start
+        if now >= deadline:
             self._metrics.refused.labels(reason="deadline").inc()
             return GenerateError(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"the request's deadline passed after {waited:.1f} s waiting for room in the pools",
+            )
+        if now >= latest:
+            return self._refuse(
+                "queue_wait",
+                f"waited {waited:.1f} s for room in the pools; serving it takes ~"
+                f"{self.service_s:.1f} s, more than is left before its deadline: retry later or "
+                "add nodes",
+                self._pace_wait(len(self._waiters)),
             )
         return self._refuse(
             "queue_timeout",

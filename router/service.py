@@ -79,7 +79,12 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         orchestrator = Orchestrator(model, registry, prefill, decode)
         # The request path the HTTP front shares (router.http).
         self.front = RequestFront(
-            model, orchestrator, metrics, request_timeout_s, max_requests_per_client
+            model,
+            orchestrator,
+            metrics,
+            request_timeout_s,
+            max_requests_per_client,
+            on_served=admission.note_served,
         )
 
     async def Generate(

@@ -3,6 +3,7 @@ every decode node holds its capacity of them, go as slots free, and fail only at
 limit, its timeout or their deadline."""
 
 import asyncio
+import random
 import time
 
 import grpc
@@ -10,6 +11,7 @@ import pytest
 
 from splitserve.router.admission import Admission
 from splitserve.router.errors import GenerateError
+from splitserve.router.kv_budget import KVDemand
 from splitserve.router.pool import NodePool
 from splitserve.runtime.metrics import RouterMetrics
 
@@ -97,5 +99,128 @@ def test_no_usable_node_is_not_a_reason_to_wait():
         pool.mark_down(pool.nodes[0], "gone")
         await asyncio.wait_for(admission.enter(time.monotonic() + 30), 0.5)
         assert len(admission) == 0
+
+    asyncio.run(run())
+
+
+# ---------------------------------------------------------------- both pools, KV, early refusals
+
+
+def _demand(n_prompt, seed=0, salt="", max_tokens=8, block_size=16):
+    rng = random.Random(seed)
+    prompt = [rng.randrange(256) for _ in range(n_prompt)]
+    return KVDemand.of(prompt, salt, max_tokens, block_size, reserve_tokens=256)
+
+
+def test_a_request_waits_for_kv_blocks_not_only_for_a_slot():
+    async def run():
+        pool, admission, metrics = _setup(capacity=100)
+        node = pool.nodes[0]
+        node.kv.num_blocks = 40  # a slot is free for 100 requests, KV for two of these
+        far = time.monotonic() + 30
+        a, b, c = (_demand(300, seed=i) for i in range(3))  # 19 full blocks + 1 private each
+        for d in (a, b):
+            await admission.enter(far, d)
+            pool.acquire(node, demand=d)
+        assert node.kv.used == 40
+        third = asyncio.create_task(admission.enter(far, c))
+        await asyncio.sleep(0.05)
+        assert not third.done() and len(admission) == 1
+        pool.release(node, demand=a)
+        await asyncio.wait_for(third, 1)
+        pool.acquire(node, demand=c)
+        pool.release(node, demand=b)
+        pool.release(node, demand=c)
+        assert node.kv.used == 0 and metrics.refused.labels(reason="queue_full")._value.get() == 0
+
+    asyncio.run(run())
+
+
+def test_a_request_waits_for_a_prefill_node_with_room():
+    async def run():
+        decode = NodePool("decode", ["d:1"])
+        prefill = NodePool("prefill", ["p:1"])
+        prefill.nodes[0].max_queued_tokens = 1000
+        admission = Admission(decode, RouterMetrics(), prefill=prefill)
+        far = time.monotonic() + 30
+        p = prefill.nodes[0]
+        prefill.acquire(p, 800)
+        # A node with work queued has room only within its bound; one with none always has.
+        waiter = asyncio.create_task(admission.enter(far, None, 300))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        prefill.release(p, 800)
+        await asyncio.wait_for(waiter, 1)
+        prefill.acquire(p, 5000)  # larger than the bound, alone on the node
+        prefill.release(p, 5000)
+
+    asyncio.run(run())
+
+
+def test_a_prompt_larger_than_every_decode_node_is_refused_at_once():
+    async def run():
+        pool, admission, metrics = _setup(capacity=4)
+        pool.nodes[0].kv.num_blocks = 10
+        with pytest.raises(GenerateError) as big:
+            await asyncio.wait_for(admission.enter(time.monotonic() + 30, _demand(200)), 0.1)
+        assert big.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "13 KV blocks" in big.value.message and "holds 10" in big.value.message
+        assert metrics.refused.labels(reason="prompt_too_large")._value.get() == 1
+        # Larger than the budget but not than the node: it goes, alone.
+        pool.nodes[0].kv.headroom = 0.5
+        await asyncio.wait_for(admission.enter(time.monotonic() + 30, _demand(150)), 0.1)
+
+    asyncio.run(run())
+
+
+def test_a_wait_the_queue_pace_puts_past_the_deadline_is_refused_at_once():
+    async def run():
+        pool, admission, metrics = _setup(capacity=1)
+        node = pool.nodes[0]
+        far = time.monotonic() + 30
+        pool.acquire(node)
+
+        async def request():
+            await admission.enter(far)
+            pool.acquire(node)  # as the prefill stage does right after entering
+
+        # 20 requests through the queue, one every ~10 ms: a pace of ~100/s.
+        waiters = [asyncio.create_task(request()) for _ in range(40)]
+        await asyncio.sleep(0.01)
+        for _ in range(20):
+            pool.release(node)
+            await asyncio.sleep(0.01)
+        assert len(admission) == 20
+        # 21st in line at ~100/s: ~0.2 s; a request with 0.05 s left is refused at once.
+        t0 = time.monotonic()
+        with pytest.raises(GenerateError) as late:
+            await admission.enter(time.monotonic() + 0.05)
+        assert time.monotonic() - t0 < 0.02
+        assert late.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "would outlast its deadline" in late.value.message
+        assert late.value.retry_after_s >= 1
+        assert metrics.refused.labels(reason="queue_wait")._value.get() == 1
+        for w in waiters:
+            w.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+        assert len(admission) == 0
+
+    asyncio.run(run())
+
+
+def test_a_waiter_that_could_no_longer_be_served_in_time_is_refused_not_let_go():
+    async def run():
+        pool, admission, metrics = _setup(capacity=1)
+        for _ in range(50):
+            admission.note_served(1.0)  # requests take ~1 s once let go
+        assert 0.9 < admission.service_s <= 1.0
+        pool.acquire(pool.nodes[0])
+        t0 = time.monotonic()
+        with pytest.raises(GenerateError) as late:
+            await admission.enter(time.monotonic() + 1.3)
+        # Refused once less than ~1 s was left (at ~0.3-0.4 s), not at the deadline.
+        assert time.monotonic() - t0 < 0.8
+        assert late.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert metrics.refused.labels(reason="queue_wait")._value.get() == 1
 
     asyncio.run(run())

@@ -213,7 +213,9 @@ def test_goodput_counts_requests_meeting_every_slo():
     assert metrics.goodput(records, slo, duration=4.0) == 0.5
     s = metrics.summarize(records, 4.0, slo)
     assert s["good_requests"] == 2 and s["goodput"] == 0.5 and s["slo_attainment"] == 2 / 6
-    assert s["completed"] == 4 and s["failed"] == 2 and s["failures"] == {"HTTP 429": 2}
+    assert s["completed"] == 4 and s["failed"] == 0 and s["failures"] == {}
+    assert s["refused"] == 2 and s["refusals"] == {"HTTP 429": 2}
+    assert s["refusal_latency_s"]["max"] == 0.1
     assert s["failure_examples"] == {"HTTP 429": "busy"}
     assert s["output_tokens"] == 3 + 2 + 3 + 1 and s["output_throughput"] == 9 / 4
     assert s["input_tokens"] == 40 and s["request_throughput"] == 1.0

@@ -130,11 +130,17 @@ def goodput(records: Iterable[RequestRecord], slo: dict[str, float], duration: f
     return good / duration if duration > 0 else 0.0
 
 
+# A server that refuses a request for want of room (queue full, its wait would outlast its
+# deadline) says so with these: counted apart from failures.
+REFUSALS = frozenset({"RESOURCE_EXHAUSTED", "HTTP 429"})
+
+
 def summarize(
     records: Sequence[RequestRecord], duration: float, slo: dict[str, float] | None = None
 ) -> dict:
     """The run's figures (the ``results`` object of the JSON file: docs/bench.md)."""
     done = [r for r in records if r.ok]
+    refused = [r for r in records if r.error in REFUSALS]
     out_tokens = sum(r.output_tokens for r in done)
     in_tokens = sum(r.prompt_tokens if r.prompt_tokens is not None else r.prompt_len for r in done)
     cached = sum(r.cached_tokens or 0 for r in done)
@@ -143,8 +149,13 @@ def summarize(
     good = sum(meets_slo(r, slo) for r in records) if slo else None
     return {
         "completed": len(done),
-        "failed": len(records) - len(done),
-        "failures": dict(Counter(r.error for r in records if not r.ok).most_common()),
+        "failed": len(records) - len(done) - len(refused),
+        "failures": dict(
+            Counter(r.error for r in records if not r.ok and r.error not in REFUSALS).most_common()
+        ),
+        "refused": len(refused),
+        "refusals": dict(Counter(r.error for r in refused).most_common()),
+        "refusal_latency_s": distribution([r.end - r.start for r in refused]),
         "failure_examples": {r.error: r.detail for r in reversed(records) if not r.ok},
         "duration_s": duration,
         "input_tokens": in_tokens,

@@ -107,6 +107,16 @@ def format_table(doc: dict[str, Any]) -> str:
         (f"  failed: {k}", f"{v}  ({(examples.get(k) or '')[:60]})" if examples.get(k) else f"{v}")
         for k, v in res["failures"].items()
     ]
+    if res.get("refused"):
+        latency = res["refusal_latency_s"]
+        rows.append(
+            (
+                "refused requests",
+                f"{res['refused']}  (answered in p50 {_ms(latency.get('p50'))} / max "
+                f"{_ms(latency.get('max'))} ms)",
+            )
+        )
+        rows += [(f"  refused: {k}", f"{v}") for k, v in res["refusals"].items()]
     rows += [
         ("duration (s)", f"{res['duration_s']:.2f}"),
         ("input tokens (cached)", f"{res['input_tokens']} ({res['cached_tokens']})"),
