@@ -498,6 +498,8 @@ def _start_up(log):
         "-m",
         "splitserve.cli",
         "up",
+        "--model",
+        "tiny",
         "--port",
         "0",
         "--http-port",
