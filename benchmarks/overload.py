@@ -168,6 +168,9 @@ def one_rate(args, cluster, model: str, rate: float, index: str, out: Path, env=
         if k.startswith("splitserve_router_refused_total{") and v
     }
     lat = r["refusal_latency_s"]
+    n_ref = router_figures.get("splitserve_router_refusal_seconds_count", 0.0)
+    ref_sum = router_figures.get("splitserve_router_refusal_seconds_sum", 0.0)
+    fast = router_figures.get('splitserve_router_refusal_seconds_bucket{le="0.1"}', 0.0)
     return {
         "index": label,
         "rate": rate,
@@ -177,6 +180,8 @@ def one_rate(args, cluster, model: str, rate: float, index: str, out: Path, env=
         "refused_by_reason": refused_by,
         "refusal_p99_ms": None if lat["p99"] is None else 1e3 * lat["p99"],
         "refusal_max_ms": None if lat["max"] is None else 1e3 * lat["max"],
+        "router_refusal_mean_ms": 1e3 * ref_sum / n_ref if n_ref else None,
+        "router_refused_within_100ms": fast / n_ref if n_ref else None,
         "failed": r["failed"],
         "failures": r["failures"],
         "ttft_p50_ms": 1e3 * (r["ttft_s"]["p50"] or 0),
@@ -194,7 +199,7 @@ def one_rate(args, cluster, model: str, rate: float, index: str, out: Path, env=
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| index | rate (req/s) | output tok/s | done | refused (p99 / max ms) | failed | TTFT "
+        "| index | rate (req/s) | output tok/s | done | refused (client p99 / max ms) | failed | TTFT "
         "p50 / p99 (ms) | SLO att. | computed / served prompt tokens | computed / uncached "
         "served | prefill retries | transfers failed P / waited D |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -203,7 +208,10 @@ def table(rows: list[dict]) -> str:
         uncached = max(r["served_prompt_tokens"] - r["served_cached_tokens"], 1)
         ref = f"{r['refused']:.0f}"
         if r["refused"]:
-            ref += f" ({r['refusal_p99_ms']:.0f} / {r['refusal_max_ms']:.0f})"
+            ref += f" ({r['refusal_p99_ms']:.0f} / {r['refusal_max_ms']:.0f}"
+            if r.get("router_refused_within_100ms") is not None:
+                ref += f"; router: {100 * r['router_refused_within_100ms']:.0f}% <= 100 ms"
+            ref += ")"
         att = "-" if r["slo_attainment"] is None else f"{100 * r['slo_attainment']:.0f}%"
         lines.append(
             f"| {r['index']} | {r['rate']:g} | {r['output_tok_s']:,.0f} | {r['completed']} | "

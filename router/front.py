@@ -87,6 +87,8 @@ class RequestFront:
                 yield params, step
         except GenerateError as exc:
             observer.failed(exc.code.name)
+            if exc.retry_after_s is not None:  # refused for want of room
+                self._metrics.refusal_latency.observe(time.monotonic() - start)
             rid = params.request_id if params is not None else request.request_id or "-"
             logger.info("request %s from %s: %s %s", rid, client, exc.code.name, exc.message)
             raise

@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 # shipping or queueing can add seconds; decode steps are milliseconds.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+REFUSAL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300, 600)
 
 
@@ -217,6 +218,12 @@ class RouterMetrics:
         )
         for reason in REFUSAL_REASONS:
             self.refused.labels(reason=reason)
+        self.refusal_latency = Histogram(
+            "splitserve_router_refusal_seconds",
+            "From a request's arrival at the router to its refusal for want of room",
+            buckets=REFUSAL_BUCKETS,
+            registry=r,
+        )
         self.prefill_computed_tokens = Counter(
             "splitserve_router_prefill_computed_tokens",
             "Prompt tokens prefill nodes computed for this router's requests (prompt less cached)",
