@@ -199,8 +199,8 @@ def one_rate(args, cluster, model: str, rate: float, index: str, out: Path, env=
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| index | rate (req/s) | output tok/s | done | refused (client p99 / max ms) | failed | TTFT "
-        "p50 / p99 (ms) | SLO att. | computed / served prompt tokens | computed / uncached "
+        "| index | rate (req/s) | output tok/s | done | refused (client p99 / max ms) | failed | "
+        "TTFT p50 / p99 (ms) | SLO att. | computed / served prompt tokens | computed / uncached "
         "served | prefill retries | transfers failed P / waited D |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
