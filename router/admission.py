@@ -37,7 +37,9 @@ PACE_WINDOW = 64  # departures from the queue the wait estimate is drawn from
 PACE_MIN = 16  # fewer departures than this: no estimate, requests wait up to their limits
 PACE_STALE_S = 5.0  # no departure for this long: the pace is not known
 WAITS_WINDOW_S = 60.0  # queue wait quantiles are over the requests that left in this window
-EWMA = 0.05  # weight of the newest request in the service-time estimate
+SERVICE_WINDOW = 256  # recent requests' service times (from leaving the queue to the end)
+SERVICE_QUANTILE = 0.9  # a queued request needs this quantile of them left before its deadline
+SERVICE_MIN = 16  # fewer served than this: no service estimate (0)
 
 
 @dataclass(slots=True, eq=False)
@@ -66,10 +68,10 @@ class Admission:
         self._waiters: deque[Waiter] = deque()
         self._departures: deque[float] = deque(maxlen=PACE_WINDOW)  # when waiters were let go
         self._waits: deque[tuple[float, float]] = deque()  # (when it left, how long it waited)
-        # How long a request takes once let go (its latency less its wait), recently: one that
-        # could not finish before its deadline is refused rather than let go to fail there.
-        self._latency_s = 0.0
-        self._wait_s = 0.0
+        # How long requests took once let go, recently: one that could no longer finish before
+        # its deadline is refused rather than let go to fail there (its prefill thrown away).
+        self._service: deque[float] = deque(maxlen=SERVICE_WINDOW)
+        self._service_s = 0.0
         decode.on_release = self.notify  # a request left a decode node: the head may go
         if prefill is not None:
             prefill.on_release = self.notify
@@ -93,14 +95,18 @@ class Admission:
             return [0.0 for _ in qs]
         return [waits[min(int(q * len(waits)), len(waits) - 1)] for q in qs]
 
-    def note_served(self, latency_s: float) -> None:
-        """A request was served in ``latency_s`` from its arrival (for the service estimate)."""
-        self._latency_s += EWMA * (latency_s - self._latency_s)
+    def note_served(self, service_s: float) -> None:
+        """A request ended served ``service_s`` after ``enter`` let it go."""
+        self._service.append(service_s)
+        if len(self._service) >= SERVICE_MIN and len(self._service) % 8 == 0:
+            ordered = sorted(self._service)
+            self._service_s = ordered[int(SERVICE_QUANTILE * (len(ordered) - 1))]
 
     @property
     def service_s(self) -> float:
-        """Recent time from leaving the queue to the last token (0 until requests were served)."""
-        return max(self._latency_s - self._wait_s, 0.0)
+        """How long serving a request takes once let go: the SERVICE_QUANTILE of the recent
+        ones (0 until SERVICE_MIN were served)."""
+        return self._service_s
 
     def notify(self) -> None:
         """Wake the head of the queue (it looks whether the pools have room now)."""
@@ -115,15 +121,15 @@ class Admission:
         prefill = self._prefill
         return prefill is None or not prefill.usable() or prefill.has_room(work=work)
 
-    async def enter(self, deadline: float, demand: KVDemand | None = None, work: int = 0) -> None:
-        """Return once this request may be sent to the pools (at once when nothing waits and
-        they have room, or when no decode node is usable: the caller then reports that);
-        ``GenerateError`` when it may not wait (any longer)."""
+    async def enter(self, deadline: float, demand: KVDemand | None = None, work: int = 0) -> float:
+        """Return (the time, ``time.monotonic()``) once this request may be sent to the pools:
+        at once when nothing waits and they have room, or when no decode node is usable (the
+        caller then reports that); ``GenerateError`` when it may not wait (any longer)."""
         if not self._decode.usable():
-            return
+            return time.monotonic()
         self._check_fits(demand)
         if not self._waiters and self._room(demand, work):
-            return
+            return time.monotonic()
         if len(self._waiters) >= self.max_waiting:
             raise self._refuse(
                 "queue_full",
@@ -162,6 +168,7 @@ class Admission:
                 timeout = min(left, RECHECK_S) if self._waiters[0] is me else left
                 await asyncio.wait([me.wake], timeout=timeout)
             let_go = True
+            return time.monotonic()
         finally:
             self._waiters.remove(me)
             now = time.monotonic()
@@ -171,7 +178,6 @@ class Admission:
             self._trim_waits(now)
             if let_go:
                 self._departures.append(now)
-                self._wait_s += EWMA * (now - start - self._wait_s)
             self.notify()  # the next in line looks again
 
     def _can_go(self, me: Waiter) -> bool:

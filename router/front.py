@@ -9,7 +9,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -36,7 +36,6 @@ class RequestFront:
         metrics: RouterMetrics,
         request_timeout_s: float,
         max_requests_per_client: int,
-        on_served: Callable[[float], None] | None = None,
     ) -> None:
         self.model = model
         self._orchestrator = orchestrator
@@ -44,7 +43,6 @@ class RequestFront:
         self._request_timeout_s = request_timeout_s
         self._max_per_client = max_requests_per_client
         self._in_flight: Counter[str] = Counter()  # client → its requests in flight
-        self._on_served = on_served  # a request served, with its latency (admission's estimate)
 
     async def run(
         self,
@@ -82,8 +80,6 @@ class RequestFront:
                 observer.tokens(len(step.delta.token_ids))
                 if step.usage is not None:
                     observer.finished(step.usage)
-                    if self._on_served is not None:
-                        self._on_served(time.monotonic() - start)
                 yield params, step
         except GenerateError as exc:
             observer.failed(exc.code.name)

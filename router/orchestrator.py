@@ -9,7 +9,7 @@ into text (``router.output``). Plain values out: the servicer makes the protobuf
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import NamedTuple
 
 from splitserve.router.decode_stage import DecodeStage
@@ -33,7 +33,9 @@ class Orchestrator:
         registry: NodeRegistry,
         prefill: PrefillStage,
         decode: DecodeStage,
+        on_served: Callable[[float], None] | None = None,
     ) -> None:
+        self._on_served = on_served  # seconds from admission to the end of a served request
         self._model = model
         self._registry = registry
         self._prefill = prefill
@@ -59,6 +61,8 @@ class Orchestrator:
             def step(delta: Delta) -> Step:
                 if not delta.finish_reason:
                     return Step(delta, None)
+                if self._on_served is not None:
+                    self._on_served(time.monotonic() - prefilled.admitted_at)
                 return Step(delta, usage._replace(completion_tokens=output.num_tokens))
 
             delta = output.add([first.first_token_id], [first.first_logprob], first.finish_reason)

@@ -84,8 +84,9 @@ class PrefillStage:
                 self._metrics.retries.inc()
                 if tried.busy:  # a node refused: give it a moment (before queueing again)
                     await asyncio.sleep(min(0.05 * 2**attempt, max(deadline - time.monotonic(), 0)))
+            admitted = time.monotonic()
             if self._admission is not None:
-                await self._admission.enter(deadline, demand, n_prompt)
+                admitted = await self._admission.enter(deadline, demand, n_prompt)
             # NOTE: from here to the acquire in _attempt or _direct nothing awaits: the room
             # just found is this request's.
             d = self._choose_decode(tried, cached, demand)
@@ -114,7 +115,7 @@ class PrefillStage:
                 )
             if isinstance(result, Prefilled):
                 self._metrics.routes.labels(route=route).inc()
-                return result
+                return result._replace(admitted_at=admitted)
             error = result
             logger.info(
                 "request %s: prefill attempt %d/%d failed: %s",

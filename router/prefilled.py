@@ -17,6 +17,7 @@ class Prefilled(NamedTuple):
     node_request_id: str
     stream: DecodeCall | None = None  # direct: D's Generate stream, its first message read
     demand: KVDemand | None = None  # D's KV blocks charged to it: released with D
+    admitted_at: float = 0.0  # when admission let it go to the pools (time.monotonic())
 
 
 class Tried(NamedTuple):

@@ -76,7 +76,9 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
             kv_reserve_tokens=kv_reserve_tokens,
             on_computed=computed,
         )
-        orchestrator = Orchestrator(model, registry, prefill, decode)
+        orchestrator = Orchestrator(
+            model, registry, prefill, decode, on_served=admission.note_served
+        )
         # The request path the HTTP front shares (router.http).
         self.front = RequestFront(
             model,
@@ -84,7 +86,6 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
             metrics,
             request_timeout_s,
             max_requests_per_client,
-            on_served=admission.note_served,
         )
 
     async def Generate(

@@ -125,7 +125,9 @@ def test_up_serves_and_ctrl_c_stops_everything(model_dir, tmp_path):
         assert not _port_open(addresses[role]), f"{role} still serving after Ctrl-C"
 
 
-def test_full_decode_node_is_refused_and_the_router_retries_elsewhere(model_dir, tmp_path):
+def test_a_decode_node_too_small_for_a_prompt_is_never_sent_it(model_dir, tmp_path):
+    """The router knows each decode node's KV (GetStats): a prompt one cannot hold goes to the
+    other, and no prefill is computed for a transfer that would be refused."""
     prefill = start_node("prefill", model_dir, tmp_path)
     # 1 MB holds 32 blocks of this model: a 600-token prompt (38 blocks) cannot fit.
     small = start_node("decode", model_dir, tmp_path, "--kv-cache-mb", "1")
@@ -133,15 +135,20 @@ def test_full_decode_node_is_refused_and_the_router_retries_elsewhere(model_dir,
     router = start_router(model_dir, tmp_path, [prefill.address], [small.address, big.address])
     try:
         with Client(router.address) as client:
-            for _ in range(4):
-                r = client.generate(prompt_token_ids=[5] * 600, max_tokens=3, temperature=0.0)
+            for i in range(4):
+                r = client.generate(prompt_token_ids=[5 + i] * 600, max_tokens=3, temperature=0.0)
                 assert len(r.token_ids) == 3
-        with grpc.insecure_channel(small.address) as channel:
-            stats = nodes_pb2_grpc.NodeStatsServiceStub(channel).GetStats(
-                nodes_pb2.GetStatsRequest()
-            )
-        assert stats.counters["transfers_failed"] >= 1
-        assert stats.num_free_blocks == stats.num_blocks  # nothing leaked by the refusals
+        stats = {}
+        for name, proc in (("small", small), ("big", big), ("prefill", prefill)):
+            with grpc.insecure_channel(proc.address) as channel:
+                stats[name] = nodes_pb2_grpc.NodeStatsServiceStub(channel).GetStats(
+                    nodes_pb2.GetStatsRequest()
+                )
+        assert stats["small"].counters.get("transfers", 0) == 0
+        assert stats["small"].counters.get("transfers_failed", 0) == 0
+        assert stats["big"].counters["transfers"] == 4
+        assert stats["prefill"].counters["prefills"] == 4  # each prompt computed once
+        assert stats["big"].num_free_blocks == stats["big"].num_blocks  # nothing leaked
     finally:
         for proc in (router, prefill, small, big):
             proc.stop()
