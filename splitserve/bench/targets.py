@@ -86,6 +86,9 @@ class _Target:
         pass
 
 
+GRPC_CONNECTIONS = 16  # requests go round robin over this many connections to the router
+
+
 class GrpcTarget(_Target):
     """A splitserve router: ``RouterService.Generate`` through ``AsyncClient.stream``."""
 
@@ -95,7 +98,20 @@ class GrpcTarget(_Target):
         super().__init__(address, **options)
         from splitserve.client import AsyncClient
 
-        self._client = AsyncClient(address, options=[("grpc.max_receive_message_length", -1)])
+        # NOTE: several connections, as many users would open: one HTTP/2 connection carrying
+        # thousands of streams makes the transport's stream limits part of what is measured
+        # (streams held back by the client, or reset at once, under overload).
+        self._clients = [
+            AsyncClient(
+                address,
+                options=[
+                    ("grpc.max_receive_message_length", -1),
+                    ("grpc.use_local_subchannel_pool", 1),  # a connection of its own
+                ],
+            )
+            for _ in range(GRPC_CONNECTIONS)
+        ]
+        self._next = 0
 
     async def prepare(self) -> None:
         pass
@@ -108,7 +124,9 @@ class GrpcTarget(_Target):
     async def _stream(self, req: BenchRequest, record: RequestRecord) -> None:
         prompt = {"prompt": req.prompt} if isinstance(req.prompt, str) else {}
         ids = None if isinstance(req.prompt, str) else list(req.prompt)
-        stream = self._client.stream(
+        client = self._clients[self._next % len(self._clients)]
+        self._next += 1
+        stream = client.stream(
             **prompt,
             prompt_token_ids=ids,
             max_tokens=req.max_tokens,
@@ -127,7 +145,8 @@ class GrpcTarget(_Target):
                 record.output_tokens = chunk.usage.completion_tokens
 
     async def close(self) -> None:
-        await self._client.close()
+        for client in self._clients:
+            await client.close()
 
 
 class HttpTarget(_Target):
