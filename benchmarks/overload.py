@@ -234,12 +234,18 @@ def plot(path: str) -> None:
     for index in sorted({r["index"] for r in rows}):
         rs = [r for r in rows if r["index"] == index]
         rates = [r["rate"] for r in rs]
-        ax.plot(rates, [r["output_tok_s"] for r in rs], "o-", label=f"index {index}")
-        bx.plot(rates, [r["completed"] / r["rate"] for r in rs], "o-", label=f"served, {index}")
-        bx.plot(rates, [r["refused"] / r["rate"] for r in rs], "x--", label=f"refused, {index}")
+        sent = [max(r["completed"] + r["refused"] + r["failed"], 1) for r in rs]
+
+        def share(key, rs=rs, sent=sent):
+            return [r[key] / n for r, n in zip(rs, sent, strict=True)]
+
+        ax.plot(rates, [r["output_tok_s"] for r in rs], "o-", label=index)
+        color = bx.plot(rates, share("completed"), "o-", label=f"served, {index}")[0].get_color()
+        bx.plot(rates, share("refused"), "x--", color=color, label=f"refused, {index}")
+        bx.plot(rates, share("failed"), "s:", color=color, label=f"failed, {index}")
     ax.set(xlabel="offered load (req/s)", ylabel="output tok/s", title="throughput vs load")
-    bx.set(xlabel="offered load (req/s)", ylabel="requests per 1 req/s offered",
-           title="served and refused")  # fmt: skip
+    bx.set(xlabel="offered load (req/s)", ylabel="share of the requests sent",
+           title="served, refused, failed")  # fmt: skip
     for a in (ax, bx):
         a.set_xscale("log", base=2)
         a.grid(alpha=0.3)
