@@ -328,7 +328,11 @@ def test_sse_as_curl_and_a_raw_socket_read_it(cluster):
     ).stdout  # fmt: skip
     lines = [line for line in out.split(b"\n") if line]
     assert lines[-1] == b"data: [DONE]" and all(line.startswith(b"data: ") for line in lines)
-    assert [json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1]] == texts
+    # The same text; how it is cut into events depends on timing (the decode node sends the
+    # tokens that queued up meanwhile in one message).
+    assert "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1]) == "".join(
+        texts
+    )
 
 
 def test_client_that_disconnects_mid_stream_frees_every_block(cluster):
