@@ -201,13 +201,21 @@ class Transfer:
             )
         deadline = None if time_remaining is None else time.monotonic() + time_remaining
         await inbox.wait_for_receiving(self.hashes, deadline)
+        # NOTE: claimed before the reservation's awaits, not after: a transfer of the same prefix
+        # arriving meanwhile must wait for this one rather than reserve a second copy of the
+        # blocks (the router's KV ledger counts a shared block once). The hashes found cached
+        # are given back once the reservation says which ones those are.
+        for block_hash in self.hashes:
+            if block_hash not in inbox.receiving:
+                inbox.receiving[block_hash] = self._receiving
+                self._claimed.append(block_hash)
         self._owns_blocks = True  # from here on the id's blocks are this transfer's to free
         reserved = await inbox.reserve_blocks(self.rid, self.hashes, len(self.prompt), deadline)
         self.missing = reserved.missing
-        for i in self.missing:
-            if self.hashes[i] not in inbox.receiving:
-                inbox.receiving[self.hashes[i]] = self._receiving
-                self._claimed.append(self.hashes[i])
+        to_write = {self.hashes[i] for i in self.missing}
+        for block_hash in [h for h in self._claimed if h not in to_write]:
+            del inbox.receiving[block_hash]
+        self._claimed = [h for h in self._claimed if h in to_write]
         indices = [*self.missing, *([-1] if reserved.has_tail else [])]
         self._dest = dict(zip(indices, reserved.dest, strict=True))
         self.res = inbox.reserve_in_layer(self.header, reserved.dest)

@@ -213,6 +213,40 @@ def test_concurrent_transfers_of_one_new_prefix_ship_it_once(decode):
         list(stub.Decode(nodes_pb2.DecodeRequest(request_id=rid), timeout=30))
 
 
+def test_transfers_of_one_new_prefix_arriving_at_once_reserve_it_once(decode):
+    """Six transfers sharing a new prefix, all sent at the same moment: one reserves and
+    receives the shared blocks, the others wait for it and reuse them (two copies of one prefix
+    would hold blocks the router's KV ledger counts once)."""
+    import threading
+
+    stub, root, nbytes = decode
+    shared = _prompt(48)  # three full blocks
+    prompts = {f"at-once-{i}": [*shared, *_prompt(24)] for i in range(6)}
+    gate, replies = threading.Event(), {rid: [] for rid in prompts}
+    threads = [
+        threading.Thread(
+            target=_transfer,
+            args=(stub, root, nbytes, rid, prompt),
+            kwargs=dict(replies=replies[rid], gate=gate),
+        )
+        for rid, prompt in prompts.items()
+    ]
+    for thread in threads:
+        thread.start()
+    _wait_until(lambda: any(replies.values()))
+    time.sleep(0.5)  # the others, if they did not wait, have their answers by now
+    gate.set()
+    for thread in threads:
+        thread.join(30)
+    assert all(r[-1].done for r in replies.values())
+    shippers = [rid for rid, r in replies.items() if 0 in r[0].missing]
+    assert len(shippers) == 1, {rid: list(r[0].missing) for rid, r in replies.items()}
+    assert all(list(r[0].missing) == [3] for rid, r in replies.items() if rid not in shippers)
+    for rid in prompts:
+        list(stub.Decode(nodes_pb2.DecodeRequest(request_id=rid), timeout=30))
+    _wait_until(lambda: _stats(stub).num_free_blocks == _stats(stub).num_blocks)
+
+
 def test_a_second_transfer_of_a_request_in_transfer_is_refused(decode):
     import threading
 
