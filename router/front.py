@@ -15,16 +15,13 @@ import grpc
 
 from splitserve.router.errors import GenerateError
 from splitserve.router.observe import RequestObserver
-from splitserve.router.orchestrator import Orchestrator, Step
+from splitserve.router.orchestrator import DEADLINE_SLACK_S, Orchestrator, Step
 from splitserve.router.request import GenerateParams, InvalidRequest, ModelInfo, parse_request
 from splitserve.runtime.metrics import RouterMetrics
 from splitserve.v1 import router_pb2
 
 logger = logging.getLogger(__name__)
 
-# A request cut off this close to its deadline counts as timed out, not cancelled: the client's
-# clock and ours start a few milliseconds apart.
-DEADLINE_SLACK_S = 0.05
 CLIENT_KEY = "x-splitserve-client"  # gRPC metadata / HTTP header naming the client (a tenant)
 
 

@@ -18,6 +18,10 @@ from splitserve.router.prefill_stage import PrefillStage
 from splitserve.router.registry import NodeRegistry
 from splitserve.router.request import GenerateParams, ModelInfo
 
+# A request that ended this close to its deadline was cut off by it (timed out, not cancelled):
+# the client's clock and ours start a few milliseconds apart.
+DEADLINE_SLACK_S = 0.05
+
 
 class Step(NamedTuple):
     """One public stream message's content; ``usage`` only on the last one."""
@@ -48,6 +52,7 @@ class Orchestrator:
         prefilled = await self._prefill.run(params, deadline)
         decode_pool = self._registry.decode
         node = prefilled.decode_node
+        served: list[float] = []  # seconds from admission to its last token, once served
         try:
             first = prefilled.response
             usage = Usage(
@@ -61,8 +66,7 @@ class Orchestrator:
             def step(delta: Delta) -> Step:
                 if not delta.finish_reason:
                     return Step(delta, None)
-                if self._on_served is not None:
-                    self._on_served(time.monotonic() - prefilled.admitted_at)
+                served.append(time.monotonic() - prefilled.admitted_at)
                 return Step(delta, usage._replace(completion_tokens=output.num_tokens))
 
             delta = output.add([first.first_token_id], [first.first_logprob], first.finish_reason)
@@ -96,3 +100,16 @@ class Orchestrator:
                 prefilled.stream.close()  # idempotent
             if node is not None:
                 decode_pool.release(node, demand=prefilled.demand)
+            self._note_service(served, prefilled.admitted_at, deadline)
+
+    def _note_service(self, served: list[float], admitted_at: float, deadline: float) -> None:
+        """Tell admission how long serving took; a request cut off at its deadline took at least
+        that long (without it, an estimate drawn only from served requests trails a service time
+        that grows with the load, and more requests are let go too late)."""
+        if self._on_served is None:
+            return
+        now = time.monotonic()
+        if served:
+            self._on_served(served[0])
+        elif now >= deadline - DEADLINE_SLACK_S:
+            self._on_served(now - admitted_at)
