@@ -41,7 +41,10 @@ def parse_addresses(value: str) -> tuple[str, ...]:
     return addresses
 
 
-_MODEL_HELP = "checkpoint folder (default: the embedded tiny model)"
+_MODEL_HELP = (
+    "checkpoint folder or .gguf file (default: the embedded SmolLM2-135M-Instruct; `tiny`: the "
+    "random test model)"
+)
 _PORT_FILE_HELP = "write the bound port here once serving (for launchers)"
 _METRICS_HELP = "serve Prometheus /metrics on this port (0: any free one; default: none)"
 _REDIS_HELP = "node registry + prefix index: discovery and cache-aware routing (default: none)"
@@ -118,8 +121,8 @@ class NodeConfig:
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     model_path: str = option(
-        help="checkpoint folder, for the tokenizer and the model identity (default: the "
-        "embedded tiny model)",
+        help="checkpoint folder or .gguf file, for the tokenizer and the model identity (default: "
+        "the embedded SmolLM2-135M-Instruct; `tiny`: the random test model)",
         flag="--model",
         cli_default=None,
     )
