@@ -79,18 +79,23 @@ class Admission:
     def __len__(self) -> int:
         return len(self._waiters)
 
+    # NOTE: the three figures below are read on the metrics server's thread while the event
+    # loop changes the deques: they read C-level snapshots (tuple() of a deque is atomic under
+    # the GIL) and change nothing.
+
     @property
     def queued_prompt_tokens(self) -> int:
-        return sum(w.work for w in self._waiters)
+        return sum(w.work for w in tuple(self._waiters))
 
     def oldest_wait_s(self) -> float:
-        return time.monotonic() - self._waiters[0].since if self._waiters else 0.0
+        waiters = tuple(self._waiters)
+        return time.monotonic() - waiters[0].since if waiters else 0.0
 
     def wait_quantiles(self, qs: tuple[float, ...]) -> list[float]:
         """Quantiles of the queue waits of the requests that left in the last WAITS_WINDOW_S
         (0 when none did)."""
-        self._trim_waits(time.monotonic())
-        waits = sorted(w for _, w in self._waits)
+        since = time.monotonic() - WAITS_WINDOW_S
+        waits = sorted(w for left, w in tuple(self._waits) if left >= since)
         if not waits:
             return [0.0 for _ in qs]
         return [waits[min(int(q * len(waits)), len(waits) - 1)] for q in qs]

@@ -183,9 +183,9 @@ class PrefillStage:
                 response = await _unless_stalled(call, p, d)
             finally:
                 call.cancel()
-            ok = True
             if self._on_computed is not None:
                 self._on_computed(max(n_prompt - response.cached_tokens, 0))
+            ok = True
             return Prefilled(response, d, node_request_id, demand=demand)
         except grpc.aio.AioRpcError as exc:
             # NOTE: classified while p and d still count this request: a probe may take a while.

@@ -31,8 +31,10 @@ class Pressure:
             self._computed.popleft()
 
     def figures(self) -> PressureFigures:
+        """Read at scrape time, on the metrics server's thread: nothing here may change what
+        the event loop changes (snapshots only)."""
         now = time.monotonic()
-        self._trim(now)
+        computed = tuple(self._computed)  # one C-level copy: atomic under the GIL
         admission = self._admission
         p50, p99 = admission.wait_quantiles((0.5, 0.99))
         return PressureFigures(
@@ -41,7 +43,8 @@ class Pressure:
             oldest_wait_s=admission.oldest_wait_s(),
             wait_p50_s=p50,
             wait_p99_s=p99,
-            prefill_tokens_per_s=sum(t for _, t in self._computed) / RATE_WINDOW_S,
+            prefill_tokens_per_s=sum(t for w, t in computed if w >= now - RATE_WINDOW_S)
+            / RATE_WINDOW_S,
             prefill=_pool(self._registry.prefill),
             decode=_pool(self._registry.decode),
         )

@@ -224,3 +224,49 @@ def test_a_waiter_that_could_no_longer_be_served_in_time_is_refused_not_let_go()
         assert metrics.refused.labels(reason="queue_wait")._value.get() == 1
 
     asyncio.run(run())
+
+
+def test_the_queue_figures_can_be_read_from_another_thread_while_it_churns():
+    """/metrics reads the queue's figures on the metrics server's thread: reading must neither
+    raise nor disturb the queue the event loop changes meanwhile."""
+    import threading
+
+    from splitserve.router.pressure import Pressure
+    from splitserve.router.registry import NodeRegistry
+
+    async def run():
+        registry = NodeRegistry([], ["d:1"])
+        pool = registry.decode
+        metrics = RouterMetrics()
+        admission = Admission(pool, metrics)
+        pressure = Pressure(registry, admission)
+        node = pool.nodes[0]
+        node.capacity = 1
+        stop, errors = threading.Event(), []
+
+        def scrape():
+            while not stop.is_set():
+                try:
+                    pressure.figures()
+                except Exception as exc:  # what the scrape thread would have died of
+                    errors.append(exc)
+
+        reader = threading.Thread(target=scrape)
+        reader.start()
+        far = time.monotonic() + 30
+
+        async def request(i):
+            await admission.enter(far, _demand(40, seed=i), 40)
+            pool.acquire(node)
+            pressure.computed(40)
+            await asyncio.sleep(0)
+            pool.release(node)
+
+        try:
+            await asyncio.wait_for(asyncio.gather(*(request(i) for i in range(400))), 30)
+        finally:
+            stop.set()
+            reader.join(5)
+        assert errors == [] and len(admission) == 0 and node.in_flight == 0
+
+    asyncio.run(run())
