@@ -179,7 +179,9 @@ class Transfer:
         self._dest: dict[int, int] = {}  # grpc: block index (-1: tail) → reserved block id
         self._received: set[int] = set()
         self._claimed: list[bytes] = []
-        self._receiving = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self._receiving = loop.create_future()  # done when this transfer ends
+        self._reserving = loop.create_future()  # done when its reservation is made (or it ends)
         self._owns_blocks = False
         self._released = False
 
@@ -203,19 +205,28 @@ class Transfer:
         await inbox.wait_for_receiving(self.hashes, deadline)
         # NOTE: claimed before the reservation's awaits, not after: a transfer of the same prefix
         # arriving meanwhile must wait for this one rather than reserve a second copy of the
-        # blocks (the router's KV ledger counts a shared block once). The hashes found cached
-        # are given back once the reservation says which ones those are.
+        # blocks (the router's KV ledger counts a shared block once). Claimed for the
+        # reservation only (``_reserving``): once it says which hashes were cached here, those
+        # are given back at once and only the ones to be written stay claimed until the data
+        # is in (``_receiving``), so a transfer sharing only cached blocks waits for no data.
         for block_hash in self.hashes:
             if block_hash not in inbox.receiving:
-                inbox.receiving[block_hash] = self._receiving
+                inbox.receiving[block_hash] = self._reserving
                 self._claimed.append(block_hash)
         self._owns_blocks = True  # from here on the id's blocks are this transfer's to free
         reserved = await inbox.reserve_blocks(self.rid, self.hashes, len(self.prompt), deadline)
+        if self._released:  # released meanwhile (its claims are gone): free what was reserved
+            await inbox.free(self.rid)
+            raise TransferRefused(grpc.StatusCode.CANCELLED, "transfer ended while reserving")
         self.missing = reserved.missing
         to_write = {self.hashes[i] for i in self.missing}
-        for block_hash in [h for h in self._claimed if h not in to_write]:
-            del inbox.receiving[block_hash]
+        for block_hash in self._claimed:
+            if block_hash in to_write:
+                inbox.receiving[block_hash] = self._receiving
+            else:
+                del inbox.receiving[block_hash]
         self._claimed = [h for h in self._claimed if h in to_write]
+        self._reserving.set_result(None)
         indices = [*self.missing, *([-1] if reserved.has_tail else [])]
         self._dest = dict(zip(indices, reserved.dest, strict=True))
         self.res = inbox.reserve_in_layer(self.header, reserved.dest)
@@ -276,7 +287,10 @@ class Transfer:
         finally:
             for block_hash in self._claimed:
                 del self.inbox.receiving[block_hash]
-            self._receiving.set_result(None)
+            self._claimed = []
+            for future in (self._reserving, self._receiving):
+                if not future.done():
+                    future.set_result(None)
             self.inbox.in_transfer.discard(self.rid)
 
     async def _free_blocks(self) -> None:
