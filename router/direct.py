@@ -38,9 +38,10 @@ async def open_direct(
         cache_salt=params.cache_salt,
     )
     pool.acquire(d, demand=demand)
-    call = stage.open_direct(d, request, deadline)
+    call = None
     ok = False
     try:
+        call = stage.open_direct(d, request, deadline)
         reply = await call.read()  # marks D down when it is unreachable
         if len(reply.token_ids) != 1:
             raise GenerateError(
@@ -58,7 +59,8 @@ async def open_direct(
         raise
     finally:
         if not ok:
-            call.close()
+            if call is not None:
+                call.close()
             pool.release(d, demand=demand)
     first = nodes_pb2.PrefillResponse(
         first_token_id=reply.token_ids[0],

@@ -6,6 +6,7 @@ once, by its gRPC status code; the fronts only translate messages and errors."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -73,11 +74,15 @@ class RequestFront:
                 params = await asyncio.to_thread(parse_request, request, self.model)
             except InvalidRequest as exc:
                 raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-            async for step in self._orchestrator.run(params, start, deadline):
-                observer.tokens(len(step.delta.token_ids))
-                if step.usage is not None:
-                    observer.finished(step.usage)
-                yield params, step
+            # Closed here, not by the event loop's finalizer later: a cancelled request gives its
+            # nodes back (and its KV ledger charge) at once.
+            steps = self._orchestrator.run(params, start, deadline)
+            async with contextlib.aclosing(steps):
+                async for step in steps:
+                    observer.tokens(len(step.delta.token_ids))
+                    if step.usage is not None:
+                        observer.finished(step.usage)
+                    yield params, step
         except GenerateError as exc:
             observer.failed(exc.code.name)
             if exc.retry_after_s is not None:  # refused for want of room
