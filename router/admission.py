@@ -135,28 +135,11 @@ class Admission:
         self._check_fits(demand)
         if not self._waiters and self._room(demand, work):
             return time.monotonic()
-        if len(self._waiters) >= self.max_waiting:
-            raise self._refuse(
-                "queue_full",
-                f"the pools are full and {len(self._waiters)} requests are already waiting (the "
-                "router's --max-queue); retry later or add nodes",
-                self._pace_wait(len(self._waiters)),
-            )
+        self._check_wait(deadline)
         start = time.monotonic()
         # Past this it could not be served before its deadline: refused rather than let go.
         latest = deadline - self.service_s
         give_up = min(latest, start + self.max_wait_s)
-        estimate = self._pace_wait(len(self._waiters) + 1)
-        if estimate is not None and start + estimate > give_up:
-            limit = "deadline" if latest < start + self.max_wait_s else "--queue-timeout-s"
-            raise self._refuse(
-                "queue_wait",
-                f"{len(self._waiters)} requests are waiting ahead of this one and the router lets "
-                f"about {self._pace():.1f}/s go: its wait (~{estimate:.1f} s) would outlast its "
-                f"{limit} (less ~{self.service_s:.1f} s to serve it: {give_up - start:.1f} s "
-                "left); retry later or add nodes",
-                estimate,
-            )
         loop = asyncio.get_running_loop()
         me = Waiter(loop.create_future(), demand, work, start)
         self._waiters.append(me)
@@ -184,6 +167,37 @@ class Admission:
             if let_go:
                 self._departures.append(now)
             self.notify()  # the next in line looks again
+
+    def check_arrival(self, deadline: float) -> None:
+        """Refuse (``GenerateError``) a request that would have to queue and may not: the queue
+        is full, or its pace puts the wait past the deadline or ``--queue-timeout-s`` (less the
+        time serving it takes). Needs no prompt: the front calls it before parsing one, so under
+        overload a refused request costs the router next to nothing; ``enter`` checks again."""
+        if self._waiters:  # nothing waits: whether there is room is enter's to say
+            self._check_wait(deadline)
+
+    def _check_wait(self, deadline: float) -> None:
+        if len(self._waiters) >= self.max_waiting:
+            raise self._refuse(
+                "queue_full",
+                f"the pools are full and {len(self._waiters)} requests are already waiting (the "
+                "router's --max-queue); retry later or add nodes",
+                self._pace_wait(len(self._waiters)),
+            )
+        start = time.monotonic()
+        latest = deadline - self.service_s
+        give_up = min(latest, start + self.max_wait_s)
+        estimate = self._pace_wait(len(self._waiters) + 1)
+        if estimate is not None and start + estimate > give_up:
+            limit = "deadline" if latest < start + self.max_wait_s else "--queue-timeout-s"
+            raise self._refuse(
+                "queue_wait",
+                f"{len(self._waiters)} requests are waiting ahead of this one and the router lets "
+                f"about {self._pace():.1f}/s go: its wait (~{estimate:.1f} s) would outlast its "
+                f"{limit} (less ~{self.service_s:.1f} s to serve it: {give_up - start:.1f} s "
+                "left); retry later or add nodes",
+                estimate,
+            )
 
     def _can_go(self, me: Waiter) -> bool:
         if not self._decode.usable():

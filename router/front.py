@@ -10,7 +10,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -34,6 +34,7 @@ class RequestFront:
         metrics: RouterMetrics,
         request_timeout_s: float,
         max_requests_per_client: int,
+        check_arrival: Callable[[float], None] | None = None,
     ) -> None:
         self.model = model
         self._orchestrator = orchestrator
@@ -41,6 +42,9 @@ class RequestFront:
         self._request_timeout_s = request_timeout_s
         self._max_per_client = max_requests_per_client
         self._in_flight: Counter[str] = Counter()  # client → its requests in flight
+        # Admission's refusals that need no prompt (router.admission.check_arrival): made before
+        # the request is parsed, so a refusal under overload costs next to nothing.
+        self._check_arrival = check_arrival
 
     async def run(
         self,
@@ -69,6 +73,8 @@ class RequestFront:
                 )
             self._in_flight[client] += 1
             counted = True
+            if self._check_arrival is not None:
+                self._check_arrival(deadline)
             try:
                 # Off the event loop: tokenizing a long text takes long, and other streams go on.
                 params = await asyncio.to_thread(parse_request, request, self.model)

@@ -86,6 +86,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
             metrics,
             request_timeout_s,
             max_requests_per_client,
+            check_arrival=admission.check_arrival,
         )
 
     async def Generate(

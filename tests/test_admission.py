@@ -270,3 +270,24 @@ def test_the_queue_figures_can_be_read_from_another_thread_while_it_churns():
         assert errors == [] and len(admission) == 0 and node.in_flight == 0
 
     asyncio.run(run())
+
+
+def test_a_request_that_may_not_queue_is_refused_before_its_prompt_is_read():
+    """``check_arrival`` needs only the deadline: the front calls it before parsing the
+    request, so a refusal under overload costs the router next to nothing."""
+
+    async def run():
+        pool, admission, metrics = _setup(capacity=1, max_waiting=1)
+        admission.check_arrival(time.monotonic() + 30)  # nothing waits: never refused here
+        pool.acquire(pool.nodes[0])
+        waiter = asyncio.create_task(admission.enter(time.monotonic() + 30))
+        await asyncio.sleep(0.01)
+        with pytest.raises(GenerateError) as full:
+            admission.check_arrival(time.monotonic() + 30)
+        assert full.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert full.value.retry_after_s >= 1
+        assert metrics.refused.labels(reason="queue_full")._value.get() == 1
+        pool.release(pool.nodes[0])
+        await asyncio.wait_for(waiter, 1)
+
+    asyncio.run(run())
