@@ -56,8 +56,14 @@ class KVDemand:
         max_tokens: int,
         block_size: int,
         reserve_tokens: int,
+        hashes: Sequence[bytes] | None = None,
     ) -> KVDemand:
-        hashes = hash_request_tokens(prompt_token_ids, block_size, LEDGER_ROOT, cache_salt or None)
+        """``hashes``: the prompt's block hashes (with ``cache_salt``) when the caller has them
+        (any root will do: the ledger compares them with each other only); else hashed here."""
+        if hashes is None:
+            hashes = hash_request_tokens(
+                prompt_token_ids, block_size, LEDGER_ROOT, cache_salt or None
+            )
         n = len(prompt_token_ids)
         output = min(max_tokens, reserve_tokens)
         return cls(tuple(hashes), n, _private(n, output, block_size), block_size)
@@ -98,9 +104,11 @@ class KVLedger:
             return None
         return max(int(self.num_blocks * (1.0 - self.headroom)), 1)
 
+    # NOTE: a request's hashes are distinct (each chains its parent), so no set is needed.
+
     def added(self, demand: KVDemand) -> int:
         """Blocks ``demand`` would add to the ledger now."""
-        new = sum(1 for h in set(demand.hashes) if h not in self._shared)
+        new = sum(1 for h in demand.hashes if h not in self._shared)
         return new + demand.private_blocks
 
     def fits(self, demand: KVDemand) -> bool:
@@ -121,10 +129,13 @@ class KVLedger:
         self._private += demand.private_blocks
 
     def give_back(self, demand: KVDemand) -> None:
-        self._shared.subtract(demand.hashes)
-        for h in set(demand.hashes):
-            if self._shared[h] <= 0:
-                del self._shared[h]
+        shared = self._shared
+        for h in demand.hashes:
+            n = shared.get(h, 0)
+            if n > 1:
+                shared[h] = n - 1
+            else:
+                shared.pop(h, None)
         self._private -= demand.private_blocks
         assert self._private >= 0, "gave back more private blocks than were taken"
 

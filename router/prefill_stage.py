@@ -70,13 +70,18 @@ class PrefillStage:
         elsewhere on refusals/failures; the route is chosen again on each attempt."""
         tried = Tried(set(), set())
         error = GenerateError(grpc.StatusCode.UNAVAILABLE, "no attempt made")
-        cached = await self._cached_blocks(params)
+        # The prompt is hashed once, for the index look-up and the decode KV ledger alike.
+        hashes = None
+        if self._lookup is not None:
+            hashes = self._lookup.block_hashes(params.prompt_token_ids, params.cache_salt)
+        cached = await self._cached_blocks(hashes)
         demand = KVDemand.of(
             params.prompt_token_ids,
             params.cache_salt,
             params.sampling.max_tokens,
             self._block_size,
             self._kv_reserve_tokens,
+            hashes,
         )
         n_prompt = len(params.prompt_token_ids)
         for attempt in range(self._max_attempts):
@@ -126,15 +131,14 @@ class PrefillStage:
             )
         raise error
 
-    async def _cached_blocks(self, params: GenerateParams) -> dict[str, int]:
-        """Leading blocks of the prompt each node holds; empty without an index."""
-        if self._lookup is None:
+    async def _cached_blocks(self, hashes: list[bytes] | None) -> dict[str, int]:
+        """Leading blocks of the prompt (its ``hashes``) each node holds; empty without an
+        index."""
+        if self._lookup is None or hashes is None:
             return {}
         reg = self._registry
         addresses = [n.address for pool in (reg.prefill, reg.decode) for n in pool.nodes]
-        return await self._lookup.cached_blocks(
-            params.prompt_token_ids, params.cache_salt, addresses
-        )
+        return await self._lookup.cached_blocks(hashes, addresses)
 
     def _choose_decode(self, tried: Tried, cached: dict[str, int], demand: KVDemand) -> Node:
         d = _choose(self._registry.decode, tried, cached, demand=demand)

@@ -61,13 +61,15 @@ class PrefixLookup:
         self._block_size = block_size
         self._ok = True
 
-    async def cached_blocks(
-        self, prompt_token_ids: Sequence[int], cache_salt: str, addresses: list[str]
-    ) -> dict[str, int]:
-        """Node address → leading blocks of the prompt it holds (one round trip)."""
-        hashes = hash_request_tokens(
+    def block_hashes(self, prompt_token_ids: Sequence[int], cache_salt: str) -> list[bytes]:
+        """The prompt's block hashes as the nodes compute them (the index's root)."""
+        return hash_request_tokens(
             prompt_token_ids, self._block_size, self._index.root_hash, cache_salt or None
         )
+
+    async def cached_blocks(self, hashes: list[bytes], addresses: list[str]) -> dict[str, int]:
+        """Node address → leading blocks of the prompt (``block_hashes``) it holds (one round
+        trip)."""
         if not hashes:
             return {}
         try:
