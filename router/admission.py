@@ -135,11 +135,8 @@ class Admission:
         self._check_fits(demand)
         if not self._waiters and self._room(demand, work):
             return time.monotonic()
-        self._check_wait(deadline)
         start = time.monotonic()
-        # Past this it could not be served before its deadline: refused rather than let go.
-        latest = deadline - self.service_s
-        give_up = min(latest, start + self.max_wait_s)
+        latest, give_up = self._check_wait(deadline, start)
         loop = asyncio.get_running_loop()
         me = Waiter(loop.create_future(), demand, work, start)
         self._waiters.append(me)
@@ -174,9 +171,12 @@ class Admission:
         time serving it takes). Needs no prompt: the front calls it before parsing one, so under
         overload a refused request costs the router next to nothing; ``enter`` checks again."""
         if self._waiters:  # nothing waits: whether there is room is enter's to say
-            self._check_wait(deadline)
+            self._check_wait(deadline, time.monotonic())
 
-    def _check_wait(self, deadline: float) -> None:
+    def _check_wait(self, deadline: float, start: float) -> tuple[float, float]:
+        """Refuse a request that may not queue (see ``check_arrival``); else its limits: the
+        latest time it may still be let go (past it, it could not be served before its deadline)
+        and the time it gives up (that, or ``--queue-timeout-s``)."""
         if len(self._waiters) >= self.max_waiting:
             raise self._refuse(
                 "queue_full",
@@ -184,7 +184,6 @@ class Admission:
                 "router's --max-queue); retry later or add nodes",
                 self._pace_wait(len(self._waiters)),
             )
-        start = time.monotonic()
         latest = deadline - self.service_s
         give_up = min(latest, start + self.max_wait_s)
         estimate = self._pace_wait(len(self._waiters) + 1)
@@ -198,6 +197,7 @@ class Admission:
                 "left); retry later or add nodes",
                 estimate,
             )
+        return latest, give_up
 
     def _can_go(self, me: Waiter) -> bool:
         if not self._decode.usable():
