@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -158,3 +160,36 @@ def start_redis(tmp: Path, port: int | None = None) -> Proc:
             time.sleep(0.05)
     client.close()
     return Proc(popen, f"redis://127.0.0.1:{port}", log)
+
+
+def greedy_burst(address: str, prompts, max_tokens: int, timeout: float | None = None) -> list:
+    """Every prompt (token ids) at once through the router at ``address``, greedy and
+    ``ignore_eos``: per prompt its output token ids, or the ``SplitserveError`` it ended with."""
+    from splitserve.client import AsyncClient, SplitserveError
+
+    async def run():
+        async with AsyncClient(address) as client:
+
+            async def one(prompt):
+                try:
+                    out = await client.generate(prompt_token_ids=prompt, max_tokens=max_tokens,
+                                                temperature=0.0, ignore_eos=True,
+                                                timeout=timeout)  # fmt: skip
+                    return list(out.token_ids)
+                except SplitserveError as exc:
+                    return exc
+
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+    return asyncio.run(run())
+
+
+def scrape_metrics(port: int) -> dict[str, float]:
+    """The samples of a component's /metrics page on loopback, ``name{labels}`` → value."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples

@@ -15,10 +15,10 @@ import urllib.request
 
 import grpc
 import pytest
-from cluster import node_stats, start_node, start_redis, start_router
+from cluster import greedy_burst, node_stats, scrape_metrics, start_node, start_redis, start_router
 from reference import hf_greedy
 
-from splitserve.client import AsyncClient, SplitserveError
+from splitserve.client import SplitserveError
 from splitserve.launcher import free_port
 from splitserve.models.tiny import write_random_checkpoint
 
@@ -55,22 +55,8 @@ def _prefill_work(prefill) -> tuple[float, float]:
     return computed, failed
 
 
-def _burst(address, prompts, timeout=120.0):
-    async def run():
-        async with AsyncClient(address) as client:
-
-            async def one(p):
-                try:
-                    out = await client.generate(prompt_token_ids=p, max_tokens=OUT,
-                                                temperature=0.0, ignore_eos=True,
-                                                timeout=timeout)  # fmt: skip
-                    return list(out.token_ids)
-                except SplitserveError as exc:
-                    return exc
-
-            return await asyncio.gather(*(one(p) for p in prompts))
-
-    return asyncio.run(run())
+def _burst(address, prompts):
+    return greedy_burst(address, prompts, OUT, timeout=120.0)
 
 
 def test_a_burst_far_beyond_the_decode_kv_waits_at_the_router_and_nothing_is_recomputed(pools):
@@ -101,29 +87,19 @@ def test_a_burst_far_beyond_the_decode_kv_waits_at_the_router_and_nothing_is_rec
             "transfers_waited_for_blocks", 0
         ), "a transfer reached the decode node before it had room for it"
         assert d.num_free_blocks == d.num_blocks  # nothing leaked
-        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read().decode()
-        assert "splitserve_router_queue_wait_seconds_count" in text
-        waited = _metric(text, "splitserve_router_queue_wait_seconds_count")
+        figures = scrape_metrics(metrics_port)
+        waited = figures["splitserve_router_queue_wait_seconds_count"]
         assert waited >= 10, "most of the burst should have waited in the router's queue"
-        assert _metric(text, 'splitserve_router_decode_kv_blocks{state="charged"}') == 0
-        assert _metric(text, 'splitserve_router_decode_kv_blocks{state="total"}') > 0
-        assert _metric(text, 'splitserve_router_nodes{role="prefill"}') == 2
-        assert _metric(text, "splitserve_router_prefill_computed_tokens_total") > 0
+        assert figures['splitserve_router_decode_kv_blocks{state="charged"}'] == 0
+        assert figures['splitserve_router_decode_kv_blocks{state="total"}'] > 0
+        assert figures['splitserve_router_nodes{role="prefill"}'] == 2
+        assert figures["splitserve_router_prefill_computed_tokens_total"] > 0
         # The next request is served as usual.
         assert _burst(router.address, [prompts[0][:50]])[0] == hf_greedy(
             model, prompts[0][:50], OUT
         )
     finally:
         router.stop()
-
-
-def _metric(text: str, sample: str) -> float:
-    """The value of one sample of a /metrics page (``name`` or ``name{labels}``, exactly)."""
-    for line in text.splitlines():
-        key, _, value = line.rpartition(" ")
-        if key == sample:
-            return float(value)
-    raise AssertionError(f"{sample} not in /metrics")
 
 
 def test_refusals_come_at_once_with_a_retry_hint_and_a_reason(pools):
@@ -176,9 +152,9 @@ def test_refusals_come_at_once_with_a_retry_hint_and_a_reason(pools):
         assert limited, answers
         assert all(a[1] is not None and int(a[1]) >= 1 for a in limited)
         assert all(a[2] < 1.0 for a in limited), "a refusal must come at once"
-        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read().decode()
-        assert _metric(text, 'splitserve_router_refused_total{reason="prompt_too_large"}') == 1
-        assert _metric(text, 'splitserve_router_refused_total{reason="queue_full"}') == len(
+        figures = scrape_metrics(metrics_port)
+        assert figures['splitserve_router_refused_total{reason="prompt_too_large"}'] == 1
+        assert figures['splitserve_router_refused_total{reason="queue_full"}'] == len(
             refused
         ) + len(limited)
     finally:

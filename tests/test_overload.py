@@ -10,10 +10,9 @@ import random
 
 import grpc
 import pytest
-from cluster import node_stats, start_node, start_router
+from cluster import greedy_burst, node_stats, start_node, start_router
 from reference import hf_greedy
 
-from splitserve.client import AsyncClient, SplitserveError
 from splitserve.models.tiny import write_random_checkpoint
 
 
@@ -30,23 +29,6 @@ def nodes(tmp_path_factory):
         decode.stop()
 
 
-def _burst(address, prompts, max_tokens=6):
-    async def run():
-        async with AsyncClient(address) as client:
-
-            async def one(p):
-                try:
-                    out = await client.generate(prompt_token_ids=p, max_tokens=max_tokens,
-                                                temperature=0.0, ignore_eos=True)  # fmt: skip
-                    return list(out.token_ids)
-                except SplitserveError as exc:
-                    return exc
-
-            return await asyncio.gather(*(one(p) for p in prompts))
-
-    return asyncio.run(run())
-
-
 def test_a_burst_beyond_decode_capacity_waits_and_completes(nodes):
     model, tmp, prefill, decode = nodes
     router = start_router(model, tmp, [prefill.address], [decode.address],
@@ -54,7 +36,7 @@ def test_a_burst_beyond_decode_capacity_waits_and_completes(nodes):
     try:
         rng = random.Random(5)
         prompts = [[rng.randrange(256) for _ in range(rng.randrange(10, 60))] for _ in range(12)]
-        results = _burst(router.address, prompts)
+        results = greedy_burst(router.address, prompts, 6)
         assert [r for r in results if isinstance(r, Exception)] == []
         for prompt, tokens in zip(prompts, results, strict=True):
             assert tokens == hf_greedy(model, prompt, 6)
@@ -70,7 +52,7 @@ def test_beyond_the_queue_requests_are_refused_at_once(nodes):
                           "--decode-overcommit", "1", "--max-queue", "2")  # fmt: skip
     try:
         prompts = [[7 + i] * 40 for i in range(10)]
-        results = _burst(router.address, prompts, max_tokens=30)
+        results = greedy_burst(router.address, prompts, 30)
         refused = [r for r in results if isinstance(r, Exception)]
         assert refused, "10 requests for 2 slots and 2 queue places: some must be refused"
         assert all(r.code == grpc.StatusCode.RESOURCE_EXHAUSTED for r in refused)

@@ -7,11 +7,10 @@ router's and a node's /metrics move with the traffic."""
 import random
 import threading
 import time
-import urllib.request
 
 import grpc
 import pytest
-from cluster import start_node, start_redis, start_router_discovering
+from cluster import scrape_metrics, start_node, start_redis, start_router_discovering
 
 from splitserve.client import Client, SplitserveError
 from splitserve.launcher import free_port
@@ -81,17 +80,6 @@ def wait_for(predicate, timeout: float) -> float:
     return time.monotonic() - t0
 
 
-def scrape(port: int) -> dict[str, float]:
-    """The samples of a /metrics page, name{labels} → value."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            samples[name] = float(value)
-    return samples
-
-
 def drain(proc) -> int:
     proc.popen.terminate()
     return proc.popen.wait(60)
@@ -113,7 +101,7 @@ def test_scale_out_and_drain_lose_no_request(model_dir, tmp_path):
         procs.append(router)
         with Client(router.address) as client:
             wait_for(lambda: _ok(client), 20)
-        before = scrape(router_metrics)
+        before = scrape_metrics(router_metrics)
         traffic = Traffic(router.address)
         wait_for(lambda: traffic.ok >= 5, 30)
 
@@ -148,17 +136,17 @@ def test_scale_out_and_drain_lose_no_request(model_dir, tmp_path):
 
 def check_metrics(router_port: int, before: dict, node_port: int, d2: str, ok: int) -> None:
     """The router's and decode node d2's /metrics moved with the ``ok`` requests served."""
-    after = scrape(router_port)
+    after = scrape_metrics(router_port)
     key = "splitserve_time_to_first_token_seconds_count"
     assert after[key] - before.get(key, 0) == ok
     assert after["splitserve_inter_token_latency_seconds_count"] >= 11 * ok
     assert after['splitserve_requests_total{code="OK"}'] >= ok
     assert after["splitserve_request_latency_seconds_sum"] > 0
-    node = scrape(node_port)
+    node = scrape_metrics(node_port)
     assert node['splitserve_decode_transfers_total{role="decode"}'] > 0
     assert 'splitserve_decode_kv_usage{role="decode"}' in node
     running = f'splitserve_node_running{{node="{d2}",role="decode"}}'
-    wait_for(lambda: running in scrape(router_port), 10)
+    wait_for(lambda: running in scrape_metrics(router_port), 10)
 
 
 def _ok(client) -> bool:
