@@ -76,16 +76,9 @@ def parse_args() -> argparse.Namespace:
 
 def make_model(args) -> tuple[str, tuple[str, ...]]:
     if args.make_8b:
-        from shapes import llama3_8b_config
+        from pipeline import make_8b
 
-        from splitserve.models.tiny import build_byte_tokenizer
-
-        path = Path(args.make_8b)
-        path.mkdir(parents=True, exist_ok=True)
-        config = llama3_8b_config(args.layers, bos_token_id=256, eos_token_id=257)
-        config.save_pretrained(path)
-        build_byte_tokenizer().save_pretrained(path)
-        return str(path), ("--load-format", "dummy")
+        return str(make_8b(Path(args.make_8b), args.layers)), ("--load-format", "dummy")
     if args.model:
         return args.model, ()
     from splitserve.models.tiny import ensure_tiny_model

@@ -38,11 +38,11 @@ from splitserve.launcher import ClusterSpec, LocalCluster, free_port
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 
-def make_8b(path: Path) -> Path:
+def make_8b(path: Path, num_layers: int = 32) -> Path:
     from splitserve.models.tiny import build_byte_tokenizer
 
     path.mkdir(parents=True, exist_ok=True)
-    llama3_8b_config(bos_token_id=256, eos_token_id=257).save_pretrained(path)
+    llama3_8b_config(num_layers, bos_token_id=256, eos_token_id=257).save_pretrained(path)
     build_byte_tokenizer().save_pretrained(path)
     return path
 
