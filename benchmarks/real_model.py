@@ -55,7 +55,18 @@ def reference(model: str, device: str, dtype: str, prompts: list[list[int]], max
                 x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens, do_sample=False
             )
             outs.append(out[0, len(ids) :].tolist())
-    return outs
+    return hf, outs
+
+
+def margin_at(hf, context: list[int], ours: int, theirs: int) -> float:
+    """transformers' logit of its own choice less its logit of splitserve's, after ``context``
+    (prompt and the common output prefix): small when the two tokens are a near tie."""
+    import torch
+
+    with torch.no_grad():
+        x = torch.tensor([context], device=hf.device)
+        logits = hf(x).logits[0, -1].float()
+    return float(logits[theirs] - logits[ours])
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -102,16 +113,38 @@ def main() -> int:
         with Client(a.router) as client, ThreadPoolExecutor(len(chats)) as pool:
             got = list(pool.map(lambda m: client.chat(m, **greedy), chats))
         served_s = time.perf_counter() - t0
-        want = reference(model, args.device, dtype, ids, args.max_tokens)
+        hf, want = reference(model, args.device, dtype, ids, args.max_tokens)
         exact = 0
-        print(f"\n{'prompt':44s} {'tokens':>6s} {'first diff':>10s}  splitserve's answer")
-        for prompt, r, w in zip(PROMPTS, got, want, strict=True):
-            diff = first_difference(list(r.token_ids), w)
+        # in a half dtype, how long each run follows transformers in float32 (same device)
+        fp32 = (
+            want
+            if dtype == "float32"
+            else reference(model, args.device, "float32", ids, args.max_tokens)[1]
+        )
+        head = f"{'prompt':44s} {'tokens':>6s} {'first diff':>10s} {'margin':>6s} {'vs fp32':>7s}"
+        print(f"\n{head}  splitserve's answer")
+        for prompt, prompt_ids, r, w, f in zip(PROMPTS, ids, got, want, fp32, strict=True):
+            ours = list(r.token_ids)
+            diff = first_difference(ours, w)
+            to_fp32 = [first_difference(x, f) for x in (ours, w)]
+            vs = "/".join("-" if d is None else str(d) for d in to_fp32)
             exact += diff is None
-            where = "-" if diff is None else str(diff)
-            print(f"{prompt[:44]:44s} {len(r.token_ids):6d} {where:>10s}  {r.text[:60]!r}")
+            where, margin = "-", "-"
+            if diff is not None and diff < min(len(ours), len(w)):
+                where = str(diff)
+                context = list(prompt_ids) + w[:diff]
+                margin = f"{margin_at(hf, context, ours[diff], w[diff]):.3f}"
+            elif diff is not None:
+                where = f"{diff} (len)"
+            row = f"{prompt[:44]:44s} {len(ours):6d} {where:>10s} {margin:>6s} {vs:>7s}"
+            print(f"{row}  {r.text[:60]!r}")
             if diff is not None:
-                print(f"{'':44s} {'':6s} {'':10s}  transformers: {tok.decode(w)[:60]!r}")
+                print(f"{'':70s}  transformers: {tok.decode(w)[:60]!r}")
+        print(
+            "\nmargin: transformers' logit of its token less its logit of splitserve's at the "
+            "first difference (a near tie when small); vs fp32: where splitserve / transformers "
+            "in this dtype first differ from transformers in float32 on the same device"
+        )
         print(
             f"\n{exact}/{len(PROMPTS)} token-exact with transformers ({dtype}); served "
             f"{sum(len(r.token_ids) for r in got)} tokens in {served_s:.1f} s"

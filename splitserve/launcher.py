@@ -67,6 +67,20 @@ def _set_parent_death_signal() -> None:
         pass
 
 
+# Node flags that enter the model identity: the router must be given the same ones, or it
+# hashes every prompt differently from the nodes and refuses them at registration.
+IDENTITY_FLAGS = ("--dtype", "--block-size")
+
+
+def _identity_flags(node_args: tuple[str, ...]) -> list[str]:
+    """The identity flags of ``node_args`` (``--flag value`` pairs), for the router."""
+    out: list[str] = []
+    for i, arg in enumerate(node_args[:-1]):
+        if arg in IDENTITY_FLAGS:
+            out += [arg, node_args[i + 1]]
+    return out
+
+
 class LocalCluster:
     """Start with ``start()`` (or ``with``); ``stop()`` ends every process it started."""
 
@@ -175,7 +189,7 @@ class LocalCluster:
             flags += ["--direct-prefill-tokens", str(spec.direct_prefill_tokens)]
         if metrics_port is not None:
             flags += ["--metrics-port", str(metrics_port)]
-        return flags
+        return flags + _identity_flags(spec.node_args)
 
     def _token_file(self) -> str | None:
         """The token file every component gets: ``auto`` writes a new one into the run folder."""
