@@ -4,7 +4,7 @@ counterpart: tests/test_cli.py checks that a device that does not exist is refus
 
 import pytest
 import torch
-from cluster import start_node, start_router
+from support.processes import start_node, start_router
 
 from splitserve.client import Client
 

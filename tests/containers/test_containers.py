@@ -1,0 +1,253 @@
+"""The container deployment, built and run for real: the CPU image (scripts/build_cpu_image.sh,
+no image registry) and compose.cpu.yaml under podman-compose — Redis, the router, 2 prefill and 2
+decode containers on the host's loopback, each under its own host name.
+
+Requests from the SDK on the host through the router are token-exact with the in-process engine;
+a third decode container added at run time receives transfers within seconds; a decode container
+stopped (SIGTERM) while requests stream drains and exits 0 with no request failed; `down` leaves
+nothing running. The KV path each pair took is read from the nodes' counters and printed.
+
+Skipped, with the reason, where podman cannot run containers here (not root, no podman/runc/
+debootstrap, no podman-compose). scripts/setup.sh installs them on a Debian machine as root.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from splitserve.client import Client, SplitserveError
+from splitserve.launcher import free_port
+from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+IMAGE = "splitserve:cpu"
+GREEDY = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
+COMPOSE = [sys.executable, "-m", "podman_compose", "-f", str(ROOT / "compose.cpu.yaml")]
+
+
+def _why_not() -> str | None:
+    if os.geteuid() != 0:
+        return "building the base with debootstrap and running podman here needs root"
+    missing = [t for t in ("podman", "runc", "debootstrap") if shutil.which(t) is None]
+    if missing:
+        return (
+            f"{', '.join(missing)} not installed (Debian: apt-get install podman runc debootstrap)"
+        )
+    try:
+        import podman_compose  # noqa: F401
+    except ImportError:
+        return "podman-compose is not installed (pip install podman-compose)"
+    env = {**os.environ, "CONTAINERS_CONF": str(ROOT / "scripts/containers.conf")}
+    try:
+        info = subprocess.run(
+            ["podman", "info"], capture_output=True, text=True, env=env, timeout=60
+        )
+    except subprocess.TimeoutExpired:
+        return "podman info did not answer within 60 s"
+    if info.returncode != 0:
+        return f"podman cannot run here: {info.stderr.strip()[-300:]}"
+    return None
+
+
+pytestmark = [pytest.mark.slow]
+if (_reason := _why_not()) is not None:
+    pytestmark.append(pytest.mark.skip(reason=_reason))
+
+
+class Deployment:
+    def __init__(self, project: str) -> None:
+        self.project = project
+        self.router_port, self.redis_port = free_port(), free_port()
+        self.env = {
+            **os.environ,
+            "CONTAINERS_CONF": str(ROOT / "scripts/containers.conf"),
+            "SPLITSERVE_ROUTER_PORT": str(self.router_port),
+            "SPLITSERVE_REDIS_PORT": str(self.redis_port),
+            "SPLITSERVE_NUM_PREFILL": "2",
+            "SPLITSERVE_NUM_DECODE": "2",
+            "SPLITSERVE_MODEL": "tiny",  # the reference below runs the same random model
+            "SPLITSERVE_DRAIN_TIMEOUT_S": "30",
+        }
+        self.router = f"127.0.0.1:{self.router_port}"
+
+    def compose(self, *args: str, timeout: float = 300) -> str:
+        out = subprocess.run(
+            [*COMPOSE, "-p", self.project, *args],
+            capture_output=True, text=True, env=self.env, timeout=timeout, cwd=ROOT,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        return out.stdout
+
+    def podman(self, *args: str, timeout: float = 120) -> str:
+        out = subprocess.run(
+            ["podman", *args], capture_output=True, text=True, env=self.env, timeout=timeout
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout
+
+    def containers(self, service: str | None = None, running: bool = True) -> list[str]:
+        filters = ["--filter", f"label=io.podman.compose.project={self.project}"]
+        if service:
+            filters += ["--filter", f"label=com.docker.compose.service={service}"]
+        out = self.podman("ps", *([] if running else ["-a"]), *filters, "--format", "{{.Names}}")
+        return sorted(out.split())
+
+    def address(self, container: str) -> str:
+        """A node's host:port: it listens on a port picked at start, written to its port file."""
+        deadline = time.monotonic() + 60
+        while True:
+            out = subprocess.run(
+                ["podman", "exec", container, "cat", "/tmp/splitserve.port"],
+                capture_output=True, text=True, env=self.env,
+            )  # fmt: skip
+            if out.returncode == 0 and out.stdout.strip():
+                return f"127.0.0.1:{out.stdout.strip()}"
+            assert time.monotonic() < deadline, f"{container} never wrote its port"
+            time.sleep(0.5)
+
+    def stats(self, container: str):
+        with grpc.insecure_channel(self.address(container)) as channel:
+            stub = nodes_pb2_grpc.NodeStatsServiceStub(channel)
+            return stub.GetStats(nodes_pb2.GetStatsRequest(), timeout=10)
+
+
+def _wait(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def _serves(router: str) -> bool:
+    try:
+        with Client(router) as client:
+            return len(client.generate(prompt_token_ids=[1, 2, 3], **GREEDY).token_ids) == 8
+    except SplitserveError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def deployment():
+    started = time.monotonic()
+    build = subprocess.run(
+        ["bash", str(ROOT / "scripts/build_cpu_image.sh"), IMAGE],
+        capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    print(f"\nimage {IMAGE}: ready in {time.monotonic() - started:.0f} s")
+    d = Deployment(f"sstest{os.getpid()}")
+    try:
+        started = time.monotonic()
+        d.compose("up", "-d")
+        _wait(lambda: len(d.containers()) == 6, 60, "6 containers")
+        _wait(lambda: _serves(d.router), 180, "the router to serve through the containers")
+        print(f"cluster in containers: serving in {time.monotonic() - started:.0f} s")
+        yield d
+    finally:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            subprocess.run([*COMPOSE, "-p", d.project, "down", "-t", "10"], env=d.env, cwd=ROOT,
+                           capture_output=True, timeout=300)  # fmt: skip
+        left = d.containers(running=False)
+        if left:  # never leave anything behind, even when down missed some
+            subprocess.run(["podman", "rm", "-f", *left], env=d.env, capture_output=True)
+        assert not left, f"down left containers behind: {left}"
+
+
+def _reference(prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy output of the in-process engine on the same embedded model."""
+    from splitserve.kvstore import ModelIdentity
+    from splitserve.models.engine import LLMEngine
+    from splitserve.models.loader import load_model
+    from splitserve.models.runner import ModelRunner, RunnerConfig
+    from splitserve.models.sampling_params import SamplingParams
+    from splitserve.models.tiny import ensure_tiny_model
+
+    path = ensure_tiny_model()
+    config, model = load_model(path, dtype="float32")
+    runner = ModelRunner(config, model, RunnerConfig(kv_cache_bytes=64 << 20))
+    engine = LLMEngine(runner, ModelIdentity.for_checkpoint(path))
+    reqs = engine.generate(prompts, SamplingParams(**GREEDY))
+    return [r.output_token_ids for r in reqs]
+
+
+def test_containers_serve_token_exact_with_their_own_host_names(deployment):
+    d = deployment
+    names = {d.podman("exec", c, "hostname").strip() for c in d.containers()}
+    assert {"redis", "router", "prefill", "decode"} <= names
+    prompts = [[(7 * i + j) % 250 + 1 for j in range(20 + 13 * i)] for i in range(6)]
+    with Client(d.router) as client:
+        got = [list(client.generate(prompt_token_ids=p, **GREEDY).token_ids) for p in prompts]
+    assert got == _reference(prompts)
+    for container in d.containers("decode"):
+        counters = d.stats(container).counters
+        paths = {p: int(counters.get(f"transfers_{p}", 0)) for p in ("ipc", "dist", "tcp")}
+        paths["grpc"] = int(counters.get("transfers", 0)) - sum(paths.values())
+        print(f"{container}: transfers by path {paths}")
+
+
+def test_a_decode_container_added_at_run_time_gets_transfers(deployment):
+    d = deployment
+    before = set(d.containers("decode"))
+    # Only the new replica starts: the running containers are neither recreated nor restarted.
+    # The count stays in the environment, so that `down` knows of the third one too.
+    d.env["SPLITSERVE_NUM_DECODE"] = "3"
+    d.compose("up", "-d", "--no-recreate", "--no-deps", "decode")
+    (new,) = set(d.containers("decode")) - before
+    started = time.monotonic()
+
+    rng = random.Random(0)
+
+    def got_transfers() -> bool:
+        # New prompts each time: a prompt seen before is routed to the node caching its prefix.
+        with Client(d.router) as client:
+            for _ in range(4):
+                prompt = [rng.randrange(1, 250) for _ in range(24)]
+                client.generate(prompt_token_ids=prompt, **GREEDY)
+        return d.stats(new).counters.get("transfers", 0) > 0
+
+    _wait(got_transfers, 60, f"{new} to receive transfers")
+    print(f"{new}: first transfers {time.monotonic() - started:.1f} s after it was added")
+
+
+def test_a_stopped_decode_container_drains_and_no_request_fails(deployment):
+    d = deployment
+    victim = d.containers("decode")[0]
+    failures: list[str] = []
+    served = [0]
+    stop = threading.Event()
+
+    def traffic() -> None:
+        with Client(d.router) as client:
+            while not stop.is_set():
+                try:
+                    client.generate(prompt_token_ids=[5, 6, 7] * 10, **GREEDY, timeout=60)
+                    served[0] += 1
+                except SplitserveError as exc:
+                    failures.append(repr(exc))
+
+    threads = [threading.Thread(target=traffic) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        _wait(lambda: served[0] >= 6, 60, "traffic")
+        d.podman("stop", "-t", "45", victim, timeout=90)  # SIGTERM, then the drain
+        assert d.podman("inspect", "--format", "{{.State.ExitCode}}", victim).strip() == "0"
+        mark = served[0]
+        _wait(lambda: served[0] >= mark + 6, 60, "traffic after the drain")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+    assert failures == [], failures[:5]
+    assert victim not in d.containers("decode")

@@ -1,0 +1,614 @@
+"""`splitserve bench`: the pure parts on hand-made inputs (workload shapes, arrival statistics,
+percentiles, goodput, SSE parsing, scraped gauges), the load loop and the HTTP target against
+fakes, and one smoke run of the command against a `splitserve up` cluster over gRPC and HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import math
+import random
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from splitserve.bench import arrivals, metrics, report, runner, scrape, sse, targets, workloads
+from splitserve.bench.metrics import RequestRecord
+from splitserve.bench.workloads import BenchRequest, LengthDist
+
+# ---------------------------------------------------------------- workloads
+
+
+def take(it, n):
+    return list(itertools.islice(it, n))
+
+
+@pytest.mark.parametrize(
+    ("spec", "kind", "a", "b"),
+    [
+        ("128", "fixed", 128, 0),
+        ("uniform:4:9", "uniform", 4, 9),
+        ("normal:50:5", "normal", 50, 5),
+        ("lognormal:100:80", "lognormal", 100, 80),
+        ("fixed:7", "fixed", 7, 0),
+    ],
+)
+def test_length_specs_parse(spec, kind, a, b):
+    assert LengthDist.parse(spec) == LengthDist(kind, a, b)
+
+
+@pytest.mark.parametrize("spec", ["", "x", "uniform:5", "uniform:9:4", "normal:1:-1", "poisson:3"])
+def test_bad_length_specs_say_what_is_allowed(spec):
+    with pytest.raises(ValueError, match="bad length"):
+        LengthDist.parse(spec)
+
+
+def test_length_distributions_have_their_moments():
+    for spec, mean, std in [("normal:200:20", 200, 20), ("lognormal:100:80", 100, 80)]:
+        rng = random.Random(3)
+        xs = [LengthDist.parse(spec).sample(rng) for _ in range(20000)]
+        assert statistics.mean(xs) == pytest.approx(mean, rel=0.03)
+        assert statistics.pstdev(xs) == pytest.approx(std, rel=0.08)
+    rng = random.Random(0)
+    xs = [LengthDist.parse("uniform:3:6").sample(rng) for _ in range(2000)]
+    assert set(xs) == {3, 4, 5, 6}
+
+
+def test_random_workload_is_seeded_and_in_range():
+    make = lambda seed: workloads.random_prompts(  # noqa: E731
+        LengthDist.parse("uniform:10:20"),
+        LengthDist(kind="fixed", a=5),
+        text=False,
+        vocab=50,
+        seed=seed,
+    )
+    a, b, c = take(make(1), 50), take(make(1), 50), take(make(2), 50)
+    assert a == b and a != c
+    assert all(10 <= r.prompt_len == len(r.prompt) <= 20 and r.max_tokens == 5 for r in a)
+    assert all(0 <= t < 50 for r in a for t in r.prompt)
+    text = take(
+        workloads.random_prompts(
+            LengthDist("fixed", 8), LengthDist("fixed", 3), text=True, vocab=50, seed=0
+        ),
+        3,
+    )
+    assert all(isinstance(r.prompt, str) and len(r.prompt.split()) == 8 for r in text)
+
+
+def test_shared_prefix_workload_is_n_prefixes_times_m_questions():
+    reqs = take(
+        workloads.shared_prefix(
+            3,
+            LengthDist("fixed", 32),
+            4,
+            LengthDist("fixed", 8),
+            LengthDist("fixed", 2),
+            text=False,
+            vocab=250,
+            seed=0,
+        ),
+        24,
+    )
+    first, second = reqs[:12], reqs[12:]
+    assert {r.prompt for r in first} == {r.prompt for r in second}  # each pass: every prompt once
+    assert len({r.prompt for r in first}) == 12
+    assert len({r.prompt[:32] for r in first}) == 3  # three prefixes, four questions each
+    assert all(r.prompt_len == 40 for r in reqs)
+    assert [r.prompt for r in first] != [r.prompt for r in second]  # in another order
+
+
+def test_conversation_turns_extend_the_previous_turn():
+    reqs = take(workloads.conversation(1, None, text=False, vocab=250, seed=4), 40)
+    grew = sum(b.prompt[: len(a.prompt)] == a.prompt for a, b in itertools.pairwise(reqs))
+    assert grew >= 20  # one conversation at a time: most turns extend the last
+    for a, b in itertools.pairwise(reqs):
+        if b.prompt[: len(a.prompt)] == a.prompt:  # history + question + answer (max_tokens)
+            assert len(b.prompt) > len(a.prompt) + a.max_tokens
+    assert max(r.prompt_len for r in reqs) <= workloads.CONVERSATION["max_prompt_len"]
+    fixed = take(workloads.conversation(4, LengthDist("fixed", 9), text=True, vocab=9, seed=0), 5)
+    assert all(r.max_tokens == 9 and isinstance(r.prompt, str) for r in fixed)
+
+
+def test_jsonl_workload(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a b c", "max_tokens": 4}\n\n{"prompt": [1, 2]}\n')
+    reqs = take(workloads.jsonl(f, LengthDist("fixed", 7), seed=0), 3)
+    assert reqs == [BenchRequest("a b c", 3, 4), BenchRequest((1, 2), 2, 7), reqs[0]]
+    for bad in [
+        '{"prompt": 3}',
+        '{"text": "x"}',
+        '{"prompt": [1, "x"]}',
+        "{",
+        '{"prompt": "a", "max_tokens": 0}',
+    ]:
+        f.write_text(bad + "\n")
+        with pytest.raises(ValueError, match=r"p\.jsonl:1"):
+            next(workloads.jsonl(f, LengthDist("fixed", 7), seed=0))
+
+
+# ---------------------------------------------------------------- arrivals
+
+
+@pytest.mark.parametrize("burstiness", [1.0, 0.25, 4.0])
+def test_arrival_gaps_have_rate_and_burstiness(burstiness):
+    gaps = take(arrivals.intervals(20.0, burstiness, seed=7), 20000)
+    mean = statistics.mean(gaps)
+    assert mean == pytest.approx(1 / 20, rel=0.05)
+    cv2 = (statistics.pstdev(gaps) / mean) ** 2  # gamma: 1 / shape
+    assert cv2 == pytest.approx(1 / burstiness, rel=0.1)
+    assert take(arrivals.intervals(20.0, burstiness, seed=7), 5) == gaps[:5]
+
+
+def test_arrival_times_start_at_zero_and_infinite_rate_is_all_at_once():
+    times = take(arrivals.arrival_times(10.0, 1.0, seed=0), 100)
+    assert times[0] == 0 and all(b >= a for a, b in itertools.pairwise(times))
+    assert take(arrivals.arrival_times(math.inf), 4) == [0.0] * 4
+    with pytest.raises(ValueError):
+        next(arrivals.intervals(0))
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def rec(i, start, tokens, end, n=None, error=None, arrival=None):
+    return RequestRecord(
+        i,
+        10,
+        4,
+        arrival if arrival is not None else start,
+        start,
+        end,
+        list(tokens),
+        n if n is not None else len(tokens),
+        error=error,
+    )
+
+
+def test_percentiles_interpolate_like_numpy():
+    xs = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    assert metrics.percentile(xs, 50) == 5.5
+    assert metrics.percentile(xs, 90) == pytest.approx(9.1)
+    assert metrics.percentile(xs, 99) == pytest.approx(9.91)
+    assert metrics.percentile([3.0], 99) == 3.0 and metrics.percentile([], 50) is None
+    assert metrics.distribution([2, 4]) == {"mean": 3, "p50": 3, "p90": 3.8, "p99": 3.98, "max": 4}
+
+
+def test_request_figures():
+    r = rec(0, 1.0, [1.5, 1.7, 2.0, 2.5], end=2.5)
+    assert r.ttft == 0.5 and r.e2e == 1.5
+    assert r.tpot == pytest.approx((2.5 - 1.5) / 3)
+    assert r.itl == pytest.approx([0.2, 0.3, 0.5])
+    one = rec(1, 0.0, [0.2], end=0.2)
+    assert one.tpot is None and one.itl == []
+    failed = rec(2, 0.0, [0.1], end=0.3, error="UNAVAILABLE")
+    assert failed.ttft is None and failed.e2e is None and failed.itl == []
+
+
+def test_slo_parsing():
+    assert metrics.parse_slo("ttft=2, tpot=50ms,e2e=3s") == {"ttft": 2, "tpot": 0.05, "e2e": 3}
+    assert metrics.parse_slo(None) == {}
+    for bad in ["ttft", "itl=3", "ttft=x", "ttft=0"]:
+        with pytest.raises(ValueError, match="bad SLO"):
+            metrics.parse_slo(bad)
+
+
+def test_goodput_counts_requests_meeting_every_slo():
+    records = [
+        rec(0, 0.0, [0.5, 0.6, 0.7], end=0.7),  # ttft .5, tpot .1: good
+        rec(1, 0.0, [2.5, 2.6], end=2.6),  # ttft 2.5: too slow
+        rec(2, 0.0, [1.0, 1.5, 2.0], end=2.0),  # tpot .5: too slow
+        rec(3, 0.0, [0.1], end=0.1),  # one token: no tpot, meets it
+        rec(4, 0.0, [], end=0.1, error="HTTP 429"),
+        rec(5, 0.0, [], end=0.1, error="HTTP 429"),
+    ]
+    slo = {"ttft": 2.0, "tpot": 0.2}
+    records[4].detail = "busy"
+    assert [metrics.meets_slo(r, slo) for r in records] == [True, False, False, True, False, False]
+    assert metrics.goodput(records, slo, duration=4.0) == 0.5
+    s = metrics.summarize(records, 4.0, slo)
+    assert s["good_requests"] == 2 and s["goodput"] == 0.5 and s["slo_attainment"] == 2 / 6
+    assert s["completed"] == 4 and s["failed"] == 0 and s["failures"] == {}
+    assert s["refused"] == 2 and s["refusals"] == {"HTTP 429": 2}
+    assert s["refusal_latency_s"]["max"] == 0.1
+    assert s["failure_examples"] == {"HTTP 429": "busy"}
+    assert s["output_tokens"] == 3 + 2 + 3 + 1 and s["output_throughput"] == 9 / 4
+    assert s["input_tokens"] == 40 and s["request_throughput"] == 1.0
+    assert s["total_token_throughput"] == 49 / 4
+    assert s["ttft_s"]["max"] == 2.5 and s["e2e_s"]["p50"] == pytest.approx(1.35)
+    assert metrics.summarize(records, 4.0)["goodput"] is None
+
+
+def test_timeline_bins_tokens_in_flight_and_queue():
+    records = [
+        rec(0, 0.0, [0.2, 0.4, 0.6, 0.8], end=0.9),
+        rec(1, 0.5, [0.7, 1.2], end=1.3, n=4, arrival=0.1),  # queued 0.1..0.5; 2 tokens/chunk
+    ]
+    line = metrics.timeline(records, 1.3, step=0.5)
+    assert line["t_s"] == [0.5, 1.0, 1.5]
+    assert line["output_tokens_per_s"] == [4.0, 8.0, 4.0]
+    assert line["requests_per_s"] == [0.0, 2.0, 2.0]
+    assert line["in_flight"] == pytest.approx([1.0, 1.8, 0.6])  # time-averaged over each bin
+    assert line["queued"] == pytest.approx([0.8, 0.0, 0.0])
+    assert metrics.occupancy([(0.0, 0.9), (0.5, 1.3), (0.5, 0.5)]) == (
+        [0.0, 0.5, 0.9, 1.3],
+        [1, 2, 1, 0],
+    )
+
+
+# ---------------------------------------------------------------- SSE and the HTTP target
+
+
+def test_sse_parser_joins_pieces_and_lines():
+    p = sse.SSEParser()
+    stream = b': ping\r\ndata: {"a": 1}\r\n\r\nevent: x\ndata: li\ndata:ne2\n\ndata: [DONE]'
+    out = [d for i in range(0, len(stream), 3) for d in p.feed(stream[i : i + 3])]
+    assert out == ['{"a": 1}', "li\nne2"]
+    assert list(p.close()) == ["[DONE]"]
+
+
+def test_completion_events():
+    ev = sse.parse_event
+    chunk = lambda **c: json.dumps({"choices": [{"index": 0, **c}], "usage": None})  # noqa: E731
+    assert ev(chunk(text="hi", finish_reason=None)).tokens == 1
+    assert ev(chunk(text="", finish_reason=None)).tokens == 1  # a token of a partial character
+    assert ev(chunk(text="", finish_reason="length")).tokens == 0  # only the finish reason
+    assert ev(chunk(text="ab", token_ids=[4, 5], finish_reason="length")).tokens == 2
+    assert ev(chunk(delta={"content": "x"})).tokens == 1  # chat-shaped
+    usage = {"prompt_tokens": 3, "completion_tokens": 8}
+    last = ev(json.dumps({"choices": [], "usage": usage}))
+    assert last.tokens == 0 and last.usage == usage
+    assert ev("[DONE]").done
+    assert ev(json.dumps({"error": {"code": 503, "message": "m"}})).error == "stream error 503"
+
+
+def test_targets_from_urls():
+    assert isinstance(targets.make_target("grpc://h:1"), targets.GrpcTarget)
+    assert targets.make_target("h:1").url == "h:1"
+    assert targets.make_target("http://h:2/v1/").url == "http://h:2"
+    with pytest.raises(ValueError, match="--target"):
+        targets.make_target("h")
+
+
+def test_http_target_against_a_fake_server():
+    from aiohttp import web
+
+    async def completions(request):
+        body = await request.json()
+        assert body["stream"] and body["stream_options"] == {"include_usage": True}
+        assert body["model"] == "m1" and body["ignore_eos"] is True
+        if body["max_tokens"] == 1:
+            return web.json_response({"error": {"code": 429, "message": "busy"}}, status=429)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(body["max_tokens"]):
+            piece = {"choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}]}
+            await resp.write(f"data: {json.dumps(piece)}\n\n".encode())
+        if body["max_tokens"] == 2:
+            await resp.write(b'data: {"error": {"code": 500}}\n\n')
+        usage = {
+            "prompt_tokens": 7,
+            "completion_tokens": body["max_tokens"],
+            "prompt_tokens_details": {"cached_tokens": 3},
+        }
+        await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def models(request):
+        return web.json_response({"data": [{"id": "m1"}, {"id": "m2"}]})
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        app.router.add_get("/v1/models", models)
+        server = web.AppRunner(app)
+        await server.setup()
+        site = web.TCPSite(server, "127.0.0.1", 0)
+        await site.start()
+        port = server.addresses[0][1]
+        try:
+            async with targets.make_target(f"http://127.0.0.1:{port}") as t:
+                await t.prepare()
+                assert t.model == "m1"
+                out = []
+                for n in (5, 1, 2):
+                    out.append(await t.send(BenchRequest((1, 2), 2, n), rec(n, 0, [], 0)))
+                return out
+        finally:
+            await server.cleanup()
+
+    ok, refused, broken = asyncio.run(main())
+    assert ok.ok and ok.output_tokens == 5 and len(ok.token_times) == 5
+    assert ok.prompt_tokens == 7 and ok.cached_tokens == 3 and ok.ttft > 0
+    assert refused.error == "HTTP 429" and refused.detail == "busy"
+    assert broken.error == "stream error 500" and broken.output_tokens == 2
+
+
+# ---------------------------------------------------------------- the load loop
+
+
+class FakeTarget:
+    """Answers each request after ``service`` s with ``max_tokens`` tokens; counts concurrency."""
+
+    def __init__(self, service=0.02):
+        self.service = service
+        self.t0 = time.perf_counter()
+        self.in_flight = self.peak = self.sent = 0
+
+    def now(self):
+        return time.perf_counter() - self.t0
+
+    async def send(self, req, record):
+        record.start = self.now()
+        self.in_flight += 1
+        self.sent += 1
+        self.peak = max(self.peak, self.in_flight)
+        await asyncio.sleep(self.service)
+        record.token_times = [self.now()]
+        record.output_tokens = req.max_tokens
+        self.in_flight -= 1
+        record.end = self.now()
+        return record
+
+
+def requests():
+    return workloads.random_prompts(
+        LengthDist("fixed", 4), LengthDist("fixed", 2), text=False, vocab=10, seed=0
+    )
+
+
+def test_fixed_concurrency_with_warmup():
+    t = FakeTarget()
+    done = []
+    load = runner.Load(max_concurrency=3, num_requests=12, warmup=2)
+    records, duration = asyncio.run(runner.run_load(t, requests(), load, on_done=done.append))
+    assert len(records) == 12 == len(done) and t.sent == 14 and t.peak == 3
+    assert [r.index for r in records] == list(range(12))
+    assert 0.08 <= duration < 1.0  # four rounds of three
+
+
+def test_rate_and_concurrency_queue_in_the_client():
+    t = FakeTarget(service=0.02)
+    load = runner.Load(request_rate=100, max_concurrency=1, duration=0.2, seed=1)
+    records, _ = asyncio.run(runner.run_load(t, requests(), load))
+    assert t.peak == 1 and 5 <= len(records) <= 60  # about 20 arrivals in 0.2 s
+    assert all(r.arrival < 0.2 for r in records)
+    assert max(r.start - r.arrival for r in records) > 0.04  # waited for the one slot
+
+
+def test_load_options_are_checked():
+    for bad in [runner.Load(duration=5), runner.Load(num_requests=0), runner.Load()]:
+        with pytest.raises(ValueError):
+            bad.check()
+
+
+# ---------------------------------------------------------------- scrape, report
+
+
+PROM = """# TYPE splitserve_decode_kv_usage gauge
+splitserve_decode_kv_usage{role="decode"} 0.25
+# TYPE splitserve_decode_kv_slot_utilization gauge
+splitserve_decode_kv_slot_utilization{role="decode"} NaN
+# TYPE splitserve_prefill_kv_slot_utilization gauge
+splitserve_prefill_kv_slot_utilization{role="prefill"} 0.9
+# TYPE splitserve_node_kv_usage gauge
+splitserve_node_kv_usage{node="127.0.0.1:7",role="prefill"} 0.5
+# TYPE splitserve_router_queue_length gauge
+splitserve_router_queue_length 3.0
+# TYPE splitserve_decode_running gauge
+splitserve_decode_running{role="decode"} 2.0
+"""
+
+
+def test_scraped_series():
+    assert scrape.series_of(PROM, "h:9") == {
+        ("kv_usage", "decode h:9"): 0.25,  # its slot utilisation NaN (no block in use): skipped
+        ("kv_slot_utilization", "prefill h:9"): 0.9,
+        ("kv_usage", "prefill 127.0.0.1:7 (via router h:9)"): 0.5,
+        ("queue_length", "router h:9"): 3.0,
+    }
+    series = {"kv_usage": {"d": [(0.0, 0.5), (1.0, 0.25)]}}
+    assert scrape.summary(series) == {"kv_usage": {"d": {"samples": 2, "mean": 0.375, "max": 0.5}}}
+
+
+def test_report_table_and_json(tmp_path):
+    records = [rec(0, 0.0, [0.5, 0.6], end=0.6), rec(1, 0.0, [], end=0.1, error="UNAVAILABLE")]
+    doc = report.result_document(
+        target={"url": "h:1", "kind": "grpc", "model": None},
+        config={"request_rate": math.inf},
+        results=metrics.summarize(records, 1.0, {"ttft": 1.0}),
+        timeline=metrics.timeline(records, 1.0),
+        server_metrics={"summary": {"kv_usage": {"d": {"samples": 2, "mean": 0.1, "max": 0.2}}}},
+        records=records,
+    )
+    assert doc["config"]["request_rate"] is None  # JSON has no infinity
+    path = tmp_path / "r.json"
+    report.write_json(str(path), doc)
+    assert json.loads(path.read_text())["requests"][1]["error"] == "UNAVAILABLE"
+    table = report.format_table(doc)
+    for text in (
+        "completed requests",
+        "failed: UNAVAILABLE",
+        "goodput",
+        "TTFT",
+        "500.00",
+        "kv_usage",
+    ):
+        assert text in table
+
+
+def test_plots_without_matplotlib_say_what_to_install(monkeypatch, capsys):
+    from splitserve import cli
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert cli.main(["bench", "--target", "127.0.0.1:1", "--plots", "x"]) == 2
+    assert "pip install splitserve[bench]" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- smoke: the command on a cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def documented_json():
+    """docs/bench.md's JSON schema table: (every field path, {field: the names its row lists})."""
+    text = (ROOT / "docs" / "bench.md").read_text()
+    section = text.split("## The JSON file")[1].split("\n## ")[0]
+    rows = re.findall(r"^\| `([\w.]+)` \|(.*)\|$", section, re.M)
+    return [path for path, _ in rows], {p: set(re.findall(r"`(\w+)`", w)) for p, w in rows}
+
+
+def assert_documented(doc):
+    """Every field of the schema is in ``doc``, and nothing undocumented is."""
+    paths, names = documented_json()
+    for path in paths:
+        node = doc
+        for key in path.split("."):
+            assert key in node, f"{path} is documented but not in the JSON"
+            node = node[key]
+    assert set(doc) == {p.split(".")[0] for p in paths}
+    for top in ("target", "results", "timeline", "server_metrics"):
+        assert set(doc[top]) == {p.split(".")[1] for p in paths if p.startswith(top + ".")}
+    assert set(doc["config"]) == names["config"]
+    assert all(set(r) == names["requests"] for r in doc["requests"])
+
+
+def test_every_option_is_documented():
+    from splitserve import cli
+
+    text = (ROOT / "docs" / "bench.md").read_text()
+    parser = cli.build_parser()._subparsers._group_actions[0].choices["bench"]
+    flags = [f for a in parser._actions for f in a.option_strings if f.startswith("--")]
+    missing = [f for f in flags if f != "--help" and f"`{f}" not in text]
+    assert len(flags) > 20 and not missing, f"options missing from docs/bench.md: {missing}"
+
+
+PNGS = {"latency_cdf.png", "throughput.png", "concurrency.png", "kv_usage.png"}
+
+
+def _start_up(log):
+    cmd = [
+        sys.executable,
+        "-m",
+        "splitserve.cli",
+        "up",
+        "--model",
+        "tiny",
+        "--port",
+        "0",
+        "--http-port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--num-prefill",
+        "1",
+        "--num-decode",
+        "1",
+    ]
+    up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+    lines = []
+    while not (line := up.stdout.readline()).startswith("ready:"):
+        assert line, f"splitserve up exited: {Path(log.name).read_text()[-2000:]}"
+        lines.append(line.split())
+    addresses = {w[0]: w[1] for w in lines}
+    metrics_urls = [w[3] for w in lines if len(w) > 3 and w[2] == "metrics"]
+    return up, addresses, metrics_urls
+
+
+@pytest.mark.slow
+def _bench_cmd(target: str, name: str, prompt_format: str, tmp_path: Path, metrics_urls):
+    args = f"--num-requests 6 --max-concurrency 3 --input-len uniform:4:12 --output-len 8 \
+        --prompt-format {prompt_format} --warmup 1 --seed 1 --slo ttft=60,tpot=10 --no-progress \
+        --label {name} --result-json {tmp_path / name}.json --plots {tmp_path / name}"
+    urls = [a for url in metrics_urls for a in ("--metrics-url", url)]
+    cli = [sys.executable, "-m", "splitserve.cli", "bench", "--target", target]
+    return [*cli, *args.split(), *urls]
+
+
+def _check_run(name: str, out: str, tmp_path: Path) -> None:
+    import matplotlib.image
+
+    assert "output tok/s" in out and "TTFT" in out
+    doc = json.loads((tmp_path / f"{name}.json").read_text())
+    assert_documented(doc)
+    res = doc["results"]
+    assert res["completed"] == 6 and res["failed"] == 0 and res["failures"] == {}
+    assert res["output_tokens"] == 48 and res["output_throughput"] > 0
+    assert res["total_token_throughput"] > res["output_throughput"] > 0
+    assert res["request_throughput"] > 0 and res["input_tokens"] > 0
+    assert res["good_requests"] == 6 and res["goodput"] > 0
+    for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        d = res[key]
+        assert set(d) == set(metrics.STATS)
+        assert 0 < d["p50"] <= d["p90"] <= d["p99"] <= d["max"] and d["mean"] > 0
+    assert doc["target"]["kind"] == name and doc["label"] == name
+    assert len(doc["requests"]) == 6 and all(r["output_tokens"] == 8 for r in doc["requests"])
+    assert 0 < max(doc["timeline"]["in_flight"]) <= 3
+    assert doc["server_metrics"]["scrapes"] >= 1
+    assert "kv_usage" in doc["server_metrics"]["summary"]
+    assert {Path(p).name for p in doc["plots"]} == PNGS
+    for p in doc["plots"]:
+        data = Path(p).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+        assert matplotlib.image.imread(p).shape[0] > 100
+    if name == "http":
+        assert doc["target"]["model"]  # from GET /v1/models
+
+
+@pytest.mark.slow
+def test_bench_command_against_up_over_grpc_and_http(tmp_path):
+    log = (tmp_path / "up.log").open("w")
+    up, addresses, metrics_urls = _start_up(log)
+    try:
+        try:
+            assert len(metrics_urls) == 3  # router, prefill, decode
+            runs = {"grpc": f"grpc://{addresses['router']}", "http": f"http://{addresses['http']}"}
+            formats = {"grpc": "ids", "http": "text"}
+            procs = {
+                name: subprocess.Popen(
+                    _bench_cmd(target, name, formats[name], tmp_path, metrics_urls),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+                for name, target in runs.items()
+            }
+            outputs = {name: p.communicate(timeout=120) for name, p in procs.items()}
+        finally:
+            up.terminate()  # it stops while the results are checked
+        for name, (out, err) in outputs.items():
+            assert procs[name].returncode == 0, out + err
+            _check_run(name, out, tmp_path)
+    finally:
+        try:
+            up.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            up.kill()
+
+
+def test_a_random_workload_found_in_the_cache_is_flagged():
+    def table(workload, salt, cached):
+        records = [rec(0, 0.0, [0.5, 0.6], end=0.6)]
+        results = metrics.summarize(records, 1.0, {})
+        results.update(input_tokens=1000, cached_tokens=cached)
+        doc = report.result_document(
+            target={"url": "h:1", "kind": "grpc", "model": None},
+            config={"workload": workload, "cache_salt": salt},
+            results=results,
+            timeline=metrics.timeline(records, 1.0),
+            server_metrics={},
+            records=records,
+        )
+        return report.format_table(doc)
+
+    assert "served 98% of the prompt tokens" in table("random", None, 980)
+    assert "--cache-salt" in table("random", None, 980)
+    assert "note:" not in table("random", None, 100)  # a little reuse is not a repeat
+    assert "note:" not in table("random", "run-2", 980)  # salted: the server's own business
+    assert "note:" not in table("shared-prefix", None, 980)  # sharing is the workload's point
