@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 # ipc/dist/tcp: TransferEnd may take this many transfer deadlines (the blocks move first).
 LAYER_IDLE_FACTOR = 4
+MAX_RELEASE_ID_CHARS = 1024  # Release's request_id (input from another node: bounded)
 
 
 class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
@@ -240,6 +241,29 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             if not finished and await end_request(self.engine, rid):
                 self.counters["requests_aborted"] += 1
             self.inbox.freed.notify()
+
+    # ------------------------------------------------------------------ release
+
+    async def Release(self, request, context):
+        """Free a transferred request's blocks that no Decode call will claim (the router's
+        client had its answer with the first token); idempotent. Authenticated like every
+        internal call (``runtime.auth``); the id is checked before it is looked up."""
+        rid = request.request_id
+        if not rid or len(rid) > MAX_RELEASE_ID_CHARS:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request_id must have 1 to {MAX_RELEASE_ID_CHARS} characters, got {len(rid)}",
+            )
+        if self.pending.pop(rid) is None:  # unknown, decoding, released or expired
+            return nodes_pb2.ReleaseResponse(released=False)
+        self._calls += 1  # a drain waits until the blocks are freed
+        try:
+            self.counters["transfers_released"] += 1
+            await self.inbox.free(rid)  # to the end, even if this call is cancelled
+        finally:
+            self._calls -= 1
+            self.inbox.freed.notify()
+        return nodes_pb2.ReleaseResponse(released=True)
 
     # ------------------------------------------------------------------ generate (direct route)
 

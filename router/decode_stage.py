@@ -1,33 +1,53 @@
-"""The decode stage of a request: relay D's token stream (its Decode call, or on the direct route
-its Generate call), and free D's blocks when abandoned.
+"""The decode stage of a request: the request's slot on its decode node D (``DecodeSession``),
+D's token stream (its Decode call, or on the direct route its Generate call), and freeing D's
+blocks when the request is abandoned.
 
 The Decode stream failing mid-request cannot be retried (tokens were already sent): the client
-gets ``UNAVAILABLE`` and D is marked down. A client cancel or disconnect cancels the Decode
-call; the node frees the request's blocks.
+gets ``UNAVAILABLE`` and D is marked down. A client cancel or disconnect cancels the stream; the
+node frees the request's blocks. A request that ends at its first token never opens Decode: D's
+``Release`` frees the KV shipped there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import Coroutine
+from typing import Any, cast
 
 import grpc
 
 from splitserve.router.errors import UNREACHABLE, GenerateError
-from splitserve.router.pool import Node
+from splitserve.router.kv_budget import KVDemand
+from splitserve.router.pool import Node, NodePool
 from splitserve.router.registry import NodeRegistry
 from splitserve.runtime.auth import call_metadata
 from splitserve.v1 import nodes_pb2
 
+logger = logging.getLogger(__name__)
+
 CANCEL_WAIT_S = 5.0  # how long an abandoned Decode call waits for the node's first answer
+RELEASE_TIMEOUT_S = 5.0  # D's Release call; past it D frees the blocks at its transfer deadline
+# D's Release answering these: a node of an older version (no Release), or one refusing the id;
+# its blocks are freed the old way, by a Decode call cancelled once it has started.
+RELEASE_FALLBACK = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INVALID_ARGUMENT)
 
 
 class DecodeStage:
-    """Opens Decode calls; owns the background tasks that cancel abandoned ones."""
+    """Claims slots on decode nodes, opens their streams, owns the background tasks that free
+    what an abandoned request left on a node."""
 
     def __init__(self, registry: NodeRegistry) -> None:
         self._registry = registry
-        self._background: set[asyncio.Task] = set()
+        self._background: set[asyncio.Task[None]] = set()
+
+    def claim(self, node: Node, demand: KVDemand | None, node_request_id: str) -> DecodeSession:
+        """Count a request in flight on ``node`` (a slot and ``demand``'s KV ledger charge) until
+        the session's ``close``: the one place a decode node's count is taken."""
+        pool = self._registry.decode
+        pool.acquire(node, demand=demand)
+        return DecodeSession(self, pool, node, demand, node_request_id)
 
     def open(self, node: Node, node_request_id: str, deadline: float) -> DecodeCall:
         """Start D's Decode stream at once (so that it overlaps with relaying the first token);
@@ -54,9 +74,33 @@ class DecodeStage:
             self, node, call, deadline, asyncio.ensure_future(call.initial_metadata())
         )
 
-    def discard(self, node: Node, node_request_id: str) -> None:
-        """Free a transferred request on its decode node without waiting for its deadline:
-        start its Decode and cancel it (in the background; the client has its answer)."""
+    def release(self, node: Node, node_request_id: str) -> None:
+        """Free a transferred request's KV on D that no Decode call will claim, without waiting
+        for D's transfer deadline: D's ``Release``, in the background (the client has its
+        answer)."""
+        self._in_background(self._release(node, node_request_id))
+
+    async def _release(self, node: Node, node_request_id: str) -> None:
+        stub = self._registry.decode_stub(node)
+        try:
+            await stub.Release(
+                nodes_pb2.ReleaseRequest(request_id=node_request_id),
+                timeout=RELEASE_TIMEOUT_S,
+                metadata=call_metadata(),
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in RELEASE_FALLBACK:
+                self._cancel_decode(node, node_request_id)
+            else:  # unreachable: D frees them at its transfer deadline
+                logger.info(
+                    "decode node %s: release of %s failed: %s",
+                    node.address,
+                    node_request_id,
+                    exc.code().name,
+                )
+
+    def _cancel_decode(self, node: Node, node_request_id: str) -> None:
+        """Free the request the old way: start its Decode and cancel it once D answers."""
         stub = self._registry.decode_stub(node)
         call = stub.Decode(
             nodes_pb2.DecodeRequest(request_id=node_request_id),
@@ -64,7 +108,9 @@ class DecodeStage:
         )
         self.cancel_once_started(call, asyncio.ensure_future(call.read()))
 
-    def cancel_once_started(self, call: grpc.aio.UnaryStreamCall, first_read: asyncio.Future):
+    def cancel_once_started(
+        self, call: grpc.aio.UnaryStreamCall, first_read: asyncio.Future
+    ) -> None:
         """Cancel ``call`` in the background once the node has answered (so its handler runs
         and sees the cancel), or after CANCEL_WAIT_S at the latest."""
 
@@ -76,7 +122,10 @@ class DecodeStage:
             finally:
                 call.cancel()
 
-        task = asyncio.create_task(cancel())
+        self._in_background(cancel())
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -97,6 +146,67 @@ class DecodeStage:
                 f"decode node {node.address} no longer holds the request's KV ({details})",
             )
         return GenerateError(code, f"decode node {node.address}: {details}")
+
+
+class DecodeSession:
+    """One request on its decode node D, from the moment D is chosen to the request's end.
+
+    It owns the request's slot there (D's in-flight count and its KV ledger charge: taken by
+    ``DecodeStage.claim``, grown by ``grow``, given back once by ``close``) and its one stream on
+    D: the direct route's Generate (``open_generate``) or the Decode call ``stream`` opens.
+    """
+
+    __slots__ = ("_call", "_closed", "_pool", "_stage", "demand", "node", "request_id")
+
+    def __init__(
+        self,
+        stage: DecodeStage,
+        pool: NodePool,
+        node: Node,
+        demand: KVDemand | None,
+        request_id: str,
+    ) -> None:
+        self._stage = stage
+        self._pool = pool
+        self.node = node
+        self.demand = demand
+        self.request_id = request_id  # the request's id on its nodes
+        self._call: DecodeCall | None = None
+        self._closed = False
+
+    def open_generate(
+        self, request: nodes_pb2.GenerateOnNodeRequest, deadline: float
+    ) -> DecodeCall:
+        """The direct route: D prefills and decodes the request itself (``request``)."""
+        assert self._call is None and not self._closed, "the session's stream is already open"
+        self._call = self._stage.open_direct(self.node, request, deadline)
+        return self._call
+
+    def stream(self, deadline: float) -> DecodeCall:
+        """D's token stream: the Generate call if open (direct), else a new Decode call."""
+        if self._call is None:
+            assert not self._closed, "the session is closed"
+            self._call = self._stage.open(self.node, self.request_id, deadline)
+        return self._call
+
+    def grow(self, output_tokens: int) -> None:
+        """The request has ``output_tokens`` of output: charge the blocks it now fills beyond
+        its reserve (``KVLedger.grow``)."""
+        if self.demand is not None:
+            self.node.kv.grow(self.demand, output_tokens)
+
+    def close(self, release_kv: bool = False) -> None:
+        """End the request on D (idempotent): close its stream and give its slot back.
+        ``release_kv``: no stream was opened and D holds KV shipped for it (the request ended at
+        its first token, which P's answer did not finish): D's ``Release`` frees it."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._call is not None:
+            self._call.close()
+        elif release_kv:
+            self._stage.release(self.node, self.request_id)
+        self._pool.release(self.node, demand=self.demand)
 
 
 class DecodeCall:
@@ -163,12 +273,12 @@ class DecodeCall:
                     "mid-request; retry the request",
                 ) from None
             raise
-        if reply is grpc.aio.EOF:
+        if reply is grpc.aio.EOF:  # pyright: ignore[reportAttributeAccessIssue] (not in the stubs)
             raise GenerateError(
                 grpc.StatusCode.INTERNAL,
                 f"decode node {self._node.address} ended the stream without finishing",
             )
-        return reply
+        return cast(nodes_pb2.DecodeResponse, reply)
 
     def close(self) -> None:
         self._stall.cancel()

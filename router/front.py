@@ -10,7 +10,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 import grpc
 
@@ -51,7 +51,7 @@ class RequestFront:
         request: router_pb2.GenerateRequest,
         client: str,
         time_remaining: float | None = None,
-    ) -> AsyncIterator[tuple[GenerateParams, Step]]:
+    ) -> AsyncGenerator[tuple[GenerateParams, Step], None]:
         """The request's output steps; raises ``GenerateError`` when it is refused or cannot be
         served. ``time_remaining``: the caller's deadline, seconds from now (None: none; the
         router's --request-timeout-s applies either way). Close the iterator (``aclosing``) to

@@ -16,7 +16,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -26,6 +26,7 @@ from splitserve.router.front import CLIENT_KEY, RequestFront
 from splitserve.router.openai_api import ApiError, ApiRequest, parse_body
 from splitserve.router.openai_out import Choice, logprobs_json, usage_json
 from splitserve.router.orchestrator import Step
+from splitserve.v1 import router_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,9 @@ def _error(exc: ApiError, retry_after_s: int | None = None) -> web.Response:
 
 
 @web.middleware
-async def _openai_errors(request: web.Request, handler) -> web.StreamResponse:
+async def _openai_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
     """aiohttp's own refusals (unknown route, wrong method, a body over the size limit) in
     OpenAI's error JSON too."""
     try:
@@ -170,7 +173,9 @@ class HttpFront:
         except GenerateError as exc:
             return _error(ApiError.of_grpc(exc.code, exc.message), exc.retry_after_s)
 
-    async def _outputs(self, api: ApiRequest, client: str) -> AsyncIterator[tuple[int, Step]]:
+    async def _outputs(
+        self, api: ApiRequest, client: str
+    ) -> AsyncGenerator[tuple[int, Step], None]:
         """(choice index, step) of every choice as they come; ``GenerateError`` if any fails
         (the others are cancelled)."""
         if len(api.requests) == 1:
@@ -180,7 +185,7 @@ class HttpFront:
             return
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(index: int, request) -> None:
+        async def pump(index: int, request: router_pb2.GenerateRequest) -> None:
             try:
                 async with contextlib.aclosing(self._front.run(request, client)) as steps:
                     async for _, step in steps:
@@ -214,7 +219,9 @@ class HttpFront:
             "model": self.model_name,
         }
 
-    async def _whole(self, api: ApiRequest, outputs) -> web.Response:
+    async def _whole(
+        self, api: ApiRequest, outputs: AsyncIterator[tuple[int, Step]]
+    ) -> web.Response:
         choices = [Choice() for _ in api.requests]
         async for index, step in outputs:
             choices[index].add(step)
@@ -240,7 +247,9 @@ class HttpFront:
             {**self._head(api), "object": kind, "choices": out, "usage": usage}
         )
 
-    async def _stream(self, request: web.Request, api: ApiRequest, outputs) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, api: ApiRequest, outputs: AsyncIterator[tuple[int, Step]]
+    ) -> web.StreamResponse:
         # The first step before the headers: a refusal still gets its own status.
         first = await anext(outputs, None)
         response = web.StreamResponse(

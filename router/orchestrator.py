@@ -1,21 +1,20 @@
-"""One request end to end: prefill on P shipping to D (or, the direct route, on D itself), then
-relay D's stream as public deltas.
+"""One request end to end: its first token (``router.dispatch``: prefill on P shipping to D, or,
+the direct route, on D itself), then D's stream relayed as public deltas.
 
-The stages own their failure handling (``router.prefill_stage``, ``router.decode_stage``); this
-joins them, keeps D counted as in flight while the request uses it, and turns the nodes' tokens
-into text (``router.output``). Plain values out: the servicer makes the protobuf messages.
+The stages own their failure handling (``router.dispatch``, ``router.prefill_stage``,
+``router.direct``, ``router.decode_stage``); this joins them, closes the request's
+``DecodeSession`` (its slot and stream on D) when it ends, and turns the nodes' tokens into text
+(``router.output``). Plain values out: the servicer makes the protobuf messages.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import NamedTuple
 
-from splitserve.router.decode_stage import DecodeStage
+from splitserve.router.dispatch import Dispatcher
 from splitserve.router.output import Delta, OutputAssembler, Usage
-from splitserve.router.prefill_stage import PrefillStage
-from splitserve.router.registry import NodeRegistry
 from splitserve.router.request import GenerateParams, ModelInfo
 
 # A request that ended this close to its deadline was cut off by it (timed out, not cancelled):
@@ -34,27 +33,21 @@ class Orchestrator:
     def __init__(
         self,
         model: ModelInfo,
-        registry: NodeRegistry,
-        prefill: PrefillStage,
-        decode: DecodeStage,
+        dispatch: Dispatcher,
         on_served: Callable[[float], None] | None = None,
     ) -> None:
         self._on_served = on_served  # seconds from admission to the end of a served request
         self._model = model
-        self._registry = registry
-        self._prefill = prefill
-        self._decode = decode
+        self._dispatch = dispatch
 
     async def run(
         self, params: GenerateParams, start: float, deadline: float
-    ) -> AsyncIterator[Step]:
+    ) -> AsyncGenerator[Step, None]:
         """The request's output; raises ``GenerateError`` when it cannot be served."""
-        prefilled = await self._prefill.run(params, deadline)
-        decode_pool = self._registry.decode
-        node = prefilled.decode_node
+        started = await self._dispatch.run(params, deadline)
+        first, session = started.first, started.session
         served: list[float] = []  # seconds from admission to its last token, once served
         try:
-            first = prefilled.response
             usage = Usage(
                 prompt_tokens=len(params.prompt_token_ids),
                 cached_tokens=first.cached_tokens,
@@ -66,41 +59,28 @@ class Orchestrator:
             def step(delta: Delta) -> Step:
                 if not delta.finish_reason:
                     return Step(delta, None)
-                served.append(time.monotonic() - prefilled.admitted_at)
+                served.append(time.monotonic() - started.admitted_at)
                 return Step(delta, usage._replace(completion_tokens=output.num_tokens))
 
-            delta = output.add([first.first_token_id], [first.first_logprob], first.finish_reason)
+            delta = output.add([first.token_id], [first.logprob], first.finish_reason)
             if output.finished:
-                decode_pool.release(node, demand=prefilled.demand)
-                node = None
-                if prefilled.stream is not None:
-                    prefilled.stream.close()  # direct: D ends the request (a no-op if it did)
-                elif not first.finish_reason:
-                    # NOTE: a stop string on the first token: D holds the shipped blocks until
-                    # its transfer deadline unless told; a Decode call cancelled at once frees
-                    # them.
-                    self._decode.discard(prefilled.decode_node, prefilled.node_request_id)
+                # NOTE: a stop string on the first token: D holds the shipped blocks until its
+                # transfer deadline unless told (direct: closing the stream ends it on D).
+                session.close(release_kv=not first.finish_reason)
                 yield step(delta)
                 return
-            call = prefilled.stream or self._decode.open(node, prefilled.node_request_id, deadline)
-            try:
+            call = session.stream(deadline)
+            yield step(delta)
+            while True:
+                reply = await call.read()
+                delta = output.add(reply.token_ids, reply.logprobs, reply.finish_reason)
+                session.grow(output.num_tokens)  # its output fills blocks beyond the reserve
                 yield step(delta)
-                while True:
-                    reply = await call.read()
-                    delta = output.add(reply.token_ids, reply.logprobs, reply.finish_reason)
-                    if prefilled.demand is not None:  # its output fills blocks beyond the reserve
-                        node.kv.grow(prefilled.demand, output.num_tokens)
-                    yield step(delta)
-                    if output.finished:
-                        return
-            finally:
-                call.close()
+                if output.finished:
+                    return
         finally:
-            if prefilled.stream is not None:
-                prefilled.stream.close()  # idempotent
-            if node is not None:
-                decode_pool.release(node, demand=prefilled.demand)
-            self._note_service(served, prefilled.admitted_at, deadline)
+            session.close()  # idempotent
+            self._note_service(served, started.admitted_at, deadline)
 
     def _note_service(self, served: list[float], admitted_at: float, deadline: float) -> None:
         """Tell admission how long serving took; a request cut off at its deadline took at least

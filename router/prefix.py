@@ -6,7 +6,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
-from splitserve.kvstore import hash_request_tokens
+from splitserve.kvstore import BlockHash, hash_request_tokens
 from splitserve.kvstore.redis_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
@@ -22,10 +22,10 @@ class LookupBatcher:
 
     def __init__(self, index: PrefixIndex) -> None:
         self._index = index
-        self._queue: list[tuple[list[str], list[bytes], asyncio.Future]] = []
+        self._queue: list[tuple[list[str], Sequence[bytes], asyncio.Future]] = []
         self._flusher: asyncio.Task | None = None
 
-    async def lookup(self, node_ids: list[str], hashes: list[bytes]) -> dict[str, int]:
+    async def lookup(self, node_ids: list[str], hashes: Sequence[bytes]) -> dict[str, int]:
         future = asyncio.get_running_loop().create_future()
         self._queue.append((node_ids, hashes, future))
         if self._flusher is None or self._flusher.done():
@@ -61,13 +61,15 @@ class PrefixLookup:
         self._block_size = block_size
         self._ok = True
 
-    def block_hashes(self, prompt_token_ids: Sequence[int], cache_salt: str) -> list[bytes]:
+    def block_hashes(self, prompt_token_ids: Sequence[int], cache_salt: str) -> list[BlockHash]:
         """The prompt's block hashes as the nodes compute them (the index's root)."""
         return hash_request_tokens(
             prompt_token_ids, self._block_size, self._index.root_hash, cache_salt or None
         )
 
-    async def cached_blocks(self, hashes: list[bytes], addresses: list[str]) -> dict[str, int]:
+    async def cached_blocks(
+        self, hashes: Sequence[BlockHash], addresses: list[str]
+    ) -> dict[str, int]:
         """Node address → leading blocks of the prompt (``block_hashes``) it holds (one round
         trip)."""
         if not hashes:

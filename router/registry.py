@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -86,7 +87,8 @@ class NodeRegistry:
 
     async def probe(self, node: Node, timeout: float = 1.0) -> bool:
         """True when the node answers grpc.health.v1 Check with SERVING within ``timeout``."""
-        stub = health_pb2_grpc.HealthStub(self.channel(node))
+        # typeshed's HealthStub declares no methods (the generated one sets them in __init__)
+        stub: Any = health_pb2_grpc.HealthStub(self.channel(node))
         try:
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
         except grpc.aio.AioRpcError as exc:
@@ -216,7 +218,7 @@ class NodeRegistry:
         """Every reachable node's load figures, (role, address) → LoadFigures (GetStats)."""
         pairs = [(pool, n) for pool, n in self._all() if not n.rejected]
 
-        async def one(pool: NodePool, node: Node):
+        async def one(pool: NodePool, node: Node) -> LoadFigures | None:
             try:
                 s = await self.stats(node)
             except grpc.aio.AioRpcError:

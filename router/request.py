@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -156,7 +157,7 @@ def parse_request(request: router_pb2.GenerateRequest, model: ModelInfo) -> Gene
     )
 
 
-def chat_token_ids(messages, model: ModelInfo) -> tuple[int, ...]:
+def chat_token_ids(messages: Sequence[router_pb2.ChatMessage], model: ModelInfo) -> tuple[int, ...]:
     """A conversation rendered with the tokenizer's chat template (the assistant's turn
     prompted), then tokenized as is: the template writes any special tokens itself."""
     tokenizer = model.need_tokenizer("a chat request")

@@ -24,7 +24,6 @@ from splitserve.router.pool import Node, NodePool, prompt_tokens_to_compute
 
 DIRECT = "direct"
 DISAGGREGATED = "disaggregated"
-ROUTES = (DISAGGREGATED, DIRECT)
 
 
 class RoutePolicy(NamedTuple):

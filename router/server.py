@@ -8,11 +8,11 @@ from pathlib import Path
 
 from splitserve.kvstore import ModelIdentity
 from splitserve.kvstore.redis_index import PrefixIndex
+from splitserve.router.assembly import build_front
 from splitserve.router.front import RequestFront
 from splitserve.router.http import HttpFront
 from splitserve.router.registry import NodeRegistry
 from splitserve.router.request import ModelInfo
-from splitserve.router.route import RoutePolicy
 from splitserve.router.service import RouterService
 from splitserve.runtime.auth import read_token_file, registry_key, use_token
 from splitserve.runtime.config import RouterConfig
@@ -45,22 +45,7 @@ def build_router(
         decode_kv_headroom=config.decode_kv_headroom,
         prefill_queue_tokens=config.prefill_queue_tokens,
     )
-    service = RouterService(
-        model,
-        registry,
-        max_attempts=config.max_attempts,
-        request_timeout_s=config.request_timeout_s,
-        index=index,
-        block_size=config.block_size,
-        metrics=metrics,
-        max_queue=config.max_queue,
-        queue_timeout_s=config.queue_timeout_s,
-        max_requests_per_client=config.max_requests_per_client,
-        route_policy=RoutePolicy(
-            config.direct_prefill_tokens, config.direct_prefill_backlog_tokens
-        ),
-        kv_reserve_tokens=config.decode_kv_reserve_tokens,
-    )
+    front = build_front(config, model, registry, index, metrics)
     tls = TlsFiles.load(config.tls_cert, config.tls_key, config.tls_ca)
     use_tls(tls)  # the router's channels to the nodes, too
     server = Server(
@@ -70,8 +55,8 @@ def build_router(
         max_request_bytes=config.max_request_bytes,
         tls=tls,
     )
-    router_pb2_grpc.add_RouterServiceServicer_to_server(service, server.server)
-    return server, registry, service.front
+    router_pb2_grpc.add_RouterServiceServicer_to_server(RouterService(front), server.server)
+    return server, registry, front
 
 
 def prefix_index(config: RouterConfig) -> PrefixIndex | None:

@@ -170,6 +170,11 @@ class DecodeNodeServiceStub:
                 request_serializer=splitserve_dot_v1_dot_nodes__pb2.GenerateOnNodeRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_nodes__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/splitserve.v1.DecodeNodeService/Release',
+                request_serializer=splitserve_dot_v1_dot_nodes__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_nodes__pb2.ReleaseResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeNodeServiceServicer:
@@ -203,6 +208,17 @@ class DecodeNodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Release(self, request, context):
+        """Free the KV a transfer left here for a request no Decode call will claim (the router's
+        client had its whole answer with the first token: a stop string). Idempotent: an id holding
+        nothing here (never adopted, already decoding, released or expired) answers released =
+        false. A request already decoding is untouched: cancel its Decode call instead. An empty or
+        over-long request_id is refused with INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeNodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -220,6 +236,11 @@ def add_DecodeNodeServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=splitserve_dot_v1_dot_nodes__pb2.GenerateOnNodeRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_nodes__pb2.DecodeResponse.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=splitserve_dot_v1_dot_nodes__pb2.ReleaseRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_nodes__pb2.ReleaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -303,6 +324,33 @@ class DecodeNodeService:
             '/splitserve.v1.DecodeNodeService/Generate',
             splitserve_dot_v1_dot_nodes__pb2.GenerateOnNodeRequest.SerializeToString,
             splitserve_dot_v1_dot_nodes__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.DecodeNodeService/Release',
+            splitserve_dot_v1_dot_nodes__pb2.ReleaseRequest.SerializeToString,
+            splitserve_dot_v1_dot_nodes__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,73 @@
+"""The router's request path put together from its configuration: admission, the stages, the
+dispatcher, the orchestrator and the front that both public fronts (gRPC, HTTP) serve through.
+
+The one place the router's parts are wired: ``build_front``. The servicers only serve.
+"""
+
+from __future__ import annotations
+
+from splitserve.kvstore.redis_index import PrefixIndex
+from splitserve.router.admission import Admission
+from splitserve.router.decode_stage import DecodeStage
+from splitserve.router.direct import DirectStage
+from splitserve.router.dispatch import Dispatcher
+from splitserve.router.front import RequestFront
+from splitserve.router.orchestrator import Orchestrator
+from splitserve.router.prefill_stage import PrefillStage
+from splitserve.router.prefix import PrefixLookup
+from splitserve.router.pressure import Pressure
+from splitserve.router.registry import NodeRegistry
+from splitserve.router.request import ModelInfo
+from splitserve.router.route import RoutePolicy
+from splitserve.runtime.config import RouterConfig
+from splitserve.runtime.metrics import RouterMetrics
+
+
+def build_front(
+    config: RouterConfig,
+    model: ModelInfo,
+    registry: NodeRegistry,
+    index: PrefixIndex | None = None,
+    metrics: RouterMetrics | None = None,
+) -> RequestFront:
+    """The request path over ``registry``'s pools (``index``: the prefix index, if any;
+    ``metrics``: where its figures go, a fresh set if None)."""
+    metrics = metrics or RouterMetrics()
+    policy = RoutePolicy(config.direct_prefill_tokens, config.direct_prefill_backlog_tokens)
+    lookup = PrefixLookup(index, config.block_size) if index is not None else None
+    # NOTE: with --direct-prefill-backlog-tokens, backlogged prefill nodes are a reason to go
+    # direct, not to wait: requests then wait for decode room only.
+    prefill_room = registry.prefill if not policy.direct_prefill_backlog_tokens else None
+    admission = Admission(
+        registry.decode, metrics, config.max_queue, config.queue_timeout_s, prefill=prefill_room
+    )
+    pressure = Pressure(registry, admission)
+    metrics.watch_pressure(pressure.figures)
+
+    def computed(tokens: int) -> None:
+        metrics.prefill_computed_tokens.inc(tokens)
+        pressure.computed(tokens)
+
+    decode = DecodeStage(registry)
+    dispatch = Dispatcher(
+        registry,
+        metrics,
+        PrefillStage(registry, config.block_size, on_computed=computed),
+        DirectStage(),
+        decode,
+        max_attempts=config.max_attempts,
+        block_size=config.block_size,
+        lookup=lookup,
+        admission=admission,
+        policy=policy,
+        kv_reserve_tokens=config.decode_kv_reserve_tokens,
+    )
+    orchestrator = Orchestrator(model, dispatch, on_served=admission.note_served)
+    return RequestFront(
+        model,
+        orchestrator,
+        metrics,
+        config.request_timeout_s,
+        config.max_requests_per_client,
+        check_arrival=admission.check_arrival,
+    )

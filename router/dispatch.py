@@ -1,0 +1,185 @@
+"""A request's way to its first token: wait in admission, choose D and the route, run the route's
+stage (``PrefillStage``: P prefills and ships to D; ``DirectStage``: D prefills itself), retry a
+refusing or failed attempt elsewhere.
+
+- ``RESOURCE_EXHAUSTED`` (a node full): another attempt, up to ``max_attempts``, after a short
+  back-off when a node that refused must be asked again.
+- ``UNAVAILABLE`` before the request's deadline: the failed node is marked down (by the stage)
+  and the next attempt avoids it. No node left → ``UNAVAILABLE`` naming every node's state.
+- The route is chosen again on each attempt (``router.route``): a direct attempt that failed may
+  be followed by a disaggregated one and the other way round.
+
+Each attempt claims the request's slot on its D (``DecodeStage.claim``) and either hands it on
+in ``Started`` or closes it before the next attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+
+import grpc
+
+from splitserve.kvstore import BlockHash
+from splitserve.kvstore.hashing import DEFAULT_BLOCK_SIZE
+from splitserve.router.admission import Admission
+from splitserve.router.decode_stage import DecodeStage
+from splitserve.router.direct import DirectStage
+from splitserve.router.errors import GenerateError
+from splitserve.router.first_token import Started, Tried
+from splitserve.router.kv_budget import KVDemand
+from splitserve.router.pool import Node, NodePool
+from splitserve.router.prefill_stage import PrefillStage
+from splitserve.router.prefix import PrefixLookup
+from splitserve.router.registry import NodeRegistry
+from splitserve.router.request import GenerateParams
+from splitserve.router.route import DISAGGREGATED, NO_DIRECT, RoutePolicy, choose_route
+from splitserve.runtime.metrics import RouterMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        registry: NodeRegistry,
+        metrics: RouterMetrics,
+        prefill: PrefillStage,
+        direct: DirectStage,
+        decode: DecodeStage,
+        max_attempts: int = 3,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        lookup: PrefixLookup | None = None,
+        admission: Admission | None = None,
+        policy: RoutePolicy = NO_DIRECT,
+        kv_reserve_tokens: int = 256,
+    ) -> None:
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        self._registry = registry
+        self._metrics = metrics
+        self._prefill = prefill
+        self._direct = direct
+        self._decode = decode
+        self._max_attempts = max_attempts
+        self._block_size = block_size
+        self._lookup = lookup
+        self._admission = admission  # requests wait there while the pools are full
+        self._policy = policy
+        self._kv_reserve_tokens = kv_reserve_tokens  # router.kv_budget's up-front output
+
+    async def run(self, params: GenerateParams, deadline: float) -> Started:
+        """The request's first token, on a D that holds it (close ``Started.session``);
+        ``GenerateError`` when no attempt succeeded."""
+        tried = Tried(set(), set())
+        error = GenerateError(grpc.StatusCode.UNAVAILABLE, "no attempt made")
+        # The prompt is hashed once, for the index look-up and the decode KV ledger alike.
+        hashes = None
+        if self._lookup is not None:
+            hashes = self._lookup.block_hashes(params.prompt_token_ids, params.cache_salt)
+        cached = await self._cached_blocks(hashes)
+        demand = KVDemand.of(
+            params.prompt_token_ids,
+            params.cache_salt,
+            params.sampling.max_tokens,
+            self._block_size,
+            self._kv_reserve_tokens,
+            hashes,
+        )
+        n_prompt = len(params.prompt_token_ids)
+        for attempt in range(self._max_attempts):
+            if attempt:
+                self._metrics.retries.inc()
+                if tried.busy:  # a node refused: give it a moment (before queueing again)
+                    await asyncio.sleep(min(0.05 * 2**attempt, max(deadline - time.monotonic(), 0)))
+            admitted = time.monotonic()
+            if self._admission is not None:
+                admitted = await self._admission.enter(deadline, demand, n_prompt)
+            # NOTE: from here to the claim on D and the stage's acquire of P nothing awaits: the
+            # room just found is this request's.
+            d = self._choose_decode(tried, cached, demand)
+            route = choose_route(
+                self._policy,
+                self._registry.prefill,
+                d,
+                cached,
+                n_prompt,
+                self._block_size,
+                tried.unreachable,
+            )
+            p = self._choose_prefill(n_prompt, tried, cached) if route == DISAGGREGATED else None
+            if deadline - time.monotonic() <= 0:
+                raise GenerateError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed in prefill"
+                )
+            session = self._decode.claim(d, demand, f"{params.request_id}-{secrets.token_hex(4)}")
+            handed_on = False
+            try:
+                if p is None:
+                    result = await self._direct.attempt(params, session, tried, deadline)
+                else:
+                    result = await self._prefill.attempt(
+                        params, p, session, cached, tried, deadline
+                    )
+                if isinstance(result, GenerateError):
+                    error = result
+                else:
+                    self._metrics.routes.labels(route=route).inc()
+                    handed_on = True
+                    return Started(result, session, admitted)
+            finally:
+                if not handed_on:
+                    session.close()
+            logger.info(
+                "request %s: prefill attempt %d/%d failed: %s",
+                params.request_id,
+                attempt + 1,
+                self._max_attempts,
+                error.message,
+            )
+        raise error
+
+    async def _cached_blocks(self, hashes: Sequence[BlockHash] | None) -> dict[str, int]:
+        """Leading blocks of the prompt (its ``hashes``) each node holds; empty without an
+        index."""
+        if self._lookup is None or hashes is None:
+            return {}
+        reg = self._registry
+        addresses = [n.address for pool in (reg.prefill, reg.decode) for n in pool.nodes]
+        return await self._lookup.cached_blocks(hashes, addresses)
+
+    def _choose_decode(self, tried: Tried, cached: Mapping[str, int], demand: KVDemand) -> Node:
+        d = _choose(self._registry.decode, tried, cached, demand=demand)
+        if d is None:
+            raise _none_reachable(self._registry.decode)
+        return d
+
+    def _choose_prefill(self, n_prompt: int, tried: Tried, cached: Mapping[str, int]) -> Node:
+        p = _choose(self._registry.prefill, tried, cached, n_prompt, self._block_size)
+        if p is None:  # not reached: choose_route goes direct when no prefill node is usable
+            raise _none_reachable(self._registry.prefill)
+        return p
+
+
+def _none_reachable(pool: NodePool) -> GenerateError:
+    return GenerateError(
+        grpc.StatusCode.UNAVAILABLE,
+        f"no {pool.role} node is reachable ({pool.describe()}); "
+        "start one or check the router's --prefill/--decode addresses",
+    )
+
+
+def _choose(
+    pool: NodePool,
+    tried: Tried,
+    cached: Mapping[str, int],
+    prompt_tokens: int | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    demand: KVDemand | None = None,
+) -> Node | None:
+    """A node not yet tried by this request if any, else one that only refused (full)."""
+    args = (cached, prompt_tokens, block_size, demand)
+    return pool.pick(tried.unreachable | tried.busy, *args) or pool.pick(tried.unreachable, *args)

@@ -1,0 +1,35 @@
+"""What a request's first stage hands on, whichever route it took: its first token
+(``FirstToken``) and the request on its decode node (``Started``); and the nodes an attempt
+already tried (``Tried``)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from splitserve.router.decode_stage import DecodeSession
+from splitserve.router.pool import Node
+
+
+class FirstToken(NamedTuple):
+    """A request's first output token: from P's Prefill answer (disaggregated) or from the first
+    message of D's Generate stream (direct)."""
+
+    token_id: int
+    logprob: float
+    finish_reason: str  # set: the node that sampled it ended the request there
+    cached_tokens: int  # prompt tokens found in the computing node's cache
+
+
+class Started(NamedTuple):
+    """A request past its first token, held on its decode node."""
+
+    first: FirstToken
+    session: DecodeSession  # D's slot and stream: whoever receives this closes it
+    admitted_at: float  # when admission let it go to the pools (time.monotonic())
+
+
+class Tried(NamedTuple):
+    """The nodes a request already tried: those that failed and those that only refused."""
+
+    unreachable: set[Node]
+    busy: set[Node]

@@ -1,0 +1,220 @@
+"""Scripted prefill and decode nodes behind fake gRPC stubs, for the router's stages without
+processes or sockets: the "model" answers a prompt with its tokens reversed, then EOS.
+
+``FakeNodes`` is the shared state (what each decode node holds for a request, who was released or
+cancelled, what to refuse next); ``FakeRegistry`` a ``NodeRegistry`` whose stubs are these fakes.
+Every node waits a random moment (``max_delay_s``) before each answer, so a cancellation lands
+at a different point each time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Awaitable
+
+import grpc
+from support.router_helpers import EOS
+
+from splitserve.router.registry import NodeRegistry
+from splitserve.v1 import nodes_pb2
+
+_CANCELLED = object()
+
+
+def rpc_error(code: grpc.StatusCode, details: str = "") -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class FakeUnary:
+    """A unary call: awaitable once, cancellable."""
+
+    def __init__(self, answer: Awaitable) -> None:
+        self._task = asyncio.ensure_future(answer)
+
+    def __await__(self):
+        return self._task.__await__()
+
+    def cancel(self) -> bool:
+        return self._task.cancel()
+
+
+class FakeStream:
+    """A server-streaming call: the handler runs in a task from the moment the call is made;
+    ``read`` returns its messages, then ``grpc.aio.EOF``; ``cancel`` cancels the handler and any
+    read in progress (CancelledError), as grpc.aio does."""
+
+    def __init__(self, handler: AsyncIterator) -> None:
+        loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._metadata = loop.create_future()
+        self.cancelled = False
+        self._task = asyncio.ensure_future(self._produce(handler))
+
+    async def _produce(self, handler: AsyncIterator) -> None:
+        self._metadata.set_result(())  # the handler runs: a cancel reaches it from now on
+        try:
+            async for msg in handler:
+                self._queue.put_nowait(msg)
+            self._queue.put_nowait(grpc.aio.EOF)
+        except grpc.aio.AioRpcError as exc:
+            self._queue.put_nowait(exc)
+
+    async def read(self):
+        if self.cancelled:
+            raise asyncio.CancelledError
+        item = await self._queue.get()
+        if item is _CANCELLED:
+            raise asyncio.CancelledError
+        if isinstance(item, grpc.aio.AioRpcError):
+            raise item
+        return item
+
+    async def initial_metadata(self):
+        return await self._metadata
+
+    def cancel(self) -> bool:
+        if self._task.done() or self.cancelled:
+            return False
+        self.cancelled = True
+        self._task.cancel()
+        if not self._metadata.done():
+            self._metadata.cancel()
+        self._queue.put_nowait(_CANCELLED)
+        return True
+
+
+class FakeNodes:
+    def __init__(self, rng: random.Random | None = None, max_delay_s: float = 0.0) -> None:
+        self.rng = rng or random.Random(0)
+        self.max_delay_s = max_delay_s
+        self.held: dict[str, list[int]] = {}  # decode side: node request id → tokens to send
+        self.prefill_calls: list[tuple[str, str]] = []  # (prefill node, decode node)
+        self.generate_calls: list[str] = []  # decode nodes of Generate calls (direct route)
+        self.released: list[str] = []  # node request ids of Release calls
+        self.decode_cancelled: list[str] = []  # node request ids of cancelled Decode calls
+        self.refuse_prefill = 0  # the next n Prefill calls answer RESOURCE_EXHAUSTED
+        self.fail_prefill = 0  # the next n Prefill calls answer UNAVAILABLE
+        self.refuse_generate = 0  # the next n Generate calls answer RESOURCE_EXHAUSTED
+        self.release_implemented = True  # False: a decode node of an older version
+        self.probe_ok = True  # what grpc.health.v1 says of every node
+        self.cached_tokens = 3
+
+    async def pause(self) -> None:
+        if self.max_delay_s:
+            await asyncio.sleep(self.rng.uniform(0, self.max_delay_s))
+
+    def answer(self, prompt, max_tokens: int) -> list[int]:
+        return [*list(prompt)[::-1], EOS][:max_tokens]
+
+    async def prefill(self, p: str, request: nodes_pb2.PrefillRequest):
+        self.prefill_calls.append((p, request.decode_address))
+        await self.pause()
+        if self.refuse_prefill:
+            self.refuse_prefill -= 1
+            raise rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free blocks")
+        if self.fail_prefill:
+            self.fail_prefill -= 1
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, "connection refused")
+        answer = self.answer(request.prompt_token_ids, request.sampling.max_tokens)
+        finish = ""
+        if len(answer) == 1:
+            finish = "stop" if answer[0] == EOS else "length"
+        else:  # shipped: D holds the KV until Decode or Release claims it
+            self.held[request.request_id] = answer[1:]
+        return nodes_pb2.PrefillResponse(
+            first_token_id=answer[0], finish_reason=finish, cached_tokens=self.cached_tokens
+        )
+
+    async def decode(self, request: nodes_pb2.DecodeRequest):
+        tokens = self.held.pop(request.request_id, None)
+        if tokens is None:
+            raise rpc_error(grpc.StatusCode.NOT_FOUND, "unknown request")
+        try:
+            for i in range(0, len(tokens), 2):
+                await self.pause()
+                last = i + 2 >= len(tokens)
+                finish = ("stop" if tokens[-1] == EOS else "length") if last else ""
+                yield nodes_pb2.DecodeResponse(token_ids=tokens[i : i + 2], finish_reason=finish)
+        except asyncio.CancelledError:
+            self.decode_cancelled.append(request.request_id)
+            raise
+
+    async def generate(self, d: str, request: nodes_pb2.GenerateOnNodeRequest):
+        self.generate_calls.append(d)
+        await self.pause()
+        if self.refuse_generate:
+            self.refuse_generate -= 1
+            raise rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free blocks")
+        answer = self.answer(request.prompt_token_ids, request.sampling.max_tokens)
+        try:
+            for i, token in enumerate(answer):
+                if i:
+                    await self.pause()
+                last = i == len(answer) - 1
+                finish = ("stop" if token == EOS else "length") if last else ""
+                yield nodes_pb2.DecodeResponse(
+                    token_ids=[token], finish_reason=finish, cached_tokens=5 if i == 0 else 0
+                )
+        except asyncio.CancelledError:
+            self.decode_cancelled.append(request.request_id)
+            raise
+
+    async def release(self, request: nodes_pb2.ReleaseRequest):
+        await self.pause()
+        if not self.release_implemented:
+            raise rpc_error(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        self.released.append(request.request_id)
+        held = self.held.pop(request.request_id, None)
+        return nodes_pb2.ReleaseResponse(released=held is not None)
+
+
+class _PrefillStub:
+    def __init__(self, nodes: FakeNodes, address: str) -> None:
+        self._nodes, self._address = nodes, address
+
+    def Prefill(self, request, timeout=None, metadata=None) -> FakeUnary:
+        return FakeUnary(self._nodes.prefill(self._address, request))
+
+
+class _DecodeStub:
+    def __init__(self, nodes: FakeNodes, address: str) -> None:
+        self._nodes, self._address = nodes, address
+
+    def Decode(self, request, timeout=None, metadata=None) -> FakeStream:
+        return FakeStream(self._nodes.decode(request))
+
+    def Generate(self, request, timeout=None, metadata=None) -> FakeStream:
+        return FakeStream(self._nodes.generate(self._address, request))
+
+    def Release(self, request, timeout=None, metadata=None) -> FakeUnary:
+        return FakeUnary(self._nodes.release(request))
+
+
+class FakeRegistry(NodeRegistry):
+    """Both pools (``p0``.., ``d0``..) over ``FakeNodes``; no channel is ever opened."""
+
+    def __init__(self, nodes: FakeNodes, num_prefill: int = 2, num_decode: int = 2) -> None:
+        super().__init__(
+            [f"p{i}" for i in range(num_prefill)], [f"d{i}" for i in range(num_decode)]
+        )
+        self.fake = nodes
+
+    def prefill_stub(self, node):  # type: ignore[override]
+        return _PrefillStub(self.fake, node.address)
+
+    def decode_stub(self, node):  # type: ignore[override]
+        return _DecodeStub(self.fake, node.address)
+
+    async def probe(self, node, timeout: float = 1.0) -> bool:
+        return self.fake.probe_ok
+
+
+def all_given_back(registry: NodeRegistry) -> list[str]:
+    """What the router still counts on any node (empty: every slot, queued token and KV ledger
+    entry taken was given back)."""
+    left = []
+    for node in registry.prefill.nodes + registry.decode.nodes:
+        if node.in_flight or node.queued_tokens or node.kv.used:
+            left.append(f"{node.address}: {node.in_flight} {node.queued_tokens} {node.kv.used}")
+    return left
