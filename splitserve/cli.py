@@ -16,12 +16,15 @@ import os
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import argparse
+import dataclasses
 import logging
 import sys
 
 from splitserve import __version__, cli_tools
 from splitserve.cli_tools import model_path
 from splitserve.launcher import ClusterSpec
+from splitserve.planner import cli as planner_cli
+from splitserve.planner.cli import add_policy_options
 from splitserve.runtime.config import NodeConfig, RouterConfig
 from splitserve.runtime.options import EnvParser, add_options, config_kwargs, env_name, flag_of
 
@@ -144,10 +147,24 @@ def cmd_up(args: argparse.Namespace) -> int:
     def on_sigterm(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
+    planner_policy = None
+    if args.autoscale:
+        try:
+            planner_policy = _autoscale_policy(args, spec)
+        except ValueError as exc:
+            return _error(str(exc), 2)
+        if spec.metrics_port is None:  # the planner reads the router's /metrics
+            spec = dataclasses.replace(spec, metrics_port=0)
     signal.signal(signal.SIGTERM, on_sigterm)
-    cluster = LocalCluster(spec)
+    max_nodes = (
+        planner_policy[0].max_prefill + planner_policy[0].max_decode if planner_policy else None
+    )
+    cluster = LocalCluster(spec) if max_nodes is None else LocalCluster(spec, max_nodes)
+    stop_planner = None
     try:
         a = cluster.start()
+        if planner_policy is not None:
+            stop_planner = _start_planner(args, cluster, a.metrics[a.router], planner_policy)
 
         def show(name: str, address: str) -> None:  # and its /metrics, when it serves one
             url = a.metrics.get(address)
@@ -172,11 +189,56 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 0
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut cleanup
+        if stop_planner is not None:
+            stop_planner()
         cluster.stop()
 
 
+def _autoscale_policy(args: argparse.Namespace, spec: ClusterSpec):
+    """The planner's (Bounds, Slo, PolicyConfig) for ``up --autoscale``."""
+    from splitserve.planner.cli import policy_from
+
+    if not spec.prefix_index:
+        raise ValueError("--autoscale needs the Redis registry: new nodes join through it")
+    bounds, slo, config = policy_from(args, spec.num_prefill, spec.num_decode)
+    if not bounds.min_prefill <= spec.num_prefill <= bounds.max_prefill:
+        raise ValueError("--num-prefill must be within --min-prefill..--max-prefill")
+    if not bounds.min_decode <= spec.num_decode <= bounds.max_decode:
+        raise ValueError("--num-decode must be within --min-decode..--max-decode")
+    return bounds, slo, config
+
+
+def _start_planner(args: argparse.Namespace, cluster, router_metrics: str, policy):
+    """The planner on a thread of this process, acting through the launcher; returns its stop."""
+    from splitserve.planner.actuators import LocalActuator
+    from splitserve.planner.cli import serve_planner_metrics, start_thread
+    from splitserve.planner.loop import Planner
+    from splitserve.planner.scrape import Scraper
+
+    bounds, slo, config = policy
+    planner = Planner(
+        Scraper(router_metrics),
+        LocalActuator(cluster),
+        bounds,
+        slo,
+        config,
+        args.interval,
+        args.record,
+    )
+    port = serve_planner_metrics(planner, args.planner_metrics_port, cluster.spec.host)
+    if port is not None:
+        print(f"planner  metrics http://{cluster.spec.host}:{port}/metrics", flush=True)
+    thread, stop = start_thread(planner)
+
+    def stop_it() -> None:
+        stop.set()
+        thread.join(timeout=args.interval + 10)
+
+    return stop_it
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    """prefill, decode, router, health and up."""
+    """prefill, decode, router, health, up and planner."""
     for role in ("prefill", "decode"):
         p = sub.add_parser(role, help=f"run one {role} node", epilog=ENV_EPILOG)
         add_options(p, NodeConfig)
@@ -205,7 +267,16 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help=cmd_up.__doc__)
     add_options(p, ClusterSpec)
     add_options(p, NodeConfig, UP_NODE_OPTIONS, unset=True)
+    p.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="run the planner: it grows and drains the pools within --min/--max-prefill and "
+        "--min/--max-decode (default: the --num-* counts) to meet --slo (docs/deploy.md, Scaling)",
+    )
+    add_policy_options(p)
     p.set_defaults(func=cmd_up)
+
+    planner_cli.add_command(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:

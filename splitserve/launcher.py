@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from splitserve.cluster_spec import (
     metrics_url,
     parse_gpus,
 )
+from splitserve.planner import placement
 from splitserve.runtime.tls import TlsFiles, sync_channel
 
 __all__ = [
@@ -48,6 +50,9 @@ class _Process:
     name: str
     popen: subprocess.Popen
     port_file: Path | None = None
+    device: str = "cpu"
+    elastic: bool = False  # started at run time (add_node): its exit does not stop the cluster
+    drained_at: float | None = None  # when drain_node sent it SIGTERM
 
 
 def _visible_gpus() -> int:
@@ -82,11 +87,19 @@ def _identity_flags(node_args: tuple[str, ...]) -> list[str]:
 
 
 class LocalCluster:
-    """Start with ``start()`` (or ``with``); ``stop()`` ends every process it started."""
+    """Start with ``start()`` (or ``with``); ``stop()`` ends every process it started.
 
-    def __init__(self, spec: ClusterSpec) -> None:
+    With ``max_nodes`` (``up --autoscale``) the pools are elastic: ``add_node`` starts a node
+    on a GPU with room and ``drain_node`` drains one (SIGTERM); the router then finds the nodes
+    in the Redis registry only (no static lists), so one that leaves is forgotten."""
+
+    def __init__(self, spec: ClusterSpec, max_nodes: int | None = None) -> None:
         self.spec = spec
+        self.max_nodes = max_nodes
         self._procs: list[_Process] = []
+        self._draining: list[_Process] = []
+        self._node_flags: list[str] = []  # Redis, token and TLS flags of every node (start)
+        self._started = {"prefill": 0, "decode": 0}
         self._workdir = Path(tempfile.mkdtemp(prefix="splitserve-up-"))
         self.addresses: ClusterAddresses | None = None
         self._tls: TlsFiles | None = None  # set by start(): mTLS files every component uses
@@ -105,6 +118,8 @@ class LocalCluster:
 
     def _component(self, role: str, index: int, extra: list[str]) -> _Process:
         name = f"{role}-{index}"
+        if role != "router":
+            self._started[role] = max(self._started[role], index + 1)
         port_file = self._workdir / f"{name}.port"
         argv = [sys.executable, "-m", "splitserve.cli", role, "--model", self.spec.model_path]
         argv += ["--host", self.spec.host, "--port-file", str(port_file), *extra]
@@ -135,8 +150,9 @@ class LocalCluster:
         if self._tls is not None:
             index_flags += ["--tls-cert", spec.tls_cert, "--tls-key", spec.tls_key]
             index_flags += ["--tls-ca", spec.tls_ca]
-        placement = spec.placement(_visible_gpus() if spec.device == "cuda" else 0)
+        self._node_flags = index_flags
         roles = ["prefill"] * spec.num_prefill + ["decode"] * spec.num_decode
+        placement = self._placement(len(roles))
         metrics = spec.metrics_ports()  # router, then each node
         procs = []
         for i, (role, (device, share)) in enumerate(zip(roles, placement, strict=True)):
@@ -147,10 +163,14 @@ class LocalCluster:
                 flags += ["--metrics-port", str(metrics[1 + i])]
             index = i if role == "prefill" else i - spec.num_prefill
             procs.append(self._component(role, index, [*flags, *spec.node_args]))
+            procs[-1].device = device
         prefill, decode = procs[: spec.num_prefill], procs[spec.num_prefill :]
         prefill_addrs = tuple(self._wait_ready(p, deadline) for p in prefill)
         decode_addrs = tuple(self._wait_ready(p, deadline) for p in decode)
-        router_flags = self.router_flags(prefill_addrs, decode_addrs, metrics and metrics[0])
+        # NOTE: elastic pools are found in the registry only: a static node the planner drained
+        # would stay in the router's pools as a down node for good.
+        static = ((), ()) if self.max_nodes else (prefill_addrs, decode_addrs)
+        router_flags = self.router_flags(*static, metrics[0] if metrics else None)
         router = self._component("router", 0, [*router_flags, *index_flags])
         router_addr = self._wait_ready(router, deadline)
         http = None
@@ -177,8 +197,9 @@ class LocalCluster:
     ) -> list[str]:
         """The router's own flags (those of Redis, the token and TLS come on top)."""
         spec = self.spec
-        flags = ["--port", str(spec.port), "--prefill", ",".join(prefill)]
-        flags += ["--decode", ",".join(decode)]
+        flags = ["--port", str(spec.port)]
+        if prefill or decode:
+            flags += ["--prefill", ",".join(prefill), "--decode", ",".join(decode)]
         if spec.http_port is not None:
             flags += ["--http-port", str(spec.http_port)]
             if spec.http_port == 0:
@@ -281,12 +302,105 @@ class LocalCluster:
             )
         time.sleep(0.1)
 
+    def _gpus(self) -> list[int] | None:
+        """The GPUs nodes are placed on (None: not ``--device cuda``)."""
+        if self.spec.device != "cuda":
+            return None
+        if self.spec.gpus:
+            return parse_gpus(self.spec.gpus)
+        return list(range(max(_visible_gpus(), 1)))
+
+    def _placement(self, count: int) -> list[tuple[str, float | None]]:
+        """(device, memory share) of the first ``count`` nodes."""
+        gpus = self._gpus() if self.max_nodes else None
+        if gpus is None:
+            return self.spec.placement(_visible_gpus() if self.spec.device == "cuda" else 0)
+        used: dict[int, int] = {}
+        out: list[tuple[str, float | None]] = []
+        for _ in range(count):
+            device, share = self._place(gpus, used)
+            gpu = int(device.removeprefix("cuda:"))
+            used[gpu] = used.get(gpu, 0) + 1
+            out.append((device, share))
+        return out
+
+    def _place(self, gpus: Sequence[int], used: dict[int, int]) -> tuple[str, float | None]:
+        assert self.max_nodes
+        capacity = placement.per_gpu(self.max_nodes, len(gpus))
+        gpu = placement.pick_gpu(gpus, used, capacity)
+        if gpu is None:
+            raise RuntimeError(f"every GPU of {list(gpus)} holds {capacity} nodes already")
+        share = self.spec.gpu_memory_utilization or placement.node_share(self.max_nodes, len(gpus))
+        return f"cuda:{gpu}", share
+
+    def node_counts(self) -> dict[str, int]:
+        """Nodes of each role running or starting (not those draining)."""
+        self.reap()
+        return {
+            role: sum(1 for p in self._procs if p.name.startswith(f"{role}-"))
+            for role in ("prefill", "decode")
+        }
+
+    def add_node(self, role: str) -> str:
+        """Start one more ``role`` node (it registers in Redis once ready); returns its name."""
+        if self.addresses is None or not self.max_nodes:
+            raise RuntimeError("add_node needs a started cluster with max_nodes")
+        self.reap()
+        flags = ["--port", "0", *self._node_flags]
+        gpus = self._gpus()
+        if gpus is None:
+            device, share = self.spec.device, self.spec.gpu_memory_utilization
+        else:
+            used: dict[int, int] = {}
+            for p in self._procs + self._draining:
+                if p.device.startswith("cuda:"):
+                    used[int(p.device[5:])] = used.get(int(p.device[5:]), 0) + 1
+            device, share = self._place(gpus, used)
+        flags += ["--device", device]
+        if share is not None:
+            flags += ["--gpu-memory-utilization", str(share)]
+        if self.spec.metrics_port is not None:
+            flags += ["--metrics-port", str(free_port(self.spec.host))]
+        proc = self._component(role, self._started[role], [*flags, *self.spec.node_args])
+        proc.device, proc.elastic = device, True
+        return proc.name
+
+    def drain_node(self, role: str) -> str | None:
+        """SIGTERM the newest ``role`` node: it deregisters, finishes what it accepted and exits
+        (the drain of a node); returns its name (None: no such node)."""
+        nodes = [p for p in self._procs if p.name.startswith(f"{role}-")]
+        if not nodes:
+            return None
+        proc = nodes[-1]
+        self._procs.remove(proc)
+        proc.drained_at = time.monotonic()
+        self._draining.append(proc)
+        if proc.popen.poll() is None:
+            proc.popen.send_signal(signal.SIGTERM)
+        logger.info("draining %s", proc.name)
+        return proc.name
+
+    def reap(self) -> None:
+        """Forget drained nodes that exited (SIGKILL one past its drain time and the grace), and
+        started-at-run-time nodes that died (logged: the planner asks for another)."""
+        for proc in list(self._draining):
+            if (rc := proc.popen.poll()) is not None:
+                logger.info("%s drained (status %s)", proc.name, rc)
+                self._draining.remove(proc)
+            elif time.monotonic() - (proc.drained_at or 0.0) > 60.0 + self.spec.stop_grace_s:
+                logger.warning("%s still draining; killing it", proc.name)
+                proc.popen.kill()
+        for proc in [p for p in self._procs if p.elastic and p.popen.poll() is not None]:
+            logger.warning("%s exited with status %s", proc.name, proc.popen.returncode)
+            self._procs.remove(proc)
+
     def pids(self) -> dict[str, int]:
         """Each component's process id, by name (router-0, prefill-0, ..., redis)."""
         return {proc.name: proc.popen.pid for proc in self._procs}
 
     def poll(self) -> str | None:
         """The name and status of a process that exited by itself, else None."""
+        self.reap()
         for proc in self._procs:
             if (rc := proc.popen.poll()) is not None:
                 return f"{proc.name} (status {rc})"
@@ -294,6 +408,8 @@ class LocalCluster:
 
     def stop(self) -> None:
         """SIGTERM each group (router, nodes, Redis), wait, SIGKILL leftovers. Idempotent."""
+        self._procs += self._draining
+        self._draining = []
         groups = [
             [p for p in self._procs if p.name.startswith("router")],
             [p for p in self._procs if p.name.startswith(("prefill", "decode"))],
