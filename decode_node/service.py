@@ -244,7 +244,9 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
 
     # ------------------------------------------------------------------ release
 
-    async def Release(self, request, context):
+    async def Release(
+        self, request: nodes_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> nodes_pb2.ReleaseResponse:
         """Free a transferred request's blocks that no Decode call will claim (the router's
         client had its answer with the first token); idempotent. Authenticated like every
         internal call (``runtime.auth``); the id is checked before it is looked up."""
