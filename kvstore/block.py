@@ -1,8 +1,12 @@
 """A KV-cache block's metadata and the doubly linked LRU queue of free blocks."""
 
+# NOTE: a block linked in the free queue has both links set (sentinels at each end), which
+# `KVCacheBlock | None` cannot say; an assert per link would cost in the pool's hottest loops.
+# pyright: reportOptionalMemberAccess=false
+
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from splitserve.kvstore.hashing import BlockHash
@@ -51,7 +55,7 @@ class FreeKVCacheBlockQueue:
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         """Unlink and return the ``n`` least recently used blocks. ``n`` must be <= the length."""
         assert 0 <= n <= self.num_free_blocks, (n, self.num_free_blocks)
-        out = [None] * n
+        out: list[KVCacheBlock | None] = [None] * n
         curr = self.head.next_free
         for i in range(n):
             out[i] = curr
@@ -84,10 +88,10 @@ class FreeKVCacheBlockQueue:
         self.tail.prev_free = last
         self.num_free_blocks += len(blocks)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[KVCacheBlock]:
         curr = self.head.next_free
         while curr is not self.tail:
-            yield curr
+            yield curr  # pyright: ignore[reportReturnType]
             curr = curr.next_free
 
     def __len__(self) -> int:

@@ -96,22 +96,24 @@ class BlockPool:
         head = queue.head
         cached = self.cached_block_hash_to_block
         evicted: list[BlockHash] = []
-        blocks = [None] * num_blocks
+        blocks: list[KVCacheBlock | None] = [None] * num_blocks
+        # NOTE: a free block's links are never None (sentinels at each end), which the links'
+        # type cannot say; an assert per block would cost here, hence the checker's ignores.
         block = head.next_free
         for i in range(num_blocks):
             blocks[i] = block
-            block_hash = block.block_hash
+            block_hash = block.block_hash  # pyright: ignore[reportOptionalMemberAccess]
             if block_hash is not None:
                 # A free block with a hash is a cached prefix; reusing it is the eviction.
                 del cached[block_hash]
-                block.block_hash = None
+                block.block_hash = None  # pyright: ignore[reportOptionalMemberAccess]
                 evicted.append(block_hash)
-            block.ref_cnt = 1
+            block.ref_cnt = 1  # pyright: ignore[reportOptionalMemberAccess]
             # NOTE: the links of a block in use are stale, not cleared: they are only read while
             # ref_cnt == 0, and two stores per block are measurable here.
-            block = block.next_free
+            block = block.next_free  # pyright: ignore[reportOptionalMemberAccess]
         head.next_free = block
-        block.prev_free = head
+        block.prev_free = head  # pyright: ignore[reportOptionalMemberAccess]
         queue.num_free_blocks = num_free - num_blocks
         if evicted and self.enable_events:
             self._events.append(BlockRemoved(evicted))
@@ -136,7 +138,7 @@ class BlockPool:
         # queue; a block that is not in use is rare, so it is handled by undoing afterwards.
         queue = self.free_block_queue
         tail = queue.tail
-        last = tail.prev_free
+        last: KVCacheBlock = tail.prev_free  # pyright: ignore[reportAssignmentType] (never None)
         num_freed = 0
         for i, block in enumerate(blocks):
             ref_cnt = block.ref_cnt

@@ -25,7 +25,8 @@ class BlockBatch(NamedTuple):
 def encode_blocks(indices: Sequence[int], data: bytes, tail: bool = False) -> tuple[bytes, bytes]:
     """(meta, data) of one message."""
     meta = msgpack.packb({"indices": list(indices), "tail": tail, "crc32": zlib.crc32(data)})
-    return meta, data
+    # NOTE: msgpack's types allow None (Packer.pack without autoreset); packb returns bytes.
+    return meta, data  # pyright: ignore[reportReturnType]
 
 
 def decode_blocks(meta: bytes, data: bytes, block_nbytes: int) -> BlockBatch:

@@ -212,7 +212,8 @@ def extend_block_hashes(
         parent = _blake2b(
             join((_PREFIX, parent, head, buf[off : off + nbytes], extra)), digest_size=_DIGEST
         ).digest()
-        append(parent)
+        # NOTE: the digest is a BlockHash; BlockHash(...) would cost a call per block here.
+        append(parent)  # pyright: ignore[reportArgumentType]
     return block_hashes
 
 

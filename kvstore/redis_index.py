@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -131,7 +132,8 @@ class PrefixIndex:
         }
         mapping["sig"] = self._sign(info.node_id, *(mapping[f] for f in _SIGNED_FIELDS))
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(self._node_key(info.node_id), mapping=mapping)
+            # NOTE: redis' mapping type has invariant keys (FieldT), which str keys do not meet.
+            pipe.hset(self._node_key(info.node_id), mapping=mapping)  # pyright: ignore[reportArgumentType]
             pipe.pexpire(self._node_key(info.node_id), int(self.ttl_s * 1000))
             pipe.sadd(self._nodes_key, info.node_id)
             # Across all model identities: lets a router see nodes it would never match.
@@ -162,7 +164,9 @@ class PrefixIndex:
 
     async def live_nodes(self) -> list[NodeInfo]:
         """Nodes with a fresh heartbeat; entries of expired nodes are cleaned up on the way."""
-        ids = [i.decode() for i in await self.redis.smembers(self._nodes_key)]
+        # NOTE: this client returns bytes (no decode_responses); redis' types say bytes | str.
+        members = cast("set[bytes]", await self.redis.smembers(self._nodes_key))
+        ids = [i.decode() for i in members]
         if not ids:
             return []
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -222,7 +226,7 @@ class PrefixIndex:
         """Live nodes (any role) registered under another model identity than this index's:
         node id → their identity. Such nodes hash prompts differently, so they are never
         routed to; the router reports them (a dtype, block size or checkpoint mismatch)."""
-        rows = await self.redis.hgetall(IDENTITIES_KEY)
+        rows = cast("dict[bytes, bytes]", await self.redis.hgetall(IDENTITIES_KEY))
         now, stale, out = time.time(), [], {}
         for node_id, entry in rows.items():
             try:

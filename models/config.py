@@ -63,10 +63,8 @@ def _supported_architecture(hf_config: Any) -> str:
 def _max_model_len(hf_config: Any, arch: str) -> int:
     max_len = hf_config.max_position_embeddings
     window = getattr(hf_config, "sliding_window", None)
-    uses_window = window is not None and (
-        arch == "MistralForCausalLM" or getattr(hf_config, "use_sliding_window", False)
-    )
-    if uses_window and window < max_len:
+    uses_window = arch == "MistralForCausalLM" or getattr(hf_config, "use_sliding_window", False)
+    if window is not None and uses_window and window < max_len:
         # NOTE: sliding-window attention is not implemented; below the window it is plain
         # causal attention, so capping the context keeps outputs exact.
         logger.warning(

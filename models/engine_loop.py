@@ -108,7 +108,7 @@ class AsyncEngine:
         await asyncio.to_thread(self._thread.join)
         while self._jobs:
             self._jobs.popleft()[0].cancel()
-        if self._profile is not None:
+        if self._profile is not None and self._profile_path:
             try:
                 self._profile.dump(self._profile_path)
                 logger.info("step profile written to %s", self._profile_path)
@@ -251,7 +251,7 @@ class AsyncEngine:
 
     def _post(self, fn: Callable, *args) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is left to hear
-            self._loop.call_soon_threadsafe(fn, *args)
+            self._loop.call_soon_threadsafe(fn, *args)  # pyright: ignore[reportOptionalMemberAccess] (set by start)
 
     # ------------------------------------------------------------------ on the event loop
 

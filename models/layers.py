@@ -46,6 +46,9 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to ``max_positions``, indexed per token."""
 
+    cos: torch.Tensor  # [max_positions, head_dim] (registered buffers)
+    sin: torch.Tensor
+
     def __init__(self, hf_config, head_dim: int, max_positions: int, dtype: torch.dtype) -> None:
         super().__init__()
         rope = dict(getattr(hf_config, "rope_parameters", None) or {})

@@ -89,7 +89,8 @@ class ModelRunner:
         if self.device.type == "cuda" and runner_config.use_cuda_graph:
             from splitserve.models.cuda_graph import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self, runner_config.graph_batch_sizes)
+            # NOTE: the ignore: pyright reads this file at two paths (pyproject.toml's NOTE).
+            self.graphs = DecodeGraphs(self, runner_config.graph_batch_sizes)  # pyright: ignore[reportArgumentType]
 
     # ------------------------------------------------------------------ KV pool sizing
 

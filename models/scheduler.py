@@ -31,7 +31,7 @@ class Request:
     cache_salt: str | None = None
     generator: torch.Generator | None = None
     token_ids: list[int] = field(default_factory=list)  # prompt + output
-    block_hashes: list[bytes] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     logprobs: list[float] = field(default_factory=list)

@@ -87,7 +87,7 @@ def write_random_checkpoint(
     import torch
     import transformers
 
-    defaults = dict(
+    defaults: dict[str, Any] = dict(
         vocab_size=320,
         hidden_size=128,
         intermediate_size=256,

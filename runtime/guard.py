@@ -59,43 +59,47 @@ def _guarded(handler, method: str):
 
         if handler.response_streaming and inspect.isasyncgenfunction(inner):
 
-            async def stream_stream(requests, context):
+            async def streamed(requests, context):
                 async for out in inner(_checked_iterator(requests, context, method), context):
                     yield out
 
+            behaviour = streamed
         else:
 
-            async def stream_stream(requests, context):
+            async def awaited(requests, context):
                 return await inner(_checked_iterator(requests, context, method), context)
 
+            behaviour = awaited
         make = (
             grpc.stream_stream_rpc_method_handler
             if handler.response_streaming
             else grpc.stream_unary_rpc_method_handler
         )
-        return make(stream_stream, request_deserializer=parse, response_serializer=serialize)
+        return make(behaviour, request_deserializer=parse, response_serializer=serialize)
     inner = handler.unary_stream or handler.unary_unary
     if handler.response_streaming and inspect.isasyncgenfunction(inner):
 
-        async def unary(request, context):
+        async def streamed_reply(request, context):
             if isinstance(request, _Malformed):
                 await _refuse(context, method, request)
             async for out in inner(request, context):
                 yield out
 
+        behaviour = streamed_reply
     else:
 
-        async def unary(request, context):
+        async def awaited_reply(request, context):
             if isinstance(request, _Malformed):
                 await _refuse(context, method, request)
             return await inner(request, context)
 
+        behaviour = awaited_reply
     make = (
         grpc.unary_stream_rpc_method_handler
         if handler.response_streaming
         else grpc.unary_unary_rpc_method_handler
     )
-    return make(unary, request_deserializer=parse, response_serializer=serialize)
+    return make(behaviour, request_deserializer=parse, response_serializer=serialize)
 
 
 class MalformedRequests(grpc.aio.ServerInterceptor):

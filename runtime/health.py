@@ -72,7 +72,10 @@ def check(address: str, service: str = "", timeout_s: float = 5.0, tls=None) -> 
     with sync_channel(address, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+            # NOTE: typeshed's grpcio-health-checking stubs declare no methods on HealthStub.
+            reply = stub.Check(  # pyright: ignore[reportAttributeAccessIssue]
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+            )
         except grpc.RpcError as exc:
             code = exc.code() if isinstance(exc, grpc.Call) else None
             if code == grpc.StatusCode.UNAVAILABLE:

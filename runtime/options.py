@@ -145,16 +145,17 @@ class EnvParser(argparse.ArgumentParser):
     def env_names(self) -> tuple[str, ...]:
         return tuple(self._env_actions or ())
 
-    def _env_value(self, name: str, action: argparse.Action, raw: str) -> object:
+    def _env_value(self, name: str, action: argparse.Action, raw: str, default: object) -> object:
         if action.nargs == 0:  # store_true / store_false / store_const: a switch
             if raw.lower() in _TRUE:
                 return action.const
             if raw.lower() in _FALSE:
-                return self._env_actions[name][1]
+                return default
             self.error(f"{name}={raw!r}: give 1/true/yes/on or 0/false/no/off")
         convert = action.type or str
         try:
-            value = convert(raw)
+            # NOTE: argparse's types allow a registered type's name; these parsers give callables.
+            value = convert(raw)  # pyright: ignore[reportCallIssue]
         except (TypeError, ValueError, argparse.ArgumentTypeError):
             kind = getattr(convert, "__name__", repr(convert))
             self.error(f"{name}={raw!r}: invalid {kind} value (for {action.option_strings[0]})")
@@ -166,5 +167,5 @@ class EnvParser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):
         for name, (action, default) in (self._env_actions or {}).items():
             raw = os.environ.get(name, "").strip()
-            action.default = self._env_value(name, action, raw) if raw else default
+            action.default = self._env_value(name, action, raw, default) if raw else default
         return super().parse_known_args(args, namespace)

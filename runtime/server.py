@@ -8,7 +8,7 @@ import asyncio
 import gc
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
 
 import grpc
@@ -63,7 +63,8 @@ class Server:
         # Outermost first: a caller without the token is refused before its bytes are parsed.
         chain = [*interceptors, MalformedRequests()]
         self.server = grpc.aio.server(options=options, interceptors=chain)
-        self.health = health.aio.HealthServicer()
+        # NOTE: typeshed's grpcio-health-checking stubs lack ``aio`` (and the stub's methods).
+        self.health = health.aio.HealthServicer()  # pyright: ignore[reportAttributeAccessIssue]
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         # Reflection v1 and v1alpha (runtime.reflection adds both to the names listed).
         enable_reflection((*service_names, health.SERVICE_NAME), self.server)
@@ -105,7 +106,7 @@ class Server:
         port_file: str | None = None,
         on_stop: Callable[[], Awaitable[None]] | None = None,
         grace_s: float = 5.0,
-        drain: Callable[[], Awaitable[None]] | None = None,
+        drain: Callable[[], Coroutine[object, object, None]] | None = None,
     ) -> None:
         """Start, serve until SIGTERM/SIGINT, drain, stop, then ``on_stop``.
 

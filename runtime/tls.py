@@ -31,8 +31,9 @@ class TlsFiles:
         missing = [flag for flag, path in given.items() if not path]
         if missing:
             raise ValueError(f"mTLS needs --tls-cert, --tls-key and --tls-ca; missing {missing}")
+        paths = {flag: path for flag, path in given.items() if path}  # all three, checked above
         data = {}
-        for flag, path in given.items():
+        for flag, path in paths.items():
             try:
                 data[flag] = Path(path).read_bytes()
             except OSError as exc:

@@ -54,7 +54,7 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
         help=cmd_bench.__doc__,
-        description=cmd_bench.__doc__ + " See docs/bench.md.",
+        description=(cmd_bench.__doc__ or "") + " See docs/bench.md.",
     )
     t = p.add_argument_group("target")
     t.add_argument(

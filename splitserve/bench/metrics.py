@@ -121,7 +121,7 @@ def meets_slo(record: RequestRecord, slo: dict[str, float]) -> bool:
     if not record.ok:
         return False
     values = {"ttft": record.ttft, "tpot": record.tpot, "e2e": record.e2e}
-    return all(values[k] is None or values[k] <= bound for k, bound in slo.items())
+    return all((v := values[k]) is None or v <= bound for k, bound in slo.items())
 
 
 def goodput(records: Iterable[RequestRecord], slo: dict[str, float], duration: float) -> float:

@@ -69,8 +69,8 @@ async def run_load(
     target,
     requests: Iterator[BenchRequest],
     load: Load,
-    on_done: Callable[[RequestRecord], None] = lambda r: None,
-    on_start: Callable[[], None] = lambda: None,
+    on_done: Callable[[RequestRecord], object] = lambda r: None,
+    on_start: Callable[[], object] = lambda: None,
 ) -> tuple[list[RequestRecord], float]:
     """Run the load on ``target`` (its ``now()`` restarts at the measured part's start):
     (the records in sending order, the run's duration: from its start to the last end)."""
@@ -92,7 +92,7 @@ async def run_load(
             else:
                 await target.send(req, record)
         finally:
-            if held:
+            if held and slots is not None:
                 slots.release()
             on_done(record)
 

@@ -15,7 +15,11 @@ import contextlib
 import math
 import re
 import time
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
+
+if TYPE_CHECKING:
+    import aiohttp
 
 __all__ = ["KEPT", "Scraper", "series_of", "summary"]
 
@@ -64,11 +68,12 @@ class Scraper:
         self.errors: dict[str, int] = {}
         self.scrapes = 0
         self._task: asyncio.Task | None = None
-        self._session = None
+        self._session: aiohttp.ClientSession | None = None  # while entered, with urls
 
     async def _one(self, url: str) -> None:
         import aiohttp
 
+        assert self._session is not None, "scraped outside `async with`"
         try:
             async with self._session.get(url) as resp:
                 if resp.status != 200:
@@ -107,7 +112,8 @@ class Scraper:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             await self.scrape_once()  # one last look: the state the run left behind
-            await self._session.close()
+            if self._session is not None:  # set with the task
+                await self._session.close()
 
     def series(self, t0: float) -> dict[str, dict[str, list[tuple[float, float]]]]:
         out: dict[str, dict[str, list[tuple[float, float]]]] = {}

@@ -122,12 +122,12 @@ class GrpcTarget(_Target):
         return exc.code.name if isinstance(exc, SplitserveError) else type(exc).__name__
 
     async def _stream(self, req: BenchRequest, record: RequestRecord) -> None:
-        prompt = {"prompt": req.prompt} if isinstance(req.prompt, str) else {}
+        prompt = req.prompt if isinstance(req.prompt, str) else None
         ids = None if isinstance(req.prompt, str) else list(req.prompt)
         client = self._clients[self._next % len(self._clients)]
         self._next += 1
         stream = client.stream(
-            **prompt,
+            prompt=prompt,
             prompt_token_ids=ids,
             max_tokens=req.max_tokens,
             temperature=self.temperature,
