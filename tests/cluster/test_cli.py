@@ -75,3 +75,17 @@ def test_a_node_refuses_a_device_that_does_not_exist_before_loading_anything():
         assert proc.returncode == 2, proc.stderr
         assert named in proc.stderr and "error: --device" in proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def test_console_script_reports_a_bad_variable_without_a_traceback(tmp_path):
+    env = {"PATH": str(Path(sys.executable).parent), "HOME": str(tmp_path)}
+    proc = subprocess.run(
+        [EXE, "router", "--redis-url", "redis://127.0.0.1:1"],
+        env={**env, "SPLITSERVE_PORT": "http"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "SPLITSERVE_PORT='http': invalid int value" in proc.stderr
+    assert "Traceback" not in proc.stderr

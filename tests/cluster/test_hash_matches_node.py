@@ -1,7 +1,10 @@
 """`splitserve hash --model DIR` prints the block hashes a node serving DIR publishes: the CLI,
-the router and the nodes build one model identity (checkpoint, its own dtype, block size)."""
+the router and the nodes build one model identity (checkpoint, its own dtype, block size); and
+two interpreters with different hash seeds compute byte-identical block hashes."""
 
 import asyncio
+import os
+import random
 import shutil
 import subprocess
 import sys
@@ -13,6 +16,7 @@ from support.processes import start_node, start_redis, start_router
 
 from splitserve.client import Client
 from splitserve.kvstore import ModelIdentity
+from splitserve.kvstore.hashing import hash_request_tokens
 from splitserve.kvstore.redis_index import PrefixIndex
 from splitserve.models.tiny import write_random_checkpoint
 
@@ -88,3 +92,46 @@ def test_hash_prints_what_a_node_serving_the_checkpoint_publishes(model_dir, tmp
     finally:
         for proc in reversed(procs):
             proc.stop()
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+BS = 16
+
+
+def _tokens(n, vocab=128_256):
+    return [random.randrange(vocab) for _ in range(n)]
+
+
+_CHILD = """
+import sys
+from splitserve.kvstore.hashing import ModelIdentity, hash_request_tokens
+tokens = [int(t) for t in sys.argv[1].split(",")]
+root = ModelIdentity("org/model", revision="abc", dtype="bfloat16").root_hash
+hashes = hash_request_tokens(tokens, 16, root, cache_salt="tenant")
+sys.stdout.write(root.hex() + "\\n" + "\\n".join(h.hex() for h in hashes))
+"""
+
+
+def test_hashes_identical_across_processes():
+    """Two interpreters with different PYTHONHASHSEEDs produce byte-identical hashes."""
+    tokens = _tokens(7 * BS + 5)
+    outputs = []
+    for seed in ("1", "4242"):
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(REPO)}
+        proc = subprocess.run(
+            [sys.executable, "-c", _CHILD, ",".join(map(str, tokens))],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        outputs.append(proc.stdout)
+    assert outputs[0] == outputs[1]
+    lines = outputs[0].splitlines()
+    assert len(lines) == 1 + 7
+    # And the same bytes as this process computes.
+    root = ModelIdentity("org/model", revision="abc", dtype="bfloat16").root_hash
+    here = hash_request_tokens(tokens, 16, root, cache_salt="tenant")
+    assert lines == [root.hex()] + [h.hex() for h in here]

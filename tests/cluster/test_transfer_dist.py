@@ -1,8 +1,12 @@
 """The dist path over gloo between this process (the receiver) and spawned sender processes:
 byte-exact transfers, out-of-order completion, dropped data, tickets, reconnects, and senders
-killed or stalled mid-transfer (transfer/dist*.py)."""
+killed or stalled mid-transfer, and a sender that falls back to grpc when no gloo pair can be built
+(transfer/dist*.py)."""
 
 from __future__ import annotations
+
+import dataclasses
+import socket
 
 import pytest
 import torch
@@ -10,13 +14,18 @@ from support.transfer_common import RECEIVER_SEED, SENDER_SEED, SPEC, u8
 
 from splitserve.transfer import (
     DIST,
+    GRPC,
     ChannelClosed,
+    DistAddress,
     KVReceiver,
+    KVSender,
     NotConnected,
     PeerLost,
     Ticket,
     TransferError,
     TransferTimeout,
+    choose_path,
+    local_endpoint,
 )
 from splitserve.transfer.reservation import block_nbytes
 from splitserve.transfer.testing import SenderProcess, fill_pool, make_pool
@@ -181,3 +190,19 @@ def test_stalled_sender_times_out_and_leaves_the_pool_intact(cluster):
     assert torch.equal(u8(pool), u8(before))
     assert stalled.node_id not in rx.peers()
     stalled.kill()
+
+
+def test_sender_falls_back_to_grpc_when_no_pair_can_be_built():
+    pool = make_pool(**SPEC)
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    peer = dataclasses.replace(
+        local_endpoint("decode-x", pool), dist=DistAddress("127.0.0.1", port, "gloo")
+    )
+    tx = KVSender(pool, "prefill-x", connect_timeout=0.5)
+    assert choose_path(tx.endpoint(), peer) == DIST
+    assert tx.connect(peer) == GRPC
+    assert tx.path("decode-x") == GRPC
+    with pytest.raises(ValueError):
+        tx.send(Ticket(GRPC, "decode-x", "prefill-x", (1,)), [1], timeout=1.0)

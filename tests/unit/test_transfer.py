@@ -4,9 +4,6 @@ gloo with spawned senders: test_transfer_dist.py."""
 
 from __future__ import annotations
 
-import dataclasses
-import socket
-
 import pytest
 from support.transfer_common import SPEC
 
@@ -18,7 +15,6 @@ from splitserve.transfer import (
     DistAddress,
     Endpoint,
     IpcHandle,
-    KVSender,
     TcpAddress,
     Ticket,
     choose_path,
@@ -188,22 +184,6 @@ def test_local_endpoint_of_a_cpu_pool():
     assert ep.dist_backends == ("gloo",)
     with pytest.raises(ValueError, match="CUDA"):
         export_pool(pool)
-
-
-def test_sender_falls_back_to_grpc_when_no_pair_can_be_built():
-    pool = make_pool(**SPEC)
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    peer = dataclasses.replace(
-        local_endpoint("decode-x", pool), dist=DistAddress("127.0.0.1", port, "gloo")
-    )
-    tx = KVSender(pool, "prefill-x", connect_timeout=0.5)
-    assert choose_path(tx.endpoint(), peer) == DIST
-    assert tx.connect(peer) == GRPC
-    assert tx.path("decode-x") == GRPC
-    with pytest.raises(ValueError):
-        tx.send(Ticket(GRPC, "decode-x", "prefill-x", (1,)), [1], timeout=1.0)
 
 
 # ------------------------------------------------------------------------------- reservations
