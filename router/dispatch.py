@@ -115,24 +115,11 @@ class Dispatcher:
                 raise GenerateError(
                     grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed in prefill"
                 )
-            session = self._decode.claim(d, demand, f"{params.request_id}-{secrets.token_hex(4)}")
-            handed_on = False
-            try:
-                if p is None:
-                    result = await self._direct.attempt(params, session, tried, deadline)
-                else:
-                    result = await self._prefill.attempt(
-                        params, p, session, cached, tried, deadline
-                    )
-                if isinstance(result, GenerateError):
-                    error = result
-                else:
-                    self._metrics.routes.labels(route=route).inc()
-                    handed_on = True
-                    return Started(result, session, admitted)
-            finally:
-                if not handed_on:
-                    session.close()
+            result = await self._attempt(params, (p, d), demand, cached, tried, deadline)
+            if not isinstance(result, GenerateError):
+                self._metrics.routes.labels(route=route).inc()
+                return result._replace(admitted_at=admitted)
+            error = result
             logger.info(
                 "request %s: prefill attempt %d/%d failed: %s",
                 params.request_id,
@@ -141,6 +128,32 @@ class Dispatcher:
                 error.message,
             )
         raise error
+
+    async def _attempt(
+        self,
+        params: GenerateParams,
+        pair: tuple[Node | None, Node],
+        demand: KVDemand,
+        cached: Mapping[str, int],
+        tried: Tried,
+        deadline: float,
+    ) -> Started | GenerateError:
+        """One attempt on D (with P: disaggregated; without: direct). The request's slot on D is
+        claimed here and handed on in ``Started``, or given back when the attempt fails."""
+        p, d = pair
+        session = self._decode.claim(d, demand, f"{params.request_id}-{secrets.token_hex(4)}")
+        try:
+            if p is None:
+                first = await self._direct.attempt(params, session, tried, deadline)
+            else:
+                first = await self._prefill.attempt(params, p, session, cached, tried, deadline)
+        except BaseException:
+            session.close()
+            raise
+        if isinstance(first, GenerateError):
+            session.close()
+            return first
+        return Started(first, session, 0.0)
 
     async def _cached_blocks(self, hashes: Sequence[BlockHash] | None) -> dict[str, int]:
         """Leading blocks of the prompt (its ``hashes``) each node holds; empty without an

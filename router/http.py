@@ -16,7 +16,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -30,6 +30,9 @@ from splitserve.v1 import router_pb2
 
 logger = logging.getLogger(__name__)
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Outputs = AsyncGenerator[tuple[int, Step], None]  # (choice index, step) of every choice
+
 SALT_HEADER = "x-splitserve-cache-salt"  # a tenant's prefix cache, as the body's cache_salt
 _END = object()
 ACCEPT_BACKLOG = 4096  # connections waiting to be accepted (the kernel caps it at somaxconn)
@@ -42,9 +45,7 @@ def _error(exc: ApiError, retry_after_s: int | None = None) -> web.Response:
 
 
 @web.middleware
-async def _openai_errors(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
+async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """aiohttp's own refusals (unknown route, wrong method, a body over the size limit) in
     OpenAI's error JSON too."""
     try:
@@ -173,9 +174,7 @@ class HttpFront:
         except GenerateError as exc:
             return _error(ApiError.of_grpc(exc.code, exc.message), exc.retry_after_s)
 
-    async def _outputs(
-        self, api: ApiRequest, client: str
-    ) -> AsyncGenerator[tuple[int, Step], None]:
+    async def _outputs(self, api: ApiRequest, client: str) -> Outputs:
         """(choice index, step) of every choice as they come; ``GenerateError`` if any fails
         (the others are cancelled)."""
         if len(api.requests) == 1:
@@ -219,9 +218,7 @@ class HttpFront:
             "model": self.model_name,
         }
 
-    async def _whole(
-        self, api: ApiRequest, outputs: AsyncIterator[tuple[int, Step]]
-    ) -> web.Response:
+    async def _whole(self, api: ApiRequest, outputs: Outputs) -> web.Response:
         choices = [Choice() for _ in api.requests]
         async for index, step in outputs:
             choices[index].add(step)
@@ -248,7 +245,7 @@ class HttpFront:
         )
 
     async def _stream(
-        self, request: web.Request, api: ApiRequest, outputs: AsyncIterator[tuple[int, Step]]
+        self, request: web.Request, api: ApiRequest, outputs: Outputs
     ) -> web.StreamResponse:
         # The first step before the headers: a refusal still gets its own status.
         first = await anext(outputs, None)
