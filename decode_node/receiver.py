@@ -27,6 +27,7 @@ from splitserve.kvstore import ModelIdentity
 from splitserve.kvstore.codec import decode_blocks
 from splitserve.models.engine_loop import AsyncEngine
 from splitserve.models.kv_port import Reserved
+from splitserve.runtime import counter_names as names
 from splitserve.transfer import GRPC, IPC, RECEIVED_PATHS, KVReceiver, Reservation
 from splitserve.transfer import TransferError as TransferLayerError
 
@@ -85,7 +86,7 @@ class KVInbox:
         self.freed.notify()
 
     def quarantine(self, rid: str, num_blocks: int) -> None:
-        self.counters["ipc_blocks_quarantined"] += num_blocks
+        self.counters[names.IPC_BLOCKS_QUARANTINED] += num_blocks
 
         async def free_later() -> None:
             await asyncio.sleep(IPC_FREE_GRACE_S)
@@ -101,7 +102,7 @@ class KVInbox:
         waited = False
         while pending := {self.receiving[h] for h in hashes if h in self.receiving}:
             if not waited:
-                self.counters["transfers_waited_for_same_blocks"] += 1
+                self.counters[names.TRANSFERS_WAITED_FOR_SAME_BLOCKS] += 1
                 waited = True
             timeout = None if deadline is None else max(deadline - time.monotonic(), 0)
             await asyncio.wait(pending, timeout=timeout)
@@ -141,7 +142,7 @@ class KVInbox:
                     "other requests to free some); retry on another node",
                 )
             if not waited:
-                self.counters["transfers_waited_for_blocks"] += 1
+                self.counters[names.TRANSFERS_WAITED_FOR_BLOCKS] += 1
                 waited = True
             # Requests finishing on the engine thread free blocks too: look again soon.
             await self.freed.wait(min(left, 0.05))
@@ -151,7 +152,7 @@ class KVInbox:
         very node's and can be served, else ``grpc`` (the blocks come as BlockData)."""
         path = header.transfer_path
         if path and header.receiver_id != self.rx.node_id:
-            self.counters["transfers_declined_stale_endpoint"] += 1
+            self.counters[names.TRANSFERS_DECLINED_STALE_ENDPOINT] += 1
         elif path and path != GRPC:
             try:
                 return self.rx.reserve(header.sender_id, dest, path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
+from splitserve.runtime import counter_names as names
 from splitserve.runtime.node import failure_code
 from splitserve.v1 import nodes_pb2
 
@@ -37,7 +38,7 @@ async def relay_tokens(
             finish_reason=finish or "",
         )
         if finish is not None:
-            counters["requests_finished"] += 1
+            counters[names.REQUESTS_FINISHED] += 1
             return
         if failed is not None:
             await context.abort(failure_code(failed), f"{doing} failed: {failed}")

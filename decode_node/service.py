@@ -23,6 +23,7 @@ from splitserve.decode_node.receiver import BAD, KVInbox, Transfer
 from splitserve.decode_node.relay import relay_tokens
 from splitserve.kvstore import ModelIdentity
 from splitserve.models.engine_loop import AsyncEngine
+from splitserve.runtime import counter_names as names
 from splitserve.runtime.metrics import LoadFigures
 from splitserve.runtime.node import checked_request, node_stats
 from splitserve.transfer import DIST, GRPC, TCP, KVReceiver
@@ -60,7 +61,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
         return [self.pending.expire_forever(self.inbox.free, self._count_expired)]
 
     def _count_expired(self) -> None:
-        self.counters["transfers_expired"] += 1
+        self.counters[names.TRANSFERS_EXPIRED] += 1
 
     async def drain(self, timeout_s: float) -> None:
         """Wait (up to ``timeout_s``) until every accepted request is done: transfers in flight,
@@ -90,7 +91,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
         engine = self.engine.engine
         return {
             **self.counters,
-            "preemptions": engine.num_preemptions,
+            names.PREEMPTIONS: engine.num_preemptions,
             **self.engine.counters(),
         }
 
@@ -130,13 +131,13 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             reused = len(transfer.hashes) - len(transfer.missing)
             yield nodes_pb2.TransferKVResponse(done=True, blocks_reused=reused)
         except TransferRefused as exc:
-            self.counters["transfers_failed"] += 1
+            self.counters[names.TRANSFERS_FAILED] += 1
             if transfer is not None:
                 await transfer.release()
             await context.abort(exc.code, str(exc))
         except BaseException:
             # Client gone or cancelled: nothing half-written is ever registered; free the rest.
-            self.counters["transfers_failed"] += 1
+            self.counters[names.TRANSFERS_FAILED] += 1
             raise
         finally:
             try:
@@ -196,11 +197,11 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             ),
         )
         if transfer.path != GRPC:
-            self.counters[f"transfers_{transfer.path}"] += 1
-        self.counters["transfers"] += 1
-        self.counters["blocks_adopted"] += len(transfer.missing)
-        self.counters["blocks_reused"] += len(transfer.hashes) - len(transfer.missing)
-        self.counters["bytes_received"] += transfer.res.nbytes
+            self.counters[names.transfers_via(transfer.path)] += 1
+        self.counters[names.TRANSFERS] += 1
+        self.counters[names.BLOCKS_ADOPTED] += len(transfer.missing)
+        self.counters[names.BLOCKS_REUSED] += len(transfer.hashes) - len(transfer.missing)
+        self.counters[names.BYTES_RECEIVED] += transfer.res.nbytes
 
     # ------------------------------------------------------------------ decode
 
@@ -239,7 +240,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             # Cancelled, failed, or never joined (add_transferred refused, or dropped from the
             # engine's queue by the cancel): the blocks adopted under the id are freed either way.
             if not finished and await end_request(self.engine, rid):
-                self.counters["requests_aborted"] += 1
+                self.counters[names.REQUESTS_ABORTED] += 1
             self.inbox.freed.notify()
 
     # ------------------------------------------------------------------ release
@@ -260,7 +261,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             return nodes_pb2.ReleaseResponse(released=False)
         self._calls += 1  # a drain waits until the blocks are freed
         try:
-            self.counters["transfers_released"] += 1
+            self.counters[names.TRANSFERS_RELEASED] += 1
             await self.inbox.free(rid)  # to the end, even if this call is cancelled
         finally:
             self._calls -= 1
@@ -300,7 +301,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             # cancel arriving before the handler runs is lost): tell it now, not at the first
             # token, which a long prompt delays.
             await context.send_initial_metadata(())
-            self.counters["direct_requests"] += 1
+            self.counters[names.DIRECT_REQUESTS] += 1
             first = True
             async for reply in relay_tokens(
                 queue, context, "generating", self.counters, first_alone=True
@@ -308,15 +309,15 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
                 if first:
                     first = False
                     reply.cached_tokens = req.num_cached_tokens
-                    self.counters["direct_prompt_tokens"] += len(prompt)
-                    self.counters["direct_cached_tokens"] += req.num_cached_tokens
+                    self.counters[names.DIRECT_PROMPT_TOKENS] += len(prompt)
+                    self.counters[names.DIRECT_CACHED_TOKENS] += req.num_cached_tokens
                 finished = bool(reply.finish_reason)
                 yield reply
         finally:
             self.engine.unsubscribe(rid)
             # Cancelled (mid-prefill too), failed, or never added: its blocks are freed.
             if not finished and await end_request(self.engine, rid):
-                self.counters["requests_aborted"] += 1
+                self.counters[names.REQUESTS_ABORTED] += 1
             self.inbox.freed.notify()
 
     async def _counted(self, replies):

@@ -218,7 +218,10 @@ class LLMEngine:
 
     @property
     def pending_prefill_tokens(self) -> int:
-        """Prompt tokens admitted or queued but not computed yet (a scaler's prefill backlog)."""
+        """Prompt tokens admitted or queued but not computed yet (a scaler's prefill backlog).
+
+        NOTE: read from other threads too (models.kv_port's figures): each queue is copied by one
+        unpacking, which holds the GIL, before anything is summed."""
         return sum(
             max(len(r.prompt_token_ids) - r.num_computed_tokens, 0)
             for r in (*self.waiting, *self.running)

@@ -56,11 +56,11 @@ class AsyncEngine:
         self.engine = engine
         self._profile_path = profile_path
         self._profile = None
-        if profile_path and engine is not None:
+        if profile_path:
             from splitserve.models.step_profile import StepProfile
 
             self._profile = StepProfile(engine)
-        self._device = engine.runner.device if engine is not None else None
+        self._device = engine.runner.device
         # GPU: a step's outputs wait here until the next step's forward is launched (see above).
         self._defer_outputs = self._device is not None and self._device.type == "cuda"
         self._held: list[StepOutput] | None = None
@@ -209,7 +209,7 @@ class AsyncEngine:
                 self._hand_over()  # no step follows to launch first
 
     def _can_step(self) -> bool:
-        return self._loop is not None and self.engine is not None and self.engine.has_unfinished()
+        return self._loop is not None and self.engine.has_unfinished()
 
     def _step(self, engine: LLMEngine) -> bool:
         """One engine step, its outputs posted to the loop; False when nothing was scheduled."""

@@ -6,6 +6,15 @@ door into its block pool in the same way). Every method runs on the engine threa
 (``AsyncEngine.call``): the engine holds no locks, so nothing here may run concurrently with a
 step.
 
+The exception: the figures a node reports (``stats``, ``slot_usage``, ``prefix_stats``, with
+the engine's queue lengths and ``LLMEngine.pending_prefill_tokens``) are read from the event
+loop (GetStats, the Redis heartbeat) and the metrics server's thread without a job, so that a
+scrape never waits for a step: each reads integers, or copies a queue in one call that holds
+the GIL, and never iterates a container the engine thread may change meanwhile. A read racing
+a step sees that step half done (the figures are a moment's, not a consistent snapshot); none
+writes. Anything that iterates the pool, the hash map or a request's blocks (``cached_hashes``,
+``take_events``, ``block_ids``, ...) goes through ``AsyncEngine.call``.
+
 The sequence for blocks that come from elsewhere, whoever sends them, is always
 ``reserve`` → ``write`` (or a transfer layer writes the reserved ids) → ``register`` → later
 ``free``; ``adopt`` is that whole sequence for blocks that arrive complete (a peer's prefix).
@@ -22,6 +31,7 @@ from splitserve.kvstore import BlockHash, KVCacheBlock
 from splitserve.kvstore.kv_cache_manager import SlotUsage
 
 if TYPE_CHECKING:
+    from splitserve.kvstore.block_pool import KVCacheEvent
     from splitserve.models.engine import LLMEngine
 
 
@@ -142,6 +152,7 @@ class KVPort:
     # ------------------------------------------------------------------ figures and events
 
     def stats(self) -> PoolFigures:
+        """The pool's block counts (a figure: any thread, see the module's docstring)."""
         pool = self._pool
         return PoolFigures(pool.num_blocks - 1, pool.num_free_blocks, pool.num_cached_blocks)
 
@@ -152,7 +163,8 @@ class KVPort:
         return self._kv.slot_usage()
 
     def prefix_stats(self) -> dict[str, float]:
-        """Prefix-cache look-ups since start: queries, tokens asked for, tokens found."""
+        """Prefix-cache look-ups since start: queries, tokens asked for, tokens found (a figure:
+        any thread, see the module's docstring)."""
         stats = self._kv.stats
         return {
             "prefix_queries": stats.requests,
@@ -160,7 +172,7 @@ class KVPort:
             "prefix_hit_tokens": stats.hit_tokens,
         }
 
-    def take_events(self) -> list:
+    def take_events(self) -> list[KVCacheEvent]:
         """Stored/evicted hash events since the last call (for the Redis index)."""
         return self._pool.take_events()
 

@@ -21,6 +21,7 @@ from splitserve.models.kv_port import KVPort
 from splitserve.prefill_node.channels import Channels
 from splitserve.prefill_node.peer_layer import LayerFetch
 from splitserve.prefill_node.rates import MIN_FETCH_BLOCKS, Rates
+from splitserve.runtime import counter_names as names
 from splitserve.runtime.auth import call_metadata
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
@@ -86,7 +87,7 @@ class PeerFetcher:
         path = await self.layer.path_to(peer) if self.layer is not None else None
         if not self.rates.worth_fetching(len(want), path or "grpc"):
             if len(want) >= MIN_FETCH_BLOCKS:
-                self.counters["prefix_fetch_skipped_slower"] += 1
+                self.counters[names.PREFIX_FETCH_SKIPPED_SLOWER] += 1
             return 0
         t0 = time.perf_counter()
         timeout = min(FETCH_TIMEOUT_S, timeout or FETCH_TIMEOUT_S)
@@ -96,12 +97,12 @@ class PeerFetcher:
                 if adopted:
                     seconds = time.perf_counter() - t0
                     self.rates.fetched(adopted * self.block_nbytes, seconds, path)
-                    self.counters["prefix_blocks_fetched"] += adopted
+                    self.counters[names.PREFIX_BLOCKS_FETCHED] += adopted
                 return adopted
         try:
             got = await self._receive(peer, want, proof, timeout)
         except (grpc.aio.AioRpcError, ValueError) as exc:
-            self.counters["prefix_fetch_failed"] += 1
+            self.counters[names.PREFIX_FETCH_FAILED] += 1
             logger.warning("prefix fetch from %s failed, computing instead: %s", peer, exc)
             return 0
         n = 0
@@ -113,7 +114,7 @@ class PeerFetcher:
         # caller is cancelled meanwhile.
         adopted = await self.engine.call(self.port.adopt, want[:n], [got[i] for i in range(n)])
         self.rates.fetched(n * self.block_nbytes, time.perf_counter() - t0)
-        self.counters["prefix_blocks_fetched"] += adopted
+        self.counters[names.PREFIX_BLOCKS_FETCHED] += adopted
         return adopted
 
     async def _receive(self, peer: str, want: list[bytes], proof, timeout) -> dict[int, bytes]:
@@ -182,7 +183,7 @@ class PeerFetcher:
                 data = await self.engine.call(self.port.read, ids)
                 meta, data = await asyncio.to_thread(encode_blocks, run, data)
                 yield nodes_pb2.FetchBlocksResponse(meta=meta, data=data)
-            self.counters["blocks_served_to_peers"] += len(pinned)
+            self.counters[names.BLOCKS_SERVED_TO_PEERS] += len(pinned)
         finally:
             # Submitted once, and run even if the call is cancelled again meanwhile.
             await self.engine.call_to_end(self.port.unpin, pinned)

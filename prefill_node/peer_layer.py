@@ -25,6 +25,7 @@ import grpc
 
 from splitserve.models.engine_loop import AsyncEngine, settle
 from splitserve.prefill_node.channels import Channels
+from splitserve.runtime import counter_names as names
 from splitserve.runtime.auth import call_metadata
 from splitserve.transfer import GRPC, IPC, TCP, Endpoint, KVReceiver, KVSender, Ticket, choose_path
 from splitserve.transfer import TransferError as TransferLayerError
@@ -99,10 +100,10 @@ class LayerFetch:
             if sent:
                 await self.engine.call_to_end(self.port.register, rid, want[:sent])
             adopted = True
-            self.counters[f"prefix_fetches_{path}"] += 1
+            self.counters[names.prefix_fetches_via(path)] += 1
             return sent
         except (grpc.aio.AioRpcError, TransferLayerError, ValueError) as exc:
-            self.counters["prefix_fetch_failed"] += 1
+            self.counters[names.PREFIX_FETCH_FAILED] += 1
             logger.warning("prefix fetch from %s over %s failed: %s", peer, path, exc)
             return 0
         finally:
@@ -131,7 +132,7 @@ class LayerFetch:
         await self.engine.call_to_end(self.port.free, rid)
 
     def _free_later(self, rid: str) -> None:
-        self.counters["ipc_blocks_quarantined"] += 1
+        self.counters[names.IPC_BLOCKS_QUARANTINED] += 1
 
         async def free() -> None:
             await asyncio.sleep(IPC_FREE_GRACE_S)
@@ -211,8 +212,8 @@ class LayerFetch:
         except (TransferLayerError, ValueError) as exc:
             logger.info("prefix fetch by %s over %s failed: %s", peer.node_id, path, exc)
             return declined  # the asker frees its reservation and fetches bytes or computes
-        self.counters["blocks_served_to_peers"] += n
-        self.counters[f"blocks_served_to_peers_{path}"] += n
+        self.counters[names.BLOCKS_SERVED_TO_PEERS] += n
+        self.counters[names.blocks_served_to_peers_via(path)] += n
         return self._served(n, path)
 
     @staticmethod

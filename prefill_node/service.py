@@ -23,6 +23,7 @@ from splitserve.prefill_node.peer_fetch import PeerFetcher
 from splitserve.prefill_node.peer_layer import LayerFetch
 from splitserve.prefill_node.rates import Rates
 from splitserve.prefill_node.shipper import KVShipper, ShipError
+from splitserve.runtime import counter_names as names
 from splitserve.runtime.metrics import LoadFigures
 from splitserve.runtime.node import checked_request, failure_code, node_stats
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
@@ -143,7 +144,7 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
         finally:
             self.engine.unsubscribe(rid)
             if not shipped:
-                self.counters["prefills_not_shipped"] += 1
+                self.counters[names.PREFILLS_NOT_SHIPPED] += 1
             # The blocks stay cached here as prefix for later prompts (LRU). A request cancelled
             # mid-prefill is not scheduled again: the next step drops it before scheduling
             # (only the step already running computes it), whatever engine calls are queued.
@@ -165,9 +166,9 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
             await context.abort(failure_code(out), str(out))
         assert isinstance(out, StepOutput)
         self.rates.prefilled(len(prompt) - req.num_cached_tokens, time.perf_counter() - started)
-        self.counters["prefills"] += 1
-        self.counters["prompt_tokens"] += len(prompt)
-        self.counters["cached_tokens"] += req.num_cached_tokens
+        self.counters[names.PREFILLS] += 1
+        self.counters[names.PROMPT_TOKENS] += len(prompt)
+        self.counters[names.CACHED_TOKENS] += req.num_cached_tokens
         return req, out
 
     async def _ship(self, request, req, first_token: int, response, context) -> None:

@@ -22,6 +22,7 @@ from splitserve.kvstore.codec import batch_indices, encode_blocks
 from splitserve.models.engine_loop import AsyncEngine, settle
 from splitserve.models.kv_port import KVPort
 from splitserve.prefill_node.channels import Channels
+from splitserve.runtime import counter_names as names
 from splitserve.runtime.auth import call_metadata
 from splitserve.transfer import GRPC, Endpoint
 from splitserve.transfer import TransferError as TransferLayerError
@@ -127,7 +128,7 @@ class KVShipper:
             )
         except (grpc.aio.AioRpcError, ShipError) as exc:
             stream.abandon()
-            self.counters["transfers_failed"] += 1
+            self.counters[names.TRANSFERS_FAILED] += 1
             code = exc.code()
             if code == grpc.StatusCode.INTERNAL and exc.details() == TRANSPORT_BROKE:
                 code = grpc.StatusCode.UNAVAILABLE  # the stream broke, not the transfer
@@ -146,10 +147,10 @@ class KVShipper:
             stream.abandon()
             raise
         reused = len(hashes) - missing
-        self.counters["blocks_shipped"] += missing
-        self.counters["blocks_reused_on_decode"] += reused
-        self.counters["bytes_shipped"] += nbytes
-        self.counters["transfer_seconds"] += time.perf_counter() - t0
+        self.counters[names.BLOCKS_SHIPPED] += missing
+        self.counters[names.BLOCKS_REUSED_ON_DECODE] += reused
+        self.counters[names.BYTES_SHIPPED] += nbytes
+        self.counters[names.TRANSFER_SECONDS] += time.perf_counter() - t0
         return Shipped(missing, reused, nbytes)
 
     def _header(self, request, req, first_token, hashes, path, receiver_id):
@@ -223,7 +224,7 @@ class KVShipper:
         except (TransferLayerError, ValueError) as exc:
             self._routes.pop(address, None)
             raise ShipError(grpc.StatusCode.UNAVAILABLE, f"{path} transfer failed: {exc}") from None
-        self.counters[f"transfers_{path}"] += 1
+        self.counters[names.transfers_via(path)] += 1
         return nbytes
 
     async def _transfer_path(self, decode_address: str) -> tuple[str, str]:

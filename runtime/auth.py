@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import hmac
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -92,14 +94,18 @@ class TokenCheck(grpc.aio.ServerInterceptor):
         service = method.lstrip("/").rpartition("/")[0]
         return service in INTERNAL_SERVICES
 
-    def _allowed(self, metadata) -> bool:
+    def _allowed(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
         for key, value in metadata or ():
             if key == METADATA_KEY:
                 given = value.encode() if isinstance(value, str) else bytes(value)
                 return hmac.compare_digest(given, self._expected)
         return False
 
-    async def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
         if handler is None or not self._internal(handler_call_details.method):
             return handler
@@ -108,11 +114,11 @@ class TokenCheck(grpc.aio.ServerInterceptor):
         return _refusing(handler)
 
 
-async def _refuse(_request, context) -> None:
+async def _refuse(_request: object, context: grpc.aio.ServicerContext) -> None:
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
 
 
-def _refusing(handler):
+def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     """A handler of the same kind that aborts before reading the request (no deserializer: the
     bytes are never parsed)."""
     if handler.request_streaming and handler.response_streaming:

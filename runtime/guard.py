@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 
@@ -20,11 +22,13 @@ class _Malformed:
         self.error = error
 
 
-def _tolerant(deserialize):
+def _tolerant(
+    deserialize: Callable[[bytes], Any] | None,
+) -> Callable[[bytes], Any] | None:
     if deserialize is None:
         return None
 
-    def parse(data: bytes):
+    def parse(data: bytes) -> Any:
         try:
             return deserialize(data)
         except Exception as exc:  # protobuf raises DecodeError, others on odd input
@@ -33,7 +37,7 @@ def _tolerant(deserialize):
     return parse
 
 
-async def _refuse(context, method: str, bad: _Malformed) -> None:
+async def _refuse(context: grpc.aio.ServicerContext, method: str, bad: _Malformed) -> None:
     logger.info("malformed %s request from %s: %s", method, context.peer(), bad.error)
     await context.abort(
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -41,8 +45,10 @@ async def _refuse(context, method: str, bad: _Malformed) -> None:
     )
 
 
-def _checked_iterator(requests, context, method):
-    async def messages():
+def _checked_iterator(
+    requests: AsyncIterator[Any], context: grpc.aio.ServicerContext, method: str
+) -> AsyncIterator[Any]:
+    async def messages() -> AsyncIterator[Any]:
         async for msg in requests:
             if isinstance(msg, _Malformed):
                 await _refuse(context, method, msg)
@@ -51,7 +57,9 @@ def _checked_iterator(requests, context, method):
     return messages()
 
 
-def _guarded(handler, method: str):
+# NOTE: ``Any``: typeshed types a handler's behaviours as the blocking server's (iterators, not
+# the async iterators and coroutines of grpc.aio).
+def _guarded(handler: Any, method: str) -> grpc.RpcMethodHandler:
     parse = _tolerant(handler.request_deserializer)
     serialize = handler.response_serializer
     if handler.request_streaming:
@@ -105,7 +113,11 @@ def _guarded(handler, method: str):
 class MalformedRequests(grpc.aio.ServerInterceptor):
     """Answers requests that do not parse with INVALID_ARGUMENT (installed on every server)."""
 
-    async def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return handler

@@ -8,7 +8,8 @@ import asyncio
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
@@ -20,11 +21,15 @@ from splitserve.runtime.tls import TlsFiles, use_tls
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 if TYPE_CHECKING:
-    from splitserve.kvstore import ModelIdentity
-    from splitserve.kvstore.redis_index import IndexPublisher
+    import torch
+
+    from splitserve.kvstore import BlockHash, ModelIdentity
+    from splitserve.kvstore.block_pool import KVCacheEvent
+    from splitserve.kvstore.redis_index import IndexPublisher, NodeInfo
     from splitserve.models.engine import LLMEngine
     from splitserve.models.engine_loop import AsyncEngine
     from splitserve.models.sampling_params import SamplingParams
+    from splitserve.runtime.metrics import LoadFigures
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +37,7 @@ STATS_SERVICE_NAME = nodes_pb2.DESCRIPTOR.services_by_name["NodeStatsService"].f
 WITHDRAW_TIMEOUT_S = 5.0  # a draining node waits this long to leave the registry and the index
 
 
-def use_device(device: str):
+def use_device(device: str) -> torch.device:
     """Check that ``device`` ("cpu", "cuda" or "cuda:N") exists here and make it the current
     device; ``ValueError`` says what to change. NOTE: the current CUDA device must be the node's
     before any kernel runs — Triton launches on the current device, and a node on cuda:1 with
@@ -114,14 +119,14 @@ def index_publisher(
     core = engine.engine
     port = core.kv_port
 
-    async def take_events():
+    async def take_events() -> list[KVCacheEvent]:
         return await engine.call(port.take_events)
 
-    async def snapshot():
+    async def snapshot() -> list[BlockHash]:
         return await engine.call(port.cached_hashes)
 
-    async def info():
-        pool = port.stats()
+    async def info() -> NodeInfo:
+        pool = port.stats()  # figures, read without a job (models.kv_port)
         return NodeInfo(
             address,
             role,
@@ -148,25 +153,78 @@ def index_publisher(
     )
 
 
-async def serve_node(config: NodeConfig, role: str, make_service, add_servicer, service_name: str):
+class NodeService(Protocol):
+    """What ``serve_node`` needs of a node's servicer (PrefillService, DecodeService)."""
+
+    draining: bool
+
+    async def drain(self, timeout_s: float) -> None: ...
+
+    def load(self) -> LoadFigures: ...
+
+    def all_counters(self) -> dict[str, float]: ...
+
+    def background(self) -> list[Coroutine[Any, Any, None]]: ...
+
+    async def close(self) -> None: ...
+
+
+async def serve_node(
+    config: NodeConfig,
+    role: str,
+    make_service: Callable[[AsyncEngine, ModelIdentity, NodeConfig, str], NodeService],
+    add_servicer: Callable[[Any, grpc.aio.Server], None],
+    service_name: str,
+) -> None:
     """Run one prefill or decode node until SIGTERM/SIGINT, then drain it.
 
     ``make_service(engine, identity, config, address)`` builds the servicer (``address``: the
-    node's advertised host:port, its id in Redis). The servicer provides ``draining``,
-    ``drain(timeout_s)``, ``load()`` (LoadFigures), ``all_counters()``, ``background()``
-    (coroutines to run while serving) and ``close()``.
+    node's advertised host:port, its id in Redis); ``add_servicer`` adds it to the gRPC server.
 
     Drain: health NOT_SERVING, the node leaves the registry and withdraws its index entries (no
     router sends it new work), new work is refused with UNAVAILABLE (the router retries
     elsewhere), in-flight requests finish (up to ``drain_timeout_s``), then the process exits 0.
     """
-    engine, identity = build_engine(config, prefill_only=role == "prefill")
+    engine, identity = start_engine(config, role)
+    token, tls = use_credentials(config)
+    server = Server(
+        config.host,
+        config.port,
+        [service_name, STATS_SERVICE_NAME],
+        interceptors=[TokenCheck(token)] if token else (),
+        tls=tls,
+    )
+    address = f"{config.advertised_host()}:{server.port}"
+    service = make_service(engine, identity, config, address)
+    add_servicer(service, server.server)
+    nodes_pb2_grpc.add_NodeStatsServiceServicer_to_server(service, server.server)
+    serve_node_metrics(config, role, service)
+    publisher = index_publisher(config, role, engine, identity, address)
+    life = NodeLife(config, service, engine, publisher)
+    await server.run(config.port_file, life.stop, drain=life.drain)
+
+
+def start_engine(config: NodeConfig, role: str) -> tuple[AsyncEngine, ModelIdentity]:
+    """Load the model and start its engine thread (steps run once the loop is this one)."""
+    core, identity = build_engine(config, prefill_only=role == "prefill")
     logger.info("%s node: %s", role, identity)
     from splitserve.models.engine_loop import AsyncEngine
 
-    # The engine thread and the event loop share the GIL; a thread that wants it waits up to the
-    # interpreter's switch interval (5 ms by default) for the holder to let go. A knob to measure
-    # that with (docs/benchmarks.md); unset, Python's default stands.
+    set_gil_switch_interval()
+    # SPLITSERVE_STEP_PROFILE=PATH: the engine thread times every step's phases and writes them
+    # to PATH.<role>.<pid>.json when the node stops (models.step_profile). For measurement runs:
+    # it keeps a row (and two CUDA events) per step until then.
+    profile = os.environ.get("SPLITSERVE_STEP_PROFILE")
+    profile_path = f"{profile}.{role}.{os.getpid()}.json" if profile else None
+    engine = AsyncEngine(core, profile_path)
+    engine.start()
+    return engine, identity
+
+
+def set_gil_switch_interval() -> None:
+    """The engine thread and the event loop share the GIL; a thread that wants it waits up to the
+    interpreter's switch interval (5 ms by default) for the holder to let go. A knob to measure
+    that with (docs/benchmarks.md); unset, Python's default stands."""
     switch_ms = os.environ.get("SPLITSERVE_GIL_SWITCH_INTERVAL_MS")
     if switch_ms:
         try:
@@ -176,60 +234,66 @@ async def serve_node(config: NodeConfig, role: str, make_service, add_servicer, 
                 "SPLITSERVE_GIL_SWITCH_INTERVAL_MS must be a positive number of milliseconds, "
                 f"got {switch_ms!r}"
             ) from None
-    # SPLITSERVE_STEP_PROFILE=PATH: the engine thread times every step's phases and writes them
-    # to PATH.<role>.<pid>.json when the node stops (models.step_profile). For measurement runs:
-    # it keeps a row (and two CUDA events) per step until then.
-    profile = os.environ.get("SPLITSERVE_STEP_PROFILE")
-    profile_path = f"{profile}.{role}.{os.getpid()}.json" if profile else None
-    loop_engine = AsyncEngine(engine, profile_path)
-    loop_engine.start()
+
+
+def use_credentials(config: NodeConfig) -> tuple[str | None, TlsFiles | None]:
+    """The node's cluster token and mTLS files, also made those of its own calls to peers."""
     token = read_token_file(config.auth_token_file) if config.auth_token_file else None
     use_token(token)  # its own calls to peers carry it too
     tls = TlsFiles.load(config.tls_cert, config.tls_key, config.tls_ca)
     use_tls(tls)  # and go over mTLS when it has an identity
-    server = Server(
-        config.host,
-        config.port,
-        [service_name, STATS_SERVICE_NAME],
-        interceptors=[TokenCheck(token)] if token else (),
-        tls=tls,
-    )
-    address = f"{config.advertised_host()}:{server.port}"
-    service = make_service(loop_engine, identity, config, address)
-    add_servicer(service, server.server)
-    nodes_pb2_grpc.add_NodeStatsServiceServicer_to_server(service, server.server)
-    if config.metrics_port is not None:
-        from prometheus_client import CollectorRegistry
+    return token, tls
 
-        from splitserve.runtime.metrics import NodeCollector, serve_metrics
 
-        registry = CollectorRegistry()
-        registry.register(NodeCollector(role, service.load, service.all_counters))
-        serve_metrics(config.metrics_port, registry, config.host)
-    publisher = index_publisher(config, role, loop_engine, identity, address)
-    tasks = [asyncio.create_task(c) for c in service.background()]
-    publishing = asyncio.create_task(publisher.run()) if publisher else None
+def serve_node_metrics(config: NodeConfig, role: str, service: NodeService) -> None:
+    """Serve the node's load figures and counters at ``--metrics-port`` (if given)."""
+    if config.metrics_port is None:
+        return
+    from prometheus_client import CollectorRegistry
 
-    async def withdraw() -> None:
-        nonlocal publishing
-        if publishing is not None:
-            task, publishing = publishing, None
+    from splitserve.runtime.metrics import NodeCollector, serve_metrics
+
+    registry = CollectorRegistry()
+    registry.register(NodeCollector(role, service.load, service.all_counters))
+    serve_metrics(config.metrics_port, registry, config.host)
+
+
+class NodeLife:
+    """A serving node's background work (the service's tasks, the index publisher) and its end:
+    ``drain`` on the first signal, ``stop`` once the server has stopped."""
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        service: NodeService,
+        engine: AsyncEngine,
+        publisher: IndexPublisher | None,
+    ) -> None:
+        self.drain_timeout_s = config.drain_timeout_s
+        self.service, self.engine = service, engine
+        self.tasks = [asyncio.create_task(c) for c in service.background()]
+        self.publishing = (
+            (asyncio.create_task(publisher.run()), publisher) if publisher is not None else None
+        )
+
+    async def withdraw(self) -> None:
+        """Leave the registry and the index (once)."""
+        if self.publishing is not None:
+            (task, publisher), self.publishing = self.publishing, None
             await leave_registry(task, publisher)
 
-    async def drain() -> None:
-        service.draining = True
-        await withdraw()
-        await service.drain(config.drain_timeout_s)
+    async def drain(self) -> None:
+        self.service.draining = True
+        await self.withdraw()
+        await self.service.drain(self.drain_timeout_s)
 
-    async def on_stop() -> None:
-        await withdraw()
-        for task in tasks:
+    async def stop(self) -> None:
+        await self.withdraw()
+        for task in self.tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await loop_engine.stop()
-        await service.close()
-
-    await server.run(config.port_file, on_stop, drain=drain)
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.engine.stop()
+        await self.service.close()
 
 
 async def leave_registry(publishing: asyncio.Task, publisher: IndexPublisher) -> None:
@@ -269,7 +333,9 @@ def transfer_paths(config: NodeConfig) -> tuple[str, ...]:
     return (*[p for p in (IPC, DIST, TCP) if p in names], GRPC)
 
 
-def checked_request(core: LLMEngine, request) -> tuple[SamplingParams, list[int]]:
+def checked_request(
+    core: LLMEngine, request: nodes_pb2.PrefillRequest | nodes_pb2.GenerateOnNodeRequest
+) -> tuple[SamplingParams, list[int]]:
     """A request's sampling parameters and prompt (a PrefillRequest or GenerateOnNodeRequest:
     ``request_id``, ``sampling``, ``prompt_token_ids``); ``ValueError`` saying what is wrong."""
     if not request.request_id:
@@ -287,7 +353,14 @@ def failure_code(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def node_stats(role: str, engine, identity: ModelIdentity, load, counters, **extra):
+def node_stats(
+    role: str,
+    engine: LLMEngine,
+    identity: ModelIdentity,
+    load: LoadFigures,
+    counters: Mapping[str, float],
+    **extra: Any,
+) -> nodes_pb2.GetStatsResponse:
     """A node's ``GetStats`` answer: its identity, load figures (splitserve.metrics.LoadFigures)
     and counters; ``extra``: role-specific fields."""
     return nodes_pb2.GetStatsResponse(

@@ -62,10 +62,6 @@ def use_tls(files: TlsFiles | None) -> None:
     _files = files
 
 
-def current() -> TlsFiles | None:
-    return _files
-
-
 def channel(address: str, options=()) -> grpc.aio.Channel:
     """An asyncio channel to another component: mTLS when this process has an identity."""
     if _files is None:

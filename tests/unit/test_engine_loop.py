@@ -3,15 +3,23 @@ settle): the cancellation-safety every node's cleanup relies on."""
 
 import asyncio
 import threading
+from types import SimpleNamespace
 
 import pytest
 
 from splitserve.models.engine_loop import AsyncEngine, settle
 
 
+def _idle_engine() -> AsyncEngine:
+    """An AsyncEngine around an engine with nothing to step: only the jobs run."""
+    core = SimpleNamespace(runner=SimpleNamespace(device=SimpleNamespace(type="cpu")))
+    core.has_unfinished = lambda: False
+    return AsyncEngine(core)  # type: ignore[arg-type]
+
+
 def test_a_release_queued_behind_a_step_survives_repeated_cancellation():
     async def main():
-        engine = AsyncEngine(None)
+        engine = _idle_engine()
         step, released = threading.Event(), []
 
         async def handler():
@@ -40,7 +48,7 @@ def test_a_release_queued_behind_a_step_survives_repeated_cancellation():
 
 def test_what_a_cancelled_caller_acquired_is_given_back():
     async def main():
-        engine = AsyncEngine(None)
+        engine = _idle_engine()
         running, go, undone = threading.Event(), threading.Event(), []
 
         def pin():

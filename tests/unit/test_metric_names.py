@@ -5,11 +5,11 @@ prefix (``splitserve_prefill_*``, ``splitserve_decode_*``); the router's carry n
 
 Starts nothing: the router's registry is built as the router builds it, and each node's collector
 is fed every counter its service can produce (``all_counters`` of the real service classes, over
-the counter names incremented anywhere in their packages)."""
+the counter names declared in runtime/counter_names.py, which the node packages count by)."""
 
 from __future__ import annotations
 
-import re
+import ast
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,21 +24,15 @@ from splitserve.decode_node.service import DecodeService
 from splitserve.models.engine_loop import AsyncEngine
 from splitserve.models.kv_port import KVPort
 from splitserve.prefill_node.service import PrefillService
+from splitserve.runtime import counter_names
 from splitserve.runtime.metrics import LoadFigures, NodeCollector, RouterMetrics
 from splitserve.transfer import PATHS
 
-_COUNTER_KEY = re.compile(r"""counters\[(f?)"([^"]+)"\]""")
 
-
-def _counter_names(package) -> Counter[str]:
-    """Every counter key incremented in ``package``'s modules (an f-string's ``{...}``: each
-    transfer path), with a value."""
-    names: Counter[str] = Counter()
-    for source in Path(package.__file__).parent.glob("*.py"):
-        for is_f, key in _COUNTER_KEY.findall(source.read_text()):
-            keys = [re.sub(r"\{[^}]*\}", p, key) for p in PATHS] if is_f else [key]
-            names.update(keys)
-    assert names, f"no counters found in {package.__name__}: has the service changed?"
+def _counter_names(role: str) -> Counter[str]:
+    """Every counter a ``role`` node declares (each transfer path's too), with a value."""
+    names = Counter(counter_names.for_role(role, PATHS))
+    assert len(names) == len(counter_names.for_role(role, PATHS)), "a name declared twice"
     return names
 
 
@@ -53,9 +47,9 @@ def _node_counters(role: str) -> dict[str, float]:
         engine=SimpleNamespace(num_preemptions=1),
     )
     if role == "prefill":
-        service = SimpleNamespace(counters=_counter_names(splitserve.prefill_node), engine=engine)
+        service = SimpleNamespace(counters=_counter_names(role), engine=engine)
         return PrefillService.all_counters(service)
-    service = SimpleNamespace(counters=_counter_names(splitserve.decode_node), engine=engine)
+    service = SimpleNamespace(counters=_counter_names(role), engine=engine)
     return DecodeService.all_counters(service)
 
 
@@ -99,3 +93,33 @@ def test_the_check_catches_a_shared_name():
     exported["prefill"].add("splitserve_cached_tokens")  # the old name of the issue
     with pytest.raises(AssertionError, match="splitserve_cached_tokens"):
         assert_no_name_shared(exported)
+
+
+def _literal_counter_keys(package) -> list[str]:
+    """``file:line`` of every ``counters[...]`` in ``package`` keyed by a string literal or an
+    f-string instead of a runtime.counter_names declaration."""
+    found = []
+    for source in sorted(Path(package.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if (
+                isinstance(node, ast.Subscript)
+                and isinstance(node.value, ast.Name | ast.Attribute)
+                and (node.value.id if isinstance(node.value, ast.Name) else node.value.attr)
+                == "counters"
+                and isinstance(node.slice, ast.Constant | ast.JoinedStr)
+            ):
+                found.append(f"{source.name}:{node.lineno}")
+    return found
+
+
+def test_nodes_count_by_the_declared_names_only():
+    for package in (splitserve.prefill_node, splitserve.decode_node):
+        literal = _literal_counter_keys(package)
+        assert not literal, f"declare these counters in runtime/counter_names.py: {literal}"
+
+
+def test_the_declared_names_check_sees_a_literal(tmp_path):
+    (tmp_path / "__init__.py").write_text("")
+    (tmp_path / "mod.py").write_text('def f(self):\n    self.counters["x"] += 1\n')
+    package = SimpleNamespace(__file__=str(tmp_path / "__init__.py"))
+    assert _literal_counter_keys(package) == ["mod.py:2"]
