@@ -18,6 +18,7 @@ import logging
 import os
 import shlex
 import subprocess
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -59,6 +60,7 @@ class LocalActuator:
 
 
 Runner = Callable[[Sequence[str], dict[str, str]], str]
+_NUMBER = '{{index .Labels "com.docker.compose.container-number"}}'
 
 
 def _run(argv: Sequence[str], env: dict[str, str]) -> str:
@@ -72,7 +74,11 @@ class ComposeActuator:
 
     Every ``up`` names both pools' scales (a service left out would go back to its default);
     ``SPLITSERVE_NUM_PREFILL``/``_DECODE`` are set too, which ``compose.cpu.yaml``'s ``scale``
-    reads."""
+    reads. To shrink, the newest replicas are first stopped (SIGTERM, the drain, for up to
+    ``grace_s``) and removed through the container engine. The commands run on a thread of
+    their own, so the planner keeps reading meanwhile. Replicas are found by the labels both
+    docker compose and podman-compose give their containers (``com.docker.compose.project``,
+    ``.service``, ``.container-number``)."""
 
     name = "compose"
 
@@ -83,26 +89,39 @@ class ComposeActuator:
         project: str | None = None,
         services: dict[str, str] | None = None,
         run: Runner = _run,
+        grace_s: int = 45,
     ) -> None:
+        self.grace_s = grace_s  # the services' stop_grace_period: longer than the drain
         self.base = shlex.split(command)
         for f in files:
             self.base += ["-f", f]
-        if project:
-            self.base += ["-p", project]
+        # Both tools name a project after the folder of its first file unless told.
+        self.project = project or os.path.basename(os.path.dirname(os.path.abspath(files[0])))
+        self.project = self.project.lower()
+        self.base += ["-p", self.project]
+        self.engine = "podman" if "podman" in command else "docker"
         self.services = services or {"prefill": "prefill", "decode": "decode"}
         self._run = run
         self._counts: Counts | None = None
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    def replicas(self, role: str) -> list[str]:
+        """The running containers of ``role``'s service, newest (highest number) first."""
+        argv = [self.engine, "ps", "--format", "{{.Names}} " + _NUMBER]
+        argv += ["--filter", f"label=com.docker.compose.project={self.project}"]
+        argv += ["--filter", f"label=com.docker.compose.service={self.services[role]}"]
+        rows = [line.split() for line in self._run(argv, {}).splitlines() if line.strip()]
+        rows.sort(key=lambda r: int(r[1]) if len(r) > 1 and r[1].isdigit() else 0, reverse=True)
+        return [r[0] for r in rows]
 
     def current(self) -> Counts:
         if self._counts is None:
-            counts = []
-            for role in ROLES:
-                out = self._run([*self.base, "ps", "-q", self.services[role]], {})
-                counts.append(len([line for line in out.splitlines() if line.strip()]))
-            self._counts = Counts(*counts)
+            self._counts = Counts(*(len(self.replicas(role)) for role in ROLES))
         return self._counts
 
     def scale(self, role: str, count: int) -> None:
+        have = getattr(self.current(), role)
         counts = self.current()._replace(**{role: count})
         argv = [*self.base, "up", "-d", "--no-recreate", "--no-deps"]
         for r in ROLES:
@@ -110,9 +129,30 @@ class ComposeActuator:
         argv += [self.services[r] for r in ROLES]
         env = {"SPLITSERVE_NUM_PREFILL": str(counts.prefill)}
         env["SPLITSERVE_NUM_DECODE"] = str(counts.decode)
-        logger.info("compose: %s", shlex.join(argv))
-        self._run(argv, env)
         self._counts = counts
+
+        def act() -> None:
+            with self._lock:  # one compose command at a time, in the order asked
+                try:
+                    # NOTE: podman-compose's `up --scale` never removes a replica; so both
+                    # tools get the newest ones stopped (SIGTERM: the drain) and removed first.
+                    for name in self.replicas(role)[: max(have - count, 0)]:
+                        logger.info("compose: draining %s", name)
+                        self._run([self.engine, "stop", "-t", str(self.grace_s), name], {})
+                        self._run([self.engine, "rm", name], {})
+                    logger.info("compose: %s", shlex.join(argv))
+                    self._run(argv, env)
+                except (OSError, subprocess.CalledProcessError) as exc:
+                    logger.error("compose: scaling %s to %d failed: %s", role, count, exc)
+
+        thread = threading.Thread(target=act, name="compose-scale", daemon=True)
+        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Until every compose command asked for so far has ended (tests, shutdown)."""
+        for thread in list(self._threads):
+            thread.join(timeout)
 
 
 class KubernetesActuator:

@@ -98,22 +98,43 @@ def test_placement_refuses_nonsense():
 
 def test_compose_actuator_scales_both_services_every_time():
     calls = []
+    running = {"prefill": ["llm_prefill_1 1"], "decode": ["llm_decode_2 2", "llm_decode_1 1"]}
 
     def run(argv, env):
         calls.append((list(argv), env))
-        return "c1\nc2\n" if argv[-1] == "decode" and "ps" in argv else "c1\n"
+        if argv[:2] == ["podman", "ps"]:
+            service = argv[-1].rsplit("=", 1)[1]
+            return "\n".join(sorted(running[service])) + "\n"
+        return ""
 
-    act = ComposeActuator(["compose.cpu.yaml"], "podman-compose", project="t", run=run)
+    act = ComposeActuator(["/srv/llm/compose.cpu.yaml"], "podman-compose", run=run)
     assert act.current() == Counts(1, 2)
+    assert calls[0][0][:3] == ["podman", "ps", "--format"]
+    assert calls[0][0][4:] == [
+        "--filter", "label=com.docker.compose.project=llm",
+        "--filter", "label=com.docker.compose.service=prefill",
+    ]  # fmt: skip
     act.scale("decode", 3)
+    act.wait()
     argv, env = calls[-1]
-    assert argv[:6] == ["podman-compose", "-f", "compose.cpu.yaml", "-p", "t", "up"]
+    assert argv[:6] == ["podman-compose", "-f", "/srv/llm/compose.cpu.yaml", "-p", "llm", "up"]
     assert argv[6:] == [
         "-d", "--no-recreate", "--no-deps",
         "--scale", "prefill=1", "--scale", "decode=3", "prefill", "decode",
     ]  # fmt: skip
     assert env == {"SPLITSERVE_NUM_PREFILL": "1", "SPLITSERVE_NUM_DECODE": "3"}
     assert act.current() == Counts(1, 3)
+    running["decode"].append("llm_decode_3 3")
+    calls.clear()
+    act.scale("decode", 2)  # the newest replica is drained (stop: SIGTERM, 45 s) and removed
+    act.wait()
+    assert [c[0] for c in calls[1:3]] == [
+        ["podman", "stop", "-t", "45", "llm_decode_3"],
+        ["podman", "rm", "llm_decode_3"],
+    ]
+    assert "decode=2" in calls[-1][0] and act.current() == Counts(1, 2)
+    docker = ComposeActuator(["compose.yaml"], project="Prod", run=run)
+    assert docker.base == ["docker", "compose", "-f", "compose.yaml", "-p", "prod"]
 
 
 class FakeApps:
