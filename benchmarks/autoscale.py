@@ -156,7 +156,7 @@ def plot(path: str, requests: list[dict], timeline: list[dict], slo: dict[str, f
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--model", default=None, help="as `up --model` (default: its default)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-prefill", type=int, default=3)

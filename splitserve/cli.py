@@ -280,7 +280,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="splitserve", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="splitserve", description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--version", action="version", version=f"splitserve {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=EnvParser)

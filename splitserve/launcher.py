@@ -20,6 +20,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from splitserve.cluster_spec import (
     ClusterAddresses,
@@ -276,7 +277,8 @@ class LocalCluster:
         port = self._read_port_file(proc, proc.port_file, deadline)
         address = f"{self.spec.host}:{port}"
         with sync_channel(address, self._tls) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
+            # typeshed's HealthStub declares no methods (the generated one sets them in __init__)
+            stub: Any = health_pb2_grpc.HealthStub(channel)
             while True:
                 self._check_alive(proc)
                 try:
