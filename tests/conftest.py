@@ -9,11 +9,24 @@ Each test gets the marker of its folder (``unit``, ``cluster``, ``gpu``, ``conta
 ``pytest -m unit`` or ``pytest -m "not cluster"`` select by layer as well as by path. The helpers
 the tests share are the ``support`` package (tests/support/), importable because this file's
 folder is on ``sys.path`` (pytest's default ``prepend`` import mode puts it there).
+
+Random draws are seeded. A run picks one seed, ``SPLITSERVE_TEST_SEED`` when set, else a fresh one
+(pytest's header prints it). Before each test's setup, ``random``, ``numpy.random`` and ``torch``
+are seeded with it (so fixtures, also those a module shares, draw the same whichever test sets them
+up first); before the test itself, with a seed of its own, derived from the run's and the test's
+id (so parametrized trials differ). The ``rng`` fixture is a ``random.Random`` with that seed. A
+failing test's report has a "random seed" section with the line that repeats it, e.g.:
+
+    SPLITSERVE_TEST_SEED=1234 .venv/bin/python -m pytest 'tests/unit/test_scheduler.py::test_x'
 """
 
+import hashlib
 import os
+import random
 from pathlib import Path
 
+import numpy
+import pytest
 import torch
 
 # Triton chooses interpreter or compiler when a kernel is *defined* (its module imported), from
@@ -42,14 +55,67 @@ LAYERS = {
 _HERE = Path(__file__).resolve().parent
 
 
+SEED_VARIABLE = "SPLITSERVE_TEST_SEED"
+RUN_SEED = int(os.environ.get(SEED_VARIABLE) or random.SystemRandom().randrange(2**32))
+
+
+def test_seed(nodeid: str) -> int:
+    """The seed a test's own draws start from: the run's seed and the test's id, hashed."""
+    digest = hashlib.blake2b(f"{RUN_SEED}:{nodeid}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big")
+
+
+test_seed.__test__ = False  # a helper, not a test
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    numpy.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def pytest_configure(config):
     for name, meaning in LAYERS.items():
         config.addinivalue_line("markers", f"{name}: {meaning}")
+    _seed_everything(RUN_SEED)  # what test modules draw when they are imported
+
+
+def pytest_report_header(config):
+    return f"random seed: {SEED_VARIABLE}={RUN_SEED} repeats this run's draws"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _seed_everything(RUN_SEED)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item):
+    _seed_everything(test_seed(item.nodeid))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        report.sections.append(
+            (
+                "random seed",
+                f"this test drew from seed {test_seed(item.nodeid)} (run seed {RUN_SEED}); "
+                f"repeat it with:\n{SEED_VARIABLE}={RUN_SEED} .venv/bin/python -m pytest "
+                f"'{item.nodeid}'",
+            )
+        )
+
+
+@pytest.fixture
+def rng(request) -> random.Random:
+    """A ``random.Random`` seeded with this test's seed (see the module's docstring)."""
+    return random.Random(test_seed(request.node.nodeid))
 
 
 def pytest_collection_modifyitems(config, items):
-    import pytest
-
     for item in items:
         try:
             folder = Path(str(item.fspath)).resolve().relative_to(_HERE).parts[0]

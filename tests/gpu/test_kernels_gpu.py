@@ -34,8 +34,8 @@ DTYPES = [torch.bfloat16, torch.float16]
 
 
 @pytest.fixture
-def gen() -> torch.Generator:
-    seed = random.SystemRandom().randrange(2**31)
+def gen(rng) -> torch.Generator:
+    seed = rng.randrange(2**31)
     print(f"seed={seed}")
     return torch.Generator().manual_seed(seed)
 

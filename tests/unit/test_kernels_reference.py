@@ -3,8 +3,6 @@ and block transfer, and bad-input errors. No Triton kernel runs here."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -20,9 +18,9 @@ EDGE_LENS = [1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 3 * BLOCK_SIZE + 5]
 
 
 @pytest.fixture
-def gen() -> torch.Generator:
-    """A fresh seed per test, printed on failure by pytest's captured output."""
-    seed = random.SystemRandom().randrange(2**31)
+def gen(rng) -> torch.Generator:
+    """A seed per test (tests/conftest.py), printed on failure by pytest's captured output."""
+    seed = rng.randrange(2**31)
     print(f"seed={seed}")
     return torch.Generator().manual_seed(seed)
 

@@ -5,7 +5,6 @@ everywhere no real token sits (see kernels.testing)."""
 from __future__ import annotations
 
 import os
-import random
 
 import numpy as np
 import pytest
@@ -62,8 +61,8 @@ def _interpreter_numpy_fix():
 
 
 @pytest.fixture
-def gen() -> torch.Generator:
-    seed = random.SystemRandom().randrange(2**31)
+def gen(rng) -> torch.Generator:
+    seed = rng.randrange(2**31)
     print(f"seed={seed}")
     return torch.Generator().manual_seed(seed)
 

@@ -33,8 +33,7 @@ def test_multibyte_characters_split_across_tokens_are_never_emitted_partially():
     assert deltas[first] == "" and deltas[first + 1] == "é"
 
 
-def test_detokenizer_matches_a_full_decode_for_random_batches():
-    rng = random.Random()
+def test_detokenizer_matches_a_full_decode_for_random_batches(rng):
     text = random_text(rng, 200)
     ids = [*byte_ids(text), EOS]
     detok = IncrementalDetokenizer(TOKENIZER)
@@ -92,8 +91,7 @@ def test_stop_string_with_a_multibyte_character_split_across_tokens():
 
 
 @pytest.mark.parametrize("trial", range(5))
-def test_random_text_and_stop_strings_match_a_plain_search(trial):
-    rng = random.Random()
+def test_random_text_and_stop_strings_match_a_plain_search(trial, rng):
     text = random_text(rng, 120)
     stops = [random_text(rng, rng.randint(1, 3)) for _ in range(rng.randint(1, 3))]
     out, deltas = run_assembler(byte_ids(text), stops, batch=rng.randint(1, 4))
