@@ -1,7 +1,7 @@
 """The router's request path, stage by stage, against scripted nodes (``router_fakes``: no
 processes, no sockets): ``PrefillStage``, ``DirectStage``, ``DecodeStage`` / ``DecodeSession``,
-``Dispatcher``, ``Orchestrator`` and ``RequestFront`` as ``router.assembly.build_front`` wires
-them; then requests cancelled at random moments (the seed is printed), after which every slot,
+``Orchestrator`` over a ``Dispatcher``, and ``RequestFront`` as ``router.assembly.build_front``
+wires them; then requests cancelled at random moments (the seed is printed), after which every slot,
 queued token and KV ledger entry the router took is given back.
 
 The same path over real gRPC servers on loopback: tests/cluster/test_router_unit.py."""
@@ -22,12 +22,15 @@ from support.router_helpers import MODEL, request
 from splitserve.router.assembly import build_front
 from splitserve.router.decode_stage import DecodeStage
 from splitserve.router.direct import DirectStage
+from splitserve.router.dispatch import Dispatcher
 from splitserve.router.errors import GenerateError
 from splitserve.router.first_token import FirstToken, Tried
 from splitserve.router.kv_budget import KVDemand
+from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.prefill_stage import PrefillStage
 from splitserve.router.request import GenerateParams, parse_request
 from splitserve.runtime.config import RouterConfig
+from splitserve.runtime.metrics import RouterMetrics
 
 BS = 16
 
@@ -252,6 +255,36 @@ def test_a_session_charges_its_output_to_the_kv_ledger_and_gives_it_all_back():
 
 
 # ------------------------------------------------------------------ Orchestrator / RequestFront
+
+
+def test_the_orchestrator_joins_the_stages_and_closes_the_session_whatever_ends_it():
+    async def main():
+        nodes = FakeNodes(max_delay_s=0.01)
+        registry = FakeRegistry(nodes)
+        prefill, decode = PrefillStage(registry, BS), DecodeStage(registry)
+        dispatch = Dispatcher(
+            registry, RouterMetrics(), prefill, DirectStage(), decode, block_size=BS
+        )
+        served: list[float] = []
+        orchestrator = Orchestrator(MODEL, dispatch, on_served=served.append)
+        start = time.monotonic()
+        steps = [s async for s in orchestrator.run(params("abc"), start, start + 5)]
+        assert "".join(s.delta.text for s in steps) == "cba"
+        assert [s.usage is None for s in steps] == [True] * (len(steps) - 1) + [False]
+        assert steps[-1].usage is not None and steps[-1].usage.completion_tokens == 4
+        assert len(served) == 1 and served[0] >= 0
+        assert not all_given_back(registry)
+
+        run = orchestrator.run(params("abcdefghij", max_tokens=20), start, start + 5)
+        await anext(run)  # the first token: the Decode stream is open
+        await anext(run)
+        await run.aclose()  # the client left
+        assert not all_given_back(registry)
+        await asyncio.sleep(0.1)
+        assert len(nodes.decode_cancelled) == 1 and not nodes.held
+        assert len(served) == 1  # not served, and not cut off by its deadline
+
+    asyncio.run(main())
 
 
 def test_a_request_is_relayed_as_text_with_usage():
