@@ -9,12 +9,12 @@ import random
 
 import pytest
 import torch
+from support.paged_kv import make_paged_kv
 
 from splitserve import kernels
 from splitserve.kernels import layout, reference
 from splitserve.kernels.decode_attention import paged_decode_attention
 from splitserve.kernels.prefill_attention import paged_prefill_attention
-from splitserve.kernels.testing import make_paged_kv
 
 pytestmark = [
     pytest.mark.gpu,

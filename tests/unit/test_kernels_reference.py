@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.paged_kv import make_paged_kv
 
 from splitserve import kernels
 from splitserve.kernels import layout, ops, reference
-from splitserve.kernels.testing import make_paged_kv
 
 BLOCK_SIZE = 16
 # Reference math is float32; the dense check is float64 on the same float32 inputs.

@@ -1,6 +1,6 @@
 """The Triton kernels themselves, under TRITON_INTERPRET=1 on CPU tensors, against the
 references. Small shapes; every output poisoned with NaN first; caches poisoned with NaN
-everywhere no real token sits (see kernels.testing)."""
+everywhere no real token sits (see tests/support/paged_kv.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from support.paged_kv import make_paged_kv
 
 from splitserve.kernels import reference
 from splitserve.kernels.cache_write import reshape_and_cache
@@ -18,7 +19,6 @@ from splitserve.kernels.decode_attention import (
     paged_decode_attention,
 )
 from splitserve.kernels.prefill_attention import PrefillConfig, paged_prefill_attention
-from splitserve.kernels.testing import make_paged_kv
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",

@@ -1,4 +1,5 @@
-"""Builders of random paged KV batches for tests and benchmarks (not used by serving code).
+"""Builders of random paged KV batches for the kernel tests (tests/unit/test_kernels_*.py,
+tests/gpu/test_kernels_gpu.py); kernels/ keeps only what serving runs.
 
 Everything not holding a real token is poisoned with NaN: the null block, unused blocks, the
 unused tail of each sequence's last block and every other layer of the pool. A kernel that reads
