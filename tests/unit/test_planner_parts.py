@@ -233,3 +233,28 @@ def test_planner_and_up_autoscale_command_lines():
             Slo.parse(bad)
     with pytest.raises(ValueError):
         Bounds(min_prefill=2, max_prefill=1)
+
+
+def test_the_launcher_places_elastic_nodes_on_gpus_with_room():
+    import shutil
+
+    from splitserve.launcher import ClusterSpec, LocalCluster
+
+    spec = ClusterSpec(model_path="tiny", device="cuda", gpus="0,1,2", num_prefill=1)
+    cluster = LocalCluster(spec, max_nodes=6)  # 2 nodes a GPU at most, 0.45 of its memory each
+    try:
+        assert cluster._placement(2) == [("cuda:0", 0.45), ("cuda:1", 0.45)]
+        assert cluster._place([0, 1, 2], {0: 1, 1: 1}) == ("cuda:2", 0.45)
+        assert cluster._place([0, 1, 2], {0: 2, 1: 1, 2: 2}) == ("cuda:1", 0.45)
+        with pytest.raises(RuntimeError, match="holds 2 nodes already"):
+            cluster._place([0, 1, 2], {0: 2, 1: 2, 2: 2})
+        with pytest.raises(RuntimeError, match="started cluster"):
+            cluster.add_node("decode")
+        assert cluster.drain_node("decode") is None  # nothing started: nothing to drain
+    finally:
+        shutil.rmtree(cluster._workdir, ignore_errors=True)
+    fixed = LocalCluster(spec)  # without max_nodes: the fixed placement, as before
+    try:
+        assert fixed._placement(2) == spec.placement(0)
+    finally:
+        shutil.rmtree(fixed._workdir, ignore_errors=True)
