@@ -5,7 +5,8 @@ decode containers on the host's loopback, each under its own host name.
 Requests from the SDK on the host through the router are token-exact with the in-process engine;
 a third decode container added at run time receives transfers within seconds; a decode container
 stopped (SIGTERM) while requests stream drains and exits 0 with no request failed; `down` leaves
-nothing running. The KV path each pair took is read from the nodes' counters and printed.
+nothing running. The KV of every request goes by gloo (`dist`): the containers share the host's
+kernel and loopback, so no transfer falls back to bytes (read from the decode nodes' counters).
 
 Skipped, with the reason, where podman cannot run containers here (not root, no podman/runc/
 debootstrap, no podman-compose). scripts/setup.sh installs them on a Debian machine as root.
@@ -181,19 +182,35 @@ def _reference(prompts: list[list[int]]) -> list[list[int]]:
     return [r.output_token_ids for r in reqs]
 
 
+PATHS = ("ipc", "dist", "tcp", "grpc")
+
+
+def _transfers_by_path(d: Deployment) -> dict[str, dict[str, int]]:
+    """Each decode container's received transfers, by KV path (from its counters)."""
+    out = {}
+    for container in d.containers("decode"):
+        counters = d.stats(container).counters
+        paths = {p: int(counters.get(f"transfers_{p}", 0)) for p in PATHS[:3]}
+        paths["grpc"] = int(counters.get("transfers", 0)) - sum(paths.values())
+        out[container] = paths
+    return out
+
+
 def test_containers_serve_token_exact_with_their_own_host_names(deployment):
     d = deployment
     names = {d.podman("exec", c, "hostname").strip() for c in d.containers()}
     assert {"redis", "router", "prefill", "decode"} <= names
     prompts = [[(7 * i + j) % 250 + 1 for j in range(20 + 13 * i)] for i in range(6)]
+    before = _transfers_by_path(d)
     with Client(d.router) as client:
         got = [list(client.generate(prompt_token_ids=p, **GREEDY).token_ids) for p in prompts]
     assert got == _reference(prompts)
-    for container in d.containers("decode"):
-        counters = d.stats(container).counters
-        paths = {p: int(counters.get(f"transfers_{p}", 0)) for p in ("ipc", "dist", "tcp")}
-        paths["grpc"] = int(counters.get("transfers", 0)) - sum(paths.values())
-        print(f"{container}: transfers by path {paths}")
+    after = _transfers_by_path(d)
+    print(f"transfers by path, per decode container: {after}")
+    took = {p: sum(after[c][p] - before[c][p] for c in after) for p in PATHS}
+    # CPU pools on one kernel: not ipc (CUDA only); dist before tcp; never the byte fallback.
+    want = {**dict.fromkeys(PATHS, 0), "dist": len(prompts)}
+    assert took == want, f"the prompts' transfers by path {took}, per container {after}"
 
 
 def test_a_decode_container_added_at_run_time_gets_transfers(deployment):
