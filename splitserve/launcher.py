@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -101,6 +102,8 @@ class LocalCluster:
         self._draining: list[_Process] = []
         self._node_flags: list[str] = []  # Redis, token and TLS flags of every node (start)
         self._started = {"prefill": 0, "decode": 0}
+        # The planner's thread adds and drains nodes while the main thread polls them.
+        self._lock = threading.RLock()
         self._workdir = Path(tempfile.mkdtemp(prefix="splitserve-up-"))
         self.addresses: ClusterAddresses | None = None
         self._tls: TlsFiles | None = None  # set by start(): mTLS files every component uses
@@ -337,64 +340,68 @@ class LocalCluster:
 
     def node_counts(self) -> dict[str, int]:
         """Nodes of each role running or starting (not those draining)."""
-        self.reap()
-        return {
-            role: sum(1 for p in self._procs if p.name.startswith(f"{role}-"))
-            for role in ("prefill", "decode")
-        }
+        with self._lock:
+            self.reap()
+            return {
+                role: sum(1 for p in self._procs if p.name.startswith(f"{role}-"))
+                for role in ("prefill", "decode")
+            }
 
     def add_node(self, role: str) -> str:
         """Start one more ``role`` node (it registers in Redis once ready); returns its name."""
-        if self.addresses is None or not self.max_nodes:
-            raise RuntimeError("add_node needs a started cluster with max_nodes")
-        self.reap()
-        flags = ["--port", "0", *self._node_flags]
-        gpus = self._gpus()
-        if gpus is None:
-            device, share = self.spec.device, self.spec.gpu_memory_utilization
-        else:
-            used: dict[int, int] = {}
-            for p in self._procs + self._draining:
-                if p.device.startswith("cuda:"):
-                    used[int(p.device[5:])] = used.get(int(p.device[5:]), 0) + 1
-            device, share = self._place(gpus, used)
-        flags += ["--device", device]
-        if share is not None:
-            flags += ["--gpu-memory-utilization", str(share)]
-        if self.spec.metrics_port is not None:
-            flags += ["--metrics-port", str(free_port(self.spec.host))]
-        proc = self._component(role, self._started[role], [*flags, *self.spec.node_args])
-        proc.device, proc.elastic = device, True
-        return proc.name
+        with self._lock:
+            if self.addresses is None or not self.max_nodes:
+                raise RuntimeError("add_node needs a started cluster with max_nodes")
+            self.reap()
+            flags = ["--port", "0", *self._node_flags]
+            gpus = self._gpus()
+            if gpus is None:
+                device, share = self.spec.device, self.spec.gpu_memory_utilization
+            else:
+                used: dict[int, int] = {}
+                for p in self._procs + self._draining:
+                    if p.device.startswith("cuda:"):
+                        used[int(p.device[5:])] = used.get(int(p.device[5:]), 0) + 1
+                device, share = self._place(gpus, used)
+            flags += ["--device", device]
+            if share is not None:
+                flags += ["--gpu-memory-utilization", str(share)]
+            if self.spec.metrics_port is not None:
+                flags += ["--metrics-port", str(free_port(self.spec.host))]
+            proc = self._component(role, self._started[role], [*flags, *self.spec.node_args])
+            proc.device, proc.elastic = device, True
+            return proc.name
 
     def drain_node(self, role: str) -> str | None:
         """SIGTERM the newest ``role`` node: it deregisters, finishes what it accepted and exits
         (the drain of a node); returns its name (None: no such node)."""
-        nodes = [p for p in self._procs if p.name.startswith(f"{role}-")]
-        if not nodes:
-            return None
-        proc = nodes[-1]
-        self._procs.remove(proc)
-        proc.drained_at = time.monotonic()
-        self._draining.append(proc)
-        if proc.popen.poll() is None:
-            proc.popen.send_signal(signal.SIGTERM)
-        logger.info("draining %s", proc.name)
-        return proc.name
+        with self._lock:
+            nodes = [p for p in self._procs if p.name.startswith(f"{role}-")]
+            if not nodes:
+                return None
+            proc = nodes[-1]
+            self._procs.remove(proc)
+            proc.drained_at = time.monotonic()
+            self._draining.append(proc)
+            if proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGTERM)
+            logger.info("draining %s", proc.name)
+            return proc.name
 
     def reap(self) -> None:
         """Forget drained nodes that exited (SIGKILL one past its drain time and the grace), and
         started-at-run-time nodes that died (logged: the planner asks for another)."""
-        for proc in list(self._draining):
-            if (rc := proc.popen.poll()) is not None:
-                logger.info("%s drained (status %s)", proc.name, rc)
-                self._draining.remove(proc)
-            elif time.monotonic() - (proc.drained_at or 0.0) > 60.0 + self.spec.stop_grace_s:
-                logger.warning("%s still draining; killing it", proc.name)
-                proc.popen.kill()
-        for proc in [p for p in self._procs if p.elastic and p.popen.poll() is not None]:
-            logger.warning("%s exited with status %s", proc.name, proc.popen.returncode)
-            self._procs.remove(proc)
+        with self._lock:
+            for proc in list(self._draining):
+                if (rc := proc.popen.poll()) is not None:
+                    logger.info("%s drained (status %s)", proc.name, rc)
+                    self._draining.remove(proc)
+                elif time.monotonic() - (proc.drained_at or 0.0) > 60.0 + self.spec.stop_grace_s:
+                    logger.warning("%s still draining; killing it", proc.name)
+                    proc.popen.kill()
+            for proc in [p for p in self._procs if p.elastic and p.popen.poll() is not None]:
+                logger.warning("%s exited with status %s", proc.name, proc.popen.returncode)
+                self._procs.remove(proc)
 
     def pids(self) -> dict[str, int]:
         """Each component's process id, by name (router-0, prefill-0, ..., redis)."""
@@ -402,16 +409,18 @@ class LocalCluster:
 
     def poll(self) -> str | None:
         """The name and status of a process that exited by itself, else None."""
-        self.reap()
-        for proc in self._procs:
-            if (rc := proc.popen.poll()) is not None:
-                return f"{proc.name} (status {rc})"
-        return None
+        with self._lock:
+            self.reap()
+            for proc in self._procs:
+                if (rc := proc.popen.poll()) is not None:
+                    return f"{proc.name} (status {rc})"
+            return None
 
     def stop(self) -> None:
         """SIGTERM each group (router, nodes, Redis), wait, SIGKILL leftovers. Idempotent."""
-        self._procs += self._draining
-        self._draining = []
+        with self._lock:
+            self._procs += self._draining
+            self._draining = []
         groups = [
             [p for p in self._procs if p.name.startswith("router")],
             [p for p in self._procs if p.name.startswith(("prefill", "decode"))],
