@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from splitserve.kernels import ops
+
+if TYPE_CHECKING:
+    from splitserve.models.config import ModelConfig
 
 
 @dataclass(slots=True)
@@ -76,7 +80,7 @@ class RotaryEmbedding(nn.Module):
 class PagedAttention(nn.Module):
     """Self-attention whose K/V live only in the paged pool (fused q/k/v projection)."""
 
-    def __init__(self, config, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads

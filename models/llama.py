@@ -24,7 +24,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
-    def forward(self, hidden, residual, positions, rotary, kv_cache, meta):
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm block. ``residual`` is the running sum of the sub-layer outputs (None before
         the first layer); the next norm adds ``hidden`` into it, fused with the normalisation."""
         if residual is None:
