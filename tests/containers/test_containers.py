@@ -268,3 +268,59 @@ def test_a_stopped_decode_container_drains_and_no_request_fails(deployment):
             t.join(timeout=120)
     assert failures == [], failures[:5]
     assert victim not in d.containers("decode")
+
+
+def test_the_planners_compose_actuator_grows_and_drains_a_pool(deployment):
+    """The actuator `splitserve planner --actuator compose` uses, on podman-compose: one decode
+    replica more, then one fewer under traffic: the newest is drained and no request fails."""
+    from splitserve.planner.actuators import ComposeActuator
+
+    d = deployment
+
+    def run(argv, env):
+        return subprocess.run(
+            list(argv), env={**d.env, **env}, cwd=ROOT, check=True, capture_output=True,
+            text=True, timeout=300,
+        ).stdout  # fmt: skip
+
+    act = ComposeActuator(
+        [str(ROOT / "compose.cpu.yaml")], f"{sys.executable} -m podman_compose", d.project, run=run
+    )
+    have = act.current()
+    before = set(d.containers("decode"))
+    assert have.decode == len(before) and have.prefill == len(d.containers("prefill"))
+    act.scale("decode", have.decode + 1)
+    act.wait()
+    d.env["SPLITSERVE_NUM_DECODE"] = str(have.decode + 1)  # so that `down` knows of it
+    _wait(lambda: len(d.containers("decode")) == have.decode + 1, 60, "the new replica")
+    newest = act.replicas("decode")[0]  # the one a drain takes
+    failures: list[str] = []
+    served = [0]
+    stop = threading.Event()
+
+    def traffic() -> None:
+        with Client(d.router) as client:
+            while not stop.is_set():
+                try:
+                    client.generate(prompt_token_ids=[9, 8, 7] * 10, **GREEDY, timeout=60)
+                    served[0] += 1
+                except SplitserveError as exc:
+                    failures.append(repr(exc))
+
+    threads = [threading.Thread(target=traffic) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        _wait(lambda: served[0] >= 6, 60, "traffic")
+        act.scale("decode", have.decode)  # stop (SIGTERM: the drain), remove, compose up
+        act.wait()
+        mark = served[0]
+        _wait(lambda: served[0] >= mark + 6, 60, "traffic after the drain")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+    assert failures == [], failures[:5]
+    assert len(d.containers("decode")) == have.decode
+    assert newest not in d.containers(running=False)  # drained and removed
+    assert act.current() == have
