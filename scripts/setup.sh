@@ -83,9 +83,9 @@ for name, folder in mapping.items():
 PY
 
 # Debian packages: redis-server for the tests (required); podman, runc and debootstrap for the
-# container tests (tests/test_containers.py builds the CPU image and runs compose.cpu.yaml; it
-# skips, saying why, where they are missing); iproute2 for tests/test_netns.py (nodes in network
-# namespaces of their own; skips likewise); nodejs and npm for tests/test_node_client.py (a
+# container tests (tests/containers/test_containers.py builds the CPU image and runs compose.cpu.yaml; it
+# skips, saying why, where they are missing); iproute2 for tests/cluster/test_netns.py (nodes in network
+# namespaces of their own; skips likewise); nodejs and npm for tests/cluster/test_node_client.py (a
 # @grpc/grpc-js client of the router; skips likewise, and when npm cannot fetch its packages).
 wanted=()
 command -v redis-server >/dev/null 2>&1 || wanted+=(redis-server)
