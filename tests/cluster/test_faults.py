@@ -7,7 +7,7 @@ completed output equals the healthy run's), ≥ 99% complete apart from the requ
 node held, and every surviving node's KV blocks are back to their idle count.
 
 Short version in CI (``SPLITSERVE_FAULT_REQUESTS``, default 160); the full one:
-``SPLITSERVE_FAULT_REQUESTS=1000 .venv/bin/python -m pytest tests/test_faults.py``.
+``SPLITSERVE_FAULT_REQUESTS=1000 .venv/bin/python -m pytest tests/cluster/test_faults.py``.
 """
 
 from __future__ import annotations

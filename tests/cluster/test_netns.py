@@ -3,8 +3,9 @@ network namespace and a UTS namespace of its own (own host name, own address on 
 kernel), the router in this one. Each pair's KV path is read from the nodes' counters — gloo
 ``dist`` with the defaults, the raw ``tcp`` path when only it is allowed — and the greedy output
 is token-exact with transformers on both. Skipped where network namespaces cannot be made (needs
-root, iproute2's ``ip`` and util-linux's ``unshare``); tests/test_node_hostnames.py covers the
-host-name half without root networking, tests/test_transfer_tcp.py the tcp path on loopback."""
+root, iproute2's ``ip`` and util-linux's ``unshare``); tests/cluster/test_node_hostnames.py covers
+the host-name half without root networking, tests/cluster/test_transfer_tcp.py the tcp path on
+loopback."""
 
 from __future__ import annotations
 

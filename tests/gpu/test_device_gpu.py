@@ -1,6 +1,7 @@
 """A node on any GPU of a host: `--device cuda:N` makes N the current device before any kernel
 runs (a prefill node on cuda:1 died at warm-up before). Needs two GPUs; skipped otherwise. CPU
-counterpart: tests/test_cli.py checks that a device that does not exist is refused clearly."""
+counterpart: tests/cluster/test_cli.py checks that a device that does not exist is refused
+clearly."""
 
 import pytest
 import torch

@@ -1,5 +1,6 @@
 """Fused per-token kernels compiled for the GPU, bf16, against the torch references run on the
-same CUDA tensors (skipped without a GPU; CPU counterpart: tests/test_kernels_elementwise.py)."""
+same CUDA tensors (skipped without a GPU; CPU counterpart:
+tests/unit/test_kernels_elementwise.py)."""
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
         not torch.cuda.is_available(),
-        reason="no CUDA GPU; CPU counterpart: tests/test_kernels_elementwise.py",
+        reason="no CUDA GPU; CPU counterpart: tests/unit/test_kernels_elementwise.py",
     ),
 ]
 BF16 = dict(atol=2e-2, rtol=2e-2)  # about two bf16 ulps: the references round more often

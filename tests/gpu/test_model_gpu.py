@@ -1,5 +1,5 @@
 """The model runner on a CUDA GPU in bf16 against transformers (skipped without a GPU; the fp32
-CPU counterpart is tests/test_model_parity.py)."""
+CPU counterpart is tests/unit/test_model_parity.py)."""
 
 import copy
 import random
@@ -18,7 +18,7 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
         not torch.cuda.is_available(),
-        reason="no CUDA GPU; CPU counterpart: tests/test_model_parity.py",
+        reason="no CUDA GPU; CPU counterpart: tests/unit/test_model_parity.py",
     ),
 ]
 

@@ -1,6 +1,6 @@
 """The transfer layer's CUDA paths between two processes: ipc (a sender process writing into this
 process's pool through a CUDA IPC mapping, both on one GPU) and, with two GPUs, dist over NCCL.
-CPU counterpart: tests/test_transfer.py (the same checks over gloo)."""
+CPU counterpart: tests/unit/test_transfer.py (the same checks over gloo)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The tcp path with CUDA pools on both sides (pinned staging, side-stream gather and scatter):
 a sender process on this GPU fills this process's reservation in several chunks over several
 connections, byte-exact, and the blocks around it stay untouched. CPU counterpart:
-tests/test_transfer_tcp.py (the same path with CPU pools, plus the refusal cases)."""
+tests/cluster/test_transfer_tcp.py (the same path with CPU pools, plus the refusal cases)."""
 
 from __future__ import annotations
 

@@ -86,7 +86,7 @@ def test_raw_bytes_never_parse_into_an_unchecked_request(data):
     try:
         request = router_pb2.GenerateRequest.FromString(data)
     except DecodeError:
-        return  # answered INVALID_ARGUMENT by the interceptor (tests/test_malformed.py)
+        return  # answered INVALID_ARGUMENT by the interceptor (tests/cluster/test_malformed.py)
     with contextlib.suppress(InvalidRequest):
         parse_request(request, MODEL)
 

@@ -1,6 +1,6 @@
 """What `splitserve up` hands each component and prints, without starting processes: the
 /metrics ports (--metrics-port), the router's HTTP port and tokenizer (--http-port, --tokenizer).
-A real `up --metrics-port 0` is in tests/test_cluster_up.py."""
+A real `up --metrics-port 0` is in tests/cluster/test_cluster_up.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Sampler: greedy, filtered and seeded draws, penalties, stop-token masking, logprobs.
 
-Parameter validation and check_stop: tests/test_sampler_params.py."""
+Parameter validation and check_stop: tests/unit/test_sampler_params.py."""
 
 import math
 

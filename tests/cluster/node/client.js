@@ -1,6 +1,6 @@
 // A Node client of the splitserve router that knows nothing but the .proto files: they are loaded
-// at run time with @grpc/proto-loader (no generated code). tests/test_node_client.py runs it and
-// compares what it prints with the Python SDK's answers.
+// at run time with @grpc/proto-loader (no generated code). tests/cluster/test_node_client.py runs
+// it and compares what it prints with the Python SDK's answers.
 //
 //   node client.js ADDRESS PROTO_ROOT
 //
