@@ -1,20 +1,21 @@
 """A prefill or decode node's life: load the model into an engine, serve its gRPC services (plus
 the shared NodeStatsService, health, reflection and metrics), publish its cached blocks to Redis,
-drain on SIGTERM."""
+drain on SIGTERM (the background work and the drain: runtime.node_life); and the helpers the
+nodes' servicers share."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import sys
-from collections.abc import Callable, Coroutine, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from splitserve.runtime.auth import TokenCheck, read_token_file, registry_key, use_token
+from splitserve.runtime.auth import TokenCheck, read_token_file, use_token
 from splitserve.runtime.config import NodeConfig
+from splitserve.runtime.node_life import NodeLife, NodeService, index_publisher
 from splitserve.runtime.protocol import sampling_from_proto
 from splitserve.runtime.server import Server
 from splitserve.runtime.tls import TlsFiles, use_tls
@@ -23,9 +24,7 @@ from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 if TYPE_CHECKING:
     import torch
 
-    from splitserve.kvstore import BlockHash, ModelIdentity
-    from splitserve.kvstore.block_pool import KVCacheEvent
-    from splitserve.kvstore.redis_index import IndexPublisher, NodeInfo
+    from splitserve.kvstore import ModelIdentity
     from splitserve.models.engine import LLMEngine
     from splitserve.models.engine_loop import AsyncEngine
     from splitserve.models.sampling_params import SamplingParams
@@ -34,7 +33,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 STATS_SERVICE_NAME = nodes_pb2.DESCRIPTOR.services_by_name["NodeStatsService"].full_name
-WITHDRAW_TIMEOUT_S = 5.0  # a draining node waits this long to leave the registry and the index
 
 
 def use_device(device: str) -> torch.device:
@@ -106,67 +104,6 @@ def build_engine(config: NodeConfig, prefill_only: bool) -> tuple[LLMEngine, Mod
         enable_kv_events=config.redis_url is not None,
     )
     return engine, identity
-
-
-def index_publisher(
-    config: NodeConfig, role: str, engine: AsyncEngine, identity: ModelIdentity, address: str
-) -> IndexPublisher | None:
-    """The node's publisher of its cached block hashes and heartbeat (None without Redis)."""
-    if not config.redis_url:
-        return None
-    from splitserve.kvstore.redis_index import IndexPublisher, NodeInfo, PrefixIndex
-
-    core = engine.engine
-    port = core.kv_port
-
-    async def take_events() -> list[KVCacheEvent]:
-        return await engine.call(port.take_events)
-
-    async def snapshot() -> list[BlockHash]:
-        return await engine.call(port.cached_hashes)
-
-    async def info() -> NodeInfo:
-        pool = port.stats()  # figures, read without a job (models.kv_port)
-        return NodeInfo(
-            address,
-            role,
-            address,
-            pool.num_blocks,
-            pool.num_free_blocks,
-            len(core.running),
-            len(core.waiting) + len(core.ready),
-        )
-
-    return IndexPublisher(
-        PrefixIndex(
-            config.redis_url,
-            identity.root_hash,
-            identity=str(identity),
-            key=registry_key(read_token_file(config.auth_token_file))
-            if config.auth_token_file
-            else None,
-        ),
-        address,
-        take_events,
-        snapshot,
-        info,
-    )
-
-
-class NodeService(Protocol):
-    """What ``serve_node`` needs of a node's servicer (PrefillService, DecodeService)."""
-
-    draining: bool
-
-    async def drain(self, timeout_s: float) -> None: ...
-
-    def load(self) -> LoadFigures: ...
-
-    def all_counters(self) -> dict[str, float]: ...
-
-    def background(self) -> list[Coroutine[Any, Any, None]]: ...
-
-    async def close(self) -> None: ...
 
 
 async def serve_node(
@@ -256,64 +193,6 @@ def serve_node_metrics(config: NodeConfig, role: str, service: NodeService) -> N
     registry = CollectorRegistry()
     registry.register(NodeCollector(role, service.load, service.all_counters))
     serve_metrics(config.metrics_port, registry, config.host)
-
-
-class NodeLife:
-    """A serving node's background work (the service's tasks, the index publisher) and its end:
-    ``drain`` on the first signal, ``stop`` once the server has stopped."""
-
-    def __init__(
-        self,
-        config: NodeConfig,
-        service: NodeService,
-        engine: AsyncEngine,
-        publisher: IndexPublisher | None,
-    ) -> None:
-        self.drain_timeout_s = config.drain_timeout_s
-        self.service, self.engine = service, engine
-        self.tasks = [asyncio.create_task(c) for c in service.background()]
-        self.publishing = (
-            (asyncio.create_task(publisher.run()), publisher) if publisher is not None else None
-        )
-
-    async def withdraw(self) -> None:
-        """Leave the registry and the index (once)."""
-        if self.publishing is not None:
-            (task, publisher), self.publishing = self.publishing, None
-            await leave_registry(task, publisher)
-
-    async def drain(self) -> None:
-        self.service.draining = True
-        await self.withdraw()
-        await self.service.drain(self.drain_timeout_s)
-
-    async def stop(self) -> None:
-        await self.withdraw()
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        await self.engine.stop()
-        await self.service.close()
-
-
-async def leave_registry(publishing: asyncio.Task, publisher: IndexPublisher) -> None:
-    """Stop publishing, then deregister and withdraw the node's index entries. NOTE: bounded: a
-    drain must go on even if Redis (or a connection a cancelled command left behind) does not
-    answer; the entries then expire with their TTL, and routers still sending here are refused
-    with UNAVAILABLE and retry elsewhere."""
-
-    async def leave() -> None:
-        publishing.cancel()
-        await asyncio.gather(publishing, return_exceptions=True)
-        await publisher.stop()
-
-    try:
-        await asyncio.wait_for(leave(), WITHDRAW_TIMEOUT_S)
-    except TimeoutError:
-        logger.warning(
-            "leaving the registry took over %.0f s: its entries expire on their own",
-            WITHDRAW_TIMEOUT_S,
-        )
 
 
 def transfer_paths(config: NodeConfig) -> tuple[str, ...]:
