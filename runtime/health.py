@@ -13,11 +13,15 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.runtime.config import WILDCARD_HOSTS
+
+if TYPE_CHECKING:
+    from splitserve.runtime.tls import TlsFiles
 
 DEFAULT_PORT = 8000  # the image's SPLITSERVE_PORT and the router's default
 
@@ -54,7 +58,7 @@ def check_address(address: str) -> str:
     return address
 
 
-def tls_from_env(environ: Mapping[str, str] | None = None):
+def tls_from_env(environ: Mapping[str, str] | None = None) -> TlsFiles | None:
     """The component's mTLS files from SPLITSERVE_TLS_CERT/KEY/CA (None: plaintext)."""
     from splitserve.runtime.tls import TlsFiles
 
@@ -63,7 +67,9 @@ def tls_from_env(environ: Mapping[str, str] | None = None):
     return TlsFiles.load(*(env.get(n, "").strip() or None for n in names))
 
 
-def check(address: str, service: str = "", timeout_s: float = 5.0, tls=None) -> HealthResult:
+def check(
+    address: str, service: str = "", timeout_s: float = 5.0, tls: TlsFiles | None = None
+) -> HealthResult:
     """One grpc.health.v1 ``Check`` of ``service`` ("" = the whole server) at ``address``
     (``tls``: runtime.tls.TlsFiles when the component serves mTLS)."""
     from splitserve.runtime.tls import sync_channel

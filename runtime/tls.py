@@ -9,8 +9,10 @@ and ``server_credentials`` everywhere. The KV byte paths (tcp, dist) are not ins
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -62,14 +64,16 @@ def use_tls(files: TlsFiles | None) -> None:
     _files = files
 
 
-def channel(address: str, options=()) -> grpc.aio.Channel:
+def channel(address: str, options: Iterable[tuple[str, Any]] = ()) -> grpc.aio.Channel:
     """An asyncio channel to another component: mTLS when this process has an identity."""
     if _files is None:
         return grpc.aio.insecure_channel(address, options=list(options))
     return grpc.aio.secure_channel(address, _files.channel_credentials(), options=list(options))
 
 
-def sync_channel(address: str, files: TlsFiles | None = None, options=()) -> grpc.Channel:
+def sync_channel(
+    address: str, files: TlsFiles | None = None, options: Iterable[tuple[str, Any]] = ()
+) -> grpc.Channel:
     """A blocking channel (health checks, tools): mTLS with ``files`` (default: this process's
     identity, if any)."""
     files = files or _files

@@ -111,7 +111,12 @@ def _error(exc: grpc.RpcError) -> SplitserveError:
     return SplitserveError(code, details or code.name)
 
 
-def _channel(kind, target: str, options, credentials):
+def _channel(
+    kind: Any,
+    target: str,
+    options: Sequence[tuple[str, Any]],
+    credentials: grpc.ChannelCredentials | None,
+) -> Any:
     """A channel of ``kind`` (``grpc`` or ``grpc.aio``): TLS with ``credentials``, else plain."""
     if credentials is None:
         return kind.insecure_channel(target, options=list(options))
