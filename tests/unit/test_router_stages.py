@@ -1,8 +1,8 @@
 """The router's request path, stage by stage, against scripted nodes (``router_fakes``: no
 processes, no sockets): ``PrefillStage``, ``DirectStage``, ``DecodeStage`` / ``DecodeSession``,
 ``Orchestrator`` over a ``Dispatcher``, and ``RequestFront`` as ``router.assembly.build_front``
-wires them; then requests cancelled at random moments (the seed is printed), after which every slot,
-queued token and KV ledger entry the router took is given back.
+wires them; then requests cancelled at random moments (seeded: a failure says how to repeat its
+draws), after which every slot, queued token and KV ledger entry the router took is given back.
 
 The same path over real gRPC servers on loopback: tests/cluster/test_router_unit.py."""
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import random
 import time
 
@@ -369,10 +368,8 @@ def test_a_request_that_exhausts_its_attempts_fails_with_the_last_error():
 # ------------------------------------------------------------------ cancelled at random moments
 
 
-def test_requests_cancelled_at_random_moments_give_back_everything():
-    seed = int(os.environ.get("SPLITSERVE_TEST_SEED", random.randrange(1 << 32)))
-    print(f"seed {seed} (SPLITSERVE_TEST_SEED={seed} repeats this run)")
-    rng = random.Random(seed)
+def test_requests_cancelled_at_random_moments_give_back_everything(rng: random.Random):
+    # rng: this test's seed (tests/conftest.py): a failure's report says how to repeat its draws
 
     async def main():
         nodes = FakeNodes(random.Random(rng.random()), max_delay_s=0.004)
@@ -416,16 +413,16 @@ def test_requests_cancelled_at_random_moments_give_back_everything():
             and not isinstance(r, asyncio.CancelledError)
             and not (isinstance(r, GenerateError) and r.code == grpc.StatusCode.RESOURCE_EXHAUSTED)
         ]
-        assert not errors, (seed, errors[:3])
+        assert not errors, errors[:3]
         cancelled = sum(isinstance(r, asyncio.CancelledError) for r in results)
-        assert 0 < cancelled < len(results), seed
+        assert 0 < cancelled < len(results)
         await asyncio.sleep(0.2)  # background releases and cancels
-        assert not all_given_back(registry), (seed, all_given_back(registry))
-        assert not front._in_flight and len(front_admission(front)) == 0, seed
+        assert not all_given_back(registry), all_given_back(registry)
+        assert not front._in_flight and len(front_admission(front)) == 0
         # A request that ended served left nothing on D either (a cancelled one may: D frees
         # what a Prefill shipped for a request that vanished at its transfer deadline).
         left = [rid for rid in nodes.held if rid.rpartition("-")[0] in completed]
-        assert not left, (seed, left)
+        assert not left, left
 
     asyncio.run(main())
 
