@@ -1,7 +1,8 @@
 """The suite's shared setup, for every folder of tests/:
 
 - ``tests/unit/``: no processes, no sockets (``scripts/test.sh --fast`` runs this folder alone);
-- ``tests/cluster/``: real processes, loopback gRPC and HTTP servers, Redis;
+- ``tests/cluster/``: real processes, loopback gRPC and HTTP servers, Redis (and the few
+  in-process checks too slow for the unit loop, marked ``slow``);
 - ``tests/gpu/``: needs a CUDA GPU (each test has a CPU counterpart elsewhere);
 - ``tests/containers/``: builds the image and runs the compose files (podman).
 

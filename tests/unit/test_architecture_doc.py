@@ -21,6 +21,7 @@ What counts as what, for a span between backticks outside code blocks:
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import re
 import tomllib
@@ -59,6 +60,7 @@ def is_path(span: str) -> bool:
 SKIPPED_DIRS = {".git", ".venv", "node_modules", "build", "dist", "__pycache__"}
 
 
+@functools.cache
 def tracked_files() -> list[str]:
     """The tree's files (relative paths), without the environment, builds and caches."""
     found = []
@@ -208,6 +210,7 @@ def _assigned(node: ast.AST) -> list[str]:
     return names
 
 
+@functools.cache
 def package_index() -> Index:
     index = Index()
     for package, folder in PACKAGE_DIRS.items():
