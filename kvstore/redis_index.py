@@ -4,6 +4,9 @@ Every node publishes which block hashes it holds and a heartbeat; the router rea
 request where its prefix is cached. Redis is a hint, never the truth: a node verifies blocks
 before it relies on them, and when Redis is unreachable everything works without it (routing by
 load only) and nodes republish what they hold once it is back.
+
+Over 300 lines on purpose: both sides of the key schema (a node's publisher, the router's
+reads) live in one file so that they cannot drift apart.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ The engine keeps the request store and runs steps: ``Scheduler`` (models/schedul
 requests and token counts of the next forward and allocates their KV, the runner computes the
 logits, and the engine samples where a request's known tokens are all computed, checks stop
 conditions and ends finished requests (frees their blocks, or holds them in prefill-only mode).
+
+Over 300 lines on purpose: the request store and the step (add, abort, sample, stop checks,
+ends) share the engine's state; scheduling and the KV port are modules of their own already.
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ content: the same on every host whatever the file is called, different for two f
 
 Torch-free (numpy, the ``gguf`` package, tokenizers): the router converts a file too when it is
 the first component given it.
+
+Over 300 lines on purpose: one format's conversion (metadata to config, weights, tokenizer) and
+the cache of converted folders, which are only ever used together.
 """
 
 from __future__ import annotations

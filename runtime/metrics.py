@@ -12,6 +12,9 @@ every scraped job never counts one thing twice:
 - a prefill or decode node: its own load figures and counters (prefix hits, blocks and bytes
   shipped or fetched), read from the live engine at scrape time, under its role's prefix:
   ``splitserve_prefill_*`` and ``splitserve_decode_*`` (counters ``..._<name>_total``).
+
+Over 300 lines on purpose: the router's metrics and the nodes' collectors side by side, so that
+a name two kinds of process would both export shows in one place.
 """
 
 from __future__ import annotations

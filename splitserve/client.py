@@ -12,6 +12,9 @@
 Every failure raises ``SplitserveError`` with the gRPC status code and the server's message.
 Breaking out of a stream (or closing it) cancels the request on the server, which frees its
 KV blocks at once.
+
+Over 300 lines on purpose: ``Client`` and ``AsyncClient`` mirror each other method for method,
+and one file keeps them in step.
 """
 
 from __future__ import annotations
