@@ -235,7 +235,8 @@ def paged_prefill_attention(
 ) -> torch.Tensor:
     """Triton version of `kernels.ops.paged_prefill_attention` (see there for shapes).
 
-    `config` overrides the tiling `choose_config` picks (tests and benchmarks)."""
+    `config` overrides the tiling `choose_config` picks (tests and benchmarks). Over 60 lines: see
+    the module's docstring."""
     group = check_prefill(
         query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale, out, validate
     )

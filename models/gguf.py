@@ -323,7 +323,10 @@ def _write_weights(reader: Any, meta: _Metadata, out: Path, file: Path) -> None:
 def _build_tokenizer(meta: _Metadata, file: Path) -> Any:
     """A transformers fast tokenizer from the file's vocabulary, merges, special tokens and chat
     template (byte-level BPE, as llama.cpp's ``gpt2`` tokenizer model); other tokenizer models go
-    through transformers' own GGUF tokenizer conversion."""
+    through transformers' own GGUF tokenizer conversion.
+
+    Over 60 lines: one Tokenizer set up part after part (the pre-tokenizer's variants, the BPE
+    model, special and user tokens, the BOS template), each a few lines."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

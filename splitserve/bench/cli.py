@@ -50,7 +50,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def add_command(sub: argparse._SubParsersAction) -> None:
-    """Register ``bench`` on the splitserve command line."""
+    """Register ``bench`` on the splitserve command line (over 60 lines: one call per option,
+    each with its help)."""
     p = sub.add_parser(
         "bench",
         help=cmd_bench.__doc__,

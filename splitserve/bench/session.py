@@ -76,6 +76,8 @@ def config_of(args: argparse.Namespace, slo: dict[str, float]) -> dict[str, Any]
 
 
 async def run_bench(args: argparse.Namespace, slo: dict[str, float]) -> dict[str, Any]:
+    """One ``splitserve bench`` run: the target, the workload, the load with the scraper beside it,
+    then the result document. Over 60 lines: the steps share the run's arguments and records."""
     from splitserve.bench.metrics import summarize, timeline
     from splitserve.bench.report import result_document
     from splitserve.bench.runner import Load, run_load
