@@ -14,7 +14,7 @@ destination blocks against the source (per-block checksums across the processes)
   the mapped pool, synchronize), timed in the sender.
 - ``dist`` (gloo on CPU; NCCL on CUDA, which needs two GPUs: receiver cuda:0, sender cuda:1):
   from the command to the sender until ``KVReceiver.receive`` returned (blocks in the pool).
-- ``tcp`` (CPU or CUDA, both processes on one GPU): the raw-socket byte path, from the command
+- ``tcp`` (CPU or CUDA, both processes on one GPU): the raw-socket path, from the command
   to the sender until ``KVReceiver.receive`` returned (blocks in the pool): gather into pinned
   memory, 16 MiB CRC-32 checked chunks over 4 loopback connections, one scatter per chunk.
 - ``grpc``: the services' byte path over a loopback gRPC stream (``kvstore.codec`` messages of
@@ -40,7 +40,7 @@ import torch
 from transfer_cases import RECEIVER_SEED, SENDER_SEED, Case, pick_ids, verify
 from transfer_grpc import run_grpc
 
-from splitserve.transfer import DIST, GRPC, IPC, RECEIVED_PATHS, TCP, KVReceiver
+from splitserve.transfer import DIST, GRPC, IPC, TCP, open_receiver
 from splitserve.transfer.reservation import block_nbytes
 from splitserve.transfer.testing import SenderProcess, block_checksums, fill_pool, make_pool
 
@@ -72,7 +72,8 @@ def gpu_available_bytes(index: int) -> int:
 
 
 def run_layer_path(path: str, args, spec: dict, counts: list[int], out: list[Case]) -> None:
-    """ipc, dist or tcp: this process receives (KVReceiver), a spawned process sends (KVSender)."""
+    """ipc, dist or tcp: this process receives (a KVReceiver of that path alone), a spawned
+    process sends (a KVSender)."""
     device = args.device
     pool_blocks = max(counts) + 1
     rx_device = "cuda:0" if device == "cuda" else "cpu"
@@ -81,14 +82,8 @@ def run_layer_path(path: str, args, spec: dict, counts: list[int], out: list[Cas
         tx_device = "cuda:1"
     rx_pool = fill_pool(make_pool(pool_blocks, **spec, device=rx_device), RECEIVER_SEED)
     nbytes = block_nbytes(rx_pool)
-    rx = KVReceiver(
-        rx_pool,
-        "bench-decode",
-        ipc=path == IPC,
-        dist=path == DIST,
-        dist_host="127.0.0.1",
-        tcp=path == TCP,
-        connect_timeout=60.0,
+    rx = open_receiver(
+        rx_pool, "bench-decode", paths=(path,), host="127.0.0.1", connect_timeout=60.0
     )
     tx_spec = dict(num_blocks=pool_blocks, **spec, device=tx_device)
     sender = SenderProcess("bench-prefill", tx_spec, SENDER_SEED, connect_timeout=60.0)
@@ -105,13 +100,13 @@ def run_layer_path(path: str, args, spec: dict, counts: list[int], out: list[Cas
                 res = rx.reserve(sender.node_id, dst, path)
                 t0 = time.perf_counter()
                 sender.request("send", res.ticket.to_bytes(), src, 300.0)
-                if path in RECEIVED_PATHS:
+                if path == IPC:  # only the sender knows when its copy is in: timed there
+                    _, elapsed = sender.reply(timeout=300)
+                else:  # dist receives the blocks, tcp's receive waits for its chunks
                     rx.receive(res, 300.0)
                     elapsed = time.perf_counter() - t0
                     sender.reply(timeout=300)
-                else:
-                    _, elapsed = sender.reply(timeout=300)
-                    rx.complete(res)
+                rx.finish(res)
                 if i:
                     case.seconds.append(elapsed)
             if rx_pool.device.type == "cuda":

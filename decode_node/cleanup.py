@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+from splitserve.models.engine import LLMEngine
 from splitserve.models.engine_loop import AsyncEngine
 
 
@@ -19,7 +20,7 @@ async def end_request(engine: AsyncEngine, request_id: str) -> bool:
     return await engine.call_to_end(_end_request, engine.engine, request_id)
 
 
-def _end_request(core, request_id: str) -> bool:
+def _end_request(core: LLMEngine, request_id: str) -> bool:
     """Engine thread. ``abort`` frees a running request's blocks; a request whose
     ``add_transferred`` never ran still holds its adopted blocks under its id: free those too."""
     running = request_id in core.requests

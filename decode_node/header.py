@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -15,6 +16,10 @@ from splitserve.kvstore import ModelIdentity, hash_request_tokens
 from splitserve.kvstore.hashing import MAX_SALT_CHARS
 from splitserve.models.sampling_params import SamplingParams
 from splitserve.runtime.protocol import sampling_from_proto
+
+if TYPE_CHECKING:
+    from splitserve.models.engine import LLMEngine
+    from splitserve.v1 import nodes_pb2
 
 
 class TransferRefused(Exception):
@@ -26,8 +31,8 @@ class TransferRefused(Exception):
 
 
 def check_header(
-    header,
-    core,
+    header: nodes_pb2.TransferHeader,
+    core: LLMEngine,
     identity: ModelIdentity,
     block_nbytes: int,
     in_use: Callable[[str], bool],

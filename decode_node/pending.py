@@ -50,7 +50,9 @@ class PendingTable:
             del self._items[rid]
         return expired
 
-    async def expire_forever(self, free: Callable[[str], Awaitable[None]], on_expired) -> None:
+    async def expire_forever(
+        self, free: Callable[[str], Awaitable[None]], on_expired: Callable[[], None]
+    ) -> None:
         """Every second: drop expired entries, ``on_expired()`` and ``free(request_id)`` each."""
         while True:
             await asyncio.sleep(EXPIRY_POLL_S)

@@ -1,14 +1,17 @@
 """The decode node's receiving side: every transfer, whichever path its bytes take, goes through
-one ``transfer.KVReceiver`` reservation of the blocks the KV port reserved.
+one reservation of the node's ``transfer.KVReceiver`` of the blocks the KV port reserved.
 
-    inbox.begin(header) → transfer.reserve() → [transfer.write(BlockData)…] / transfer.wait_data()
-        → transfer.commit() (registers) → on any failure or cancel: transfer.release()
+    inbox.begin(header) → transfer.reserve() → transfer.receive() → [transfer.write(BlockData)…]
+        → transfer.commit() (finishes, registers) → on any failure or cancel: transfer.release()
 
-gRPC bytes are checked message by message (``kvstore.codec``) and written through a ``grpc``
-reservation; ipc and dist senders write the reserved blocks themselves. Hashes are registered
-only in ``commit``, once every block has arrived and checked out, so a failed transfer leaves
-nothing findable: its blocks are freed (an ipc reservation its sender never finished only after
-IPC_FREE_GRACE_S, since the sender's GPU may still have a copy into them queued).
+Which path a transfer takes is the sender's choice (the header names it) and the layer's
+business: this module only acts on what the reservation says of itself. Blocks that come on the
+stream (``caller_writes``: gRPC bytes) are checked message by message (``kvstore.codec``) and
+written through the reservation; otherwise the sender moves them, and where the layer receives
+them itself (``receive_first``) ``receive`` waits for that in a thread. Hashes are registered only
+in ``commit``, once the layer says every block has arrived, so a failed transfer leaves nothing
+findable: its blocks are freed (after the grace the layer asks for when the sender may still have
+a write into them queued).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -28,15 +32,16 @@ from splitserve.kvstore.codec import decode_blocks
 from splitserve.models.engine_loop import AsyncEngine
 from splitserve.models.kv_port import Reserved
 from splitserve.runtime import counter_names as names
-from splitserve.transfer import GRPC, IPC, RECEIVED_PATHS, KVReceiver, Reservation
+from splitserve.transfer import Incomplete, KVReceiver, Reservation
 from splitserve.transfer import TransferError as TransferLayerError
+
+if TYPE_CHECKING:
+    from splitserve.models.sampling_params import SamplingParams
+    from splitserve.v1 import nodes_pb2
 
 logger = logging.getLogger(__name__)
 
 RESERVE_WAIT_S = 30.0  # a transfer waits this long for blocks held by other requests to free
-# An ipc transfer that ended without the sender's TransferEnd: its blocks may still be the target
-# of a copy the sender's GPU has queued; they are freed only after this long.
-IPC_FREE_GRACE_S = 10.0
 BAD = grpc.StatusCode.INVALID_ARGUMENT
 
 
@@ -65,12 +70,10 @@ class KVInbox:
         self.receiving: dict[bytes, asyncio.Future] = {}
         self.in_transfer: set[str] = set()  # request ids with a TransferKV call in progress
         self._quarantined: set[asyncio.Task] = set()
-        offered = rx.endpoint()
         # Senders look a path up only if this node offers one besides the gRPC bytes.
-        has_path = any(x is not None for x in (offered.ipc_handle, offered.dist, offered.tcp))
-        self.endpoint = offered.to_bytes() if has_path else b""
+        self.endpoint = rx.endpoint().to_bytes() if rx.paths else b""
 
-    def begin(self, header) -> Transfer:
+    def begin(self, header: nodes_pb2.TransferHeader) -> Transfer:
         """Check ``header`` and claim its request id (``TransferRefused`` otherwise)."""
         params, prompt = check_header(
             header, self.engine.engine, self.identity, self.port.block_nbytes, self._in_use
@@ -85,11 +88,13 @@ class KVInbox:
         await self.engine.call_to_end(self.port.free, rid)
         self.freed.notify()
 
-    def quarantine(self, rid: str, num_blocks: int) -> None:
+    def quarantine(self, rid: str, num_blocks: int, grace_s: float) -> None:
+        """Free ``rid``'s blocks only after ``grace_s``: a transfer its sender never finished may
+        still have a write into them queued (ipc: a copy on the sender's GPU)."""
         self.counters[names.IPC_BLOCKS_QUARANTINED] += num_blocks
 
         async def free_later() -> None:
-            await asyncio.sleep(IPC_FREE_GRACE_S)
+            await asyncio.sleep(grace_s)
             await self.free(rid)
 
         task = asyncio.create_task(free_later())
@@ -147,18 +152,18 @@ class KVInbox:
             # Requests finishing on the engine thread free blocks too: look again soon.
             await self.freed.wait(min(left, 0.05))
 
-    def reserve_in_layer(self, header, dest: list[int]) -> Reservation:
-        """The layer's reservation of ``dest``: the path the sender asked for when it is this
-        very node's and can be served, else ``grpc`` (the blocks come as BlockData)."""
-        path = header.transfer_path
+    def reserve_in_layer(self, header: nodes_pb2.TransferHeader, dest: list[int]) -> Reservation:
+        """The layer's reservation of ``dest``: over the path the sender asked for when it asked
+        this very node and the path can be served, else for the blocks as BlockData ("")."""
+        path = header.transfer_path  # "": BlockData on the stream
         if path and header.receiver_id != self.rx.node_id:
             self.counters[names.TRANSFERS_DECLINED_STALE_ENDPOINT] += 1
-        elif path and path != GRPC:
+        elif path:
             try:
                 return self.rx.reserve(header.sender_id, dest, path)
             except (TransferLayerError, ValueError) as exc:
                 logger.info("%s transfer from %s declined: %s", path, header.sender_id, exc)
-        return self.rx.reserve(header.sender_id, dest, GRPC)
+        return self.rx.reserve(header.sender_id, dest, "")
 
     async def close(self) -> None:
         await asyncio.to_thread(self.rx.shutdown)
@@ -167,7 +172,13 @@ class KVInbox:
 class Transfer:
     """One TransferKV call's hold on this node; ``release`` undoes whatever it still holds."""
 
-    def __init__(self, inbox: KVInbox, header, params, prompt: list[int]) -> None:
+    def __init__(
+        self,
+        inbox: KVInbox,
+        header: nodes_pb2.TransferHeader,
+        params: SamplingParams,
+        prompt: list[int],
+    ) -> None:
         self.inbox = inbox
         self.header = header
         self.rid: str = header.request_id
@@ -188,12 +199,27 @@ class Transfer:
 
     @property
     def path(self) -> str:
-        return self.res.path if self.res is not None else GRPC
+        """The transfer path's name ("" before the reservation is made), for counts and logs."""
+        return self.res.path if self.res is not None else ""
+
+    @property
+    def on_stream(self) -> bool:
+        """The blocks come as BlockData on this call's stream (else the sender moves them)."""
+        return self.res is None or self.res.caller_writes
 
     @property
     def ticket(self) -> bytes:
         """For the sender: empty when the blocks come as BlockData on the stream."""
-        return self.res.ticket.to_bytes() if self.res is not None and self.path != GRPC else b""
+        return b"" if self.res is None or self.on_stream else self.res.ticket.to_bytes()
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the blocks it reserved (and, once committed, received)."""
+        return self.res.nbytes if self.res is not None else 0
+
+    def _reservation(self) -> Reservation:
+        assert self.res is not None, "the transfer has no reservation yet"
+        return self.res
 
     async def reserve(self, time_remaining: float | None) -> None:
         inbox = self.inbox
@@ -233,7 +259,10 @@ class Transfer:
         self.res = inbox.reserve_in_layer(self.header, reserved.dest)
 
     async def write(self, meta: bytes, data: bytes) -> None:
-        """grpc: check one BlockData message and write its blocks into the reservation."""
+        """Check one BlockData message and write its blocks into the reservation."""
+        res = self._reservation()
+        if not res.caller_writes:
+            raise TransferRefused(BAD, f"expected TransferEnd after the {res.path} transfer")
         block_nbytes = self.inbox.port.block_nbytes
         try:
             # Checksumming MBs is CPU work: off the event loop (zlib releases the GIL).
@@ -248,31 +277,33 @@ class Transfer:
             self._received.add(index)
             ids.append(self._dest[index])
         # On the engine thread, between steps, like every other write into the pool.
-        await self.inbox.engine.call(self.inbox.rx.write, self.res, ids, batch.data)
+        await self.inbox.engine.call(self.inbox.rx.write, res, ids, batch.data)
 
-    async def wait_data(self, timeout: float) -> None:
-        """dist: until the sender's blocks are in the pool."""
+    async def receive(self, timeout: float) -> None:
+        """Where the layer takes the data in itself (``receive_first``): until the sender's
+        blocks are in the pool; before the sender's TransferEnd, which comes only after."""
+        res = self._reservation()
+        if not res.receive_first:
+            return
         try:
-            await asyncio.to_thread(self.inbox.rx.receive, self.res, timeout)
+            await asyncio.to_thread(self.inbox.rx.receive, res, timeout)
         except TransferLayerError as exc:
-            raise TransferRefused(grpc.StatusCode.UNAVAILABLE, f"dist transfer: {exc}") from None
-
-    def check_received(self) -> None:
-        """tcp: the sender said it finished; every block must be in the pool by now."""
-        if not self.res.ended:
-            raise TransferRefused(BAD, "TransferEnd came before every tcp chunk had arrived")
-        try:
-            self.inbox.rx.receive(self.res, 0)
-        except TransferLayerError as exc:
-            raise TransferRefused(grpc.StatusCode.UNAVAILABLE, f"tcp transfer: {exc}") from None
+            raise TransferRefused(
+                grpc.StatusCode.UNAVAILABLE, f"{res.path} transfer: {exc}"
+            ) from None
 
     async def commit(self) -> None:
-        """Every block arrived: end the reservation as done and register the hashes."""
-        if self.path == GRPC and len(self._received) != len(self._dest):
-            left = len(self._dest) - len(self._received)
-            raise TransferRefused(BAD, f"transfer incomplete: {left} blocks missing")
-        if self.path not in RECEIVED_PATHS:  # dist/tcp reservations end as done in receive
-            self.inbox.rx.complete(self.res)
+        """The sender said it finished: the layer ends the reservation as done (or says which
+        blocks did not arrive), then the hashes are registered."""
+        res = self._reservation()
+        try:
+            self.inbox.rx.finish(res)
+        except Incomplete as exc:
+            raise TransferRefused(BAD, str(exc)) from None
+        except TransferLayerError as exc:
+            raise TransferRefused(
+                grpc.StatusCode.UNAVAILABLE, f"{res.path} transfer: {exc}"
+            ) from None
         await self.inbox.engine.call(self.inbox.port.register, self.rid, self.hashes)
         self.adopted = True
 
@@ -296,9 +327,11 @@ class Transfer:
 
     async def _free_blocks(self) -> None:
         res = self.res
-        if res is not None and not res.ended:
-            self.inbox.rx.cancel(res)  # first: no later data of the layer lands in the blocks
-            if res.path == IPC:  # the sender's GPU may still have a copy into them queued
-                self.inbox.quarantine(self.rid, len(res.block_ids))
+        if res is not None:
+            # First: no later data of the layer lands in the blocks (but a sender writing into
+            # this pool itself may still have a write queued: the layer then asks for a grace).
+            grace_s = self.inbox.rx.cancel(res)
+            if grace_s > 0:
+                self.inbox.quarantine(self.rid, len(res.block_ids), grace_s)
                 return
         await self.inbox.free(self.rid)

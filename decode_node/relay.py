@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import AsyncIterator
+from typing import cast
 
+import grpc
+
+from splitserve.models.engine import StepOutput
 from splitserve.runtime import counter_names as names
 from splitserve.runtime.node import failure_code
 from splitserve.v1 import nodes_pb2
 
 
 async def relay_tokens(
-    queue: asyncio.Queue, context, doing: str, counters: Counter, first_alone: bool = False
-):
+    queue: asyncio.Queue[StepOutput | BaseException],
+    context: grpc.aio.ServicerContext,
+    doing: str,
+    counters: Counter[str],
+    first_alone: bool = False,
+) -> AsyncIterator[nodes_pb2.DecodeResponse]:
     """The request's tokens from the engine until it finishes (counted in ``counters``); an
     engine failure ends the call with its status. Tokens that queued up while the event loop was
     busy go out in one message (``first_alone``: not the first token, which the router reads
@@ -34,7 +43,10 @@ async def relay_tokens(
         finish = batch[-1].finish_reason
         yield nodes_pb2.DecodeResponse(
             token_ids=[o.new_token_id for o in batch],
-            logprobs=[o.logprob for o in batch] if out.logprob is not None else [],
+            # A request asks for logprobs or not: every token of its batch has one, or none has.
+            logprobs=cast(list[float], [o.logprob for o in batch])
+            if out.logprob is not None
+            else [],
             finish_reason=finish or "",
         )
         if finish is not None:

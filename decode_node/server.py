@@ -7,27 +7,27 @@ import asyncio
 import uuid
 
 from splitserve.decode_node.service import DecodeService
+from splitserve.kvstore import ModelIdentity
+from splitserve.models.engine_loop import AsyncEngine
 from splitserve.runtime.config import NodeConfig
 from splitserve.runtime.node import serve_node, transfer_paths
-from splitserve.transfer import DIST, IPC, TCP, KVReceiver
+from splitserve.transfer import open_receiver
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 SERVICE_NAME = nodes_pb2.DESCRIPTOR.services_by_name["DecodeNodeService"].full_name
 
 
-def make_service(engine, identity, config: NodeConfig, address: str) -> DecodeService:
-    paths = transfer_paths(config)
-    # Always a receiver: gRPC bytes go through its reservations too; the others only if allowed.
-    # A new id per process life: a sender still holding a restarted node's old pool mapping or
-    # pair group never mistakes it for this one.
-    receiver = KVReceiver(
+def make_service(
+    engine: AsyncEngine, identity: ModelIdentity, config: NodeConfig, address: str
+) -> DecodeService:
+    # Always a receiver: gRPC bytes go through its reservations too; the others only if allowed
+    # (listening on the advertised host). A new id per process life: a sender still holding a
+    # restarted node's old pool mapping or pair group never mistakes it for this one.
+    receiver = open_receiver(
         engine.kv_port.kv_pool,
         f"{address}#{uuid.uuid4().hex[:8]}",
-        ipc=False if IPC not in paths else None,
-        dist=DIST in paths,
-        dist_host=config.advertised_host() if DIST in paths else None,
-        tcp=TCP in paths,
-        tcp_host=config.advertised_host() if TCP in paths else None,
+        paths=transfer_paths(config),
+        host=config.advertised_host(),
     )
     return DecodeService(engine, identity, config.transfer_deadline_s, receiver)
 

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 
@@ -26,13 +27,14 @@ from splitserve.models.engine_loop import AsyncEngine
 from splitserve.runtime import counter_names as names
 from splitserve.runtime.metrics import LoadFigures
 from splitserve.runtime.node import checked_request, node_stats
-from splitserve.transfer import DIST, GRPC, TCP, KVReceiver
+from splitserve.transfer import KVReceiver
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 
-# ipc/dist/tcp: TransferEnd may take this many transfer deadlines (the blocks move first).
+# Through the transfer layer TransferEnd may take this many transfer deadlines (the blocks move
+# first).
 LAYER_IDLE_FACTOR = 4
 MAX_RELEASE_ID_CHARS = 1024  # Release's request_id (input from another node: bounded)
 
@@ -95,7 +97,9 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             **self.engine.counters(),
         }
 
-    async def GetStats(self, request, context):
+    async def GetStats(
+        self, request: nodes_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> nodes_pb2.GetStatsResponse:
         return node_stats(
             "decode",
             self.engine.engine,
@@ -107,7 +111,11 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
 
     # ------------------------------------------------------------------ transfer
 
-    async def TransferKV(self, request_iterator, context):
+    async def TransferKV(
+        self,
+        request_iterator: AsyncIterator[nodes_pb2.TransferKVRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[nodes_pb2.TransferKVResponse]:
         if self.draining:
             # NOTE: the header is read before refusing: a bidirectional call ended while the
             # client is still writing can reach the client as INTERNAL "Internal error from
@@ -147,20 +155,23 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
                 self._transfers -= 1
                 self.inbox.freed.notify()
 
-    async def _receive(self, transfer: Transfer, request_iterator, context) -> None:
-        """The sender's messages after our reply: BlockData until TransferEnd for gRPC bytes;
-        for ipc/dist/tcp only TransferEnd, once the sender has written the blocks (dist: once
-        they are in the pool; tcp: the sender sends it once every chunk was acknowledged)."""
-        if transfer.path != GRPC:
-            if transfer.path == DIST:
-                await transfer.wait_data(context.time_remaining() or self.deadline_s)
+    async def _receive(
+        self,
+        transfer: Transfer,
+        request_iterator: AsyncIterator[nodes_pb2.TransferKVRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        """The sender's messages after our reply: BlockData until TransferEnd when the blocks
+        come on the stream (gRPC bytes); through the layer only TransferEnd, once the sender has
+        moved the blocks (where the layer receives them itself, after they are in the pool;
+        ``commit`` has the layer check that they all arrived)."""
+        if not transfer.on_stream:
+            await transfer.receive(context.time_remaining() or self.deadline_s)
             # The sender moves the blocks first (seconds even for GBs): a generous bound.
             end = await self._next(request_iterator, LAYER_IDLE_FACTOR * self.deadline_s)
             if end is None or end.WhichOneof("kind") != "end":
                 path = transfer.path
                 raise TransferRefused(BAD, f"expected TransferEnd after the {path} transfer")
-            if transfer.path == TCP:
-                transfer.check_received()
             return
         while (msg := await self._next(request_iterator, self.deadline_s)) is not None:
             kind = msg.WhichOneof("kind")
@@ -171,7 +182,9 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             await transfer.write(msg.blocks.meta, msg.blocks.data)
         raise TransferRefused(BAD, "transfer ended without a TransferEnd")
 
-    async def _next(self, messages, idle_s: float):
+    async def _next(
+        self, messages: AsyncIterator[nodes_pb2.TransferKVRequest], idle_s: float
+    ) -> nodes_pb2.TransferKVRequest | None:
         """The sender's next message (None: it closed); a sender silent for ``idle_s`` loses its
         reservation: blocks are not held for a stream that stopped sending."""
         try:
@@ -196,20 +209,24 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
                 time.monotonic() + min(header.deadline_s or self.deadline_s, self.deadline_s),
             ),
         )
-        if transfer.path != GRPC:
+        if not transfer.on_stream:
             self.counters[names.transfers_via(transfer.path)] += 1
         self.counters[names.TRANSFERS] += 1
         self.counters[names.BLOCKS_ADOPTED] += len(transfer.missing)
         self.counters[names.BLOCKS_REUSED] += len(transfer.hashes) - len(transfer.missing)
-        self.counters[names.BYTES_RECEIVED] += transfer.res.nbytes
+        self.counters[names.BYTES_RECEIVED] += transfer.nbytes
 
     # ------------------------------------------------------------------ decode
 
-    async def Decode(self, request, context):
+    async def Decode(
+        self, request: nodes_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[nodes_pb2.DecodeResponse]:
         async for reply in self._counted(self._decode(request, context)):
             yield reply
 
-    async def _decode(self, request, context):
+    async def _decode(
+        self, request: nodes_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[nodes_pb2.DecodeResponse, None]:
         rid = request.request_id
         pending = self.pending.pop(rid)
         if pending is None:
@@ -270,13 +287,17 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
 
     # ------------------------------------------------------------------ generate (direct route)
 
-    async def Generate(self, request, context):
+    async def Generate(
+        self, request: nodes_pb2.GenerateOnNodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[nodes_pb2.DecodeResponse]:
         """A whole request on this node: prefill (chunked, cached prefix reused) and decode in
         the one engine, every token streamed, the first message with ``cached_tokens``."""
         async for reply in self._counted(self._generate(request, context)):
             yield reply
 
-    async def _generate(self, request, context):
+    async def _generate(
+        self, request: nodes_pb2.GenerateOnNodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[nodes_pb2.DecodeResponse, None]:
         if self.draining:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, "decode node is draining; retry on another node"
@@ -320,7 +341,9 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
                 self.counters[names.REQUESTS_ABORTED] += 1
             self.inbox.freed.notify()
 
-    async def _counted(self, replies):
+    async def _counted(
+        self, replies: AsyncGenerator[nodes_pb2.DecodeResponse, None]
+    ) -> AsyncIterator[nodes_pb2.DecodeResponse]:
         """``replies`` as a call in flight: a drain waits until its last message is sent."""
         self._calls += 1
         try:

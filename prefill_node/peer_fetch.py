@@ -11,10 +11,12 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import AsyncGenerator
+from typing import Any
 
 import grpc
 
-from splitserve.kvstore import hash_request_tokens
+from splitserve.kvstore import BlockHash, hash_request_tokens
 from splitserve.kvstore.codec import batch_indices, decode_blocks, encode_blocks
 from splitserve.models.engine_loop import AsyncEngine
 from splitserve.models.kv_port import KVPort
@@ -41,7 +43,7 @@ class PeerFetcher:
         counters: Counter[str],
         layer: LayerFetch | None = None,
     ) -> None:
-        self.layer = layer  # fetches through the transfer layer (ipc/tcp) where a path exists
+        self.layer = layer  # fetches through the transfer layer where a path exists
         self.engine = engine
         self.port: KVPort = engine.kv_port
         self.root = root_hash
@@ -52,7 +54,12 @@ class PeerFetcher:
     # ------------------------------------------------------------------ client
 
     async def fetch(
-        self, peer: str, peer_blocks: int, prompt: list[int], salt, timeout: float | None
+        self,
+        peer: str,
+        peer_blocks: int,
+        prompt: list[int],
+        salt: str | None,
+        timeout: float | None,
     ) -> int:
         """Fetch the prompt's prefix blocks ``peer`` holds (up to ``peer_blocks``) into the
         prefix cache; returns how many were adopted. Any failure: 0, and the prompt is simply
@@ -75,7 +82,14 @@ class PeerFetcher:
             del self._fetching[key]
             done.set_result(None)
 
-    async def _fetch_missing(self, peer: str, hashes: list[bytes], prompt, salt, timeout) -> int:
+    async def _fetch_missing(
+        self,
+        peer: str,
+        hashes: list[BlockHash],
+        prompt: list[int],
+        salt: str | None,
+        timeout: float | None,
+    ) -> int:
         local = await self.engine.call(self.port.count_cached, hashes)
         want = hashes[local:]
         # What the peer recomputes the asked hashes from: no prompt, no blocks.
@@ -84,15 +98,16 @@ class PeerFetcher:
             cache_salt=salt or "",
             first_block=local,
         )
-        path = await self.layer.path_to(peer) if self.layer is not None else None
-        if not self.rates.worth_fetching(len(want), path or "grpc"):
+        layer = self.layer
+        path = await layer.path_to(peer) if layer is not None else None
+        if not self.rates.worth_fetching(len(want), path or ""):
             if len(want) >= MIN_FETCH_BLOCKS:
                 self.counters[names.PREFIX_FETCH_SKIPPED_SLOWER] += 1
             return 0
         t0 = time.perf_counter()
         timeout = min(FETCH_TIMEOUT_S, timeout or FETCH_TIMEOUT_S)
-        if path is not None:
-            adopted = await self.layer.fetch(peer, self.root, want, proof, timeout)
+        if layer is not None and path is not None:
+            adopted = await layer.fetch(peer, self.root, want, proof, timeout)
             if adopted is not None:  # None: the layer declined; fetch bytes
                 if adopted:
                     seconds = time.perf_counter() - t0
@@ -117,7 +132,9 @@ class PeerFetcher:
         self.counters[names.PREFIX_BLOCKS_FETCHED] += adopted
         return adopted
 
-    async def _receive(self, peer: str, want: list[bytes], proof, timeout) -> dict[int, bytes]:
+    async def _receive(
+        self, peer: str, want: list[BlockHash], proof: dict[str, Any], timeout: float
+    ) -> dict[int, bytes]:
         """The blocks ``peer`` sends of ``want``, by index."""
         stub = nodes_pb2_grpc.PrefillNodeServiceStub(self.channels.get(peer))
         call = stub.FetchBlocks(
@@ -142,7 +159,7 @@ class PeerFetcher:
 
     # ------------------------------------------------------------------ server
 
-    def accepts(self, request) -> bool:
+    def accepts(self, request: nodes_pb2.FetchBlocksRequest) -> bool:
         """The peer's model identity and block size are this node's."""
         return request.model_root_hash == self.root and request.block_nbytes == self.block_nbytes
 
@@ -152,7 +169,7 @@ class PeerFetcher:
         max_len = self.engine.engine.runner.config.max_model_len
         return min(MAX_FETCH_BLOCKS, max_len // self.block_size + 1)
 
-    def why_not_proven(self, request) -> str | None:
+    def why_not_proven(self, request: nodes_pb2.FetchBlocksRequest) -> str | None:
         """Why the asker has not shown it knows the prompt of the asked blocks (None: it has):
         the token ids it sent, with its salt, must hash to exactly the asked run."""
         n, first = len(request.block_hashes), request.first_block
@@ -167,7 +184,9 @@ class PeerFetcher:
             return "the token ids do not hash to the asked blocks"
         return None
 
-    async def serve(self, request):
+    async def serve(
+        self, request: nodes_pb2.FetchBlocksRequest
+    ) -> AsyncGenerator[nodes_pb2.FetchBlocksResponse, None]:
         """``FetchBlocks``: the longest leading run of the requested blocks held here, as
         BlockData messages, or (with a ticket) through the transfer layer; the blocks are
         pinned while they are read."""

@@ -1,14 +1,14 @@
 """Peer prefix fetches through the transfer layer: the asking prefill node reserves blocks for
 the prefix, hands the holder a ticket in ``FetchBlocks``, and the holder copies its leading run
-of those blocks straight into them (ipc on one host, tcp otherwise; dist pairs are kept for
-decode nodes) — no gRPC bytes, no Python copies.
+of those blocks straight into them over the paths of the layer's ``FETCH_PATHS`` (the node's
+fetch receiver and fetch sender open only those) — no gRPC bytes, no Python copies.
 
     asker: reserve (KV port, then the layer) → FetchBlocks(hashes, its endpoint, ticket)
     holder: pin the run it holds → connect → send the first n blocks → FetchBlocksResponse(n)
-    asker: complete_prefix(n) → register the n hashes → free the request (they stay cached)
+    asker: finish(res, n) → register the n hashes → free the request (they stay cached)
 
-Any failure frees what the asker reserved (an ipc reservation the holder may still be writing
-only after IPC_FREE_GRACE_S) and the caller falls back to gRPC bytes or computes.
+Any failure frees what the asker reserved (after the grace the layer asks for, where the holder
+may still be writing) and the caller falls back to gRPC bytes or computes.
 """
 
 from __future__ import annotations
@@ -20,25 +20,26 @@ import logging
 import time
 import uuid
 from collections import Counter
+from collections.abc import AsyncIterable, Sequence
+from typing import Any
 
 import grpc
 
+from splitserve.kvstore import BlockHash, KVCacheBlock
 from splitserve.models.engine_loop import AsyncEngine, settle
 from splitserve.prefill_node.channels import Channels
 from splitserve.runtime import counter_names as names
 from splitserve.runtime.auth import call_metadata
-from splitserve.transfer import GRPC, IPC, TCP, Endpoint, KVReceiver, KVSender, Ticket, choose_path
+from splitserve.transfer import Endpoint, KVReceiver, KVSender, Reservation, Ticket, choose_path
 from splitserve.transfer import TransferError as TransferLayerError
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-FETCH_PATHS = (IPC, TCP)
 FETCH_RECEIVER_MARK = "#fetch-"  # in the id of every prefill node's fetch receiver
 MAX_FETCH_PEERS = 64  # receivers the fetch sender keeps paths to
 ROUTE_TTL_S = 60.0  # a peer's sender endpoint is looked up again after this long
 CONNECT_WAIT_S = 2.0  # the holder waits this long for a path to be set up, then declines
-IPC_FREE_GRACE_S = 10.0  # as the decode node's: a copy the holder queued may still land
 
 
 class LayerFetch:
@@ -61,7 +62,7 @@ class LayerFetch:
     # ------------------------------------------------------------------ asking
 
     async def fetch(
-        self, peer: str, root: bytes, want: list[bytes], proof: dict, timeout: float
+        self, peer: str, root: bytes, want: list[BlockHash], proof: dict[str, Any], timeout: float
     ) -> int | None:
         """Fetch the leading run of ``want`` that ``peer`` holds into the prefix cache through
         the layer; how many blocks were adopted, or None: no layer path to that peer (fetch
@@ -70,9 +71,12 @@ class LayerFetch:
         if route is None:
             return None
         path, sender_id = route
+        receiver, endpoint = self.receiver, self._rx_endpoint
+        assert receiver is not None and endpoint is not None  # a route needs a receiver
         rid = f"fetch-{uuid.uuid4().hex}"
         n = len(want)
-        res, adopted = None, False
+        res: Reservation | None = None
+        adopted = False
         try:  # from before the reservation: a cancel landing while it is made still frees it
             reserved = await self.engine.call_to_end(
                 self.port.reserve, rid, want, n * self.port.block_size
@@ -81,13 +85,13 @@ class LayerFetch:
                 return 0  # the pool is short: compute
             if reserved.missing != list(range(n)):
                 return None  # some became cached meanwhile: the byte path copes with gaps
-            res = self.receiver.reserve(sender_id, reserved.dest, path)
+            res = receiver.reserve(sender_id, reserved.dest, path)
             stub = nodes_pb2_grpc.PrefillNodeServiceStub(self.channels.get(peer))
             request = nodes_pb2.FetchBlocksRequest(
                 block_hashes=want,
                 model_root_hash=root,
                 block_nbytes=self.port.block_nbytes,
-                receiver_endpoint=self._rx_endpoint.to_bytes(),
+                receiver_endpoint=endpoint.to_bytes(),
                 ticket=res.ticket.to_bytes(),
                 **proof,
             )
@@ -96,7 +100,9 @@ class LayerFetch:
             if sent is None:
                 self._routes.pop(peer, None)  # declined: look the peer up afresh next time
                 return None
-            self.receiver.complete_prefix(res, sent)
+            # NOTE: the holder has sent when it answers: FETCH_PATHS has no path whose receiver
+            # must take part (``receive_first``) meanwhile.
+            receiver.finish(res, sent)  # the holder filled the first ``sent`` blocks
             if sent:
                 await self.engine.call_to_end(self.port.register, rid, want[:sent])
             adopted = True
@@ -109,7 +115,7 @@ class LayerFetch:
         finally:
             await self._release(rid, res, adopted)
 
-    async def _sent(self, call, n: int) -> int | None:
+    async def _sent(self, call: AsyncIterable[nodes_pb2.FetchBlocksResponse], n: int) -> int | None:
         """The holder's answer: blocks sent (None: it declined the layer)."""
         sent = None
         async for msg in call:
@@ -122,20 +128,21 @@ class LayerFetch:
             sent = msg.blocks_sent
         return sent
 
-    async def _release(self, rid: str, res, adopted: bool) -> None:
-        if res is not None:
-            unfinished = not res.ended
-            self.receiver.cancel(res)  # idempotent; also forgets an ended tcp reservation
-            if unfinished and res.path == IPC:  # the holder's copy may still be on its way
-                self._free_later(rid)
+    async def _release(self, rid: str, res: Reservation | None, adopted: bool) -> None:
+        if res is not None and self.receiver is not None:
+            # Idempotent; also drops what the path keeps for an ended reservation. A holder
+            # writing into this pool itself may still have a copy on its way: then a grace.
+            grace_s = self.receiver.cancel(res)
+            if grace_s > 0:
+                self._free_later(rid, grace_s)
                 return
         await self.engine.call_to_end(self.port.free, rid)
 
-    def _free_later(self, rid: str) -> None:
+    def _free_later(self, rid: str, grace_s: float) -> None:
         self.counters[names.IPC_BLOCKS_QUARANTINED] += 1
 
         async def free() -> None:
-            await asyncio.sleep(IPC_FREE_GRACE_S)
+            await asyncio.sleep(grace_s)
             await self.engine.call_to_end(self.port.free, rid)
 
         task = asyncio.create_task(free())
@@ -143,13 +150,13 @@ class LayerFetch:
         task.add_done_callback(self._later.discard)
 
     async def path_to(self, peer: str) -> str | None:
-        """The layer path fetches from ``peer`` take (ipc/tcp); None: gRPC bytes."""
+        """The layer path fetches from ``peer`` take; None: gRPC bytes."""
         route = await self._route(peer)
         return route[0] if route is not None else None
 
     async def _route(self, peer: str) -> tuple[str, str] | None:
         """(path, the holder's sender id) for fetches from ``peer``, cached ROUTE_TTL_S."""
-        if self.receiver is None:
+        if self.receiver is None or self._rx_endpoint is None:
             return None
         cached = self._routes.get(peer)
         if cached is not None and time.monotonic() - cached[1] < ROUTE_TTL_S:
@@ -161,8 +168,9 @@ class LayerFetch:
             )
             if stats.role == "prefill" and stats.transfer_endpoint:
                 theirs = Endpoint.from_bytes(stats.transfer_endpoint)
-                path = choose_path(theirs, self._rx_endpoint, FETCH_PATHS)
-                route = None if path == GRPC else (path, theirs.node_id)
+                paths = self.receiver.paths  # the fetch paths this node takes in
+                path = choose_path(theirs, self._rx_endpoint, paths)
+                route = (path, theirs.node_id) if path in paths else None
         except (grpc.aio.AioRpcError, ValueError) as exc:
             logger.info("prefix fetch path to %s: %s", peer, exc)
         self._routes[peer] = (route, time.monotonic())
@@ -170,13 +178,15 @@ class LayerFetch:
 
     # ------------------------------------------------------------------ holding
 
-    async def serve(self, request, pinned) -> nodes_pb2.FetchBlocksResponse:
+    async def serve(
+        self, request: nodes_pb2.FetchBlocksRequest, pinned: Sequence[KVCacheBlock]
+    ) -> nodes_pb2.FetchBlocksResponse:
         """Send the ``pinned`` blocks (the leading run of the asked hashes held here) into the
         asker's reservation; the answer says how many (``transfer_path`` empty: declined).
 
         The asker's endpoint and ticket are input: the fetch sender is not the shipper's (a
-        forged endpoint cannot take over a decode node's path), may use ipc and tcp only, serves
-        only receivers that are prefill nodes' fetch receivers, and writes only into the
+        forged endpoint cannot take over a decode node's path), may use the fetch paths only,
+        serves only receivers that are prefill nodes' fetch receivers, and writes only into the
         reservation of the receiver it just connected to."""
         declined = nodes_pb2.FetchBlocksResponse()
         n = len(pinned)
@@ -191,7 +201,7 @@ class LayerFetch:
             ticket.sender_id != self.sender.node_id
             or ticket.receiver_id != peer.node_id
             or FETCH_RECEIVER_MARK not in peer.node_id
-            or ticket.path not in FETCH_PATHS
+            or ticket.path not in self.sender.paths
             or len(ticket.block_ids) != len(request.block_hashes)
         ):
             return declined
@@ -223,6 +233,7 @@ class LayerFetch:
     async def _connect(self, peer: Endpoint) -> str:
         """Connect the fetch sender to ``peer``; at most MAX_FETCH_PEERS are kept (the least
         recently used is dropped)."""
+        assert self.sender is not None
         path = await asyncio.to_thread(self.sender.connect, peer)
         self._fetch_peers.pop(peer.node_id, None)
         self._fetch_peers[peer.node_id] = None

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from splitserve.transfer import rate_prior
+
+if TYPE_CHECKING:
+    from splitserve.models.runner import ModelRunner
+
 MIN_FETCH_BLOCKS = 2  # fewer than this: computing is cheaper than a round trip to a peer
-# Until measured here, per path of the fetch (benchmarks/transfer.py, 256 blocks of the 8B shape
-# on an H200 host, 2026-12-01: gRPC block stream 0.22 GB/s, tcp 3.8 GB/s, ipc 384 GB/s; taken
-# lower, since a fetch also pays its round trip and the adoption), and a GPU prefill runs at
-# ~300 TFLOP/s (2 FLOPs/parameter/token).
-FETCH_RATE_PRIOR = {"grpc": 0.25e9, "tcp": 2e9, "ipc": 100e9}  # bytes/s
+# Until measured here: each path of the fetch moves what the transfer layer assumes of it
+# (``transfer.rate_prior``), and a GPU prefill runs at ~300 TFLOP/s (2 FLOPs/parameter/token).
 GPU_PREFILL_FLOPS_PRIOR = 300e12
 FETCH_LATENCY_S = 0.002  # a round trip and the adoption, whatever the size
 RATE_SAMPLE_MIN_TOKENS = 256  # smaller prefills say more about overheads than about speed
@@ -40,11 +44,12 @@ class Rates:
 
     def __init__(self, block_nbytes: int, block_size: int, compute_rate: float | None) -> None:
         self.block_nbytes, self.block_size = block_nbytes, block_size
-        self.fetch_rates = dict(FETCH_RATE_PRIOR)  # per path of the fetch
+        # Measured, per path of the fetch ("": the byte stream of FetchBlocks).
+        self.fetch_rates: dict[str, float] = {}
         self.compute_rate = compute_rate
 
     @classmethod
-    def for_runner(cls, runner, block_nbytes: int, block_size: int) -> Rates:
+    def for_runner(cls, runner: ModelRunner, block_nbytes: int, block_size: int) -> Rates:
         """Priors for a model runner: a GPU's prefill rate from the parameter count; on CPU
         unknown (fetch whatever is worth a round trip)."""
         compute_rate = None
@@ -53,16 +58,18 @@ class Rates:
             compute_rate = GPU_PREFILL_FLOPS_PRIOR / (2 * params)
         return cls(block_nbytes, block_size, compute_rate)
 
-    def fetch_rate(self, path: str = "grpc") -> float:
-        return self.fetch_rates[path]
+    def fetch_rate(self, path: str = "") -> float:
+        """Of a fetch over the transfer layer's ``path`` ("": the FetchBlocks byte stream)."""
+        rate = self.fetch_rates.get(path)
+        return rate if rate is not None else rate_prior(path)
 
-    def worth_fetching(self, num_blocks: int, path: str = "grpc") -> bool:
-        """Fetching ``num_blocks`` over ``path`` (grpc, tcp or ipc) beats computing them."""
+    def worth_fetching(self, num_blocks: int, path: str = "") -> bool:
+        """Fetching ``num_blocks`` over ``path`` beats computing them."""
         return worth_fetching(
             num_blocks,
             self.block_nbytes,
             self.block_size,
-            self.fetch_rates[path],
+            self.fetch_rate(path),
             self.compute_rate,
         )
 
@@ -72,9 +79,9 @@ class Rates:
         if computed_tokens >= RATE_SAMPLE_MIN_TOKENS:
             self.compute_rate = _ema(self.compute_rate, computed_tokens / max(seconds, 1e-6))
 
-    def fetched(self, nbytes: int, seconds: float, path: str = "grpc") -> None:
+    def fetched(self, nbytes: int, seconds: float, path: str = "") -> None:
         """A peer fetch over ``path`` moved ``nbytes`` in ``seconds``, round trip and adoption
         included."""
         if nbytes >= RATE_SAMPLE_MIN_BYTES:
             sample = nbytes / max(seconds - FETCH_LATENCY_S, 1e-6)
-            self.fetch_rates[path] = _ema(self.fetch_rates[path], sample)
+            self.fetch_rates[path] = _ema(self.fetch_rate(path), sample)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+from splitserve.kvstore import ModelIdentity
+from splitserve.models.engine_loop import AsyncEngine
 from splitserve.prefill_node.peer_layer import FETCH_RECEIVER_MARK
 from splitserve.prefill_node.service import PrefillService
 from splitserve.runtime.config import NodeConfig
@@ -15,26 +17,27 @@ from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 SERVICE_NAME = nodes_pb2.DESCRIPTOR.services_by_name["PrefillNodeService"].full_name
 
 
-def make_service(engine, identity, config: NodeConfig, address: str) -> PrefillService:
-    from splitserve.transfer import IPC, TCP, KVReceiver, KVSender
+def make_service(
+    engine: AsyncEngine, identity: ModelIdentity, config: NodeConfig, address: str
+) -> PrefillService:
+    from splitserve.transfer import fetch_paths, open_receiver, open_sender
 
     paths = transfer_paths(config)
     pool = engine.kv_port.kv_pool
     sender = receiver = fetch_sender = None
-    if len(paths) > 1:
-        sender = KVSender(pool, address, paths=paths)
-    if IPC in paths or TCP in paths:
-        # Serving peers' fetches: its own sender, ipc/tcp only (the asker names the receiver).
-        fetch_sender = KVSender(pool, address, paths=[p for p in paths if p in (IPC, TCP)])
-        # Peers' prefix blocks come in through it (ipc/tcp; dist pairs are for decode nodes).
-        # A new id per process life, as the decode node's.
-        receiver = KVReceiver(
+    if len(paths) > 1:  # a path besides gRPC bytes
+        sender = open_sender(pool, address, paths=paths)
+    fetch = fetch_paths(paths)
+    if fetch:
+        # Serving peers' fetches: its own sender, over the fetch paths only (the asker names the
+        # receiver). Peers' prefix blocks come in through the receiver, over the same paths
+        # (listening on the advertised host); a new id per process life, as the decode node's.
+        fetch_sender = open_sender(pool, address, paths=fetch)
+        receiver = open_receiver(
             pool,
             f"{address}{FETCH_RECEIVER_MARK}{uuid.uuid4().hex[:8]}",
-            ipc=False if IPC not in paths else None,
-            dist=False,
-            tcp=TCP in paths,
-            tcp_host=config.advertised_host() if TCP in paths else None,
+            paths=fetch,
+            host=config.advertised_host(),
         )
     return PrefillService(
         engine,

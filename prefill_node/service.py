@@ -12,12 +12,15 @@ import contextlib
 import logging
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 
 import grpc
 
 from splitserve.kvstore import ModelIdentity
 from splitserve.models.engine import StepOutput
 from splitserve.models.engine_loop import AsyncEngine
+from splitserve.models.sampling_params import SamplingParams
+from splitserve.models.scheduler import Request
 from splitserve.prefill_node.channels import Channels
 from splitserve.prefill_node.peer_fetch import PeerFetcher
 from splitserve.prefill_node.peer_layer import LayerFetch
@@ -26,6 +29,7 @@ from splitserve.prefill_node.shipper import KVShipper, ShipError
 from splitserve.runtime import counter_names as names
 from splitserve.runtime.metrics import LoadFigures
 from splitserve.runtime.node import checked_request, failure_code, node_stats
+from splitserve.transfer import KVReceiver, KVSender
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -37,9 +41,9 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
         engine: AsyncEngine,
         identity: ModelIdentity,
         deadline_s: float,
-        sender=None,
-        receiver=None,
-        fetch_sender=None,
+        sender: KVSender | None = None,
+        receiver: KVReceiver | None = None,
+        fetch_sender: KVSender | None = None,
     ) -> None:
         self.engine = engine
         self.identity = identity
@@ -52,7 +56,7 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
             engine, identity.root_hash, deadline_s, self.channels, self.counters, sender
         )
         # Peer prefix fetches through the transfer layer: this node receives (receiver), and
-        # serves its peers' fetches with a sender of its own (fetch_sender, ipc/tcp only).
+        # serves its peers' fetches with a sender of its own (fetch_sender, the fetch paths only).
         self.sender, self.receiver, self.fetch_sender = sender, receiver, fetch_sender
         layer = LayerFetch(engine, self.channels, self.counters, fetch_sender, receiver)
         self.fetcher = PeerFetcher(
@@ -97,7 +101,9 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
 
     # ------------------------------------------------------------------ Prefill
 
-    async def Prefill(self, request, context):
+    async def Prefill(
+        self, request: nodes_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> nodes_pb2.PrefillResponse:
         if self.draining:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, "prefill node is draining; retry on another node"
@@ -111,7 +117,9 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
             if self._active == 0:
                 self._idle.set()
 
-    async def _prefill(self, request, context):
+    async def _prefill(
+        self, request: nodes_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> nodes_pb2.PrefillResponse:
         rid = request.request_id
         core = self.engine.engine
         try:
@@ -152,7 +160,15 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
             # again while it waits would otherwise drop it, and the blocks would stay held.
             await self.engine.abort(rid)
 
-    async def _compute(self, rid, prompt, params, salt, queue, context):
+    async def _compute(
+        self,
+        rid: str,
+        prompt: list[int],
+        params: SamplingParams,
+        salt: str | None,
+        queue: asyncio.Queue[StepOutput | BaseException],
+        context: grpc.aio.ServicerContext,
+    ) -> tuple[Request, StepOutput]:
         """Add the request to the engine and wait for its first token: (request, its output)."""
         core = self.engine.engine
         try:
@@ -171,7 +187,14 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
         self.counters[names.CACHED_TOKENS] += req.num_cached_tokens
         return req, out
 
-    async def _ship(self, request, req, first_token: int, response, context) -> None:
+    async def _ship(
+        self,
+        request: nodes_pb2.PrefillRequest,
+        req: Request,
+        first_token: int,
+        response: nodes_pb2.PrefillResponse,
+        context: grpc.aio.ServicerContext,
+    ) -> None:
         """Ship the prompt's KV into the decode node; fills the transfer figures of response."""
         try:
             shipped = await self.shipper.ship(request, req, first_token, context.time_remaining())
@@ -183,7 +206,9 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
 
     # ------------------------------------------------------------------ FetchBlocks, GetStats
 
-    async def FetchBlocks(self, request, context):
+    async def FetchBlocks(
+        self, request: nodes_pb2.FetchBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[nodes_pb2.FetchBlocksResponse]:
         if not self.fetcher.accepts(request):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -198,7 +223,9 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
             async for msg in blocks:
                 yield msg
 
-    async def GetStats(self, request, context):
+    async def GetStats(
+        self, request: nodes_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> nodes_pb2.GetStatsResponse:
         engine = self.engine.engine
         # What askers choose a fetch path from: the fetch sender's endpoint.
         fetch = self.fetch_sender

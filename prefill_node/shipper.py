@@ -2,9 +2,9 @@
 
 One ``TransferKV`` stream per request: the header (tokens, block hashes, model identity), the
 decode node's answer (the hashes it lacks, and a ticket when a transfer-layer path was agreed),
-then either the blocks through the transfer layer (``transfer.KVSender``: ipc/dist) or as
-``BlockData`` bytes (``kvstore.codec``, ~4 MB messages), then ``TransferEnd`` and the decode
-node's confirmation. Blocks are read through the engine's KVPort only.
+then either the blocks through the transfer layer (``transfer.KVSender``, over whichever path it
+set up) or as ``BlockData`` bytes (``kvstore.codec``, ~4 MB messages), then ``TransferEnd`` and
+the decode node's confirmation. Blocks are read through the engine's KVPort only.
 """
 
 from __future__ import annotations
@@ -14,17 +14,20 @@ import functools
 import logging
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from typing import NamedTuple
 
 import grpc
 
+from splitserve.kvstore import BlockHash
 from splitserve.kvstore.codec import batch_indices, encode_blocks
 from splitserve.models.engine_loop import AsyncEngine, settle
 from splitserve.models.kv_port import KVPort
+from splitserve.models.scheduler import Request
 from splitserve.prefill_node.channels import Channels
 from splitserve.runtime import counter_names as names
 from splitserve.runtime.auth import call_metadata
-from splitserve.transfer import GRPC, Endpoint
+from splitserve.transfer import Endpoint, KVSender
 from splitserve.transfer import TransferError as TransferLayerError
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
@@ -61,22 +64,28 @@ class Shipped(NamedTuple):
 class _Stream:
     """The request side of one TransferKV call, fed from an outbox."""
 
-    def __init__(self, stub, header: nodes_pb2.TransferHeader, timeout: float | None) -> None:
-        self.outbox: asyncio.Queue = asyncio.Queue()
+    def __init__(
+        self,
+        stub: nodes_pb2_grpc.DecodeNodeServiceStub,
+        header: nodes_pb2.TransferHeader,
+        timeout: float | None,
+    ) -> None:
+        self.outbox: asyncio.Queue[nodes_pb2.TransferKVRequest | None] = asyncio.Queue()
         self.outbox.put_nowait(nodes_pb2.TransferKVRequest(header=header))
         self.call = stub.TransferKV(self._messages(), timeout=timeout, metadata=call_metadata())
 
-    async def _messages(self):
+    async def _messages(self) -> AsyncIterator[nodes_pb2.TransferKVRequest]:
         while (msg := await self.outbox.get()) is not None:
             yield msg
 
-    def send(self, msg: nodes_pb2.TransferKVRequest) -> None:
+    def send(self, msg: nodes_pb2.TransferKVRequest | None) -> None:
+        """Queue ``msg`` (None: end the request stream)."""
         self.outbox.put_nowait(msg)
 
-    async def read(self, error: grpc.StatusCode, what: str):
+    async def read(self, error: grpc.StatusCode, what: str) -> nodes_pb2.TransferKVResponse:
         reply = await self.call.read()
-        if reply is grpc.aio.EOF:
-            raise grpc.aio.AioRpcError(error, None, None, what)
+        if reply is grpc.aio.EOF:  # pyright: ignore[reportAttributeAccessIssue] (not in the stubs)
+            raise grpc.aio.AioRpcError(error, grpc.aio.Metadata(), grpc.aio.Metadata(), what)
         return reply
 
     def abandon(self) -> None:
@@ -92,7 +101,7 @@ class KVShipper:
         deadline_s: float,
         channels: Channels,
         counters: Counter[str],
-        sender=None,
+        sender: KVSender | None = None,
     ) -> None:
         self.engine = engine
         self.port: KVPort = engine.kv_port
@@ -100,7 +109,7 @@ class KVShipper:
         self.block_size, self.block_nbytes = self.port.block_size, self.port.block_nbytes
         self.deadline_s = deadline_s
         self.channels, self.counters = channels, counters
-        # KV transfer layer (transfer.KVSender): ipc/dist paths to decode nodes that offer them.
+        # KV transfer layer (transfer.KVSender): its paths to decode nodes that offer them.
         self.sender = sender
         # decode address → (transfer path or "", its receiver id, when resolved)
         self._routes: dict[str, tuple[str, str, float]] = {}
@@ -109,7 +118,13 @@ class KVShipper:
         if self.sender is not None:
             await asyncio.to_thread(self.sender.close_all)
 
-    async def ship(self, request, req, first_token: int, timeout: float | None) -> Shipped:
+    async def ship(
+        self,
+        request: nodes_pb2.PrefillRequest,
+        req: Request,
+        first_token: int,
+        timeout: float | None,
+    ) -> Shipped:
         """Ship request ``req``'s prompt KV (``request``: its PrefillRequest) into the decode
         node; ``ShipError`` says why not."""
         address = request.decode_address
@@ -150,10 +165,18 @@ class KVShipper:
         self.counters[names.BLOCKS_SHIPPED] += missing
         self.counters[names.BLOCKS_REUSED_ON_DECODE] += reused
         self.counters[names.BYTES_SHIPPED] += nbytes
-        self.counters[names.TRANSFER_SECONDS] += time.perf_counter() - t0
+        self.counters[names.TRANSFER_SECONDS] += time.perf_counter() - t0  # pyright: ignore[reportArgumentType] (seconds: a float)
         return Shipped(missing, reused, nbytes)
 
-    def _header(self, request, req, first_token, hashes, path, receiver_id):
+    def _header(
+        self,
+        request: nodes_pb2.PrefillRequest,
+        req: Request,
+        first_token: int,
+        hashes: list[BlockHash],
+        path: str,
+        receiver_id: str,
+    ) -> nodes_pb2.TransferHeader:
         return nodes_pb2.TransferHeader(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
@@ -169,7 +192,16 @@ class KVShipper:
             receiver_id=receiver_id,
         )
 
-    async def _exchange(self, stream, address, block_ids, hashes, num_tokens, path, timeout):
+    async def _exchange(
+        self,
+        stream: _Stream,
+        address: str,
+        block_ids: asyncio.Future[list[int]],
+        hashes: list[BlockHash],
+        num_tokens: int,
+        path: str,
+        timeout: float | None,
+    ) -> tuple[int, int]:
         """The stream after the header; returns (full blocks shipped, bytes shipped)."""
         reply = await stream.read(grpc.StatusCode.UNAVAILABLE, "decode node closed the transfer")
         missing = list(reply.missing)
@@ -190,11 +222,16 @@ class KVShipper:
         )
         if not reply.done:
             raise grpc.aio.AioRpcError(
-                grpc.StatusCode.INTERNAL, None, None, "decode node did not confirm the transfer"
+                grpc.StatusCode.INTERNAL,
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata(),
+                "decode node did not confirm the transfer",
             )
         return len(missing), nbytes
 
-    async def _send_bytes(self, stream: _Stream, missing, ids, tail: list[int]) -> int:
+    async def _send_bytes(
+        self, stream: _Stream, missing: list[int], ids: list[int], tail: list[int]
+    ) -> int:
         """The ``missing`` full blocks (indices into the block hashes; ``ids``: the request's
         blocks) as BlockData messages in runs, then the tail block."""
         runs = [(run, False) for run in batch_indices(missing, self.block_nbytes)]
@@ -213,10 +250,13 @@ class KVShipper:
 
     # ------------------------------------------------------------------ transfer layer
 
-    async def _send_through_layer(self, address, path, ticket: bytes, src, timeout) -> int:
+    async def _send_through_layer(
+        self, address: str, path: str, ticket: bytes, src: list[int], timeout: float | None
+    ) -> int:
         """Move the blocks with the transfer layer. The copy is never left running behind a
         closed stream (ipc writes straight into the decode node's blocks): it is awaited to its
         end however often the request is cancelled meanwhile."""
+        assert self.sender is not None  # a ticket comes only for a path the sender set up
         send = functools.partial(self.sender.send, ticket, src, timeout=timeout or self.deadline_s)
         sending = asyncio.get_running_loop().run_in_executor(None, send)
         try:
@@ -245,6 +285,8 @@ class KVShipper:
     async def _resolve_route(self, decode_address: str) -> tuple[str, str] | None:
         """Look up the decode node's transfer endpoint and set up the path to it; ``None``: not
         settled yet (no answer, or the path still being set up): ship bytes, try next time."""
+        sender = self.sender
+        assert sender is not None
         try:
             stats = await nodes_pb2_grpc.NodeStatsServiceStub(
                 self.channels.get(decode_address)
@@ -257,7 +299,7 @@ class KVShipper:
             # Setting up a pair can take long (dist: a rendezvous); the request does not wait
             # for it past CONNECT_WAIT_S: it ships as gRPC bytes, the setup completes meanwhile.
             path = await asyncio.wait_for(
-                asyncio.shield(asyncio.to_thread(self.sender.connect, stats.transfer_endpoint)),
+                asyncio.shield(asyncio.to_thread(sender.connect, stats.transfer_endpoint)),
                 CONNECT_WAIT_S,
             )
         except TimeoutError:
@@ -265,6 +307,6 @@ class KVShipper:
         except Exception as exc:
             logger.warning("kv transfer to %s: %s; sending gRPC bytes", decode_address, exc)
             return "", ""
-        if path == GRPC:
+        if path not in sender.paths:  # the byte path: BlockData on the stream
             return "", ""
         return path, Endpoint.from_bytes(stats.transfer_endpoint).node_id

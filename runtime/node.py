@@ -197,19 +197,9 @@ def serve_node_metrics(config: NodeConfig, role: str, service: NodeService) -> N
 
 def transfer_paths(config: NodeConfig) -> tuple[str, ...]:
     """The KV transfer paths a node may use (``--kv-transfer``); gRPC bytes always remain."""
-    from splitserve.transfer import DIST, GRPC, IPC, TCP
+    from splitserve.transfer import parse_paths
 
-    names = [p.strip() for p in config.kv_transfer.split(",") if p.strip()]
-    if names == ["none"]:
-        return (GRPC,)
-    unknown = set(names) - {IPC, DIST, TCP, GRPC}
-    if unknown:
-        raise ValueError(
-            f"--kv-transfer: unknown path(s) {sorted(unknown)}; use ipc, dist, tcp or none"
-        )
-    if not config.device.startswith("cuda"):
-        names = [p for p in names if p != IPC]  # ipc maps CUDA memory only
-    return (*[p for p in (IPC, DIST, TCP) if p in names], GRPC)
+    return parse_paths(config.kv_transfer, config.device)
 
 
 def checked_request(

@@ -1,70 +1,88 @@
 """KV block transfer between a prefill node (sender) and a decode node (receiver).
 
-One interface (``KVSender`` / ``KVReceiver``), four paths chosen per pair at handshake
-(``choose_path``): ``ipc`` (same host, CUDA: the sender writes into the receiver's pool mapped
-through a CUDA IPC handle), ``dist`` (torch.distributed point-to-point in a two-rank group per
-pair: NCCL on CUDA, gloo on CPU), ``tcp`` (raw sockets from pinned memory, several connections,
-CRC-checked chunks) and ``grpc`` (the services' gRPC byte stream, ``kvstore.codec``).
+One interface (``KVSender`` / ``KVReceiver``, ``base.py``) that every path implements, four paths
+chosen per pair at handshake (``chooser.py``, the only place a path is picked): ``ipc`` (same
+host, CUDA: the sender writes into the receiver's pool mapped through a CUDA IPC handle),
+``dist`` (torch.distributed point-to-point in a two-rank group per pair: NCCL on CUDA, gloo on
+CPU), ``tcp`` (raw sockets from pinned memory, several connections, CRC-checked chunks) and
+``grpc`` (the byte path: the services' gRPC byte stream, ``kvstore.codec``). A node holds one
+receiver and one sender over all of them (``open_receiver`` / ``open_sender``).
 See docs/transfer.md.
 """
 
-from splitserve.transfer.api import KVReceiver, KVSender
-from splitserve.transfer.dist import DistReceiver, DistSender, make_pair_group, prepare_backend
+from splitserve.transfer.api import NodeReceiver, NodeSender, open_receiver, open_sender
+from splitserve.transfer.base import KVReceiver, KVSender, PathOptions, TransferPath
+from splitserve.transfer.chooser import (
+    FETCH_PATHS,
+    PATHS,
+    PREFERENCE,
+    choose_path,
+    fetch_paths,
+    parse_paths,
+    rate_prior,
+)
+from splitserve.transfer.dist import make_pair_group, prepare_backend
 from splitserve.transfer.endpoint import (
     DIST,
     GRPC,
     IPC,
-    PATHS,
-    RECEIVED_PATHS,
     TCP,
     DistAddress,
     Endpoint,
     TcpAddress,
     available_backends,
     boot_id,
-    choose_path,
     local_endpoint,
 )
 from splitserve.transfer.errors import (
     ChannelClosed,
+    Incomplete,
     NotConnected,
     PeerLost,
     TransferError,
     TransferTimeout,
 )
-from splitserve.transfer.ipc import IpcHandle, IpcWriter, export_pool, open_pool
+from splitserve.transfer.ipc_handle import IpcHandle, export_pool, open_pool
 from splitserve.transfer.reservation import Reservation, Ticket, check_block_ids
 
 __all__ = [
     "DIST",
+    "FETCH_PATHS",
     "GRPC",
     "IPC",
     "PATHS",
-    "RECEIVED_PATHS",
+    "PREFERENCE",
     "TCP",
     "ChannelClosed",
     "DistAddress",
-    "DistReceiver",
-    "DistSender",
     "Endpoint",
+    "Incomplete",
     "IpcHandle",
-    "IpcWriter",
     "KVReceiver",
     "KVSender",
+    "NodeReceiver",
+    "NodeSender",
     "NotConnected",
+    "PathOptions",
     "PeerLost",
     "Reservation",
     "TcpAddress",
     "Ticket",
     "TransferError",
+    "TransferPath",
     "TransferTimeout",
     "available_backends",
     "boot_id",
     "check_block_ids",
     "choose_path",
     "export_pool",
+    "fetch_paths",
     "local_endpoint",
     "make_pair_group",
     "open_pool",
+    "open_receiver",
+    "open_sender",
+    "parse_paths",
     "prepare_backend",
+    "rate_prior",
 ]

@@ -29,51 +29,36 @@ side and every outstanding reservation on it fails. The next ``connect`` builds 
 
 Modules: ``dist_group`` (backends, the pair group, rendezvous store addresses), ``dist_channel``
 (one pair's channel and the header framing), ``dist_receiver`` and ``dist_sender`` (the two
-sides). This module re-exports them under the names they had when the path was one file.
+sides); this module declares the path (``PATH``).
 """
 
-from splitserve.transfer.dist_channel import (
-    HEADER_LEN,
-    MAGIC,
-    TAG_DATA,
-    TAG_HEADER,
-    Channel,
-    first_line,
-    header,
-)
-from splitserve.transfer.dist_group import (
-    KEY,
-    POLL_S,
-    check_backend,
-    default_backend,
-    default_host,
-    local_address_towards,
-    make_pair_group,
-    prepare_backend,
-    store_client,
-)
+from splitserve.transfer.base import TransferPath
+from splitserve.transfer.dist_group import make_pair_group, prepare_backend
 from splitserve.transfer.dist_receiver import DistReceiver
 from splitserve.transfer.dist_sender import DistSender
+from splitserve.transfer.endpoint import BACKEND_FOR_DEVICE, DIST, Endpoint
 
-# The former private names: transfer.testing frames a header by hand with ``_header``.
-_Channel = Channel
-_header = header
-_first_line = first_line
-_client = store_client
-_check_backend = check_backend
-_local_address_towards = local_address_towards
-_POLL_S = POLL_S
 
-__all__ = [
-    "HEADER_LEN",
-    "KEY",
-    "MAGIC",
-    "TAG_DATA",
-    "TAG_HEADER",
-    "DistReceiver",
-    "DistSender",
-    "default_backend",
-    "default_host",
-    "make_pair_group",
-    "prepare_backend",
-]
+def reaches(sender: Endpoint, receiver: Endpoint) -> bool:
+    """The receiver advertises a rendezvous address whose backend the sender runs for its device
+    kind (nccl on CUDA, gloo on CPU), both pools are on the same device kind, and (NCCL) not on
+    the same GPU (NCCL cannot pair two processes on one GPU: that pair gets ipc)."""
+    address = receiver.dist
+    return (
+        address is not None
+        and sender.device == receiver.device
+        and address.backend == BACKEND_FOR_DEVICE.get(sender.device)
+        and address.backend in sender.dist_backends
+        and not (
+            sender.device == "cuda"
+            and sender.same_host(receiver)
+            and sender.device_uuid == receiver.device_uuid
+        )
+    )
+
+
+PATH = TransferPath(
+    DIST, reaches=reaches, open_receiver=DistReceiver.open, open_sender=DistSender.open
+)
+
+__all__ = ["PATH", "DistReceiver", "DistSender", "make_pair_group", "prepare_backend", "reaches"]

@@ -6,11 +6,14 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 
 from splitserve.transfer.dist_group import check_backend, default_backend, prepare_backend
+from splitserve.transfer.endpoint import DIST
 from splitserve.transfer.errors import ChannelClosed, PeerLost, TransferError, TransferTimeout
 from splitserve.transfer.reservation import Reservation
 
@@ -25,13 +28,15 @@ def first_line(exc: BaseException) -> str:
     return text[0][:300] if text else type(exc).__name__
 
 
-def header(gen: int, seq: int, n: int, kv_pool: torch.Tensor, device) -> torch.Tensor:
+def header(
+    gen: int, seq: int, n: int, kv_pool: torch.Tensor, device: torch.device | str
+) -> torch.Tensor:
     """The header announcing ``n`` blocks of ``kv_pool`` for reservation ``seq`` of ``gen``."""
     values = [MAGIC, gen, seq, n, kv_pool[0].numel(), kv_pool.element_size()]
     return torch.tensor(values, dtype=torch.int64, device=device)
 
 
-def device_guard(kv_pool: torch.Tensor):
+def device_guard(kv_pool: torch.Tensor) -> contextlib.AbstractContextManager:
     """Make the pool's GPU current for group construction and ops (no-op on CPU)."""
     if kv_pool.device.type == "cuda":
         return torch.cuda.device(kv_pool.device)
@@ -43,7 +48,16 @@ class Channel:
     ``mu`` guards the bookkeeping. Closed once, by the first failure or ``close``; the group is
     destroyed by whoever holds ``lock`` then (never under a thread blocked in an op)."""
 
-    def __init__(self, peer_id, gen, rank, group, store, device, backend) -> None:
+    def __init__(
+        self,
+        peer_id: str,
+        gen: int,
+        rank: int,
+        group: Any,  # ProcessGroupGloo | ProcessGroupNCCL
+        store: Any,  # the pair's PrefixStore
+        device: torch.device,
+        backend: str,
+    ) -> None:
         self.peer_id = peer_id
         self.gen = gen
         self.rank = rank
@@ -53,18 +67,21 @@ class Channel:
         self.backend = backend
         self.lock = threading.Lock()
         self.mu = threading.Lock()
-        self.outstanding: dict[int, Reservation] = {}
+        self.outstanding: dict[int, DistReservation] = {}
         self.next_seq = 0
         self.closed: TransferError | None = None
 
     def __repr__(self) -> str:
         return f"<channel to {self.peer_id!r} gen {self.gen}>"
 
-    def post(self, op: str, tensor: torch.Tensor, tag: int):
-        peer = 1 - self.rank
+    def post(self, op: str, tensor: torch.Tensor, tag: int) -> Any:
+        """Post one send/recv to the peer; its ``Work``."""
+        group, peer = self.group, 1 - self.rank
+        if group is None:
+            raise ChannelClosed(f"channel to {self.peer_id!r} is closed: {self.closed}")
         if op == "send":
-            return self.group.send([tensor], peer, tag)
-        return self.group.recv([tensor], peer, tag)
+            return group.send([tensor], peer, tag)
+        return group.recv([tensor], peer, tag)
 
     def run(self, op: str, tensor: torch.Tensor, tag: int, deadline: float, what: str) -> None:
         """Post one send/recv and wait for it until ``deadline``; failures become
@@ -89,7 +106,7 @@ class Channel:
             pending = list(self.outstanding.values())
             self.outstanding.clear()
         for res in pending:
-            res._fail(ChannelClosed(f"channel to {self.peer_id!r} closed: {error}"))
+            res.end_failed(ChannelClosed(f"channel to {self.peer_id!r} closed: {error}"))
         if self.lock.acquire(blocking=False):
             self.release()
 
@@ -110,6 +127,26 @@ class Channel:
             raise ChannelClosed(f"channel to {self.peer_id!r} is closed: {self.closed}")
 
 
+class DistReservation(Reservation):
+    """A dist reservation: the pair channel it was reserved on. The receiver takes its data in
+    itself (``DistReceiver.receive``), and the sender's send completes only while it does."""
+
+    receive_first = True
+
+    def __init__(
+        self,
+        kv_pool: torch.Tensor,
+        receiver_id: str,
+        channel: Channel,
+        block_ids: Sequence[int] | torch.Tensor,
+        seq: int,
+    ) -> None:
+        super().__init__(
+            kv_pool, receiver_id, channel.peer_id, DIST, block_ids, gen=channel.gen, seq=seq
+        )
+        self.channel = channel
+
+
 class ChannelTable:
     """One side of the dist path: its pool, id and backend, and its open channels by peer id
     (``_channels``, guarded by ``_mu``)."""
@@ -125,6 +162,11 @@ class ChannelTable:
         self.connect_timeout = connect_timeout
         self._channels: dict[str, Channel] = {}
         self._mu = threading.Lock()
+
+    def channel(self, peer_id: str) -> Channel | None:
+        """The open or closed channel of ``peer_id``, if any."""
+        with self._mu:
+            return self._channels.get(peer_id)
 
     def close(self, peer_id: str) -> None:
         """Tear down the pair with ``peer_id`` (it left); its reservations and sends fail."""

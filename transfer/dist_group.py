@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -52,7 +53,9 @@ def prepare_backend(backend: str) -> None:
             )
 
 
-def make_pair_group(store, rank: int, backend: str, timeout_s: float, host: str | None = None):
+def make_pair_group(
+    store: Any, rank: int, backend: str, timeout_s: float, host: str | None = None
+) -> Any:
     """A two-rank torch.distributed backend on ``store`` (give each pair its own
     ``PrefixStore``); rank 0 is the receiver. Gloo connects both ranks here (blocks until the
     other side constructs its group or ``timeout_s`` passes); NCCL connects at the first op.
@@ -61,7 +64,7 @@ def make_pair_group(store, rank: int, backend: str, timeout_s: float, host: str 
     if backend == "gloo":
         from torch.distributed import ProcessGroupGloo
 
-        opts = ProcessGroupGloo._Options()
+        opts = ProcessGroupGloo._Options()  # pyright: ignore[reportAttributeAccessIssue] (not in the stubs)
         opts._timeout = timeout
         device = (
             ProcessGroupGloo.create_device(hostname=host)
@@ -100,8 +103,8 @@ def default_host() -> str:
     return "127.0.0.1"
 
 
-def store_client(host: str, port: int, timeout_s: float):
+def store_client(host: str, port: int, timeout_s: float) -> Any:
     """A client of the receiver's rendezvous ``TCPStore`` at ``host:port``."""
-    from torch.distributed import TCPStore
+    from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage] (not re-exported in the stubs)
 
     return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))

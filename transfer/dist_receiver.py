@@ -1,9 +1,13 @@
 """The dist path's receiver (decode node) side: hosts the rendezvous store, accepts senders
 (their hello, the layout check, the ack, the pair group) and receives transfers into
-reservations. Protocol: ``transfer.dist``."""
+reservations. Protocol: ``transfer.dist``.
+
+Over 300 lines: the accepting and the receiving share the channel table and its locking, and
+read best side by side."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from datetime import timedelta
@@ -11,6 +15,7 @@ from datetime import timedelta
 import msgpack
 import torch
 
+from splitserve.transfer.base import BlockIds, KVReceiver, PathOptions, check_count, check_path
 from splitserve.transfer.dist_channel import (
     HEADER_LEN,
     MAGIC,
@@ -18,6 +23,7 @@ from splitserve.transfer.dist_channel import (
     TAG_HEADER,
     Channel,
     ChannelTable,
+    DistReservation,
     device_guard,
     first_line,
 )
@@ -29,12 +35,18 @@ from splitserve.transfer.dist_group import (
     make_pair_group,
     store_client,
 )
-from splitserve.transfer.endpoint import DIST, DistAddress, dtype_name
-from splitserve.transfer.errors import ChannelClosed, NotConnected, TransferError, TransferTimeout
+from splitserve.transfer.endpoint import DIST, DistAddress, available_backends, dtype_name
+from splitserve.transfer.errors import (
+    ChannelClosed,
+    Incomplete,
+    NotConnected,
+    TransferError,
+    TransferTimeout,
+)
 from splitserve.transfer.reservation import Reservation
 
 
-class DistReceiver(ChannelTable):
+class DistReceiver(ChannelTable, KVReceiver):
     """Receiver (decode node) side: hosts the rendezvous store, accepts senders, receives."""
 
     def __init__(
@@ -47,7 +59,7 @@ class DistReceiver(ChannelTable):
         backend: str | None = None,
         connect_timeout: float = 30.0,
     ) -> None:
-        from torch.distributed import TCPStore
+        from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage] (not re-exported in the stubs)
 
         super().__init__(kv_pool, node_id, backend, connect_timeout)
         self.host = host or default_host()
@@ -65,9 +77,28 @@ class DistReceiver(ChannelTable):
         )
         self._acceptor.start()
 
+    @classmethod
+    def open(cls, kv_pool: torch.Tensor, node_id: str, options: PathOptions) -> DistReceiver | None:
+        if not available_backends(kv_pool.device.type):
+            return None
+        return cls(
+            kv_pool,
+            node_id,
+            host=options.host,
+            port=options.dist_port,
+            connect_timeout=options.connect_timeout,
+        )
+
     @property
     def address(self) -> DistAddress:
         return DistAddress(self.host, self.port, self.backend)
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return (DIST,)
+
+    def offer(self) -> dict[str, object]:
+        return {DIST: self.address}
 
     def peers(self) -> list[str]:
         with self._mu:
@@ -133,7 +164,7 @@ class DistReceiver(ChannelTable):
             if reason is not None:
                 logger.warning("transfer: refused %s: %s", peer_id, reason)
                 return
-            from torch.distributed import PrefixStore
+            from torch.distributed import PrefixStore  # pyright: ignore[reportPrivateImportUsage] (not re-exported in the stubs)
 
             prefixed = PrefixStore(f"{KEY}/pair/{n}/", store)
             with self._device_guard():
@@ -155,27 +186,24 @@ class DistReceiver(ChannelTable):
     def _wire_device(self) -> torch.device:
         return self.kv_pool.device
 
-    def _device_guard(self):
+    def _device_guard(self) -> contextlib.AbstractContextManager:
         return device_guard(self.kv_pool)
 
     # -------------------------------------------------------------- transfers
 
-    def reserve(self, peer_id: str, block_ids) -> Reservation:
+    def reserve(self, peer_id: str, block_ids: BlockIds, path: str = DIST) -> Reservation:
         """Reserve destination ``block_ids`` for the next transfer from ``peer_id``.
         ``ValueError`` on bad ids; ``NotConnected`` if the peer has no open channel."""
-        with self._mu:
-            channel = self._channels.get(peer_id)
+        check_path(path, DIST)
+        channel = self.channel(peer_id)
         if channel is None or channel.closed is not None:
             raise NotConnected(f"no open dist channel from {peer_id!r}")
         with channel.mu:
             seq = channel.next_seq
             channel.next_seq += 1
-        res = Reservation(
-            self.kv_pool, self.node_id, peer_id, DIST, block_ids, gen=channel.gen, seq=seq
-        )
-        res._channel = channel
+        res = DistReservation(self.kv_pool, self.node_id, channel, block_ids, seq)
         if not res.block_ids:
-            res._complete()
+            res.end_done()
             return res
         with channel.mu:
             if channel.closed is not None:
@@ -188,9 +216,9 @@ class DistReceiver(ChannelTable):
         finished), or raise: ``TransferTimeout`` past ``timeout`` seconds, ``PeerLost`` /
         ``ChannelClosed`` if the pair broke, ``TransferError`` otherwise. On any error nothing
         was written and the reservation has ended (its blocks may be freed)."""
-        if res.path != DIST or res._channel is None:
+        if not isinstance(res, DistReservation):
             raise ValueError(f"{res!r} is not a dist reservation")
-        channel: Channel = res._channel
+        channel = res.channel
         deadline = time.monotonic() + timeout
         while not res.ended:
             remaining = deadline - time.monotonic()
@@ -203,7 +231,7 @@ class DistReceiver(ChannelTable):
                 if res.ended:
                     break
                 if channel.closed is not None:
-                    res._fail(ChannelClosed(f"channel to {res.peer_id!r}: {channel.closed}"))
+                    res.end_failed(ChannelClosed(f"channel to {res.peer_id!r}: {channel.closed}"))
                     break
                 self._receive_turn(channel, res, deadline)
             finally:
@@ -222,7 +250,7 @@ class DistReceiver(ChannelTable):
                 if isinstance(exc, TransferError)
                 else TransferError(f"receiving from {res.peer_id!r}: {first_line(exc)}")
             )
-            res._fail(error)
+            res.end_failed(error)
             channel.close(error)
             self._forget(channel)
 
@@ -246,27 +274,40 @@ class DistReceiver(ChannelTable):
             logger.info("transfer: dropped %d blocks of ended seq %d from %s", n, seq, channel)
             return
         if n != len(res.block_ids):
-            res._fail(
+            res.end_failed(
                 TransferError(f"{channel.peer_id!r} sent {n} blocks for {len(res.block_ids)}")
             )
             return
         try:
-            res._fill(staging)
+            res.fill(staging)
         except Exception as exc:
-            res._fail(TransferError(f"writing received blocks failed: {exc}"))
+            res.end_failed(TransferError(f"writing received blocks failed: {exc}"))
 
     def _expire(self, channel: Channel, res: Reservation) -> None:
         with channel.mu:
             channel.outstanding.pop(res.ticket.seq, None)
-        res._fail(TransferTimeout(f"no blocks from {res.peer_id!r} within the deadline"))
+        res.end_failed(TransferTimeout(f"no blocks from {res.peer_id!r} within the deadline"))
 
-    def cancel(self, res: Reservation) -> None:
+    def finish(self, res: Reservation, count: int | None = None) -> None:
+        """The data ended the reservation in ``receive`` (else the sender finished before it was
+        received: ``Incomplete``); a dist sender fills whole reservations only."""
+        if check_count(res, count) != len(res.block_ids):
+            raise ValueError("the dist path fills whole reservations, not a prefix")
+        if not res.ended and isinstance(res, DistReservation):
+            self._forget_reservation(res)  # its data, if it comes, is dropped
+            res.end_failed(Incomplete("the sender finished before its blocks were received"))
+        res.result()
+
+    def cancel(self, res: Reservation) -> float:
         """Abandon a reservation; after this returns nothing writes into it."""
-        channel = res._channel
-        if channel is not None:
-            with channel.mu:
-                channel.outstanding.pop(res.ticket.seq, None)
-        res._cancel()
+        if isinstance(res, DistReservation):
+            self._forget_reservation(res)
+        res.end_cancelled()
+        return 0.0
+
+    def _forget_reservation(self, res: DistReservation) -> None:
+        with res.channel.mu:
+            res.channel.outstanding.pop(res.ticket.seq, None)
 
     def shutdown(self) -> None:
         self._stop.set()

@@ -3,6 +3,7 @@ builds the pair group and sends header + blocks. Protocol: ``transfer.dist``."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from datetime import timedelta
@@ -10,6 +11,7 @@ from datetime import timedelta
 import msgpack
 import torch
 
+from splitserve.transfer.base import BlockIds, KVSender, PathOptions, as_endpoint, own_ticket
 from splitserve.transfer.dist_channel import (
     TAG_DATA,
     TAG_HEADER,
@@ -25,7 +27,13 @@ from splitserve.transfer.dist_group import (
     make_pair_group,
     store_client,
 )
-from splitserve.transfer.endpoint import DIST, DistAddress, dtype_name
+from splitserve.transfer.endpoint import (
+    DIST,
+    DistAddress,
+    Endpoint,
+    available_backends,
+    dtype_name,
+)
 from splitserve.transfer.errors import (
     ChannelClosed,
     NotConnected,
@@ -36,7 +44,7 @@ from splitserve.transfer.errors import (
 from splitserve.transfer.reservation import Ticket, block_nbytes, check_source_ids
 
 
-class DistSender(ChannelTable):
+class DistSender(ChannelTable, KVSender):
     """Sender (prefill node) side: connects to receivers on demand and sends blocks."""
 
     def __init__(
@@ -50,19 +58,35 @@ class DistSender(ChannelTable):
         super().__init__(kv_pool, node_id, backend, connect_timeout)
         self._connecting: dict[str, threading.Lock] = {}
 
-    def connected(self, peer_id: str) -> bool:
-        with self._mu:
-            channel = self._channels.get(peer_id)
-        return channel is not None and channel.closed is None
+    @classmethod
+    def open(cls, kv_pool: torch.Tensor, node_id: str, options: PathOptions) -> DistSender | None:
+        if not available_backends(kv_pool.device.type):
+            return None
+        return cls(kv_pool, node_id, connect_timeout=options.connect_timeout)
 
-    def connect(self, peer_id: str, address: DistAddress) -> None:
-        """Build the pair group with receiver ``peer_id`` at ``address`` unless one is open."""
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return (DIST,)
+
+    def path(self, peer_id: str) -> str | None:
+        channel = self.channel(peer_id)
+        return DIST if channel is not None and channel.closed is None else None
+
+    def connect(self, peer: Endpoint | bytes) -> str:
+        """Build the pair group with the receiver ``peer`` unless one is open."""
+        peer = as_endpoint(peer)
+        if peer.dist is None:
+            raise NotConnected(f"{peer.node_id!r} offers no dist address")
+        self._connect(peer.node_id, peer.dist)
+        return DIST
+
+    def _connect(self, peer_id: str, address: DistAddress) -> None:
         if address.backend != self.backend:
             raise ValueError(f"receiver runs {address.backend!r}, this sender {self.backend!r}")
         with self._mu:
             lock = self._connecting.setdefault(peer_id, threading.Lock())
         with lock:
-            if self.connected(peer_id):
+            if self.path(peer_id) is not None:
                 return
             try:
                 channel = self._open(peer_id, address)
@@ -77,7 +101,7 @@ class DistSender(ChannelTable):
                 old.close(ChannelClosed("reconnected"))
 
     def _open(self, peer_id: str, address: DistAddress) -> Channel:
-        from torch.distributed import PrefixStore
+        from torch.distributed import PrefixStore  # pyright: ignore[reportPrivateImportUsage] (not re-exported in the stubs)
 
         timeout = timedelta(seconds=self.connect_timeout)
         store = store_client(address.host, address.port, self.connect_timeout)
@@ -102,22 +126,18 @@ class DistSender(ChannelTable):
         store.delete_key(f"{KEY}/ready/{n}")
         return Channel(peer_id, n, 1, group, prefixed, self.kv_pool.device, self.backend)
 
-    def _device_guard(self):
+    def _device_guard(self) -> contextlib.AbstractContextManager:
         return device_guard(self.kv_pool)
 
-    def send(self, peer_id: str, src_block_ids, ticket: Ticket | bytes, timeout: float) -> int:
+    def send(self, ticket: Ticket | bytes, src_block_ids: BlockIds, *, timeout: float) -> int:
         """Send our blocks ``src_block_ids`` (one per id of the ticket, in its order) to fill the
         receiver's reservation; returns the bytes sent. Returns once the data has left (the
         receiver signals its own completion). On failure the pair is torn down and the error
         raised (``TransferTimeout``, ``PeerLost``, ``ChannelClosed``); reconnect to retry."""
-        if isinstance(ticket, bytes | bytearray):
-            ticket = Ticket.from_bytes(bytes(ticket))
-        if ticket.path != DIST:
-            raise ValueError(f"not a dist ticket: {ticket.path!r}")
-        with self._mu:
-            channel = self._channels.get(peer_id)
+        ticket = own_ticket(ticket, self.node_id, DIST)
+        channel = self.channel(ticket.receiver_id)
         if channel is None:
-            raise NotConnected(f"no dist channel to {peer_id!r}")
+            raise NotConnected(f"no dist channel to {ticket.receiver_id!r}")
         channel.check_open()
         if ticket.gen != channel.gen:
             raise ChannelClosed(

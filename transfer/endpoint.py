@@ -1,9 +1,10 @@
-"""What a node tells a peer about itself, and the choice of transfer path for a pair.
+"""What a node tells a peer about itself: its ``Endpoint``, which travels as bytes (msgpack) in
+the services' handshake.
 
-A node's ``Endpoint`` travels as bytes (msgpack) in the services' handshake. The decode node
-(the receiver) fills in what it offers: its exported KV pool (``ipc_handle``) and its rendezvous
-address (``dist``); the prefill node (the sender) only describes itself. ``choose_path`` is a
-pure function of the two endpoints.
+The receiver fills in what each of its paths offers (``KVReceiver.offer``: its exported KV pool
+``ipc_handle``, its rendezvous address ``dist``, its listener ``tcp``; a path added later, its own
+bytes under its name in ``offers``); the sender only describes itself. Which path a pair takes is
+``chooser.choose_path``, a pure function of the two endpoints.
 """
 
 from __future__ import annotations
@@ -11,24 +12,30 @@ from __future__ import annotations
 import functools
 import os
 import socket
-from collections.abc import Collection
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
 
 import msgpack
 
+if TYPE_CHECKING:
+    import torch
+
+# The paths' names, as tickets and the services' headers carry them.
 IPC = "ipc"
 DIST = "dist"
 TCP = "tcp"
 GRPC = "grpc"
-PATHS = (IPC, DIST, TCP, GRPC)
-RECEIVED_PATHS = (DIST, TCP)
-"""Paths whose data the receiver takes in itself: ``KVReceiver.receive`` returns once it is in
-the pool (ipc and grpc end with ``complete``)."""
 
 BACKEND_FOR_DEVICE = {"cuda": "nccl", "cpu": "gloo"}
 """The torch.distributed backend the dist path uses for a pool on each device kind."""
 
+# The offers that have a field of their own (the first paths'); any other path's are bytes in
+# ``offers``.
+_OFFER_FIELDS = {IPC: "ipc_handle", DIST: "dist", TCP: "tcp"}
+
 _VERSION = 1
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +71,16 @@ class Endpoint:
     ipc_handle: bytes | None = None  # receiver only: its pool, exported (transfer.ipc.IpcHandle)
     dist: DistAddress | None = None  # receiver only: its rendezvous store
     tcp: TcpAddress | None = None  # receiver only: its tcp listener
+    # receiver only: what paths without a field above offer, as (path, bytes); none in the wire
+    # format unless there are some, so endpoints without them keep their bytes
+    offers: tuple[tuple[str, bytes], ...] = ()
+
+    def offered(self, path: str) -> object | None:
+        """What this receiver offers for ``path`` (None: it does not offer that path)."""
+        field = _OFFER_FIELDS.get(path)
+        if field is not None:
+            return getattr(self, field)
+        return dict(self.offers).get(path)
 
     def same_host(self, other: Endpoint) -> bool:
         """Same kernel: a non-empty, equal boot id. NOTE: not the host name — containers of one
@@ -92,7 +109,11 @@ class Endpoint:
             else [self.dist.host, self.dist.port, self.dist.backend],
             "tcp": None if self.tcp is None else [self.tcp.host, self.tcp.port],
         }
-        return msgpack.packb(fields, use_bin_type=True)
+        if self.offers:
+            fields["offers"] = [list(offer) for offer in self.offers]
+        packed = msgpack.packb(fields, use_bin_type=True)
+        assert packed is not None
+        return packed
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Endpoint:
@@ -123,72 +144,12 @@ class Endpoint:
                 ipc_handle=f["ipc_handle"],
                 dist=dist,
                 tcp=tcp,
+                offers=tuple((str(name), bytes(data)) for name, data in f.get("offers") or ()),
             )
         except ValueError:
             raise
         except Exception as exc:  # msgpack raises several types on garbage
             raise ValueError(f"malformed endpoint: {exc!r}") from None
-
-
-def choose_path(local: Endpoint, peer: Endpoint, allowed: Collection[str] = PATHS) -> str:
-    """The path the sender ``local`` uses to ship KV blocks into the receiver ``peer``.
-
-    - ``ipc`` when both pools are on CUDA, on the same host (kernel boot id) but in
-      different processes, the peer offers its exported pool, and its GPU is visible to this
-      process;
-    - ``dist`` when the peer advertises a rendezvous address whose backend this process runs for
-      its device kind (nccl on CUDA, gloo on CPU), both pools are on the same device kind, and
-      (NCCL) the two pools are not on the same GPU;
-    - ``tcp`` when the peer advertises a tcp listener (raw sockets from pinned memory: hosts
-      without NCCL between them, CPU nodes without gloo, two nodes on one GPU without ipc);
-    - ``grpc`` otherwise, and whenever the two pools' block layouts differ (the gRPC path then
-      reports the mismatch as it always has).
-
-    ``allowed`` restricts the choice (``grpc`` is always the fallback).
-    """
-    if (local.block_shape, local.dtype) != (peer.block_shape, peer.dtype):
-        return GRPC
-    both_cuda = local.device == peer.device == "cuda"
-    same_host = local.same_host(peer)
-    if (
-        IPC in allowed
-        and both_cuda
-        and same_host
-        and local.pid != peer.pid
-        and peer.ipc_handle
-        and peer.device_uuid is not None
-        and peer.device_uuid in local.visible_devices
-    ):
-        return IPC
-    if (
-        DIST in allowed
-        and peer.dist is not None
-        and local.device == peer.device
-        and peer.dist.backend == BACKEND_FOR_DEVICE.get(local.device)
-        and peer.dist.backend in local.dist_backends
-        and not (both_cuda and same_host and local.device_uuid == peer.device_uuid)
-    ):
-        return DIST
-    if TCP in allowed and peer.tcp is not None:
-        return TCP
-    return GRPC
-
-
-def why_not_ipc(local: Endpoint, peer: Endpoint) -> str | None:
-    """Why ``choose_path`` cannot take ``ipc`` from ``local`` to ``peer`` (None: it can); for the
-    log line a sender writes once per peer."""
-    checks = (
-        (local.device == peer.device == "cuda", "a pool is not on CUDA"),
-        (local.same_host(peer), "another kernel (boot id): another host"),
-        (local.pid != peer.pid, "the same process"),
-        (bool(peer.ipc_handle), "the receiver offers no ipc (disabled, or its export failed)"),
-        (
-            peer.device_uuid is not None and peer.device_uuid in local.visible_devices,
-            "the receiver's GPU is not visible to the sender (CUDA_VISIBLE_DEVICES, container "
-            "devices)",
-        ),
-    )
-    return next((why for ok, why in checks if not ok), None)
 
 
 # ---------------------------------------------------------------------------- host identity
@@ -208,7 +169,7 @@ def hostname() -> str:
     return socket.gethostname()
 
 
-def dtype_name(dtype) -> str:
+def dtype_name(dtype: object) -> str:
     return str(dtype).removeprefix("torch.")
 
 
@@ -251,14 +212,24 @@ def available_backends(device: str) -> tuple[str, ...]:
 
 def local_endpoint(
     node_id: str,
-    kv_pool,
+    kv_pool: torch.Tensor,
     *,
     ipc_handle: bytes | None = None,
     dist: DistAddress | None = None,
     tcp: TcpAddress | None = None,
+    offers: Mapping[str, object] | None = None,
 ) -> Endpoint:
     """This process's endpoint for its KV pool ``(num_blocks, layers, 2, block_size, kv_heads,
-    head_dim)``."""
+    head_dim)``; ``offers``: what a receiver's paths offer, by path name (``KVReceiver.offer``)."""
+    left = dict(offers or {})
+    ipc_handle = _offer(left, IPC, bytes, ipc_handle)
+    dist = _offer(left, DIST, DistAddress, dist)
+    tcp = _offer(left, TCP, TcpAddress, tcp)
+    others: list[tuple[str, bytes]] = []
+    for path, offer in sorted(left.items()):  # the paths without a field: bytes
+        if not isinstance(offer, bytes):
+            raise TypeError(f"the {path} path offers {type(offer).__name__}, not bytes")
+        others.append((path, offer))
     kind = kv_pool.device.type
     if kind not in BACKEND_FOR_DEVICE:
         raise ValueError(f"unsupported pool device {kv_pool.device}")
@@ -278,4 +249,15 @@ def local_endpoint(
         ipc_handle=ipc_handle,
         dist=dist,
         tcp=tcp,
+        offers=tuple(others),
     )
+
+
+def _offer(offers: dict[str, object], path: str, kind: type[_T], default: _T | None) -> _T | None:
+    """``offers[path]`` (taken out), checked to be a ``kind``; ``default`` if absent."""
+    offer = offers.pop(path, None)
+    if offer is None:
+        return default
+    if not isinstance(offer, kind):
+        raise TypeError(f"the {path} path offers {type(offer).__name__}, not {kind.__name__}")
+    return offer

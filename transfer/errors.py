@@ -21,3 +21,8 @@ class ChannelClosed(TransferError):
 
 class NotConnected(TransferError):
     """No channel to that peer: connect first (or use the grpc path)."""
+
+
+class Incomplete(TransferError):
+    """The sender said it finished, but not every block it was to fill has arrived (a sender that
+    broke the protocol: the services answer INVALID_ARGUMENT)."""

@@ -1,189 +1,138 @@
-"""Same-host CUDA path: the receiver's KV pool, mapped into the sender's process.
+"""The ipc path (same host, CUDA): the receiver's KV pool, mapped into the sender's process.
 
-The receiver exports its pool once (``export_pool``): torch's CUDA IPC reduction of the tensor
-(``torch.multiprocessing.reductions.reduce_tensor``, i.e. ``cudaIpcGetMemHandle`` of the
-allocation that holds the pool, its offset, and torch's producer-side ref counter and event), as
-plain fields serialized with msgpack so the handle can travel in a gRPC message. The sender maps
-it (``open_pool``, once per peer, ``IpcWriter`` caches it) on the same physical GPU, found by
-UUID, since device indices differ between processes with different ``CUDA_VISIBLE_DEVICES``, and
-then writes shipped blocks straight into the receiver's reserved blocks: one ``index_select`` of
-the source blocks and one ``index_copy_`` into the mapped pool, on a side stream that first waits
-for the current stream, then a CUDA event synchronized before ``write`` returns. Only then may the
-sender tell the receiver that the transfer is complete.
+The receiver exports its pool once (``ipc_handle.export_pool``; the handle travels in its
+endpoint). The sender maps it once per peer (``ipc_handle.open_pool``) and then writes shipped
+blocks straight into the receiver's reserved blocks: one ``index_select`` of the source blocks
+and one ``index_copy_`` into the mapped pool, on a side stream that first waits for the current
+stream, then a CUDA event synchronized before ``send`` returns. Only then may the sender tell the
+receiver that the transfer is complete; the receiver takes its word (``finish``). The writer is
+the sender's process, so the receiver cannot stop a copy in flight: a reservation cancelled
+before the sender finished is freed only after ``IPC_FREE_GRACE_S`` (``cancel``'s grace).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
-from dataclasses import dataclass
 
-import msgpack
 import torch
 
-from splitserve.transfer.endpoint import device_uuid, dtype_name, local_device_index
-from splitserve.transfer.reservation import block_nbytes, check_block_ids, check_source_ids
+from splitserve.transfer.base import (
+    BlockIds,
+    KVReceiver,
+    KVSender,
+    PathOptions,
+    TransferPath,
+    as_endpoint,
+    check_count,
+    check_path,
+    own_ticket,
+)
+from splitserve.transfer.endpoint import IPC, Endpoint
+from splitserve.transfer.errors import NotConnected
+from splitserve.transfer.ipc_handle import IpcHandle, export_pool, open_pool
+from splitserve.transfer.reservation import (
+    DONE,
+    Reservation,
+    Ticket,
+    block_nbytes,
+    check_block_ids,
+    check_source_ids,
+)
 
-_VERSION = 1
+logger = logging.getLogger(__name__)
+
+# A reservation the sender never finished may still be the target of a copy its GPU has queued.
+IPC_FREE_GRACE_S = 10.0
 
 
-@dataclass(frozen=True, slots=True)
-class IpcHandle:
-    """An exported CUDA tensor: what ``rebuild_cuda_tensor`` needs, with the GPU named by UUID."""
+def why_not_ipc(local: Endpoint, peer: Endpoint) -> str | None:
+    """Why the sender ``local`` cannot write into the receiver ``peer``'s pool (None: it can):
+    both pools on CUDA, on one kernel (boot id) but in two processes, the peer's pool exported
+    and its GPU visible to the sender."""
+    checks = (
+        (local.device == peer.device == "cuda", "a pool is not on CUDA"),
+        (local.same_host(peer), "another kernel (boot id): another host"),
+        (local.pid != peer.pid, "the same process"),
+        (bool(peer.ipc_handle), "the receiver offers no ipc (disabled, or its export failed)"),
+        (
+            peer.device_uuid is not None and peer.device_uuid in local.visible_devices,
+            "the receiver's GPU is not visible to the sender (CUDA_VISIBLE_DEVICES, container "
+            "devices)",
+        ),
+    )
+    return next((why for ok, why in checks if not ok), None)
 
-    device_uuid: str
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    storage_offset: int  # elements
-    dtype: str
-    storage_handle: bytes
-    storage_size_bytes: int
-    storage_offset_bytes: int
-    ref_counter_handle: bytes
-    ref_counter_offset: int
-    event_handle: bytes | None
-    event_sync_required: bool
 
-    def to_bytes(self) -> bytes:
-        return msgpack.packb(
-            [
-                _VERSION,
-                self.device_uuid,
-                list(self.shape),
-                list(self.stride),
-                self.storage_offset,
-                self.dtype,
-                self.storage_handle,
-                self.storage_size_bytes,
-                self.storage_offset_bytes,
-                self.ref_counter_handle,
-                self.ref_counter_offset,
-                self.event_handle,
-                self.event_sync_required,
-            ],
-            use_bin_type=True,
-        )
+class IpcReceiver(KVReceiver):
+    """Exports the pool; the sender writes the reserved blocks itself."""
+
+    def __init__(self, kv_pool: torch.Tensor, node_id: str) -> None:
+        self.kv_pool, self.node_id = kv_pool, node_id
+        self._handle = export_pool(kv_pool).to_bytes()
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> IpcHandle:
+    def open(cls, kv_pool: torch.Tensor, node_id: str, options: PathOptions) -> IpcReceiver | None:
+        if kv_pool.device.type != "cuda":
+            return None
         try:
-            f = msgpack.unpackb(data, raw=False)
-            if f[0] != _VERSION:
-                raise ValueError(f"unsupported IPC handle version {f[0]!r}")
-            return cls(
-                device_uuid=str(f[1]),
-                shape=tuple(int(x) for x in f[2]),
-                stride=tuple(int(x) for x in f[3]),
-                storage_offset=int(f[4]),
-                dtype=str(f[5]),
-                storage_handle=bytes(f[6]),
-                storage_size_bytes=int(f[7]),
-                storage_offset_bytes=int(f[8]),
-                ref_counter_handle=bytes(f[9]),
-                ref_counter_offset=int(f[10]),
-                event_handle=None if f[11] is None else bytes(f[11]),
-                event_sync_required=bool(f[12]),
-            )
-        except ValueError:
-            raise
+            return cls(kv_pool, node_id)
         except Exception as exc:
-            raise ValueError(f"malformed IPC handle: {exc!r}") from None
+            logger.warning("transfer: not offering ipc, exporting the pool failed: %s", exc)
+            return None
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return (IPC,)
+
+    def offer(self) -> dict[str, object]:
+        return {IPC: self._handle}
+
+    def reserve(self, peer_id: str, block_ids: BlockIds, path: str = IPC) -> Reservation:
+        check_path(path, IPC)
+        res = Reservation(self.kv_pool, self.node_id, peer_id, IPC, block_ids)
+        if not res.block_ids:
+            res.end_done()
+        return res
+
+    def finish(self, res: Reservation, count: int | None = None) -> None:
+        check_count(res, count)
+        res.end_done()  # the sender's copy was synchronized before it said it finished
+
+    def cancel(self, res: Reservation) -> float:
+        finished = res.state == DONE
+        res.end_cancelled()
+        return 0.0 if finished else IPC_FREE_GRACE_S
 
 
-def export_pool(kv_pool: torch.Tensor) -> IpcHandle:
-    """Export a CUDA KV pool for same-host peers. Call once and keep the pool alive as long as
-    peers may write (the pool lives as long as the node). Any number of peers may open it."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+class IpcSender(KVSender):
+    """Peers' mapped pools (one per peer, cached) and block copies into them."""
 
-    if kv_pool.device.type != "cuda":
-        raise ValueError(f"only a CUDA pool can be exported, got {kv_pool.device}")
-    if not kv_pool.is_contiguous():
-        raise ValueError("kv_pool must be contiguous")
-    rebuild, args = reduce_tensor(kv_pool.detach())
-    if rebuild is not rebuild_cuda_tensor or len(args) != 15:
-        raise RuntimeError(
-            f"unexpected CUDA tensor reduction in torch {torch.__version__}: "
-            f"{getattr(rebuild, '__name__', rebuild)} with {len(args)} fields"
-        )
-    (
-        _tensor_cls,
-        size,
-        stride,
-        offset,
-        _storage_cls,
-        dtype,
-        device,
-        handle,
-        storage_size_bytes,
-        storage_offset_bytes,
-        _requires_grad,
-        ref_counter_handle,
-        ref_counter_offset,
-        event_handle,
-        event_sync_required,
-    ) = args
-    if handle is None:
-        raise ValueError("the pool has no storage to export")
-    return IpcHandle(
-        device_uuid=device_uuid(int(device)),
-        shape=tuple(size),
-        stride=tuple(stride),
-        storage_offset=int(offset),
-        dtype=dtype_name(dtype),
-        storage_handle=bytes(handle),
-        storage_size_bytes=int(storage_size_bytes),
-        storage_offset_bytes=int(storage_offset_bytes),
-        ref_counter_handle=bytes(ref_counter_handle),
-        ref_counter_offset=int(ref_counter_offset),
-        event_handle=None if event_handle is None else bytes(event_handle),
-        event_sync_required=bool(event_sync_required),
-    )
-
-
-def open_pool(handle: IpcHandle | bytes) -> torch.Tensor:
-    """Map a peer's exported pool into this process (on this process's index of its GPU).
-    torch caches the mapping of one allocation per process; keep the tensor as long as it is
-    used, drop it to unmap."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    if isinstance(handle, bytes | bytearray):
-        handle = IpcHandle.from_bytes(bytes(handle))
-    if not torch.cuda.is_available():
-        raise RuntimeError("CUDA is not available in this process")
-    index = local_device_index(handle.device_uuid)
-    dtype = getattr(torch, handle.dtype)
-    with torch.cuda.device(index):
-        return rebuild_cuda_tensor(
-            torch.Tensor,
-            torch.Size(handle.shape),
-            handle.stride,
-            handle.storage_offset,
-            torch.storage.TypedStorage,
-            dtype,
-            index,
-            handle.storage_handle,
-            handle.storage_size_bytes,
-            handle.storage_offset_bytes,
-            False,
-            handle.ref_counter_handle,
-            handle.ref_counter_offset,
-            handle.event_handle,
-            handle.event_sync_required,
-        )
-
-
-class IpcWriter:
-    """Sender side: peers' mapped pools (one per peer, cached) and block writes into them."""
-
-    def __init__(self, kv_pool: torch.Tensor) -> None:
+    def __init__(self, kv_pool: torch.Tensor, node_id: str) -> None:
         if kv_pool.device.type != "cuda":
             raise ValueError(f"the ipc path needs a CUDA pool, got {kv_pool.device}")
-        self.kv_pool = kv_pool
+        self.kv_pool, self.node_id = kv_pool, node_id
         self._peers: dict[str, torch.Tensor] = {}
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._mu = threading.Lock()
 
-    def connect(self, peer_id: str, handle: IpcHandle | bytes) -> torch.Tensor:
-        """Map ``peer_id``'s pool (cached: later calls return the same mapping)."""
+    @classmethod
+    def open(cls, kv_pool: torch.Tensor, node_id: str, options: PathOptions) -> IpcSender | None:
+        return cls(kv_pool, node_id) if kv_pool.device.type == "cuda" else None
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return (IPC,)
+
+    def connect(self, peer: Endpoint | bytes) -> str:
+        """Map the peer's pool (cached: later calls reuse the mapping)."""
+        peer = as_endpoint(peer)
+        if not peer.ipc_handle:
+            raise NotConnected(f"{peer.node_id!r} offers no ipc")
+        self._map(peer.node_id, peer.ipc_handle)
+        return IPC
+
+    def _map(self, peer_id: str, handle: IpcHandle | bytes) -> torch.Tensor:
         with self._mu:
             mapped = self._peers.get(peer_id)
             if mapped is not None:
@@ -199,8 +148,8 @@ class IpcWriter:
         with self._mu:
             return self._peers.setdefault(peer_id, mapped)
 
-    def connected(self, peer_id: str) -> bool:
-        return peer_id in self._peers
+    def path(self, peer_id: str) -> str | None:
+        return IPC if peer_id in self._peers else None
 
     def close(self, peer_id: str) -> None:
         """Drop the mapping of ``peer_id``'s pool (when it leaves)."""
@@ -219,17 +168,25 @@ class IpcWriter:
                 stream = self._streams[index] = torch.cuda.Stream(device=index)
             return stream
 
-    def write(self, peer_id: str, src_block_ids, dst_block_ids) -> int:
-        """Copy our blocks ``src_block_ids`` into the peer's blocks ``dst_block_ids`` (same
-        length, pairwise) and return the bytes written, once the copy has finished on the GPU.
-        ``ValueError`` (nothing written) on bad ids; ``KeyError`` if the peer is not connected."""
-        dst_pool = self._peers[peer_id]
+    def send(self, ticket: Ticket | bytes, src_block_ids: BlockIds, *, timeout: float) -> int:
+        """Copy our blocks into the peer's reserved ones; returns the bytes written once the copy
+        has finished on the GPU (``timeout`` is not needed: a GPU copy cannot stall)."""
+        ticket = own_ticket(ticket, self.node_id, IPC)
+        dst_pool = self._peers.get(ticket.receiver_id)
+        if dst_pool is None:
+            raise NotConnected(f"no ipc mapping of {ticket.receiver_id!r}: connect first")
         src = check_source_ids(src_block_ids, self.kv_pool.shape[0])
-        dst = check_block_ids(dst_block_ids, dst_pool.shape[0])
+        dst = check_block_ids(ticket.block_ids, dst_pool.shape[0])
         if len(src) != len(dst):
             raise ValueError(f"{len(src)} source blocks for {len(dst)} destination blocks")
         if not src:
             return 0
+        self._copy(src, dst_pool, dst).synchronize()
+        return len(src) * block_nbytes(self.kv_pool)
+
+    def _copy(self, src: list[int], dst_pool: torch.Tensor, dst: list[int]) -> torch.cuda.Event:
+        """Gather ``src`` and scatter it into ``dst_pool[dst]`` on side streams; the event that
+        marks the end of the copy."""
         src_dev, dst_dev = self.kv_pool.device, dst_pool.device
         src_stream = self._stream(src_dev)
         with torch.cuda.device(src_dev):
@@ -242,16 +199,28 @@ class IpcWriter:
                     dst_pool.index_copy_(0, dst_index, buffer)
                     done = torch.cuda.Event()
                     done.record(src_stream)
-        if dst_dev != src_dev:
-            # Pool on another GPU of this host: one peer copy, then the scatter over there.
-            dst_stream = self._stream(dst_dev)
-            with torch.cuda.device(dst_dev):
-                dst_stream.wait_stream(src_stream)
-                with torch.cuda.stream(dst_stream):
-                    moved = buffer.to(dst_dev)
-                    dst_index = torch.tensor(dst, dtype=torch.int64, device=dst_dev)
-                    dst_pool.index_copy_(0, dst_index, moved)
-                    done = torch.cuda.Event()
-                    done.record(dst_stream)
-        done.synchronize()
-        return len(src) * block_nbytes(self.kv_pool)
+                    return done
+        # Pool on another GPU of this host: one peer copy, then the scatter over there.
+        dst_stream = self._stream(dst_dev)
+        with torch.cuda.device(dst_dev):
+            dst_stream.wait_stream(src_stream)
+            with torch.cuda.stream(dst_stream):
+                moved = buffer.to(dst_dev)
+                dst_index = torch.tensor(dst, dtype=torch.int64, device=dst_dev)
+                dst_pool.index_copy_(0, dst_index, moved)
+                done = torch.cuda.Event()
+                done.record(dst_stream)
+        return done
+
+
+def reaches(sender: Endpoint, receiver: Endpoint) -> bool:
+    return why_not_ipc(sender, receiver) is None
+
+
+PATH = TransferPath(
+    IPC,
+    reaches=reaches,
+    open_receiver=IpcReceiver.open,
+    open_sender=IpcSender.open,
+    rate_prior=100e9,  # 384 GB/s measured (docs/benchmarks.md), taken lower: see chooser
+)

@@ -8,6 +8,11 @@ written, and on CUDA the copy finished), ``failed`` or ``cancelled``; nothing wr
 it ended, so the caller may free (and reuse) its blocks as soon as it ended unsuccessfully.
 
 The sender learns what it needs through a ``Ticket`` (bytes in the services' messages).
+
+A reservation's ``state`` is its transfer's one status; the ``end_*`` and ``fill`` calls are the
+paths' side of it (a path's receiver ends its own reservations through them). Callers end a
+reservation only through its receiver (``KVReceiver.finish`` / ``cancel``, ``transfer.base``),
+which also drops what the path keeps for it.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import msgpack
 import torch
@@ -102,6 +108,12 @@ def buffer_from_bytes(kv_pool: torch.Tensor, num_blocks: int, data: bytes) -> to
     return flat.view(kv_pool.dtype).view(num_blocks, *kv_pool.shape[1:])
 
 
+def _packb(obj: object) -> bytes:
+    packed = msgpack.packb(obj, use_bin_type=True)
+    assert packed is not None  # None only with a stream packer
+    return packed
+
+
 @dataclass(frozen=True, slots=True)
 class Ticket:
     """What the sender needs to fill a reservation: the receiver, the pair channel's generation
@@ -117,10 +129,9 @@ class Ticket:
     token: bytes = b""  # tcp: the random name of the reservation its chunks must carry
 
     def to_bytes(self) -> bytes:
-        return msgpack.packb(
+        return _packb(
             [1, self.path, self.receiver_id, self.sender_id, list(self.block_ids), self.gen,
              self.seq, self.token],
-            use_bin_type=True,
         )  # fmt: skip
 
     @classmethod
@@ -143,7 +154,16 @@ class Ticket:
 
 
 class Reservation:
-    """Destination blocks of one transfer on the receiver. Made by ``KVReceiver.reserve``."""
+    """Destination blocks of one transfer on the receiver. Made by a receiver's ``reserve``; a
+    path that keeps more per transfer subclasses it (``dist_channel.DistReservation``,
+    ``grpc_bytes.BytesReservation``).
+
+    Two facts of its path that callers act on (``transfer.base`` says how):
+    ``caller_writes`` (the blocks come in the caller's own stream: the sender gets no ticket) and
+    ``receive_first`` (the receiver takes the data in itself, in ``receive``)."""
+
+    caller_writes: ClassVar[bool] = False
+    receive_first: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -166,7 +186,6 @@ class Reservation:
         self._ended = threading.Event()
         self._state = RESERVED
         self._error: BaseException | None = None
-        self._channel = None  # dist: the pair channel it was reserved on
 
     def __repr__(self) -> str:
         return (
@@ -174,8 +193,11 @@ class Reservation:
             f"{len(self.block_ids)} blocks, {self._state})"
         )
 
+    # ---------------------------------------------------------------- status
+
     @property
     def state(self) -> str:
+        """``reserved``, then exactly once ``done``, ``failed`` or ``cancelled``."""
         return self._state
 
     @property
@@ -198,10 +220,18 @@ class Reservation:
             raise TransferError(f"{self!r} has not completed")
         raise self._error or TransferError(f"{self!r} ended without data")
 
-    def write(self, block_ids: Sequence[int] | torch.Tensor, data: bytes | torch.Tensor) -> None:
+    def wait(self, timeout: float) -> bool:
+        """Block until the reservation ended (True) or ``timeout`` seconds passed (False)."""
+        return self._ended.wait(timeout)
+
+    # ---------------------------------------------------------------- the paths' side
+
+    def write(
+        self, block_ids: Sequence[int] | torch.Tensor, data: bytes | torch.Tensor
+    ) -> list[int]:
         """Write blocks into reserved ids (a subset, in any order); ``ValueError`` and no write
-        if any id is not reserved. ``data`` is raw block bytes (the gRPC codec's payload) or a
-        ``(n, *block_shape)`` tensor on any device."""
+        if any id is not reserved; returns the ids written. ``data`` is raw block bytes (the gRPC
+        codec's payload) or a ``(n, *block_shape)`` tensor on any device."""
         ids = check_block_ids(block_ids, self._pool.shape[0])
         stray = sorted(set(ids) - set(self.block_ids))
         if stray:
@@ -212,8 +242,9 @@ class Reservation:
             if self._state != RESERVED:
                 raise TransferError(f"{self!r} already ended")
             scatter(self._pool, ids, data)
+        return ids
 
-    def _fill(self, buffer: torch.Tensor) -> bool:
+    def fill(self, buffer: torch.Tensor) -> bool:
         """Write every reserved block from ``buffer`` and end as done; False (nothing written)
         if the reservation already ended."""
         with self._mu:
@@ -223,21 +254,25 @@ class Reservation:
             self._end(DONE, None)
             return True
 
-    def _complete(self) -> None:
+    def end_done(self) -> None:
+        """End as done (every block is in); nothing if it already is, its failure raised if it
+        ended otherwise."""
         with self._mu:
             if self._state != RESERVED:
-                self.result()  # raises
+                self.result()  # raises unless done
                 return
             self._end(DONE, None)
 
-    def _fail(self, error: BaseException) -> bool:
+    def end_failed(self, error: BaseException) -> bool:
+        """End as failed with ``error``; False if it had already ended."""
         with self._mu:
             if self._state != RESERVED:
                 return False
             self._end(FAILED, error)
             return True
 
-    def _cancel(self) -> bool:
+    def end_cancelled(self) -> bool:
+        """End as cancelled; False if it had already ended."""
         with self._mu:
             if self._state != RESERVED:
                 return False
@@ -248,6 +283,3 @@ class Reservation:
         self._state = state
         self._error = error
         self._ended.set()
-
-    def _wait_ended(self, timeout: float) -> bool:
-        return self._ended.wait(timeout)

@@ -20,8 +20,10 @@ import time
 
 import torch
 
+from splitserve.transfer.base import BlockIds, KVReceiver, PathOptions, check_count, check_path
+from splitserve.transfer.dist_group import default_host
 from splitserve.transfer.endpoint import TCP, TcpAddress
-from splitserve.transfer.errors import TransferError, TransferTimeout
+from splitserve.transfer.errors import Incomplete, TransferError, TransferTimeout
 from splitserve.transfer.reservation import RESERVED, Reservation, block_nbytes
 from splitserve.transfer.tcp_wire import (
     CHUNK,
@@ -73,7 +75,7 @@ class _Inbound:
             return all(self.landed[:n])
 
 
-class TcpReceiver:
+class TcpReceiver(KVReceiver):
     def __init__(
         self,
         kv_pool: torch.Tensor,
@@ -104,14 +106,26 @@ class TcpReceiver:
         self._stream = torch.cuda.Stream(kv_pool.device) if kv_pool.device.type == "cuda" else None
         threading.Thread(target=self._accept_loop, name=f"kv-tcp-{node_id}", daemon=True).start()
 
+    @classmethod
+    def open(cls, kv_pool: torch.Tensor, node_id: str, options: PathOptions) -> TcpReceiver:
+        return cls(kv_pool, node_id, host=options.host or default_host())
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return (TCP,)
+
+    def offer(self) -> dict[str, object]:
+        return {TCP: self.address}
+
     # ---------------------------------------------------------------- reservations
 
-    def reserve(self, peer_id: str, block_ids) -> Reservation:
+    def reserve(self, peer_id: str, block_ids: BlockIds, path: str = TCP) -> Reservation:
+        check_path(path, TCP)
         res = Reservation(
             self.kv_pool, self.node_id, peer_id, TCP, block_ids, token=secrets.token_bytes(16)
         )
         if not res.block_ids:
-            res._complete()
+            res.end_done()
             return res
         with self._mu:
             self._inbound[res.ticket.token] = _Inbound(res)
@@ -119,31 +133,36 @@ class TcpReceiver:
 
     def receive(self, res: Reservation, timeout: float) -> None:
         """Block until every reserved block has been written (then the reservation is done), or
-        fail it with ``TransferTimeout`` after ``timeout`` seconds."""
+        fail it with ``TransferTimeout`` after ``timeout`` seconds. (The decode node does not call
+        it: ``finish`` checks on the sender's end, and no thread waits meanwhile.)"""
         try:
-            if not res._wait_ended(timeout):
-                res._fail(TransferTimeout(f"no complete tcp transfer within {timeout:.1f} s"))
+            if not res.wait(timeout):
+                res.end_failed(TransferTimeout(f"no complete tcp transfer within {timeout:.1f} s"))
             res.result()
         finally:
             self._forget(res)
 
-    def complete_prefix(self, res: Reservation, n: int) -> None:
-        """The sender filled only the reservation's first ``n`` blocks (a peer that held fewer):
-        end it as done if they are all in, else fail it; ``TransferError`` then."""
+    def finish(self, res: Reservation, count: int | None = None) -> None:
+        """The sender filled the reservation (or only its first ``count`` blocks: a peer that
+        held fewer): end it as done if they are all in, else fail it (``Incomplete``)."""
+        n = check_count(res, count)
         try:
             with self._mu:
                 entry = self._inbound.get(res.ticket.token)
             if res.state == RESERVED and (entry is None or not entry.has_prefix(n)):
-                res._fail(TransferError(f"the first {n} blocks did not all arrive"))
-            if not res.ended:
-                res._complete()
-            res.result()
+                if count is None:
+                    why = "the sender finished before every tcp chunk had arrived"
+                else:
+                    why = f"the first {n} blocks did not all arrive"
+                res.end_failed(Incomplete(why))
+            res.end_done()  # raises if it failed
         finally:
             self._forget(res)
 
-    def cancel(self, res: Reservation) -> None:
-        res._cancel()
+    def cancel(self, res: Reservation) -> float:
+        res.end_cancelled()
         self._forget(res)
+        return 0.0
 
     def _forget(self, res: Reservation) -> None:
         with self._mu:
@@ -159,7 +178,7 @@ class TcpReceiver:
         for conn in conns:
             _close(conn)
         for entry in inbound:
-            entry.res._fail(TransferError("the receiver shut down"))
+            entry.res.end_failed(TransferError("the receiver shut down"))
 
     # ---------------------------------------------------------------- connections
 
@@ -223,15 +242,15 @@ class TcpReceiver:
             return f"a chunk of {count} blocks is over the {MAX_CHUNK_BYTES >> 20} MiB limit"
         why = entry.claim(first, count)
         if why is not None:
-            entry.res._fail(TransferError(f"tcp transfer: {why}"))
+            entry.res.end_failed(TransferError(f"tcp transfer: {why}"))
             return why
         block_shape = tuple(self.kv_pool.shape[1:])
         buf = self._buffer(count * self.block_nbytes)
-        view = memoryview(buf.numpy())
+        view = memoryview(buf.numpy())  # pyright: ignore[reportArgumentType] (ndarray is a buffer)
         if not recv_exact(conn, view):
             raise WireError("connection closed before the chunk's data")
         if checksum(view) != crc:
-            entry.res._fail(TransferError("tcp transfer: CRC mismatch"))
+            entry.res.end_failed(TransferError("tcp transfer: CRC mismatch"))
             return "CRC mismatch"
         blocks = buf.view(self.kv_pool.dtype).view(count, *block_shape)
         ids = entry.res.block_ids[first : first + count]
@@ -242,7 +261,7 @@ class TcpReceiver:
             return "the reservation ended (cancelled or failed)"
         if entry.landed_run(first, count):
             with contextlib.suppress(TransferError):
-                entry.res._complete()
+                entry.res.end_done()
         return None
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
@@ -253,7 +272,7 @@ class TcpReceiver:
             buf = self._scratch.buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
         return buf[:nbytes]
 
-    def _on_side_stream(self):
+    def _on_side_stream(self) -> contextlib.AbstractContextManager:
         """Scatters run on this receiver's CUDA stream, not behind the engine's kernels."""
         if self._stream is None:
             return contextlib.nullcontext()

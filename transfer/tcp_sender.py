@@ -16,18 +16,21 @@ import contextlib
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
-from splitserve.transfer.endpoint import TCP, TcpAddress
+from splitserve.transfer.base import BlockIds, KVSender, PathOptions, as_endpoint, own_ticket
+from splitserve.transfer.endpoint import TCP, Endpoint, TcpAddress
 from splitserve.transfer.errors import NotConnected, PeerLost, TransferError, TransferTimeout
 from splitserve.transfer.reservation import Ticket, block_nbytes, check_source_ids
 from splitserve.transfer.tcp_receiver import MAX_CHUNK_BYTES
 from splitserve.transfer.tcp_wire import PeerClosed, WireError, checksum, pack_chunk, read_ack
 
 DEFAULT_CHUNK_BYTES = 16 << 20
+_T = TypeVar("_T")
 
 
 class _Chunk(NamedTuple):
@@ -35,11 +38,11 @@ class _Chunk(NamedTuple):
     ids: list[int]  # its source blocks
 
     @property
-    def count(self) -> int:
+    def num_blocks(self) -> int:
         return len(self.ids)
 
 
-class TcpSender:
+class TcpSender(KVSender):
     def __init__(
         self,
         kv_pool: torch.Tensor,
@@ -62,18 +65,30 @@ class TcpSender:
         cuda = kv_pool.device.type == "cuda"
         self._stream = torch.cuda.Stream(kv_pool.device) if cuda else None
 
+    @classmethod
+    def open(cls, kv_pool: torch.Tensor, node_id: str, options: PathOptions) -> TcpSender:
+        return cls(kv_pool, node_id, **(options.tcp_options or {}))
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return (TCP,)
+
     # ---------------------------------------------------------------- peers
 
-    def connect(self, peer_id: str, address: TcpAddress) -> None:
-        """Check that ``peer_id``'s listener answers (one connection, kept for reuse)."""
-        sock = self._open(address, time.monotonic() + self.connect_timeout)
+    def connect(self, peer: Endpoint | bytes) -> str:
+        """Check that the peer's listener answers (one connection, kept for reuse)."""
+        peer = as_endpoint(peer)
+        if peer.tcp is None:
+            raise NotConnected(f"{peer.node_id!r} offers no tcp listener")
+        sock = self._open(peer.tcp, time.monotonic() + self.connect_timeout)
         with self._mu:
-            self._peers[peer_id] = address
-            self._idle.setdefault(peer_id, []).append(sock)
+            self._peers[peer.node_id] = peer.tcp
+            self._idle.setdefault(peer.node_id, []).append(sock)
+        return TCP
 
-    def connected(self, peer_id: str) -> bool:
+    def path(self, peer_id: str) -> str | None:
         with self._mu:
-            return peer_id in self._peers
+            return TCP if peer_id in self._peers else None
 
     def close(self, peer_id: str) -> None:
         with self._mu:
@@ -82,14 +97,20 @@ class TcpSender:
         for sock in idle:
             _close(sock)
 
+    def close_all(self) -> None:
+        with self._mu:
+            peers = list(self._peers)
+        for peer in peers:
+            self.close(peer)
+
     # ---------------------------------------------------------------- sending
 
-    def send(self, peer_id: str, src_block_ids, ticket: Ticket, timeout: float) -> int:
+    def send(self, ticket: Ticket | bytes, src_block_ids: BlockIds, *, timeout: float) -> int:
         """Fill the receiver's reservation ``ticket`` with our blocks ``src_block_ids`` (one per
         reserved id, in its order); returns the bytes sent once the receiver acknowledged every
         chunk (then they are in its pool)."""
-        if ticket.path != TCP:
-            raise ValueError(f"not a tcp ticket: {ticket.path!r}")
+        ticket = own_ticket(ticket, self.node_id, TCP)
+        peer_id = ticket.receiver_id
         with self._mu:
             address = self._peers.get(peer_id)
         if address is None:
@@ -127,7 +148,7 @@ class TcpSender:
     def _fill(self, chunk: _Chunk, scratch: torch.Tensor) -> torch.Tensor:
         """Gather ``chunk``'s blocks into ``scratch``; returns its bytes."""
         pool = self.kv_pool
-        data = scratch[: chunk.count * self.block_nbytes]
+        data = scratch[: chunk.num_blocks * self.block_nbytes]
         index = torch.tensor(chunk.ids, dtype=torch.int64)
         if self._stream is None:
             torch.index_select(pool, 0, index, out=_blocks_of(data, pool))
@@ -140,15 +161,17 @@ class TcpSender:
         ready.synchronize()
         return data
 
-    def _send_lane(self, peer_id, address, token: bytes, lane: list[_Chunk], deadline) -> None:
+    def _send_lane(
+        self, peer_id: str, address: TcpAddress, token: bytes, lane: list[_Chunk], deadline: float
+    ) -> None:
         sock = self._take(peer_id, address, deadline)
         ok = False
         try:
             scratch = self._scratch()  # one chunk's buffer per lane, reused for its chunks
             for chunk in lane:
                 data = self._fill(chunk, scratch)
-                view = memoryview(data.numpy())
-                header = pack_chunk(token, chunk.first, chunk.count, checksum(view))
+                view = memoryview(data.numpy())  # pyright: ignore[reportArgumentType] (a buffer)
+                header = pack_chunk(token, chunk.first, chunk.num_blocks, checksum(view))
                 _io(sock, deadline, sock.sendall, header)
                 _io(sock, deadline, sock.sendall, view)
             for _ in lane:
@@ -162,7 +185,7 @@ class TcpSender:
             else:
                 _close(sock)
 
-    def _failure(self, sock, peer_id: str, exc: BaseException) -> TransferError:
+    def _failure(self, sock: socket.socket, peer_id: str, exc: BaseException) -> TransferError:
         if isinstance(exc, TimeoutError):
             return TransferTimeout(f"tcp transfer to {peer_id!r}: no progress before the deadline")
         if isinstance(exc, PeerClosed):
@@ -224,10 +247,7 @@ class TcpSender:
             _close(sock)
 
     def shutdown(self) -> None:
-        with self._mu:
-            peers = list(self._peers)
-        for peer in peers:
-            self.close(peer)
+        self.close_all()
         self._workers.shutdown(wait=False)
 
 
@@ -235,7 +255,7 @@ def _blocks_of(host: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
     return host.view(pool.dtype).view(-1, *pool.shape[1:])
 
 
-def _io(sock: socket.socket, deadline: float, op, *args):
+def _io(sock: socket.socket, deadline: float, op: Callable[..., _T], *args: Any) -> _T:
     left = deadline - time.monotonic()
     if left <= 0:
         raise TimeoutError("deadline passed")

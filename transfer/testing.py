@@ -16,8 +16,13 @@ from __future__ import annotations
 import os
 import signal
 import time
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from splitserve.transfer import TcpAddress, Ticket
 
 
 def make_pool(
@@ -60,49 +65,65 @@ def block_checksums(kv_pool: torch.Tensor, block_ids: list[int]) -> list[int]:
 
 
 def sender_main(
-    conn,
+    conn: Connection,
     node_id: str,
     pool_spec: dict,
     seed: int,
     connect_timeout: float = 10.0,
     tcp_options: dict | None = None,
-):
-    from splitserve.transfer import KVSender, Ticket, dist
+) -> None:
+    from splitserve.transfer import DIST, Endpoint, PathOptions, Ticket
+    from splitserve.transfer.api import NodeSender
+    from splitserve.transfer.chooser import PATHS, open_senders
+    from splitserve.transfer.dist_channel import TAG_HEADER, header
+    from splitserve.transfer.dist_sender import DistSender
 
     if pool_spec.get("device", "cpu").startswith("cuda"):
         torch.cuda.set_device(torch.device(pool_spec["device"]))
     pool = fill_pool(make_pool(**pool_spec), seed)
-    tx = KVSender(pool, node_id, connect_timeout=connect_timeout, tcp_options=tcp_options)
+    options = PathOptions(connect_timeout=connect_timeout, tcp_options=tcp_options)
+    # A node's sender, built from its parts here: the faults below use the dist part's channel.
+    parts = open_senders(pool, node_id, PATHS, options)
+    tx = NodeSender(pool, node_id, parts)
+    endpoints: dict[str, Endpoint] = {}  # the receivers connected to, by node id
     conn.send(("ready", tx.endpoint().to_bytes()))
     while True:
         try:
             cmd, *args = conn.recv()
         except EOFError:
             return
+        result = None
         try:
             if cmd == "exit":
                 tx.close_all()
                 conn.send(("ok", None))
                 return
             if cmd == "connect":
-                result = tx.connect(args[0])
+                peer = Endpoint.from_bytes(args[0])
+                result = tx.connect(peer)
+                endpoints[peer.node_id] = peer
             elif cmd == "close":
                 tx.close(args[0])
-                result = None
             elif cmd == "send":
                 t0 = time.perf_counter()
                 nbytes = tx.send(args[0], args[1], timeout=args[2])
                 result = (nbytes, time.perf_counter() - t0)
             elif cmd == "send_header_then":
                 ticket = Ticket.from_bytes(args[0])
-                channel = tx._dist._channels[ticket.receiver_id]
-                header = dist._header(ticket.gen, ticket.seq, len(args[1]), pool, channel.device)
+                dist_sender = parts[DIST]
+                assert isinstance(dist_sender, DistSender)
+                channel = dist_sender.channel(ticket.receiver_id)
+                assert channel is not None
+                head = header(ticket.gen, ticket.seq, len(args[1]), pool, channel.device)
                 conn.send(("ok", "sending the header"))  # the receiver posts its recv now
-                channel.post("send", header, dist.TAG_HEADER).wait()
+                channel.post("send", head, TAG_HEADER).wait()
                 os.kill(os.getpid(), signal.SIGKILL if args[2] == "kill" else signal.SIGSTOP)
                 continue
             elif cmd == "send_tcp_half_then_kill":
-                _send_tcp_half(tx, Ticket.from_bytes(args[0]), args[1])
+                ticket = Ticket.from_bytes(args[0])
+                address = endpoints[ticket.receiver_id].tcp
+                assert address is not None
+                _send_tcp_half(pool, address, ticket, args[1], tcp_options or {})
                 conn.send(("ok", "half a chunk sent"))
                 time.sleep(0.2)
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -115,17 +136,24 @@ def sender_main(
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
-def _send_tcp_half(tx, ticket, src: list[int]) -> None:
-    """The first chunk's header (as for the whole chunk) and half of its data."""
-    import time as _time
+def _send_tcp_half(
+    pool: torch.Tensor, address: TcpAddress, ticket: Ticket, src: list[int], tcp_options: dict
+) -> None:
+    """The first chunk's header (as the tcp sender cuts it, for the whole chunk) and half of its
+    data, on a connection of its own."""
+    import socket
 
+    from splitserve.transfer.reservation import block_nbytes
+    from splitserve.transfer.tcp_receiver import MAX_CHUNK_BYTES
+    from splitserve.transfer.tcp_sender import DEFAULT_CHUNK_BYTES
     from splitserve.transfer.tcp_wire import checksum, pack_chunk
 
-    tcp = tx._tcp
-    chunk = tcp._chunks(src)[0]
-    view = memoryview(tcp._fill(chunk, tcp._scratch()).numpy())
-    sock = tcp._take(ticket.receiver_id, tcp._peers[ticket.receiver_id], _time.monotonic() + 5)
-    sock.sendall(pack_chunk(ticket.token, chunk.first, chunk.count, checksum(view)))
+    chunk_bytes = min(tcp_options.get("chunk_bytes", DEFAULT_CHUNK_BYTES), MAX_CHUNK_BYTES)
+    first = src[: max(1, chunk_bytes // block_nbytes(pool))]
+    blocks = pool[torch.tensor(first, device=pool.device)].cpu().contiguous()
+    view = memoryview(blocks.view(torch.uint8).reshape(-1).numpy())  # pyright: ignore[reportArgumentType]
+    sock = socket.create_connection((address.host, address.port), timeout=5)
+    sock.sendall(pack_chunk(ticket.token, 0, len(first), checksum(view)))
     sock.sendall(view[: len(view) // 2])
 
 
@@ -156,33 +184,36 @@ class SenderProcess:
         self.endpoint: bytes | None = None
 
     def wait_ready(self, timeout: float = 120.0) -> bytes:
-        if self.endpoint is None:
-            status, self.endpoint = self.reply_raw(timeout)
+        endpoint = self.endpoint
+        if endpoint is None:
+            status, endpoint = self.reply_raw(timeout)
             if status != "ready":
-                raise RuntimeError(f"sender {self.node_id} failed to start: {self.endpoint}")
-        return self.endpoint
+                raise RuntimeError(f"sender {self.node_id} failed to start: {endpoint}")
+            self.endpoint = endpoint
+        return endpoint
 
-    def request(self, *cmd) -> None:
+    def request(self, *cmd: Any) -> None:
         self.conn.send(cmd)
 
-    def reply_raw(self, timeout: float = 60.0):
+    def reply_raw(self, timeout: float = 60.0) -> tuple[str, Any]:
         if not self.conn.poll(timeout):
             raise TimeoutError(f"no answer from sender {self.node_id} in {timeout}s")
         return self.conn.recv()
 
-    def reply(self, timeout: float = 60.0):
+    def reply(self, timeout: float = 60.0) -> Any:
         status, value = self.reply_raw(timeout)
         if status != "ok":
             raise RuntimeError(f"sender {self.node_id}: {value}")
         return value
 
-    def call(self, *cmd, timeout: float = 60.0):
+    def call(self, *cmd: Any, timeout: float = 60.0) -> Any:
         self.request(*cmd)
         return self.reply(timeout)
 
     def kill(self) -> None:
-        if self.proc.is_alive():
-            os.kill(self.proc.pid, signal.SIGKILL)
+        pid = self.proc.pid
+        if pid is not None and self.proc.is_alive():
+            os.kill(pid, signal.SIGKILL)
         self.proc.join(10)
 
     def stop(self) -> None:

@@ -17,8 +17,6 @@ from splitserve.transfer import (
     GRPC,
     ChannelClosed,
     DistAddress,
-    KVReceiver,
-    KVSender,
     NotConnected,
     PeerLost,
     Ticket,
@@ -26,6 +24,8 @@ from splitserve.transfer import (
     TransferTimeout,
     choose_path,
     local_endpoint,
+    open_receiver,
+    open_sender,
 )
 from splitserve.transfer.reservation import block_nbytes
 from splitserve.transfer.testing import SenderProcess, fill_pool, make_pool
@@ -37,7 +37,7 @@ SOURCE = fill_pool(make_pool(**SPEC), SENDER_SEED)  # what every sender process 
 def cluster():
     """One receiver in this process; three sender processes, started together."""
     pool = fill_pool(make_pool(**SPEC), RECEIVER_SEED)
-    rx = KVReceiver(pool, "decode-0", dist_host="127.0.0.1", connect_timeout=15.0)
+    rx = open_receiver(pool, "decode-0", host="127.0.0.1", connect_timeout=15.0)
     senders = {
         name: SenderProcess(name, SPEC, SENDER_SEED, connect_timeout=15.0)
         for name in ("prefill-0", "prefill-doomed", "prefill-stalled")
@@ -146,7 +146,7 @@ def test_sender_follows_a_restarted_receiver(cluster):
     rx, pool, senders = cluster
     sender = senders["prefill-0"]
     pool2 = fill_pool(make_pool(**SPEC), RECEIVER_SEED + 1)
-    rx2 = KVReceiver(pool2, "decode-0", dist_host="127.0.0.1", connect_timeout=15.0)
+    rx2 = open_receiver(pool2, "decode-0", host="127.0.0.1", connect_timeout=15.0)
     try:
         assert sender.call("connect", rx2.endpoint().to_bytes()) == DIST
         ship(rx2, sender, [2, 3], [7, 8])
@@ -200,7 +200,7 @@ def test_sender_falls_back_to_grpc_when_no_pair_can_be_built():
     peer = dataclasses.replace(
         local_endpoint("decode-x", pool), dist=DistAddress("127.0.0.1", port, "gloo")
     )
-    tx = KVSender(pool, "prefill-x", connect_timeout=0.5)
+    tx = open_sender(pool, "prefill-x", connect_timeout=0.5)
     assert choose_path(tx.endpoint(), peer) == DIST
     assert tx.connect(peer) == GRPC
     assert tx.path("decode-x") == GRPC

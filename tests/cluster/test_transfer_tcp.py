@@ -12,7 +12,7 @@ import pytest
 import torch
 from support.transfer_common import RECEIVER_SEED, SENDER_SEED, SPEC, u8
 
-from splitserve.transfer import TCP, KVReceiver, PeerLost, TransferError, TransferTimeout
+from splitserve.transfer import TCP, PeerLost, TransferError, TransferTimeout, open_receiver
 from splitserve.transfer.reservation import block_nbytes
 from splitserve.transfer.tcp_receiver import TcpReceiver
 from splitserve.transfer.tcp_wire import (
@@ -35,7 +35,7 @@ def cluster():
     """A tcp-only receiver here; a sender process cutting transfers into 3-block chunks over 2
     connections, and one that will be killed."""
     pool = fill_pool(make_pool(**SPEC), RECEIVER_SEED)
-    rx = KVReceiver(pool, "decode-0", dist=False, tcp_host="127.0.0.1")
+    rx = open_receiver(pool, "decode-0", paths=(TCP,), host="127.0.0.1")
     opts = dict(streams=2, chunk_bytes=3 * NBYTES)
     senders = {
         name: SenderProcess(name, SPEC, SENDER_SEED, tcp_options=opts)
@@ -141,7 +141,7 @@ def test_sender_killed_mid_chunk_times_out_and_leaves_the_pool(cluster):
 
 def test_sender_sees_a_gone_receiver():
     pool = fill_pool(make_pool(**SPEC), RECEIVER_SEED)
-    rx = KVReceiver(pool, "decode-gone", dist=False, tcp_host="127.0.0.1")
+    rx = open_receiver(pool, "decode-gone", paths=(TCP,), host="127.0.0.1")
     sender = SenderProcess("prefill-1", SPEC, SENDER_SEED)
     try:
         sender.wait_ready()
@@ -175,17 +175,17 @@ def test_listener_bounds_connections():
         rx.shutdown()
 
 
-def test_complete_prefix_takes_only_blocks_that_arrived(cluster):
+def test_finishing_a_prefix_takes_only_blocks_that_arrived(cluster):
     """A peer holding fewer blocks than asked fills the first n of a reservation: it ends done
     with those n in; claiming more than arrived fails it."""
     rx, pool, _ = cluster
     two = bytes(u8(SOURCE[[5, 6]]).reshape(-1).numpy())
     res = rx.reserve("peer", [17, 18, 19, 21], TCP)
     raw_chunk(rx, res.ticket.token, 0, 2, two)
-    rx.complete_prefix(res, 2)
+    rx.finish(res, 2)
     assert res.state == "done" and torch.equal(u8(pool[[17, 18]]), u8(SOURCE[[5, 6]]))
     res = rx.reserve("peer", [17, 18, 19, 21], TCP)
     raw_chunk(rx, res.ticket.token, 0, 2, two)
     with pytest.raises(TransferError, match="did not all arrive"):
-        rx.complete_prefix(res, 3)
+        rx.finish(res, 3)
     assert res.state == "failed"

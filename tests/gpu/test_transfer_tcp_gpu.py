@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.transfer import TCP, KVReceiver
+from splitserve.transfer import TCP, open_receiver
 from splitserve.transfer.reservation import block_nbytes
 from splitserve.transfer.testing import SenderProcess, block_checksums, fill_pool, make_pool
 
@@ -27,7 +27,7 @@ def test_tcp_between_cuda_pools_is_byte_exact():
     pool = fill_pool(make_pool(**spec), 5)
     torch.cuda.synchronize()
     before = pool.clone()
-    rx = KVReceiver(pool, "decode-gpu-tcp", ipc=False, dist=False, tcp_host="127.0.0.1")
+    rx = open_receiver(pool, "decode-gpu-tcp", paths=(TCP,), host="127.0.0.1")
     chunk = 5 * block_nbytes(pool)  # 40 blocks: 8 chunks over 3 connections
     opts = dict(streams=3, chunk_bytes=chunk)
     sender = SenderProcess("prefill-gpu-tcp", spec, 6, tcp_options=opts)

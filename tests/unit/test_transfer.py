@@ -190,7 +190,7 @@ def test_local_endpoint_of_a_cpu_pool():
 
 
 def test_the_reason_a_pair_is_not_on_ipc_is_named():
-    from splitserve.transfer.endpoint import why_not_ipc
+    from splitserve.transfer.ipc import why_not_ipc
 
     local = endpoint()
     assert why_not_ipc(local, receiver_endpoint()) is None

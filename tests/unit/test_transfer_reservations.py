@@ -1,5 +1,6 @@
-"""Reservations on a receiver without dist (transfer/): bad ids, writes land only in reserved
-ids, cancelled reservations take no writes, paths the receiver does not offer."""
+"""Reservations on a receiver of the byte path alone (transfer/; no listener, no store): bad ids,
+writes land only in reserved ids, cancelled reservations take no writes, paths the receiver does
+not offer. What every path's reservations do: test_transfer_contract.py."""
 
 from __future__ import annotations
 
@@ -7,14 +8,23 @@ import pytest
 import torch
 from support.transfer_common import RECEIVER_SEED, SPEC, u8
 
-from splitserve.transfer import DIST, GRPC, IPC, KVReceiver, NotConnected, TransferError
+from splitserve.transfer import (
+    DIST,
+    GRPC,
+    IPC,
+    TCP,
+    Incomplete,
+    NotConnected,
+    TransferError,
+    open_receiver,
+)
 from splitserve.transfer.testing import fill_pool, make_pool
 
 
 @pytest.fixture
 def local_receiver():
     pool = fill_pool(make_pool(**SPEC), RECEIVER_SEED)
-    rx = KVReceiver(pool, "decode-local", dist=False)
+    rx = open_receiver(pool, "decode-local", paths=())
     yield rx, pool
     rx.shutdown()
 
@@ -44,7 +54,7 @@ def test_writes_only_reserved_ids(local_receiver):
 
     rx.write(res, [11, 4], u8(data[:2]).numpy().tobytes())
     rx.write(res, [7], data[2:3])
-    rx.complete(res)
+    rx.finish(res)
     assert res.state == "done"
     res.result()
     assert torch.equal(u8(pool[[11, 4, 7]]), u8(data))
@@ -65,18 +75,32 @@ def test_cancelled_reservation_takes_no_writes(local_receiver):
     with pytest.raises(TransferError):
         rx.write(res, [2], pool[5:6].clone())
     with pytest.raises(TransferError):
-        rx.complete(res)
+        rx.finish(res)
     assert torch.equal(u8(pool), u8(before))
 
 
 def test_paths_this_receiver_does_not_offer(local_receiver):
     rx, _ = local_receiver
+    assert rx.paths == ()
     assert rx.endpoint().ipc_handle is None and rx.endpoint().dist is None
-    with pytest.raises(NotConnected):
-        rx.reserve("p", [1], IPC)
-    with pytest.raises(NotConnected):
-        rx.reserve("p", [1], DIST)
+    for path in (IPC, DIST, TCP):
+        with pytest.raises(NotConnected):
+            rx.reserve("p", [1], path)
     with pytest.raises(ValueError):
         rx.reserve("p", [1], "carrier-pigeon")
-    with pytest.raises(ValueError):
-        rx.receive(rx.reserve("p", [1], GRPC), 1.0)
+    res = rx.reserve("p", [1], "")  # no path named: the byte path
+    assert res.path == GRPC and res.caller_writes and not res.receive_first
+
+
+def test_finishing_before_every_block_was_written_fails(local_receiver):
+    rx, pool = local_receiver
+    res = rx.reserve("p", [2, 3, 5], GRPC)
+    rx.write(res, [3], pool[9:10].clone())
+    rx.receive(res, 1.0)  # the caller writes: nothing to wait for
+    with pytest.raises(Incomplete, match="2 blocks missing"):
+        rx.finish(res)
+    assert res.state == "failed"
+    res = rx.reserve("p", [2, 3, 5], GRPC)
+    rx.write(res, [2, 3], pool[9:11].clone())
+    rx.finish(res, 2)  # a prefix: the first two
+    assert res.state == "done"
