@@ -42,7 +42,7 @@ from transfer_grpc import run_grpc
 
 from splitserve.transfer import DIST, GRPC, IPC, TCP, open_receiver
 from splitserve.transfer.reservation import block_nbytes
-from splitserve.transfer.testing import SenderProcess, block_checksums, fill_pool, make_pool
+from tests.support.kv_pools import SenderProcess, block_checksums, fill_pool, make_pool
 
 
 def kv_shape(small: bool) -> dict:

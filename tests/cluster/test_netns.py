@@ -15,13 +15,13 @@ import shutil
 import subprocess
 
 import pytest
+from support.kv_pools import make_pool
 from support.processes import node_stats, start_cli, start_router
 from support.reference import hf_greedy
 
 from splitserve.client import Client
 from splitserve.models.tiny import write_random_checkpoint
 from splitserve.transfer import Endpoint, local_endpoint
-from splitserve.transfer.testing import make_pool
 
 SUBNET = "10.213.57"  # bridge .1 (this namespace), nodes .2, .3
 TAG = f"ss{os.getpid() % 100000}"

@@ -9,11 +9,11 @@ import subprocess
 
 import grpc
 import pytest
+from support.kv_pools import make_pool
 
 from splitserve.client import Client
 from splitserve.launcher import ClusterSpec, LocalCluster, free_port
 from splitserve.transfer import Endpoint, local_endpoint
-from splitserve.transfer.testing import make_pool
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 

@@ -7,6 +7,7 @@ tests/unit/test_transfer_contract.py."""
 from __future__ import annotations
 
 import pytest
+from support.kv_pools import fill_pool, make_pool
 from support.transfer_common import RECEIVER_SEED, SENDER_SEED, SPEC
 from support.transfer_contract import *  # noqa: F403 (the contract's tests)
 from support.transfer_contract import RECEIVER_ID, SENDER_ID, Rig
@@ -15,7 +16,6 @@ from splitserve.transfer import DIST, TCP, PathOptions, open_receiver, open_send
 from splitserve.transfer.dist import DistReceiver, DistSender
 from splitserve.transfer.reservation import block_nbytes
 from splitserve.transfer.tcp import TcpReceiver, TcpSender
-from splitserve.transfer.testing import fill_pool, make_pool
 
 HOST = "127.0.0.1"
 

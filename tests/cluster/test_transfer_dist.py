@@ -10,6 +10,7 @@ import socket
 
 import pytest
 import torch
+from support.kv_pools import SenderProcess, fill_pool, make_pool
 from support.transfer_common import RECEIVER_SEED, SENDER_SEED, SPEC, u8
 
 from splitserve.transfer import (
@@ -28,7 +29,6 @@ from splitserve.transfer import (
     open_sender,
 )
 from splitserve.transfer.reservation import block_nbytes
-from splitserve.transfer.testing import SenderProcess, fill_pool, make_pool
 
 SOURCE = fill_pool(make_pool(**SPEC), SENDER_SEED)  # what every sender process holds
 

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from support.kv_pools import SenderProcess, fill_pool, make_pool
 from support.transfer_common import RECEIVER_SEED, SENDER_SEED, SPEC, u8
 
 from splitserve.transfer import TCP, PeerLost, TransferError, TransferTimeout, open_receiver
@@ -24,7 +25,6 @@ from splitserve.transfer.tcp_wire import (
     pack_chunk,
     read_ack,
 )
-from splitserve.transfer.testing import SenderProcess, fill_pool, make_pool
 
 SOURCE = fill_pool(make_pool(**SPEC), SENDER_SEED)
 NBYTES = block_nbytes(SOURCE)

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.kv_pools import SenderProcess, fill_pool, make_pool
 
 from splitserve.transfer import DIST, IPC, TCP, Ticket, TransferError, open_receiver
 from splitserve.transfer.reservation import block_nbytes
-from splitserve.transfer.testing import SenderProcess, fill_pool, make_pool
 
 pytestmark = [
     pytest.mark.gpu,

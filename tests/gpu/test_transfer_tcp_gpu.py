@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.kv_pools import SenderProcess, block_checksums, fill_pool, make_pool
 
 from splitserve.transfer import TCP, open_receiver
 from splitserve.transfer.reservation import block_nbytes
-from splitserve.transfer.testing import SenderProcess, block_checksums, fill_pool, make_pool
 
 pytestmark = [
     pytest.mark.gpu,

@@ -91,6 +91,12 @@ def test_the_check_sees_an_upward_import(tmp_path):
     assert line == 2 and RANK[_part(module)] > RANK["kvstore"]
 
 
+def test_no_test_helpers_are_installed():
+    # Builders of test data live in tests/support/, not in the package every node installs.
+    helpers = [str(path.relative_to(ROOT)) for _, path in _modules() if path.stem == "testing"]
+    assert not helpers, f"test helpers inside the package: {helpers} (tests/support/ holds them)"
+
+
 def test_package_root_imports_nothing():
     # Every `import splitserve.x` runs splitserve/__init__.py first: it must stay light.
     assert not [m for _, m in _imports(ROOT / "splitserve" / "__init__.py")]

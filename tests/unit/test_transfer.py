@@ -5,6 +5,7 @@ gloo with spawned senders: test_transfer_dist.py."""
 from __future__ import annotations
 
 import pytest
+from support.kv_pools import make_pool
 from support.transfer_common import SPEC
 
 from splitserve.transfer import (
@@ -21,7 +22,6 @@ from splitserve.transfer import (
     export_pool,
     local_endpoint,
 )
-from splitserve.transfer.testing import make_pool
 
 LAYOUT = (32, 2, 16, 8, 128)
 

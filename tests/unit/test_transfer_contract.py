@@ -9,6 +9,7 @@ test_transfer_contract_paths.py; ipc (CUDA, two processes): tests/gpu/test_trans
 from __future__ import annotations
 
 import pytest
+from support.kv_pools import fill_pool, make_pool
 from support.transfer_common import RECEIVER_SEED, SENDER_SEED, SPEC
 from support.transfer_contract import *  # noqa: F403 (the contract's tests)
 from support.transfer_contract import (
@@ -32,7 +33,6 @@ from splitserve.transfer import (
     open_sender,
 )
 from splitserve.transfer.grpc_bytes import GrpcReceiver, GrpcSender
-from splitserve.transfer.testing import fill_pool, make_pool
 
 BUILT_IN = chooser.PREFERENCE  # the chooser's own lines (the rigs add the test path's)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.kv_pools import fill_pool, make_pool
 from support.transfer_common import RECEIVER_SEED, SPEC, u8
 
 from splitserve.transfer import (
@@ -18,7 +19,6 @@ from splitserve.transfer import (
     TransferError,
     open_receiver,
 )
-from splitserve.transfer.testing import fill_pool, make_pool
 
 
 @pytest.fixture
