@@ -1,0 +1,126 @@
+"""PeerFetcher (prefill_node/peer_fetch.py) on its own, with a fake engine, transfer layer and
+rates: only full blocks before the last prompt token are asked for, blocks cached here are not, a
+fetch the rates say is slower than computing is skipped (and counted), the transfer layer's
+adoption is counted and timed by its path, and concurrent prompts with one prefix fetch it once.
+Fetches between real nodes: tests/cluster/test_peer_fetch.py."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from types import SimpleNamespace
+
+from splitserve.kvstore import ModelIdentity, hash_request_tokens
+from splitserve.prefill_node.peer_fetch import PeerFetcher
+from splitserve.prefill_node.rates import MIN_FETCH_BLOCKS
+from splitserve.runtime import counter_names as names
+
+BS = 16
+ROOT = ModelIdentity("m").root_hash
+
+
+class FakeEngine:
+    def __init__(self, cached: int = 0) -> None:
+        self.cached = cached
+        self.kv_port = SimpleNamespace(
+            block_size=BS,
+            block_nbytes=1024,
+            count_cached=lambda hashes: min(self.cached, len(hashes)),
+        )
+
+    async def call(self, fn, *args):
+        return fn(*args)
+
+
+class FakeLayer:
+    """The transfer layer's fetch: adopts every block asked for, after ``delay`` s."""
+
+    def __init__(self, engine: FakeEngine, delay: float = 0.0) -> None:
+        self.engine, self.delay = engine, delay
+        self.asked: list[int] = []
+
+    async def path_to(self, peer):
+        return "tcp"
+
+    async def fetch(self, peer, root, want, proof, timeout):
+        self.asked.append(len(want))
+        await asyncio.sleep(self.delay)
+        self.engine.cached += len(want)
+        return len(want)
+
+
+class FakeRates:
+    def __init__(self, worth: bool = True) -> None:
+        self.worth = worth
+        self.timed: list[tuple[int, str]] = []
+
+    def worth_fetching(self, blocks, path):
+        return self.worth and blocks >= MIN_FETCH_BLOCKS  # as Rates: fewer are computed
+
+    def fetched(self, nbytes, seconds, path=""):
+        self.timed.append((nbytes, path))
+
+
+def fetcher(engine: FakeEngine, rates: FakeRates, layer: FakeLayer | None) -> PeerFetcher:
+    return PeerFetcher(engine, ROOT, rates, channels=None, counters=Counter(), layer=layer)
+
+
+def test_only_full_blocks_before_the_last_token_are_asked_for_and_not_those_cached_here():
+    async def main():
+        engine = FakeEngine(cached=1)
+        layer, rates = FakeLayer(engine), FakeRates()
+        peers = fetcher(engine, rates, layer)
+        assert await peers.fetch("p1", 10, list(range(BS)), None, None) == 0  # one block: computed
+        prompt = list(range(4 * BS))  # 4 full blocks, the last one holding the last token
+        assert await peers.fetch("p1", 10, prompt, None, None) == 2  # blocks 1 and 2
+        assert layer.asked == [2]
+        assert peers.counters[names.PREFIX_BLOCKS_FETCHED] == 2
+        assert rates.timed == [(2 * 1024, "tcp")]
+
+    asyncio.run(main())
+
+
+def test_a_fetch_slower_than_computing_is_skipped_and_counted():
+    async def main():
+        engine = FakeEngine()
+        layer = FakeLayer(engine)
+        peers = fetcher(engine, FakeRates(worth=False), layer)
+        assert await peers.fetch("p1", 10, list(range(5 * BS)), None, None) == 0
+        assert layer.asked == []
+        assert peers.counters[names.PREFIX_FETCH_SKIPPED_SLOWER] == 1
+
+    asyncio.run(main())
+
+
+def test_concurrent_prompts_with_one_prefix_fetch_it_once():
+    async def main():
+        engine = FakeEngine()
+        layer = FakeLayer(engine, delay=0.05)
+        peers = fetcher(engine, FakeRates(), layer)
+        prompt = list(range(3 * BS + 1))
+        got = await asyncio.gather(*(peers.fetch("p1", 3, prompt, None, None) for _ in range(3)))
+        assert got == [3, 0, 0]  # the others wait, then find the blocks cached here
+        assert layer.asked == [3]
+        assert not peers._fetching
+
+    asyncio.run(main())
+
+
+def test_the_asked_hashes_are_the_prompts_chain_with_its_salt():
+    async def main():
+        engine = FakeEngine()
+        seen = []
+
+        class Recording(FakeLayer):
+            async def fetch(self, peer, root, want, proof, timeout):
+                seen.append((root, list(want), proof))
+                return await super().fetch(peer, root, want, proof, timeout)
+
+        peers = fetcher(engine, FakeRates(), Recording(engine))
+        prompt = list(range(2 * BS + 5))
+        assert await peers.fetch("p1", 2, prompt, "tenant", 1.0) == 2
+        ((root, want, proof),) = seen
+        assert root == ROOT and want == hash_request_tokens(prompt, BS, ROOT, "tenant")[:2]
+        assert proof == dict(prompt_token_ids=prompt[: 2 * BS], cache_salt="tenant", first_block=0)
+
+    asyncio.run(main())
