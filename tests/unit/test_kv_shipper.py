@@ -1,0 +1,136 @@
+"""KVShipper (prefill_node/shipper.py) on its own, against a fake decode node's TransferKV call:
+the header names the request's full-block hashes; only the blocks the decode node says it lacks
+are sent as BlockData (and the partial tail block), then TransferEnd; what was shipped and
+reused is counted; a decode node that closes the stream or does not confirm is a ShipError the
+router can retry elsewhere. Shipping between real nodes: tests/cluster/test_decode_transfer.py."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from types import SimpleNamespace
+
+import grpc
+import msgpack
+import pytest
+
+from splitserve.kvstore import ModelIdentity, hash_request_tokens
+from splitserve.prefill_node import shipper as shipper_module
+from splitserve.prefill_node.shipper import KVShipper, ShipError
+from splitserve.runtime import counter_names as names
+from splitserve.v1 import nodes_pb2
+
+BS, NBYTES = 16, 64
+ROOT = ModelIdentity("m").root_hash
+
+
+class FakeCall:
+    """The decode node's side of one TransferKV call: answers the header with ``missing``, then
+    confirms (``done``) once the request stream ends."""
+
+    def __init__(self, requests, missing: list[int], confirm: bool = True, answer: bool = True):
+        self.requests, self.missing, self.confirm, self.answer = requests, missing, confirm, answer
+        self.received: list[nodes_pb2.TransferKVRequest] = []
+        self.cancelled = False
+        self._replies: asyncio.Queue = asyncio.Queue()
+        self._task = asyncio.get_running_loop().create_task(self._serve())
+
+    async def _serve(self) -> None:
+        async for msg in self.requests:
+            self.received.append(msg)
+            if msg.HasField("header"):
+                reply = nodes_pb2.TransferKVResponse(missing=self.missing)
+                self._replies.put_nowait(reply if self.answer else grpc.aio.EOF)
+        self._replies.put_nowait(
+            nodes_pb2.TransferKVResponse(done=True) if self.confirm else grpc.aio.EOF
+        )
+
+    async def read(self):
+        return await self._replies.get()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeEngine:
+    def __init__(self, ids: list[int]) -> None:
+        self.kv_port = SimpleNamespace(
+            block_size=BS,
+            block_nbytes=NBYTES,
+            block_ids=lambda rid: ids,
+            read=lambda src: b"".join(bytes([i]) * NBYTES for i in src),
+        )
+
+    def submit(self, fn, *args):
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(fn(*args))
+        return future
+
+    async def call(self, fn, *args):
+        return fn(*args)
+
+
+def ship(prompt: list[int], ids: list[int], monkeypatch, **call_options):
+    calls: list[FakeCall] = []
+
+    class Stub:
+        def __init__(self, channel) -> None:
+            pass
+
+        def TransferKV(self, requests, timeout=None, metadata=None):
+            calls.append(FakeCall(requests, **call_options))
+            return calls[-1]
+
+    monkeypatch.setattr(shipper_module.nodes_pb2_grpc, "DecodeNodeServiceStub", Stub)
+    shipper = KVShipper(FakeEngine(ids), ROOT, 30.0, SimpleNamespace(get=lambda a: None), Counter())
+    hashes = hash_request_tokens(prompt, BS, ROOT)
+    req = SimpleNamespace(request_id="r1", prompt_token_ids=prompt, block_hashes=hashes)
+    request = nodes_pb2.PrefillRequest(decode_address="d:1", cache_salt="")
+
+    async def main():
+        return await shipper.ship(request, req, first_token=7, timeout=5.0)
+
+    try:
+        return asyncio.run(main()), shipper, calls[0]
+    except ShipError as exc:
+        return exc, shipper, calls[0]
+
+
+def test_only_the_missing_blocks_and_the_tail_are_sent(monkeypatch):
+    prompt = list(range(3 * BS + 5))  # 3 full blocks and a tail
+    shipped, shipper, call = ship(prompt, [11, 12, 13, 14], monkeypatch, missing=[0, 2])
+    assert shipped == (2, 1, 3 * NBYTES)  # blocks 0 and 2 and the tail; block 1 reused
+    header = call.received[0].header
+    assert header.request_id == "r1" and header.first_token_id == 7
+    assert list(header.block_hashes) == hash_request_tokens(prompt, BS, ROOT)[:3]
+    assert header.transfer_path == "" and header.model_root_hash == ROOT
+    blocks = [m.blocks for m in call.received[1:] if m.HasField("blocks")]
+    metas = [msgpack.unpackb(b.meta) for b in blocks]
+    assert [(m["indices"], m["tail"]) for m in metas] == [([0, 2], False), ([-1], True)]
+    assert blocks[0].data == bytes([11]) * NBYTES + bytes([13]) * NBYTES
+    assert blocks[1].data == bytes([14]) * NBYTES
+    assert call.received[-1].HasField("end")
+    c = shipper.counters
+    assert (c[names.BLOCKS_SHIPPED], c[names.BLOCKS_REUSED_ON_DECODE]) == (2, 1)
+    assert c[names.BYTES_SHIPPED] == 3 * NBYTES and c[names.TRANSFERS_FAILED] == 0
+
+
+def test_a_decode_node_holding_every_full_block_gets_only_the_end(monkeypatch):
+    prompt = list(range(2 * BS))  # no tail
+    shipped, _, call = ship(prompt, [5, 6], monkeypatch, missing=[])
+    assert shipped == (0, 2, 0)
+    assert [m.WhichOneof("kind") for m in call.received] == ["header", "end"]
+
+
+@pytest.mark.parametrize(
+    ("options", "code"),
+    [
+        (dict(answer=False), grpc.StatusCode.UNAVAILABLE),  # closed before answering
+        (dict(confirm=False), grpc.StatusCode.INTERNAL),  # never confirmed
+    ],
+)
+def test_a_decode_node_that_breaks_off_is_a_ship_error(monkeypatch, options, code):
+    error, shipper, call = ship(list(range(BS + 1)), [3, 4], monkeypatch, missing=[0], **options)
+    assert isinstance(error, ShipError) and error.code() == code
+    assert "decode node d:1" in error.details()
+    assert call.cancelled and shipper.counters[names.TRANSFERS_FAILED] == 1
