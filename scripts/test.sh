@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sets everything up (scripts/setup.sh), then lints and runs the whole test suite.
+# Sets everything up (scripts/setup.sh), then lints, checks types and runs the whole test suite.
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -k kvstore -x`.
 # `bash scripts/test.sh --fast [pytest args]`: the inner loop, in the environment setup.sh made
 # before (it is not re-run): ruff, then tests/unit only (no processes, no sockets; about a minute
@@ -15,4 +15,6 @@ fi
 bash scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+# Types: pyright's basic mode over the package, 0 errors ([tool.pyright] in pyproject.toml).
+.venv/bin/pyright
 .venv/bin/python -m pytest "$@"
