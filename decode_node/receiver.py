@@ -12,6 +12,9 @@ them itself (``receive_first``) ``receive`` waits for that in a thread. Hashes a
 in ``commit``, once the layer says every block has arrived, so a failed transfer leaves nothing
 findable: its blocks are freed (after the grace the layer asks for when the sender may still have
 a write into them queued).
+
+Over 300 lines: one transfer's receiving side (reserve, write or wait, commit or free) with its
+failure paths, kept together so every release is visible beside what it releases.
 """
 
 from __future__ import annotations

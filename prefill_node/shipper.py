@@ -5,6 +5,9 @@ decode node's answer (the hashes it lacks, and a ticket when a transfer-layer pa
 then either the blocks through the transfer layer (``transfer.KVSender``, over whichever path it
 set up) or as ``BlockData`` bytes (``kvstore.codec``, ~4 MB messages), then ``TransferEnd`` and
 the decode node's confirmation. Blocks are read through the engine's KVPort only.
+
+Over 300 lines: one transfer's sending protocol (header, agreed path or bytes, end, confirmation,
+and how each step fails) is kept in one file so it reads in order.
 """
 
 from __future__ import annotations

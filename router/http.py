@@ -7,6 +7,9 @@ are server-sent events (``data: {...}`` lines, then ``data: [DONE]``); the respo
 once the first token is there, so a request refused in admission or prefill still gets its HTTP
 status (429, 503, ...). A client that goes away cancels its request in the pools (aiohttp cancels
 the handler on disconnect), which frees its KV blocks.
+
+Over 300 lines: the OpenAI-compatible routes (completions, chat, models), their request checks and
+their streaming replies; the request path below them is shared with gRPC.
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@
 answer SERVING before it starts what depends on it, and on stop sends SIGTERM (router first,
 then the nodes, then Redis), waits, and SIGKILLs what is left. With ``--metrics-port`` every
 component serves Prometheus ``/metrics`` on a port the launcher gives it (ClusterAddresses.metrics).
+
+Over 300 lines: the whole life of a local cluster (start order, the elastic pools the planner grows
+and drains under one lock, stop order) is one object; moving the elastic part out would split that
+lock's users across files.
 """
 
 from __future__ import annotations
