@@ -98,6 +98,10 @@ class DecodeStage:
                     node_request_id,
                     exc.code().name,
                 )
+        except Exception as exc:  # e.g. the channel of a node that left was closed
+            logger.info(
+                "decode node %s: release of %s failed: %r", node.address, node_request_id, exc
+            )
 
     def _cancel_decode(self, node: Node, node_request_id: str) -> None:
         """Free the request the old way: start its Decode and cancel it once D answers."""
@@ -202,11 +206,13 @@ class DecodeSession:
         if self._closed:
             return
         self._closed = True
-        if self._call is not None:
-            self._call.close()
-        elif release_kv:
-            self._stage.release(self.node, self.request_id)
-        self._pool.release(self.node, demand=self.demand)
+        try:
+            if self._call is not None:
+                self._call.close()
+            elif release_kv:
+                self._stage.release(self.node, self.request_id)
+        finally:  # the slot and the ledger charge go back whatever closing the stream raised
+            self._pool.release(self.node, demand=self.demand)
 
 
 class DecodeCall:
