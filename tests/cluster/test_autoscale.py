@@ -113,7 +113,8 @@ def test_up_autoscale_grows_the_short_pool_and_drains_it_back(tmp_path):
         step = time.monotonic()
         assert _wait_for(lambda: wanted("decode") == 2, 30), "decode did not grow within 30 s"
         grew_after = time.monotonic() - step
-        assert _wait_for(lambda: nodes("decode") == 2, 30 - grew_after + 30), "router missed it"
+        # a node's start competes with the load for the two cores of a CI machine: allow it time
+        assert _wait_for(lambda: nodes("decode") == 2, 90 - grew_after), "router missed it"
         time.sleep(3)  # the new node serves
         load.stop()
         ended = time.monotonic()
