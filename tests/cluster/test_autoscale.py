@@ -6,62 +6,19 @@ request fails; Ctrl-C stops everything."""
 
 from __future__ import annotations
 
-import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 
 import pytest
+from support.processes import Traffic
 
-from splitserve.client import Client, SplitserveError
 from splitserve.launcher import free_port
 from splitserve.planner.scrape import parse
 
 COOLDOWN_S = 6
-
-
-class Load:
-    """``concurrency`` clients sending requests back to back until ``stop``."""
-
-    def __init__(self, target: str, concurrency: int, max_tokens: int) -> None:
-        self.ok = 0
-        self.failures: list[str] = []
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._threads = [
-            threading.Thread(target=self._loop, args=(target, i, max_tokens))
-            for i in range(concurrency)
-        ]
-        for t in self._threads:
-            t.start()
-
-    def _loop(self, target: str, seed: int, max_tokens: int) -> None:
-        rng = random.Random(seed)
-        with Client(target) as client:
-            while not self._stop.is_set():
-                prompt = [rng.randrange(250) for _ in range(24)]
-                try:
-                    r = client.generate(
-                        prompt_token_ids=prompt,
-                        max_tokens=max_tokens,
-                        temperature=0.0,
-                        ignore_eos=True,
-                        timeout=120,
-                    )
-                    assert len(r.token_ids) == max_tokens
-                    with self._lock:
-                        self.ok += 1
-                except (SplitserveError, AssertionError) as exc:
-                    with self._lock:
-                        self.failures.append(repr(exc))
-
-    def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=150)
 
 
 def _scrape(url: str) -> dict[str, float]:
@@ -105,11 +62,13 @@ def test_up_autoscale_grows_the_short_pool_and_drains_it_back(tmp_path):
 
         assert _wait_for(lambda: nodes("decode") == 1 and nodes("prefill") == 1, 30)
         target = f"127.0.0.1:{port}"
-        low = Load(target, concurrency=1, max_tokens=16)  # low: one client, decode load 0.5
+        # low: one client, decode load 0.5
+        low = Traffic(target, 1, prompt_len=24, max_tokens=16, timeout=120)
         time.sleep(4)
         low.stop()
         assert wanted("decode") == 1 and not low.failures and low.ok
-        load = Load(target, concurrency=8, max_tokens=32)  # high: 8 clients for 2 slots
+        # high: 8 clients for 2 slots
+        load = Traffic(target, 8, prompt_len=24, max_tokens=32, timeout=120)
         step = time.monotonic()
         assert _wait_for(lambda: wanted("decode") == 2, 30), "decode did not grow within 30 s"
         grew_after = time.monotonic() - step

@@ -4,13 +4,17 @@ traffic within 5 s; the first decode node is drained (SIGTERM) mid-stream; a sec
 joins and the first is drained likewise. No request fails, drained nodes exit 0, and the
 router's and a node's /metrics move with the traffic."""
 
-import random
-import threading
 import time
 
 import grpc
 import pytest
-from support.processes import scrape_metrics, start_node, start_redis, start_router_discovering
+from support.processes import (
+    Traffic,
+    scrape_metrics,
+    start_node,
+    start_redis,
+    start_router_discovering,
+)
 
 from splitserve.client import Client, SplitserveError
 from splitserve.launcher import free_port
@@ -23,46 +27,6 @@ def model_dir(tmp_path_factory):
     return write_random_checkpoint(
         tmp_path_factory.mktemp("scaling") / "m", seed=3, with_tokenizer=True, num_hidden_layers=1
     )
-
-
-class Traffic:
-    """``concurrency`` threads sending requests back to back until stopped."""
-
-    def __init__(self, target: str, concurrency: int = 3) -> None:
-        self.ok, self.failures = 0, []
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._threads = [
-            threading.Thread(target=self._loop, args=(target, i)) for i in range(concurrency)
-        ]
-        for t in self._threads:
-            t.start()
-
-    def _loop(self, target: str, seed: int) -> None:
-        rng = random.Random(seed)
-        with Client(target) as client:
-            while not self._stop.is_set():
-                # Unique prompts: no node's cache attracts them, so new nodes get their share.
-                prompt = [rng.randrange(250) for _ in range(40)]
-                try:
-                    r = client.generate(
-                        prompt_token_ids=prompt,
-                        max_tokens=12,
-                        temperature=0.0,
-                        ignore_eos=True,
-                        timeout=60,
-                    )
-                    assert len(r.token_ids) == 12
-                    with self._lock:
-                        self.ok += 1
-                except (SplitserveError, AssertionError) as exc:
-                    with self._lock:
-                        self.failures.append(repr(exc))
-
-    def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(120)
 
 
 def counter(address: str, role: str, name: str) -> float:

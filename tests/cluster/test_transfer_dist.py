@@ -10,6 +10,7 @@ import socket
 
 import pytest
 import torch
+from support import transfer_common
 from support.kv_pools import SenderProcess, fill_pool, make_pool
 from support.transfer_common import RECEIVER_SEED, SENDER_SEED, SPEC, u8
 
@@ -54,11 +55,7 @@ def cluster():
 
 
 def ship(rx, sender, src, dst, timeout=10.0):
-    res = rx.reserve(sender.node_id, dst, DIST)
-    sender.request("send", res.ticket.to_bytes(), src, timeout)
-    rx.receive(res, timeout)
-    nbytes, _ = sender.reply()
-    return res, nbytes
+    return transfer_common.ship(rx, sender, src, dst, DIST, timeout)
 
 
 def test_gloo_ships_blocks_byte_exact(cluster):

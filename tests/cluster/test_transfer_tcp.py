@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from support import transfer_common
 from support.kv_pools import SenderProcess, fill_pool, make_pool
 from support.transfer_common import RECEIVER_SEED, SENDER_SEED, SPEC, u8
 
@@ -53,11 +54,7 @@ def cluster():
 
 
 def ship(rx, sender, src, dst, timeout=10.0):
-    res = rx.reserve(sender.node_id, dst, TCP)
-    sender.request("send", res.ticket.to_bytes(), src, timeout)
-    rx.receive(res, timeout)
-    nbytes, _ = sender.reply()
-    return res, nbytes
+    return transfer_common.ship(rx, sender, src, dst, TCP, timeout)
 
 
 def test_tcp_ships_blocks_byte_exact_in_chunks(cluster):

@@ -20,12 +20,12 @@ import random
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import grpc
 import pytest
+from support.processes import Traffic
 
 from splitserve.client import Client, SplitserveError
 from splitserve.launcher import free_port
@@ -240,33 +240,16 @@ def test_a_decode_container_added_at_run_time_gets_transfers(deployment):
 def test_a_stopped_decode_container_drains_and_no_request_fails(deployment):
     d = deployment
     victim = d.containers("decode")[0]
-    failures: list[str] = []
-    served = [0]
-    stop = threading.Event()
-
-    def traffic() -> None:
-        with Client(d.router) as client:
-            while not stop.is_set():
-                try:
-                    client.generate(prompt_token_ids=[5, 6, 7] * 10, **GREEDY, timeout=60)
-                    served[0] += 1
-                except SplitserveError as exc:
-                    failures.append(repr(exc))
-
-    threads = [threading.Thread(target=traffic) for _ in range(3)]
-    for t in threads:
-        t.start()
+    traffic = Traffic(d.router, 3, prompt_len=30, max_tokens=GREEDY["max_tokens"])
     try:
-        _wait(lambda: served[0] >= 6, 60, "traffic")
+        _wait(lambda: traffic.ok >= 6, 60, "traffic")
         d.podman("stop", "-t", "45", victim, timeout=90)  # SIGTERM, then the drain
         assert d.podman("inspect", "--format", "{{.State.ExitCode}}", victim).strip() == "0"
-        mark = served[0]
-        _wait(lambda: served[0] >= mark + 6, 60, "traffic after the drain")
+        mark = traffic.ok
+        _wait(lambda: traffic.ok >= mark + 6, 60, "traffic after the drain")
     finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout=120)
-    assert failures == [], failures[:5]
+        traffic.stop()
+    assert traffic.failures == [], traffic.failures[:5]
     assert victim not in d.containers("decode")
 
 
@@ -294,33 +277,16 @@ def test_the_planners_compose_actuator_grows_and_drains_a_pool(deployment):
     d.env["SPLITSERVE_NUM_DECODE"] = str(have.decode + 1)  # so that `down` knows of it
     _wait(lambda: len(d.containers("decode")) == have.decode + 1, 60, "the new replica")
     newest = act.replicas("decode")[0]  # the one a drain takes
-    failures: list[str] = []
-    served = [0]
-    stop = threading.Event()
-
-    def traffic() -> None:
-        with Client(d.router) as client:
-            while not stop.is_set():
-                try:
-                    client.generate(prompt_token_ids=[9, 8, 7] * 10, **GREEDY, timeout=60)
-                    served[0] += 1
-                except SplitserveError as exc:
-                    failures.append(repr(exc))
-
-    threads = [threading.Thread(target=traffic) for _ in range(3)]
-    for t in threads:
-        t.start()
+    traffic = Traffic(d.router, 3, prompt_len=30, max_tokens=GREEDY["max_tokens"])
     try:
-        _wait(lambda: served[0] >= 6, 60, "traffic")
+        _wait(lambda: traffic.ok >= 6, 60, "traffic")
         act.scale("decode", have.decode)  # stop (SIGTERM: the drain), remove, compose up
         act.wait()
-        mark = served[0]
-        _wait(lambda: served[0] >= mark + 6, 60, "traffic after the drain")
+        mark = traffic.ok
+        _wait(lambda: traffic.ok >= mark + 6, 60, "traffic after the drain")
     finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout=120)
-    assert failures == [], failures[:5]
+        traffic.stop()
+    assert traffic.failures == [], traffic.failures[:5]
     assert len(d.containers("decode")) == have.decode
     assert newest not in d.containers(running=False)  # drained and removed
     assert act.current() == have

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -182,6 +184,56 @@ def greedy_burst(address: str, prompts, max_tokens: int, timeout: float | None =
             return await asyncio.gather(*(one(p) for p in prompts))
 
     return asyncio.run(run())
+
+
+class Traffic:
+    """``concurrency`` clients of the router at ``address`` sending greedy, ``ignore_eos``
+    requests back to back until ``stop()``: ``ok`` counts answers of exactly ``max_tokens``
+    tokens, ``failures`` the errors and short answers. Each client draws its prompts of
+    ``prompt_len`` token ids (< 250) from its own seeded generator: unique prompts, so no node's
+    cache attracts them and a new node gets its share."""
+
+    def __init__(
+        self,
+        address: str,
+        concurrency: int = 3,
+        prompt_len: int = 40,
+        max_tokens: int = 12,
+        timeout: float = 60.0,
+    ) -> None:
+        self.ok, self.failures = 0, []
+        self._timeout = timeout
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=self._loop, args=(address, i, prompt_len, max_tokens))
+            for i in range(concurrency)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _loop(self, address: str, seed: int, prompt_len: int, max_tokens: int) -> None:
+        from splitserve.client import Client, SplitserveError
+
+        rng = random.Random(seed)
+        with Client(address) as client:
+            while not self._stop.is_set():
+                prompt = [rng.randrange(250) for _ in range(prompt_len)]
+                try:
+                    r = client.generate(prompt_token_ids=prompt, max_tokens=max_tokens,
+                                        temperature=0.0, ignore_eos=True,
+                                        timeout=self._timeout)  # fmt: skip
+                    assert len(r.token_ids) == max_tokens
+                    with self._lock:
+                        self.ok += 1
+                except (SplitserveError, AssertionError) as exc:
+                    with self._lock:
+                        self.failures.append(repr(exc))
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(self._timeout + 30)
 
 
 def scrape_metrics(port: int) -> dict[str, float]:
