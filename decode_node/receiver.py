@@ -29,6 +29,7 @@ import grpc
 
 from splitserve.decode_node.cleanup import Signal
 from splitserve.decode_node.header import TransferRefused, check_header
+from splitserve.decode_node.peer_caps import PeerCaps, PeerHold
 from splitserve.decode_node.pending import PendingTable
 from splitserve.kvstore import ModelIdentity
 from splitserve.kvstore.codec import decode_blocks
@@ -59,6 +60,7 @@ class KVInbox:
         identity: ModelIdentity,
         pending: PendingTable,
         counters: Counter[str],
+        caps: PeerCaps | None = None,
     ) -> None:
         self.engine = engine
         self.port = engine.kv_port
@@ -66,6 +68,7 @@ class KVInbox:
         self.identity = identity
         self.pending = pending
         self.counters = counters
+        self.caps = caps  # what each sending node may hold here (None: no per-peer caps)
         self.freed = Signal()  # notified whenever this node frees a request's blocks
         # Block hashes whose data an in-flight transfer is receiving → done when it ends. A
         # transfer of the same prefix waits for it and then reuses the blocks, rather than
@@ -76,13 +79,18 @@ class KVInbox:
         # Senders look a path up only if this node offers one besides the gRPC bytes.
         self.endpoint = rx.endpoint().to_bytes() if rx.paths else b""
 
-    def begin(self, header: nodes_pb2.TransferHeader) -> Transfer:
-        """Check ``header`` and claim its request id (``TransferRefused`` otherwise)."""
+    def begin(self, header: nodes_pb2.TransferHeader, peer: str) -> Transfer:
+        """Check ``header``, take the sending node's (``peer``'s) share of its caps and claim
+        the request id (``TransferRefused`` otherwise)."""
         params, prompt = check_header(
             header, self.engine.engine, self.identity, self.port.block_nbytes, self._in_use
         )
+        hold = None
+        if self.caps is not None:
+            num_blocks = len(header.block_hashes) + (len(prompt) % self.port.block_size != 0)
+            hold = self.caps.admit(peer, num_blocks)
         self.in_transfer.add(header.request_id)  # no await since the check: the id is ours
-        return Transfer(self, header, params, prompt)
+        return Transfer(self, header, params, prompt, hold)
 
     def _in_use(self, rid: str) -> bool:
         return rid in self.pending or rid in self.engine.engine.requests or rid in self.in_transfer
@@ -181,8 +189,10 @@ class Transfer:
         header: nodes_pb2.TransferHeader,
         params: SamplingParams,
         prompt: list[int],
+        hold: PeerHold | None = None,
     ) -> None:
         self.inbox = inbox
+        self.hold = hold  # its sender's share of the per-peer caps, given back by release
         self.header = header
         self.rid: str = header.request_id
         self.params = params
@@ -320,13 +330,17 @@ class Transfer:
             if self._owns_blocks and not self.adopted:
                 await self._free_blocks()
         finally:
-            for block_hash in self._claimed:
-                del self.inbox.receiving[block_hash]
-            self._claimed = []
-            for future in (self._reserving, self._receiving):
-                if not future.done():
-                    future.set_result(None)
-            self.inbox.in_transfer.discard(self.rid)
+            try:
+                for block_hash in self._claimed:
+                    del self.inbox.receiving[block_hash]
+                self._claimed = []
+                for future in (self._reserving, self._receiving):
+                    if not future.done():
+                        future.set_result(None)
+                self.inbox.in_transfer.discard(self.rid)
+            finally:
+                if self.hold is not None:
+                    self.hold.release()  # its sender's share back, whatever ended the transfer
 
     async def _free_blocks(self) -> None:
         res = self.res

@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+from splitserve.decode_node.peer_caps import PeerLimits
 from splitserve.decode_node.service import DecodeService
 from splitserve.kvstore import ModelIdentity
 from splitserve.models.engine_loop import AsyncEngine
 from splitserve.runtime.config import NodeConfig
-from splitserve.runtime.node import serve_node, transfer_paths
+from splitserve.runtime.node import kv_security, serve_node, transfer_paths
 from splitserve.transfer import open_receiver
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
@@ -28,8 +29,14 @@ def make_service(
         f"{address}#{uuid.uuid4().hex[:8]}",
         paths=transfer_paths(config),
         host=config.advertised_host(),
+        security=kv_security(config),
     )
-    return DecodeService(engine, identity, config.transfer_deadline_s, receiver)
+    limits = PeerLimits.of_node(
+        config.max_transfers_per_peer,
+        config.max_kv_share_per_peer,
+        engine.kv_port.num_usable_blocks,
+    )
+    return DecodeService(engine, identity, config.transfer_deadline_s, receiver, limits)
 
 
 def serve(config: NodeConfig) -> None:

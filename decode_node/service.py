@@ -22,6 +22,7 @@ import grpc
 
 from splitserve.decode_node.cleanup import end_request
 from splitserve.decode_node.header import TransferRefused
+from splitserve.decode_node.peer_caps import PeerCaps, PeerLimits
 from splitserve.decode_node.pending import Pending, PendingTable
 from splitserve.decode_node.receiver import BAD, KVInbox, Transfer
 from splitserve.decode_node.relay import relay_tokens
@@ -44,14 +45,20 @@ MAX_RELEASE_ID_CHARS = 1024  # Release's request_id (input from another node: bo
 
 class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
     def __init__(
-        self, engine: AsyncEngine, identity: ModelIdentity, deadline_s: float, receiver: KVReceiver
+        self,
+        engine: AsyncEngine,
+        identity: ModelIdentity,
+        deadline_s: float,
+        receiver: KVReceiver,
+        peer_limits: PeerLimits | None = None,
     ) -> None:
         self.engine = engine
         self.identity = identity
         self.deadline_s = deadline_s
         self.pending = PendingTable()
         self.counters: Counter[str] = Counter()
-        self.inbox = KVInbox(engine, receiver, identity, self.pending, self.counters)
+        caps = None if peer_limits is None else PeerCaps(peer_limits, self.counters)
+        self.inbox = KVInbox(engine, receiver, identity, self.pending, self.counters, caps)
         # Set on SIGTERM: new transfers and Generate calls are refused, accepted ones finish.
         self.draining = False
         self._transfers = 0  # TransferKV calls in flight
@@ -133,7 +140,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             first = await anext(request_iterator, None)
             if first is None or first.WhichOneof("kind") != "header":
                 raise TransferRefused(BAD, "a transfer starts with a TransferHeader")
-            transfer = self.inbox.begin(first.header)
+            transfer = self.inbox.begin(first.header, _peer_of(first.header, context))
             await transfer.reserve(context.time_remaining())
             yield nodes_pb2.TransferKVResponse(missing=transfer.missing, ticket=transfer.ticket)
             await self._receive(transfer, request_iterator, context)
@@ -358,3 +365,11 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             finally:
                 self._calls -= 1
                 self.inbox.freed.notify()
+
+
+def _peer_of(header: nodes_pb2.TransferHeader, context: grpc.aio.ServicerContext) -> str:
+    """Whom a transfer counts against (``peer_caps``): its sender's id, else the connection's
+    host (``ipv4:10.0.0.7:51234`` → ``ipv4:10.0.0.7``: one host's channels share one cap)."""
+    if header.sender_id:
+        return header.sender_id
+    return context.peer().rpartition(":")[0] or context.peer()

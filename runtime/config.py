@@ -99,6 +99,19 @@ class NodeConfig:
     transfer_deadline_s: float = option(
         30.0, "decode: free a transferred request not claimed by then (seconds)"
     )
+    # Above the 384 requests one router lets a decode node hold with the defaults (max_num_seqs
+    # 256 x --decode-overcommit 1.5): a single prefill node feeding this one never meets it.
+    max_transfers_per_peer: int = option(
+        512,
+        "decode: KV transfers one sending node may have in flight here at once; more: "
+        "RESOURCE_EXHAUSTED (the router retries on another pair)",
+    )
+    max_kv_share_per_peer: float = option(
+        0.5,
+        "decode: share of this node's KV blocks one sending node's transfers in flight may hold "
+        "(its first transfer is always let through); more: RESOURCE_EXHAUSTED (the router "
+        "retries on another pair)",
+    )
     redis_url: str | None = option(
         None, "publish the prefix index and register in the node registry (default: no index)"
     )
@@ -107,6 +120,14 @@ class NodeConfig:
         "compute and ship every prompt in full (a cold baseline for benchmarks)",
         flag="--no-prefix-caching",
     )
+
+    def __post_init__(self) -> None:
+        if self.max_transfers_per_peer < 1:
+            raise ValueError(f"--max-transfers-per-peer: >= 1, got {self.max_transfers_per_peer}")
+        if not 0.0 < self.max_kv_share_per_peer <= 1.0:
+            raise ValueError(
+                f"--max-kv-share-per-peer: in (0, 1], got {self.max_kv_share_per_peer}"
+            )
 
     @property
     def address(self) -> str:

@@ -58,6 +58,9 @@ TRANSFERS_RELEASED = "transfers_released"
 TRANSFERS_WAITED_FOR_BLOCKS = "transfers_waited_for_blocks"
 TRANSFERS_WAITED_FOR_SAME_BLOCKS = "transfers_waited_for_same_blocks"
 TRANSFERS_DECLINED_STALE_ENDPOINT = "transfers_declined_stale_endpoint"
+# Refused because their sender was at its cap (decode_node.peer_caps): transfers, KV blocks.
+TRANSFERS_REFUSED_PEER_TRANSFERS = "transfers_refused_peer_transfers"
+TRANSFERS_REFUSED_PEER_BLOCKS = "transfers_refused_peer_blocks"
 BLOCKS_ADOPTED = "blocks_adopted"
 BLOCKS_REUSED = "blocks_reused"
 BYTES_RECEIVED = "bytes_received"
@@ -93,6 +96,8 @@ _DECODE = (
     TRANSFERS_WAITED_FOR_BLOCKS,
     TRANSFERS_WAITED_FOR_SAME_BLOCKS,
     TRANSFERS_DECLINED_STALE_ENDPOINT,
+    TRANSFERS_REFUSED_PEER_TRANSFERS,
+    TRANSFERS_REFUSED_PEER_BLOCKS,
     IPC_BLOCKS_QUARANTINED,
     BLOCKS_ADOPTED,
     BLOCKS_REUSED,

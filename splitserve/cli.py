@@ -57,9 +57,9 @@ def cmd_node(args: argparse.Namespace) -> int:
         return _error(str(exc), 1)
     try:
         kwargs = config_kwargs(NodeConfig, args, model_path=model_path(args.model_path))
+        config = NodeConfig(**{**kwargs, "device": claimed or kwargs["device"]})
     except ValueError as exc:
         return _error(str(exc), 2)
-    config = NodeConfig(**{**kwargs, "device": claimed or kwargs["device"]})
     try:
         from splitserve.runtime.auth import read_token_file
         from splitserve.runtime.node import transfer_paths, use_device
