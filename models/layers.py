@@ -24,6 +24,12 @@ class AttentionMetadata:
     ``checked``: the contents were checked on the host when they were built
     (``ModelRunner.prepare``), so the kernels skip their own contents checks: each costs a
     device-to-host sync, which in every layer would stall the launch of the rest of the forward.
+
+    ``num_decodes``: in a step that also computes prompt tokens, the first ``num_decodes``
+    sequences have one new token each (``ModelRunner.prepare`` puts them first). They go to the
+    decode kernel; the prefill kernel takes the rest (``cu_seqlens_q_rest``: their offsets from
+    row ``num_decodes``). The prefill kernel's query tile is as tall as the longest prompt chunk
+    wants (up to 256 rows), so a one-token sequence inside it would compute a whole tile.
     """
 
     slot_mapping: torch.Tensor  # [T] int64, slot = block_id * block_size + offset (< 0: padding)
@@ -33,6 +39,9 @@ class AttentionMetadata:
     max_query_len: int
     is_decode: bool
     checked: bool = False
+    num_decodes: int = 0
+    cu_seqlens_q_rest: torch.Tensor | None = None  # [B - num_decodes + 1] int32, from 0
+    last_rows: torch.Tensor | None = None  # [B] int64: row of each sequence's last new token
 
 
 class RMSNorm(nn.Module):
@@ -117,6 +126,31 @@ class PagedAttention(nn.Module):
                 meta.block_table,
                 meta.seq_lens,
                 self.scale,
+                validate=validate,
+            )
+        elif meta.num_decodes and meta.cu_seqlens_q_rest is not None:
+            nd = meta.num_decodes
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            ops.paged_decode_attention(
+                q[:nd],
+                key_cache,
+                value_cache,
+                meta.block_table[:nd],
+                meta.seq_lens[:nd],
+                self.scale,
+                out=out[:nd],
+                validate=validate,
+            )
+            ops.paged_prefill_attention(
+                q[nd:],
+                key_cache,
+                value_cache,
+                meta.block_table[nd:],
+                meta.cu_seqlens_q_rest,
+                meta.seq_lens[nd:],
+                self.scale,
+                out=out[nd:],
+                max_query_len=meta.max_query_len,
                 validate=validate,
             )
         else:

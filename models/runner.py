@@ -198,14 +198,46 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, bool]:
         """Flat input ids, positions and attention metadata for ``seqs``, on the device.
 
-        Validates the block tables here, once per step, so the kernels need not."""
-        bs = self.block_size
+        Validates the block tables here, once per step, so the kernels need not. In a step that
+        mixes one-token sequences with prompt chunks, the one-token ones go first (the decode
+        kernel takes them: ``AttentionMetadata.num_decodes``); ``meta.last_rows`` says where each
+        sequence's last token landed, in the order of ``seqs``."""
         num_seqs = len(seqs)
         if num_seqs == 0:
             raise ValueError("empty batch")
         q_lens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=num_seqs)
+        if (q_lens < 1).any():
+            raise ValueError("every sequence needs >= 1 new token and a start_pos >= 0")
+        is_decode = bool((q_lens == 1).all())
+        order = None
+        num_decodes = 0
+        if not is_decode:
+            ones = q_lens == 1
+            num_decodes = int(ones.sum())
+            if num_decodes:
+                order = np.concatenate([np.flatnonzero(ones), np.flatnonzero(~ones)])
+                seqs = [seqs[i] for i in order]
+                q_lens = q_lens[order]
+        input_ids, positions, meta = self._inputs(seqs, q_lens, is_decode)
+        if num_decodes:
+            cu = np.zeros(num_seqs - num_decodes + 1, dtype=np.int32)
+            np.cumsum(q_lens[num_decodes:], out=cu[1:])
+            meta.num_decodes = num_decodes
+            meta.cu_seqlens_q_rest = self._to_device(cu)
+        # Row of each sequence's last token, in the caller's order.
+        ends = np.cumsum(q_lens) - 1
+        if order is not None:
+            ends = ends[np.argsort(order)]
+        meta.last_rows = self._to_device(ends.astype(np.int64))
+        return input_ids, positions, meta, is_decode
+
+    def _inputs(
+        self, seqs: Sequence[SequenceInput], q_lens: np.ndarray, is_decode: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        num_seqs = len(seqs)
         starts = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=num_seqs)
-        if (q_lens < 1).any() or (starts < 0).any():
+        if (starts < 0).any():
             raise ValueError("every sequence needs >= 1 new token and a start_pos >= 0")
         seq_lens = starts + q_lens
         if seq_lens.max() > self.config.max_model_len:
@@ -228,7 +260,6 @@ class ModelRunner:
         )
         if input_ids.min() < 0 or input_ids.max() >= self.config.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.config.vocab_size})")
-        is_decode = bool((q_lens == 1).all())
         put = self._to_device
         meta = AttentionMetadata(
             slot_mapping=put(slots),
@@ -239,7 +270,7 @@ class ModelRunner:
             is_decode=is_decode,
             checked=True,  # block ids, lengths, slots and token ids: all checked above
         )
-        return put(input_ids), put(positions), meta, is_decode
+        return put(input_ids), put(positions), meta
 
     def _block_table(self, seqs: Sequence[SequenceInput], seq_lens: np.ndarray) -> np.ndarray:
         """``[num_seqs, widest table]`` block ids, zero-padded (block 0 is the null block);
@@ -277,5 +308,7 @@ class ModelRunner:
         if is_decode and self.graphs is not None and self.graphs.can_run(len(seqs)):
             return self.graphs.run(input_ids, positions, meta)
         hidden = self.model(input_ids, positions, self.kv_pool, meta)
-        last = meta.cu_seqlens_q[1:].long() - 1
+        last = meta.last_rows
+        if last is None:  # metadata built elsewhere (warm-up, tests): sequences in order
+            last = meta.cu_seqlens_q[1:].long() - 1
         return self.model.compute_logits(hidden[last])

@@ -136,3 +136,27 @@ def test_engine_with_graphs_runs_to_completion_and_frees_blocks(checkpoint):
     first = [r.output_token_ids for r in engine.generate(prompts, params)]
     assert [len(o) for o in first] == [20] * 5
     assert engine.pool.num_free_blocks == engine.pool.num_blocks - 1
+
+
+def test_a_mixed_step_runs_its_one_token_sequences_through_the_decode_kernel(checkpoint):
+    """A step of prompt chunks and decodes: the decodes go to the decode kernel, the chunks to
+    the prefill kernel (``AttentionMetadata.num_decodes``), and every sequence's logits match a
+    forward of it alone (CPU counterpart: tests/unit/test_engine.py)."""
+    path, _ = checkpoint
+    runner = _runner(path, graphs=False)
+    ctx = [random.randrange(2048) for _ in range(300)]
+    runner.execute([SequenceInput(ctx, 0, list(range(1, 20)))])
+    seqs = [
+        SequenceInput([random.randrange(2048) for _ in range(700)], 0, list(range(20, 64))),
+        SequenceInput([5], 300, list(range(1, 20))),
+        SequenceInput([random.randrange(2048) for _ in range(30)], 0, [70, 71]),
+        SequenceInput([6], 299, list(range(1, 20))),
+    ]
+    _, _, meta, _ = runner.prepare(seqs)
+    assert meta.num_decodes == 2
+    mixed = runner.execute(seqs).clone()
+    for i, seq in enumerate(seqs):
+        alone = runner.execute([seq])[0]
+        rel = ((mixed[i] - alone).norm() / alone.norm()).item()
+        assert rel < 1e-2, (i, rel)
+        assert mixed[i].argmax() == alone.argmax()

@@ -151,3 +151,33 @@ def test_prepare_checks_tables_on_the_host_so_the_layers_need_not(model):
         runner.prepare([SequenceInput([5], 0, [runner.num_blocks])])
     with pytest.raises(ValueError, match="2 blocks for"):
         runner.prepare([SequenceInput([5] * 20, 20, [3, 4])])
+
+
+def test_a_mixed_step_puts_one_token_sequences_first_and_returns_logits_in_order(model):
+    """Prompt chunks and one-token sequences in one forward: the one-token ones run first (the
+    decode kernel takes them), and each sequence's logits equal those of a forward of it
+    alone, in the order the sequences were given."""
+    from splitserve.models.runner import SequenceInput
+
+    runner = _engine(model).runner
+    rng = random.Random(5)
+    ctx = [rng.randrange(300) for _ in range(40)]
+    # Fill blocks 1-3 with a 40-token context, then decode from it in two sequences.
+    runner.execute([SequenceInput(ctx, 0, [1, 2, 3])])
+    seqs = [
+        SequenceInput([rng.randrange(300) for _ in range(9)], 0, [4]),
+        SequenceInput([7], 40, [1, 2, 3]),
+        SequenceInput([rng.randrange(300) for _ in range(20)], 0, [5, 6]),
+        SequenceInput([8], 39, [1, 2, 3]),
+    ]
+    _, _, meta, is_decode = runner.prepare(seqs)
+    assert not is_decode and meta.num_decodes == 2
+    assert meta.seq_lens.tolist() == [41, 40, 9, 20]  # one-token sequences first
+    assert meta.cu_seqlens_q_rest is not None and meta.cu_seqlens_q_rest.tolist() == [0, 9, 29]
+    assert meta.last_rows is not None and meta.last_rows.tolist() == [10, 0, 30, 1]
+    # NOTE: the one-token sequence at 39 rewrites that slot of the shared context, before any
+    # attention reads it; run alone afterwards each sees the same cache, so the logits agree.
+    mixed = runner.execute(seqs)
+    for i, seq in enumerate(seqs):
+        alone = runner.execute([seq])
+        torch.testing.assert_close(mixed[i], alone[0], rtol=1e-5, atol=1e-5)
