@@ -85,6 +85,12 @@ class NodeConfig:
         "order where they work: ipc (same kernel, CUDA), dist (torch.distributed: NCCL on GPUs, "
         "gloo on CPU), tcp (raw sockets); or none",
     )
+    trust_kv_network: bool = option(
+        False,
+        "with --tls-*: still offer and take the dist path between nodes, whose KV bytes are "
+        "plaintext (NCCL/gloo cannot run inside TLS); only where the network between the nodes "
+        "is trusted (default: tcp inside TLS instead; without --tls-* dist is always offered)",
+    )
     dtype: str | None = option(None, "float32, float16 or bfloat16 (default: the checkpoint's)")
     kv_cache_mb: int = option(256, "CPU KV cache size in MiB (on CUDA: sized from free memory)")
     gpu_memory_utilization: float = option(0.9, "share of the GPU's memory this node may use")

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from splitserve.models.engine_loop import AsyncEngine
     from splitserve.models.sampling_params import SamplingParams
     from splitserve.runtime.metrics import LoadFigures
+    from splitserve.transfer import KVSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -200,6 +201,27 @@ def transfer_paths(config: NodeConfig) -> tuple[str, ...]:
     from splitserve.transfer import parse_paths
 
     return parse_paths(config.kv_transfer, config.device)
+
+
+def kv_security(config: NodeConfig) -> KVSecurity:
+    """What guards the node's KV byte paths (``transfer.security``): mutual TLS on tcp with its
+    ``--tls-*`` files, dist between nodes only with ``--trust-kv-network`` where TLS is set, the
+    dist rendezvous behind a gate that requires its cluster token. ``ValueError`` saying what
+    to fix for files TLS cannot use."""
+    from splitserve.transfer import KVSecurity, KVTls, rendezvous_key
+
+    tls = None
+    if config.tls_cert and config.tls_key and config.tls_ca:
+        tls = KVTls(config.tls_cert, config.tls_key, config.tls_ca)
+    token = read_token_file(config.auth_token_file) if config.auth_token_file else None
+    security = KVSecurity(
+        tls=tls,
+        trust_network=config.trust_kv_network,
+        rendezvous_key=rendezvous_key(token) if token else None,
+    )
+    if not security.plaintext_allowed and "dist" in config.kv_transfer:
+        logger.info("KV transfer: dist not offered (plaintext; --tls-* without --trust-kv-network)")
+    return security
 
 
 def checked_request(

@@ -6,8 +6,9 @@ host, CUDA: the sender writes into the receiver's pool mapped through a CUDA IPC
 ``dist`` (torch.distributed point-to-point in a two-rank group per pair: NCCL on CUDA, gloo on
 CPU), ``tcp`` (raw sockets from pinned memory, several connections, CRC-checked chunks) and
 ``grpc`` (the byte path: the services' gRPC byte stream, ``kvstore.codec``). A node holds one
-receiver and one sender over all of them (``open_receiver`` / ``open_sender``).
-See docs/transfer.md.
+receiver and one sender over all of them (``open_receiver`` / ``open_sender``), guarded by its
+``KVSecurity`` (``security.py``: TLS on tcp, dist between nodes, the rendezvous key).
+See docs/transfer.md and docs/security.md.
 """
 
 from splitserve.transfer.api import NodeReceiver, NodeSender, open_receiver, open_sender
@@ -20,6 +21,7 @@ from splitserve.transfer.chooser import (
     fetch_paths,
     parse_paths,
     rate_prior,
+    secured_paths,
 )
 from splitserve.transfer.dist import make_pair_group, prepare_backend
 from splitserve.transfer.endpoint import (
@@ -44,6 +46,7 @@ from splitserve.transfer.errors import (
 )
 from splitserve.transfer.ipc_handle import IpcHandle, export_pool, open_pool
 from splitserve.transfer.reservation import Reservation, Ticket, check_block_ids
+from splitserve.transfer.security import KVSecurity, KVTls, rendezvous_key
 
 __all__ = [
     "DIST",
@@ -59,7 +62,9 @@ __all__ = [
     "Incomplete",
     "IpcHandle",
     "KVReceiver",
+    "KVSecurity",
     "KVSender",
+    "KVTls",
     "NodeReceiver",
     "NodeSender",
     "NotConnected",
@@ -85,4 +90,6 @@ __all__ = [
     "parse_paths",
     "prepare_backend",
     "rate_prior",
+    "rendezvous_key",
+    "secured_paths",
 ]

@@ -44,6 +44,7 @@ from splitserve.transfer.chooser import (
 from splitserve.transfer.endpoint import GRPC, Endpoint, local_endpoint
 from splitserve.transfer.errors import NotConnected
 from splitserve.transfer.reservation import Reservation, Ticket
+from splitserve.transfer.security import KVSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +57,20 @@ def open_receiver(
     host: str | None = None,
     dist_port: int = 0,
     connect_timeout: float = 30.0,
+    security: KVSecurity | None = None,
 ) -> NodeReceiver:
     """A receiver offering each of ``paths`` that can run here (ipc: a CUDA pool whose export
     works; dist: a backend for the pool's device) and always the byte path. ``host``: where the
     dist store and the tcp listener listen (default: this host's routable address; any free
-    port, the dist store ``dist_port`` if given)."""
+    port, the dist store ``dist_port`` if given). ``security``: TLS on tcp, dist between nodes,
+    the rendezvous key (``transfer.security``; default none)."""
     check_pool(kv_pool)
-    options = PathOptions(host=host, dist_port=dist_port, connect_timeout=connect_timeout)
+    options = PathOptions(
+        host=host,
+        dist_port=dist_port,
+        connect_timeout=connect_timeout,
+        security=security or KVSecurity(),
+    )
     return NodeReceiver(kv_pool, node_id, open_receivers(kv_pool, node_id, paths, options))
 
 
@@ -74,12 +82,16 @@ def open_sender(
     connect_timeout: float = 30.0,
     retry_after: float = 60.0,
     tcp_options: Mapping | None = None,
+    security: KVSecurity | None = None,
 ) -> NodeSender:
     """A sender that may choose each of ``paths`` that can run here (the byte path always
     remains). ``connect_timeout`` bounds building a dist pair (``connect`` blocks that long at
-    most); ``tcp_options``: the tcp sender's streams / chunk_bytes / connect_timeout."""
+    most); ``tcp_options``: the tcp sender's streams / chunk_bytes / connect_timeout;
+    ``security``: as ``open_receiver``'s."""
     check_pool(kv_pool)
-    options = PathOptions(connect_timeout=connect_timeout, tcp_options=tcp_options)
+    options = PathOptions(
+        connect_timeout=connect_timeout, tcp_options=tcp_options, security=security or KVSecurity()
+    )
     parts = open_senders(kv_pool, node_id, paths, options)
     return NodeSender(kv_pool, node_id, parts, retry_after=retry_after)
 

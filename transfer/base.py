@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,6 +39,7 @@ import torch
 from splitserve.transfer.endpoint import Endpoint, local_endpoint
 from splitserve.transfer.errors import NotConnected
 from splitserve.transfer.reservation import Reservation, Ticket
+from splitserve.transfer.security import KVSecurity
 
 BlockIds = Sequence[int] | torch.Tensor
 
@@ -171,6 +172,8 @@ class PathOptions:
     dist_port: int = 0  # the dist rendezvous store's port (0: any free one)
     connect_timeout: float = 30.0  # building a dist pair group
     tcp_options: Mapping[str, Any] | None = None  # TcpSender's streams/chunk_bytes/connect_timeout
+    # TLS on tcp, dist between nodes, the rendezvous key (default: none of them)
+    security: KVSecurity = field(default_factory=KVSecurity)
 
 
 @dataclass(frozen=True, slots=True)

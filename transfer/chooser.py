@@ -17,7 +17,8 @@ import torch
 
 from splitserve.transfer import dist, grpc_bytes, ipc, tcp
 from splitserve.transfer.base import KVReceiver, KVSender, PathOptions, TransferPath
-from splitserve.transfer.endpoint import GRPC, IPC, TCP, Endpoint
+from splitserve.transfer.endpoint import DIST, GRPC, IPC, TCP, Endpoint
+from splitserve.transfer.security import KVSecurity
 
 PREFERENCE: tuple[TransferPath, ...] = (
     ipc.PATH,  # same host, CUDA: the sender copies into the receiver's mapped pool
@@ -88,6 +89,15 @@ def parse_paths(spec: str, device: str) -> tuple[str, ...]:
     return (*[p for p in PATHS if p in names and p != GRPC], GRPC)
 
 
+def secured_paths(paths: Iterable[str], security: KVSecurity) -> tuple[str, ...]:
+    """Of a node's ``paths``, those its ``security`` lets KV take. dist is plaintext between
+    nodes and cannot be wrapped in TLS: with TLS configured it is kept only where the cluster
+    trusts its KV network (``--trust-kv-network``), so an untrusted pair takes tcp (inside TLS)
+    instead. ipc never leaves the host and the byte path rides the node's (m)TLS gRPC stream;
+    tcp runs TLS itself when the node has it."""
+    return tuple(p for p in paths if p != DIST or security.plaintext_allowed)
+
+
 def fetch_paths(paths: Iterable[str]) -> tuple[str, ...]:
     """Of a node's ``paths``, those a peer prefix fetch may take (``FETCH_PATHS``)."""
     return tuple(p for p in paths if p in FETCH_PATHS)
@@ -96,14 +106,18 @@ def fetch_paths(paths: Iterable[str]) -> tuple[str, ...]:
 def open_receivers(
     kv_pool: torch.Tensor, node_id: str, paths: Collection[str], options: PathOptions
 ) -> dict[str, KVReceiver]:
-    """The receiving side of each of ``paths`` that can run here, and of the byte path."""
+    """The receiving side of each of ``paths`` that can run here and that the node's security
+    allows (``secured_paths``), and of the byte path."""
+    paths = secured_paths(paths, options.security)
     return _open(PREFERENCE, paths, lambda p: p.open_receiver(kv_pool, node_id, options))
 
 
 def open_senders(
     kv_pool: torch.Tensor, node_id: str, paths: Collection[str], options: PathOptions
 ) -> dict[str, KVSender]:
-    """The sending side of each of ``paths`` that can run here, and of the byte path."""
+    """The sending side of each of ``paths`` that can run here and that the node's security
+    allows (``secured_paths``), and of the byte path."""
+    paths = secured_paths(paths, options.security)
     return _open(PREFERENCE, paths, lambda p: p.open_sender(kv_pool, node_id, options))
 
 

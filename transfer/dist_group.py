@@ -103,6 +103,33 @@ def default_host() -> str:
     return "127.0.0.1"
 
 
+def loopback_store(timeout_s: float) -> tuple[Any, int]:
+    """A rendezvous ``TCPStore`` that listens on 127.0.0.1 only, and its port. NOTE: given a
+    port, TCPStore listens on every interface whatever host it is told; handed a socket already
+    bound to loopback (``master_listen_fd``), it listens there alone."""
+    from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage] (not re-exported in the stubs)
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        port = int(sock.getsockname()[1])
+        store = TCPStore(
+            "127.0.0.1",
+            port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout_s),
+            master_listen_fd=sock.fileno(),
+        )
+    except Exception:
+        sock.close()
+        raise
+    sock.detach()  # the store's server owns the descriptor now
+    return store, port
+
+
 def store_client(host: str, port: int, timeout_s: float) -> Any:
     """A client of the receiver's rendezvous ``TCPStore`` at ``host:port``."""
     from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage] (not re-exported in the stubs)

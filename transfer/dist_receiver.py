@@ -1,6 +1,7 @@
 """The dist path's receiver (decode node) side: hosts the rendezvous store, accepts senders
 (their hello, the layout check, the ack, the pair group) and receives transfers into
-reservations. Protocol: ``transfer.dist``.
+reservations. Protocol: ``transfer.dist``. With a ``rendezvous_key`` (the cluster has a token)
+the store listens on loopback only, behind a ``dist_gate.Gate`` on the advertised address.
 
 Over 300 lines: the accepting and the receiving share the channel table and its locking, and
 read best side by side."""
@@ -27,11 +28,13 @@ from splitserve.transfer.dist_channel import (
     device_guard,
     first_line,
 )
+from splitserve.transfer.dist_gate import Gate
 from splitserve.transfer.dist_group import (
     KEY,
     POLL_S,
     default_host,
     logger,
+    loopback_store,
     make_pair_group,
     store_client,
 )
@@ -58,19 +61,28 @@ class DistReceiver(ChannelTable, KVReceiver):
         port: int = 0,
         backend: str | None = None,
         connect_timeout: float = 30.0,
+        rendezvous_key: bytes | None = None,
     ) -> None:
         from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage] (not re-exported in the stubs)
 
         super().__init__(kv_pool, node_id, backend, connect_timeout)
         self.host = host or default_host()
-        self._store = TCPStore(
-            self.host,
-            port,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=connect_timeout),
-        )
-        self.port = int(self._store.port)
+        self._gate: Gate | None = None
+        if rendezvous_key is None:
+            self._store = TCPStore(
+                self.host,
+                port,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=connect_timeout),
+            )
+            self.port = int(self._store.port)
+            self.store_address = (self.host, self.port)  # where the store listens
+        else:
+            self._store, store_port = loopback_store(connect_timeout)
+            self._gate = Gate(self.host, port, rendezvous_key, store_port)
+            self.port = self._gate.port
+            self.store_address = ("127.0.0.1", store_port)  # loopback only
         self._stop = threading.Event()
         self._acceptor = threading.Thread(
             target=self._accept_loop, name=f"kv-accept-{node_id}", daemon=True
@@ -87,11 +99,12 @@ class DistReceiver(ChannelTable, KVReceiver):
             host=options.host,
             port=options.dist_port,
             connect_timeout=options.connect_timeout,
+            rendezvous_key=options.security.rendezvous_key,
         )
 
     @property
     def address(self) -> DistAddress:
-        return DistAddress(self.host, self.port, self.backend)
+        return DistAddress(self.host, self.port, self.backend, gated=self._gate is not None)
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -108,7 +121,7 @@ class DistReceiver(ChannelTable, KVReceiver):
 
     def _accept_loop(self) -> None:
         try:
-            client = store_client(self.host, self.port, self.connect_timeout)
+            client = store_client(*self.store_address, self.connect_timeout)
         except Exception:
             logger.exception("transfer: cannot reach our own rendezvous store")
             return
@@ -159,7 +172,7 @@ class DistReceiver(ChannelTable, KVReceiver):
             hello = msgpack.unpackb(hello_bytes, raw=False)
             peer_id = str(hello["node_id"])
             reason = self._refusal(hello)
-            store = store_client(self.host, self.port, self.connect_timeout)
+            store = store_client(*self.store_address, self.connect_timeout)
             store.set(f"{KEY}/ack/{n}", msgpack.packb({"ok": reason is None, "reason": reason}))
             if reason is not None:
                 logger.warning("transfer: refused %s: %s", peer_id, reason)
@@ -311,6 +324,8 @@ class DistReceiver(ChannelTable, KVReceiver):
 
     def shutdown(self) -> None:
         self._stop.set()
+        if self._gate is not None:
+            self._gate.shutdown()
         self._acceptor.join(timeout=2.0)
         with self._mu:
             channels = list(self._channels.values())

@@ -1,5 +1,6 @@
 """The dist path's sender (prefill node) side: joins a receiver's rendezvous store on demand,
-builds the pair group and sends header + blocks. Protocol: ``transfer.dist``."""
+builds the pair group and sends header + blocks. Protocol: ``transfer.dist``. A receiver whose
+store is gated (the cluster has a token) is joined through ``dist_gate.open_tunnel``."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from splitserve.transfer.dist_channel import (
     first_line,
     header,
 )
+from splitserve.transfer.dist_gate import open_tunnel
 from splitserve.transfer.dist_group import (
     KEY,
     local_address_towards,
@@ -54,15 +56,18 @@ class DistSender(ChannelTable, KVSender):
         *,
         backend: str | None = None,
         connect_timeout: float = 30.0,
+        rendezvous_key: bytes | None = None,
     ) -> None:
         super().__init__(kv_pool, node_id, backend, connect_timeout)
+        self._key = rendezvous_key
         self._connecting: dict[str, threading.Lock] = {}
 
     @classmethod
     def open(cls, kv_pool: torch.Tensor, node_id: str, options: PathOptions) -> DistSender | None:
         if not available_backends(kv_pool.device.type):
             return None
-        return cls(kv_pool, node_id, connect_timeout=options.connect_timeout)
+        key = options.security.rendezvous_key
+        return cls(kv_pool, node_id, connect_timeout=options.connect_timeout, rendezvous_key=key)
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -83,6 +88,13 @@ class DistSender(ChannelTable, KVSender):
     def _connect(self, peer_id: str, address: DistAddress) -> None:
         if address.backend != self.backend:
             raise ValueError(f"receiver runs {address.backend!r}, this sender {self.backend!r}")
+        if address.gated != (self._key is not None):
+            why = "requires" if address.gated else "does not take"
+            raise NotConnected(
+                f"{peer_id!r}'s rendezvous {why} the cluster token, which this node "
+                f"{'lacks' if address.gated else 'has'} (give every node the same "
+                "--auth-token-file)"
+            )
         with self._mu:
             lock = self._connecting.setdefault(peer_id, threading.Lock())
         with lock:
@@ -104,7 +116,11 @@ class DistSender(ChannelTable, KVSender):
         from torch.distributed import PrefixStore  # pyright: ignore[reportPrivateImportUsage] (not re-exported in the stubs)
 
         timeout = timedelta(seconds=self.connect_timeout)
-        store = store_client(address.host, address.port, self.connect_timeout)
+        if self._key is None:
+            store = store_client(address.host, address.port, self.connect_timeout)
+        else:
+            tunnel = open_tunnel(address.host, address.port, self._key, self.connect_timeout)
+            store = store_client("127.0.0.1", tunnel, self.connect_timeout)
         n = int(store.add(f"{KEY}/joins", 1))
         hello = {
             "node_id": self.node_id,

@@ -45,6 +45,7 @@ class DistAddress:
     host: str
     port: int
     backend: str
+    gated: bool = False  # the store sits behind a gate that requires the cluster token (dist_gate)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,7 @@ class TcpAddress:
 
     host: str
     port: int
+    tls: bool = False  # the listener takes mutual TLS 1.3 connections only
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,10 +106,13 @@ class Endpoint:
             "visible_devices": list(self.visible_devices),
             "dist_backends": list(self.dist_backends),
             "ipc_handle": self.ipc_handle,
+            # A flag is written only when set, so endpoints without one keep their bytes.
             "dist": None
             if self.dist is None
-            else [self.dist.host, self.dist.port, self.dist.backend],
-            "tcp": None if self.tcp is None else [self.tcp.host, self.tcp.port],
+            else [self.dist.host, self.dist.port, self.dist.backend, *([True] * self.dist.gated)],
+            "tcp": None
+            if self.tcp is None
+            else [self.tcp.host, self.tcp.port, *([True] * self.tcp.tls)],
         }
         if self.offers:
             fields["offers"] = [list(offer) for offer in self.offers]
@@ -123,10 +128,10 @@ class Endpoint:
                 raise ValueError(f"unsupported endpoint version {f.get('v')!r}")
             dist = f["dist"]
             if dist is not None:
-                dist = DistAddress(str(dist[0]), int(dist[1]), str(dist[2]))
+                dist = DistAddress(str(dist[0]), int(dist[1]), str(dist[2]), _flag(dist, 3))
             tcp = f.get("tcp")
             if tcp is not None:
-                tcp = TcpAddress(str(tcp[0]), int(tcp[1]))
+                tcp = TcpAddress(str(tcp[0]), int(tcp[1]), _flag(tcp, 2))
                 if not 0 < tcp.port < 65536:
                     raise ValueError(f"bad tcp port {tcp.port}")
             return cls(
@@ -150,6 +155,15 @@ class Endpoint:
             raise
         except Exception as exc:  # msgpack raises several types on garbage
             raise ValueError(f"malformed endpoint: {exc!r}") from None
+
+
+def _flag(fields: list, index: int) -> bool:
+    """An address's optional flag at ``index`` (absent: False); ``ValueError`` if not a bool."""
+    if len(fields) <= index:
+        return False
+    if not isinstance(fields[index], bool):
+        raise ValueError(f"malformed address flag {fields[index]!r}")
+    return fields[index]
 
 
 # ---------------------------------------------------------------------------- host identity

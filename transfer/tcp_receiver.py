@@ -7,6 +7,11 @@ chunk is at most its reservation's size, a socket that stays silent ``io_timeout
 mid-chunk (or ``idle_timeout`` between chunks) is closed, and a chunk whose token names no open
 reservation, whose blocks are outside it or already written, or whose CRC does not match is
 refused (and the reservation failed on a CRC mismatch or a repeat).
+
+With ``tls`` (the node's ``--tls-*`` files, ``security.KVTls``) every connection is mutual TLS 1.3:
+the handshake (at most ``HANDSHAKE_TIMEOUT_S``) in the connection's own thread, a client
+certificate signed by the CA required, then one ``OK`` ack saying it was accepted (so a sender
+knows at ``connect``); a connection that fails the handshake is closed and logged.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import contextlib
 import logging
 import secrets
 import socket
+import ssl
 import threading
 import time
 
@@ -25,6 +31,7 @@ from splitserve.transfer.dist_group import default_host
 from splitserve.transfer.endpoint import TCP, TcpAddress
 from splitserve.transfer.errors import Incomplete, TransferError, TransferTimeout
 from splitserve.transfer.reservation import RESERVED, Reservation, block_nbytes
+from splitserve.transfer.security import KVTls
 from splitserve.transfer.tcp_wire import (
     CHUNK,
     OK,
@@ -40,6 +47,7 @@ from splitserve.transfer.tcp_wire import (
 logger = logging.getLogger(__name__)
 
 MAX_CHUNK_BYTES = 64 << 20  # a chunk is at most this (or one block, if a block is larger)
+HANDSHAKE_TIMEOUT_S = 10.0  # a TLS handshake that takes longer is dropped (the slot freed)
 
 
 class _Inbound:
@@ -86,6 +94,7 @@ class TcpReceiver(KVReceiver):
         max_connections: int = 256,
         io_timeout: float = 30.0,
         idle_timeout: float = 600.0,
+        tls: KVTls | None = None,
     ) -> None:
         self.kv_pool = kv_pool
         self.node_id = node_id
@@ -97,7 +106,8 @@ class TcpReceiver(KVReceiver):
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind((host, port))
         self._listener.listen(128)
-        self.address = TcpAddress(host, int(self._listener.getsockname()[1]))
+        self.address = TcpAddress(host, int(self._listener.getsockname()[1]), tls=tls is not None)
+        self._tls = tls
         self._inbound: dict[bytes, _Inbound] = {}
         self._conns: set[socket.socket] = set()
         self._mu = threading.Lock()
@@ -108,7 +118,8 @@ class TcpReceiver(KVReceiver):
 
     @classmethod
     def open(cls, kv_pool: torch.Tensor, node_id: str, options: PathOptions) -> TcpReceiver:
-        return cls(kv_pool, node_id, host=options.host or default_host())
+        host = options.host or default_host()
+        return cls(kv_pool, node_id, host=host, tls=options.security.tls)
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -201,18 +212,23 @@ class TcpReceiver(KVReceiver):
                 _close(conn)
                 continue
             try:
-                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+                threading.Thread(target=self._serve, args=(conn, peer), daemon=True).start()
             except RuntimeError as exc:  # no thread to be had: drop this connection only
                 logger.warning("tcp KV: cannot serve %s: %s", peer, exc)
                 with self._mu:
                     self._conns.discard(conn)
                 _close(conn)
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, peer: object) -> None:
         header = bytearray(CHUNK.size)
         self._scratch.buf = None  # this thread's receive buffer, reused chunk after chunk
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:
+                wrapped = self._handshake(conn, peer, self._tls)
+                if wrapped is None:
+                    return
+                conn = wrapped
             while not self._stop.is_set():
                 conn.settimeout(self.idle_timeout)
                 if not recv_exact(conn, memoryview(header)[:1]):
@@ -230,6 +246,21 @@ class TcpReceiver(KVReceiver):
             with self._mu:
                 self._conns.discard(conn)
             _close(conn)
+
+    def _handshake(self, raw: socket.socket, peer: object, tls: KVTls) -> ssl.SSLSocket | None:
+        """Mutual TLS on ``raw`` (which it replaces in the open connections); None, logged and
+        closed, if the sender is not one of the cluster's (no certificate, another CA's)."""
+        raw.settimeout(min(HANDSHAKE_TIMEOUT_S, self.io_timeout))
+        try:
+            conn = tls.server.wrap_socket(raw, server_side=True)
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            logger.warning("tcp KV: refused %s: TLS handshake failed (%s)", peer, exc)
+            return None  # (wrap_socket closed the connection)
+        with self._mu:
+            self._conns.discard(raw)
+            self._conns.add(conn)
+        send_ack(conn, OK)  # the certificate was accepted
+        return conn
 
     def _chunk(self, conn: socket.socket, header: bytes) -> str | None:
         """Take one chunk into its reservation; why it was refused (None: written)."""

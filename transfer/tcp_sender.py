@@ -8,12 +8,19 @@ and one ``sendall`` of its buffer (no per-block Python copies), its CRC computed
 whole chunk outside the GIL. Connections are kept per receiver and reused; one that broke is
 dropped and the failure raised (``PeerLost``/``TransferTimeout``/``TransferError``): the caller
 ships the request another way or fails it, and the next ``send`` opens fresh connections.
+
+With ``tls`` (``security.KVTls``) every connection is mutual TLS 1.3, the listener's certificate
+checked against the CA and the dialled host; ``connect`` waits for the listener's ack that it
+accepted ours. A listener whose TLS differs from this node's (plaintext here, TLS there, or the
+reverse) is not connected to: the pair takes the next path.
 """
 
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +33,7 @@ from splitserve.transfer.base import BlockIds, KVSender, PathOptions, as_endpoin
 from splitserve.transfer.endpoint import TCP, Endpoint, TcpAddress
 from splitserve.transfer.errors import NotConnected, PeerLost, TransferError, TransferTimeout
 from splitserve.transfer.reservation import Ticket, block_nbytes, check_source_ids
+from splitserve.transfer.security import KVTls
 from splitserve.transfer.tcp_receiver import MAX_CHUNK_BYTES
 from splitserve.transfer.tcp_wire import PeerClosed, WireError, checksum, pack_chunk, read_ack
 
@@ -51,6 +59,7 @@ class TcpSender(KVSender):
         streams: int = 4,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         connect_timeout: float = 10.0,
+        tls: KVTls | None = None,
     ) -> None:
         self.kv_pool = kv_pool
         self.node_id = node_id
@@ -58,6 +67,7 @@ class TcpSender(KVSender):
         self.streams = max(1, streams)
         self.blocks_per_chunk = max(1, min(chunk_bytes, MAX_CHUNK_BYTES) // self.block_nbytes)
         self.connect_timeout = connect_timeout
+        self._tls = tls
         self._peers: dict[str, TcpAddress] = {}
         self._idle: dict[str, list[socket.socket]] = {}
         self._mu = threading.Lock()
@@ -67,7 +77,7 @@ class TcpSender(KVSender):
 
     @classmethod
     def open(cls, kv_pool: torch.Tensor, node_id: str, options: PathOptions) -> TcpSender:
-        return cls(kv_pool, node_id, **(options.tcp_options or {}))
+        return cls(kv_pool, node_id, tls=options.security.tls, **(options.tcp_options or {}))
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -80,6 +90,12 @@ class TcpSender(KVSender):
         peer = as_endpoint(peer)
         if peer.tcp is None:
             raise NotConnected(f"{peer.node_id!r} offers no tcp listener")
+        if peer.tcp.tls != (self._tls is not None):
+            theirs, ours = ("TLS", "plaintext") if peer.tcp.tls else ("plaintext", "TLS")
+            raise NotConnected(
+                f"{peer.node_id!r}'s tcp listener takes {theirs} connections, this node sends "
+                f"{ours} (give every node the same --tls-* options)"
+            )
         sock = self._open(peer.tcp, time.monotonic() + self.connect_timeout)
         with self._mu:
             self._peers[peer.node_id] = peer.tcp
@@ -210,7 +226,30 @@ class TcpSender(KVSender):
         except OSError as exc:
             raise PeerLost(f"cannot connect to {address.host}:{address.port}: {exc}") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock
+        if self._tls is None:
+            return sock
+        return self._handshake(sock, address, self._tls)
+
+    def _handshake(self, sock: socket.socket, address: TcpAddress, tls: KVTls) -> ssl.SSLSocket:
+        """Mutual TLS on ``sock`` (within its connect timeout), then the listener's ack that it
+        accepted this node's certificate."""
+        where = f"{address.host}:{address.port}"
+        try:
+            conn = tls.client.wrap_socket(sock, server_hostname=address.host)
+        except ssl.SSLCertVerificationError as exc:
+            _close(sock)
+            why = f"its certificate is not trusted ({exc})"
+            raise PeerLost(f"tcp listener {where}: {why}") from None
+        except (OSError, ValueError) as exc:
+            _close(sock)
+            raise PeerLost(f"tcp listener {where}: TLS handshake failed ({exc})") from None
+        try:
+            read_ack(conn)
+        except (OSError, WireError) as exc:
+            _close(conn)
+            why = f"refused this node's certificate ({exc})"
+            raise PeerLost(f"tcp listener {where} {why}") from None
+        return conn
 
     def _take(self, peer_id: str, address: TcpAddress, deadline: float) -> socket.socket:
         while True:
@@ -219,17 +258,15 @@ class TcpSender(KVSender):
                 sock = idle.pop() if idle else None
             if sock is None:
                 return self._open(address, deadline)
-            # An idle connection has nothing to read; if it has, the receiver closed it.
-            # NOTE: non-blocking for the peek (with a timeout set, Python would wait for data).
-            sock.setblocking(False)
+            # An idle connection has nothing to read; if it has, the receiver closed it (or
+            # sent bytes nobody asked for). NOTE: select, not a peek: a TLS socket takes no flags.
             try:
-                sock.recv(1, socket.MSG_PEEK)
-            except BlockingIOError:
-                sock.setblocking(True)  # _io sets each operation's timeout
-                return sock  # nothing to read: alive and idle
-            except OSError:
-                pass
-            _close(sock)  # closed by the receiver, or holding bytes nobody asked for
+                readable = bool(select.select([sock], [], [], 0)[0])
+            except (OSError, ValueError):
+                readable = True
+            if not readable:
+                return sock  # alive and idle (_io sets each operation's timeout)
+            _close(sock)
 
     def _give_back(self, peer_id: str, sock: socket.socket) -> None:
         with self._mu:

@@ -1,51 +1,30 @@
 """Mutual TLS (runtime/tls.py) on real processes: a prefill node, a decode node and a router
 started with --tls-cert/--tls-key/--tls-ca talk to each other over mTLS and serve a client that
 presents a certificate of the same CA, token-exact with transformers; a plaintext client and a
-client with another CA's certificate get nothing; `splitserve health` asks over mTLS when the
+client with another CA's certificate get nothing; the KV crosses over tcp inside TLS, not over
+plaintext dist; `splitserve health` asks over mTLS when the
 component's SPLITSERVE_TLS_* variables are set. Certificates are made here with the openssl CLI
 (skipped, saying so, where it is missing)."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 
 import grpc
 import pytest
+from support.pki import HAVE_OPENSSL, make_pki
 from support.processes import start_cli
 from support.reference import hf_greedy
 
 from splitserve.client import Client, SplitserveError
 from splitserve.models.tiny import write_random_checkpoint
+from splitserve.transfer import Endpoint
 
 pytestmark = pytest.mark.skipif(
-    shutil.which("openssl") is None, reason="making test certificates needs the openssl CLI"
+    not HAVE_OPENSSL, reason="making test certificates needs the openssl CLI"
 )
-
-
-def _openssl(*args: str, cwd) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def make_pki(folder, name: str = "ca") -> dict[str, str]:
-    """A CA and one certificate it signs, valid for 127.0.0.1 and localhost, as server and
-    client: {"ca", "cert", "key"} paths."""
-    folder.mkdir(parents=True, exist_ok=True)
-    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
-    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
-             "-subj", f"/CN={name}", cwd=folder)  # fmt: skip
-    _openssl("req", *ec, "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=node",
-             cwd=folder)  # fmt: skip
-    (folder / "ext").write_text(
-        "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n"
-    )
-    _openssl("x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-             "-CAcreateserial", "-out", "node.pem", "-days", "2", "-extfile", "ext",
-             cwd=folder)  # fmt: skip
-    return {k: str(folder / f) for k, f in (("ca", "ca.pem"), ("cert", "node.pem"),
-                                            ("key", "node.key"))}  # fmt: skip
 
 
 def credentials(pki) -> grpc.ChannelCredentials:
@@ -80,6 +59,26 @@ def test_the_cluster_serves_over_mtls_token_exact(cluster):
     with Client(router.address, credentials=credentials(pki)) as client:
         out = client.generate(prompt_token_ids=prompt, max_tokens=4, temperature=0.0)
     assert list(out.token_ids) == hf_greedy(model, prompt, 4)
+
+
+def test_kv_crosses_over_tcp_inside_tls_not_plaintext_dist(cluster):
+    # Both nodes offer every path (the default --kv-transfer); with --tls-* and no
+    # --trust-kv-network the pair must take tcp (mutual TLS), never dist (plaintext gloo).
+    model, pki, (_, decode, router) = cluster
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6] * 9
+    with Client(router.address, credentials=credentials(pki)) as client:
+        out = client.generate(prompt_token_ids=prompt, max_tokens=3, temperature=0.0)
+    assert list(out.token_ids) == hf_greedy(model, prompt, 3)
+    from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
+
+    with grpc.secure_channel(decode.address, credentials(pki)) as channel:
+        stats = nodes_pb2_grpc.NodeStatsServiceStub(channel).GetStats(
+            nodes_pb2.GetStatsRequest(), timeout=10
+        )
+    assert stats.counters.get("transfers_tcp", 0) >= 1, dict(stats.counters)
+    assert stats.counters.get("transfers_dist", 0) == 0, dict(stats.counters)
+    endpoint = Endpoint.from_bytes(stats.transfer_endpoint)
+    assert endpoint.dist is None and endpoint.tcp is not None and endpoint.tcp.tls
 
 
 def test_clients_without_a_certificate_of_the_ca_get_nothing(cluster, tmp_path):

@@ -10,7 +10,8 @@ Commands: ``("connect", endpoint_bytes)``, ``("close", peer_id)``,
 header, answers, then SIGKILLs or SIGSTOPs itself: a sender that dies mid-transfer),
 ``("send_tcp_half_then_kill", ticket_bytes, src_ids)`` (the first tcp chunk's header and half
 its data, then SIGKILL),
-``("checksums", ids)``, ``("exit",)``.
+``("checksums", ids)``, ``("exit",)``. ``security``: what guards the sender's paths, as plain
+values (``security_of``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from splitserve.transfer import TcpAddress, Ticket
+    from splitserve.transfer import KVSecurity, TcpAddress, Ticket
 
 
 def make_pool(
@@ -66,6 +67,20 @@ def block_checksums(kv_pool: torch.Tensor, block_ids: list[int]) -> list[int]:
     return out
 
 
+def security_of(spec: dict | None) -> KVSecurity:
+    """A ``KVSecurity`` from plain values (they cross to a spawned process): ``tls`` a (cert,
+    key, ca) of PEM paths, ``token`` the cluster token, ``trust`` the trust-kv-network switch."""
+    from splitserve.transfer import KVSecurity, KVTls, rendezvous_key
+
+    spec = spec or {}
+    tls, token = spec.get("tls"), spec.get("token")
+    return KVSecurity(
+        tls=KVTls(*tls) if tls else None,
+        trust_network=bool(spec.get("trust")),
+        rendezvous_key=rendezvous_key(token) if token else None,
+    )
+
+
 def sender_main(
     conn: Connection,
     node_id: str,
@@ -73,6 +88,7 @@ def sender_main(
     seed: int,
     connect_timeout: float = 10.0,
     tcp_options: dict | None = None,
+    security: dict | None = None,
 ) -> None:
     from splitserve.transfer import DIST, Endpoint, PathOptions, Ticket
     from splitserve.transfer.api import NodeSender
@@ -83,7 +99,9 @@ def sender_main(
     if pool_spec.get("device", "cpu").startswith("cuda"):
         torch.cuda.set_device(torch.device(pool_spec["device"]))
     pool = fill_pool(make_pool(**pool_spec), seed)
-    options = PathOptions(connect_timeout=connect_timeout, tcp_options=tcp_options)
+    options = PathOptions(
+        connect_timeout=connect_timeout, tcp_options=tcp_options, security=security_of(security)
+    )
     # A node's sender, built from its parts here: the faults below use the dist part's channel.
     parts = open_senders(pool, node_id, PATHS, options)
     tx = NodeSender(pool, node_id, parts)
@@ -169,6 +187,7 @@ class SenderProcess:
         seed: int,
         connect_timeout: float = 10.0,
         tcp_options: dict | None = None,
+        security: dict | None = None,
     ) -> None:
         import multiprocessing as mp
 
@@ -177,7 +196,7 @@ class SenderProcess:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(
             target=sender_main,
-            args=(child, node_id, pool_spec, seed, connect_timeout, tcp_options),
+            args=(child, node_id, pool_spec, seed, connect_timeout, tcp_options, security),
             name=f"sender-{node_id}",
             daemon=True,
         )

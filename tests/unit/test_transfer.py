@@ -1,9 +1,13 @@
-"""The KV transfer layer (transfer/): path selection, handshake bytes, a CPU pool's endpoint and
-the sender's fallback to grpc. Reservations: test_transfer_reservations.py; the dist path over
-gloo with spawned senders: test_transfer_dist.py."""
+"""The KV transfer layer (transfer/): path selection (also under TLS: dist only on a trusted
+network), handshake bytes, a CPU pool's endpoint and the sender's fallback to grpc.
+Reservations: test_transfer_reservations.py; the dist path over gloo with spawned senders:
+test_transfer_dist.py."""
 
 from __future__ import annotations
 
+from typing import cast
+
+import msgpack
 import pytest
 from support.kv_pools import make_pool
 from support.transfer_common import SPEC
@@ -16,11 +20,15 @@ from splitserve.transfer import (
     DistAddress,
     Endpoint,
     IpcHandle,
+    KVSecurity,
+    KVTls,
     TcpAddress,
     Ticket,
     choose_path,
     export_pool,
     local_endpoint,
+    rendezvous_key,
+    secured_paths,
 )
 
 LAYOUT = (32, 2, 16, 8, 128)
@@ -152,6 +160,57 @@ def test_choose_path_respects_allowed():
         choose_path(local, receiver_endpoint(hostname="host-b", boot_id="boot-2"), allowed=(IPC,))
         == GRPC
     )
+
+
+# A stand-in for the node's TLS contexts (making real ones needs certificate files): the path
+# choice looks only at whether there are any.
+SOME_TLS = cast(KVTls, object())
+
+
+def test_with_tls_dist_is_taken_only_where_the_kv_network_is_trusted():
+    every = (IPC, DIST, TCP, GRPC)
+    assert secured_paths(every, KVSecurity()) == every  # no TLS: as before, dist offered
+    assert secured_paths(every, KVSecurity(trust_network=True)) == every
+    assert secured_paths(every, KVSecurity(tls=SOME_TLS)) == (IPC, TCP, GRPC)
+    assert secured_paths(every, KVSecurity(tls=SOME_TLS, trust_network=True)) == every
+    # A pair on two hosts that both paths reach: the node's allowed paths decide.
+    local = endpoint(device="cpu", dist_backends=("gloo",), boot_id="boot-a")
+    peer = receiver_endpoint(
+        device="cpu",
+        boot_id="boot-b",
+        ipc_handle=None,
+        dist=DistAddress("10.0.0.2", 29500, "gloo"),
+        tcp=TcpAddress("10.0.0.2", 40000, tls=True),
+    )
+    assert choose_path(local, peer, secured_paths(every, KVSecurity())) == DIST
+    assert choose_path(local, peer, secured_paths(every, KVSecurity(tls=SOME_TLS))) == TCP
+    # ipc stays allowed: it never leaves the host.
+    assert (
+        choose_path(endpoint(), receiver_endpoint(), secured_paths(every, KVSecurity(tls=SOME_TLS)))
+        == IPC
+    )
+
+
+def test_the_addresses_flags_round_trip_and_old_bytes_stay_the_same():
+    plain = receiver_endpoint(tcp=TcpAddress("10.1.2.3", 40000))
+    flagged = receiver_endpoint(
+        dist=DistAddress("10.0.0.2", 29500, "nccl", gated=True),
+        tcp=TcpAddress("10.1.2.3", 40000, tls=True),
+    )
+    assert Endpoint.from_bytes(flagged.to_bytes()) == flagged
+    assert Endpoint.from_bytes(plain.to_bytes()) == plain
+    packed = msgpack.unpackb(plain.to_bytes(), raw=False)
+    assert packed["tcp"] == ["10.1.2.3", 40000] and len(packed["dist"]) == 3  # as before
+    packed["tcp"] = ["10.1.2.3", 40000, "yes"]
+    with pytest.raises(ValueError, match="flag"):
+        Endpoint.from_bytes(msgpack.packb(packed))
+
+
+def test_the_rendezvous_key_is_derived_from_the_token_not_the_token():
+    key = rendezvous_key("a-cluster-token-of-enough-length")
+    assert len(key) == 32 and b"a-cluster-token" not in key
+    assert key == rendezvous_key("a-cluster-token-of-enough-length")
+    assert key != rendezvous_key("another-cluster-token-entirely")
 
 
 def test_handshake_bytes_round_trip():

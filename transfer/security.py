@@ -1,0 +1,69 @@
+"""What guards a node's KV byte paths: mutual TLS on the tcp path, whether the network between
+nodes is trusted with plaintext (dist), and the key that opens the dist rendezvous.
+
+One ``KVSecurity`` per node, built at its start from its ``--tls-*`` files, ``--trust-kv-network``
+and cluster token (``runtime.node.kv_security``), passed to ``open_receiver`` / ``open_sender``.
+Which paths that leaves a node is ``chooser.secured_paths``; the tcp path wraps its connections in
+``KVTls``'s contexts; the dist path's rendezvous gate (``dist_gate``) proves ``rendezvous_key``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ssl
+from dataclasses import dataclass
+
+
+class KVTls:
+    """TLS 1.3 contexts for the tcp path from a node's PEM files (its ``--tls-cert``,
+    ``--tls-key``, ``--tls-ca``): the listener presents the certificate and requires a client
+    certificate signed by the CA; a sender presents the same certificate and checks the
+    listener's against the CA and against the address it dialled (host name or IP in the
+    subject alternative names), as the node's gRPC channels do."""
+
+    __slots__ = ("client", "server")
+
+    def __init__(self, cert: str, key: str, ca: str) -> None:
+        self.server = _context(ssl.PROTOCOL_TLS_SERVER, cert, key, ca)
+        # NOTE: no session tickets: each kept connection does one full handshake, and a ticket
+        # arriving on an idle connection would read as the listener having closed it.
+        self.server.num_tickets = 0
+        self.client = _context(ssl.PROTOCOL_TLS_CLIENT, cert, key, ca)
+
+
+def _context(protocol: int, cert: str, key: str, ca: str) -> ssl.SSLContext:
+    """A TLS 1.3-only context with mutual verification; ``ValueError`` naming the file at fault."""
+    ctx = ssl.SSLContext(protocol)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    try:
+        ctx.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        why = f"not a usable certificate and key ({exc})"
+        raise ValueError(f"--tls-cert {cert} / --tls-key {key}: {why}") from None
+    try:
+        ctx.load_verify_locations(cafile=ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"--tls-ca {ca}: not a usable CA file ({exc})") from None
+    return ctx
+
+
+def rendezvous_key(token: str) -> bytes:
+    """The key the dist rendezvous gate and its clients prove, derived from the cluster token
+    (so the token itself never goes near the store's port)."""
+    return hmac.new(token.encode(), b"splitserve dist rendezvous v1", "sha256").digest()
+
+
+@dataclass(frozen=True, slots=True)
+class KVSecurity:
+    """A node's KV byte paths' guards (the default: none, every path as before)."""
+
+    tls: KVTls | None = None  # mutual TLS on the tcp path (the node has --tls-* files)
+    trust_network: bool = False  # --trust-kv-network: plaintext dist between nodes even with TLS
+    rendezvous_key: bytes | None = None  # the cluster token's: the dist store's gate requires it
+
+    @property
+    def plaintext_allowed(self) -> bool:
+        """Whether KV may cross the network unencrypted (the dist path): without TLS (nothing is
+        encrypted then), or where the cluster says its KV network is trusted."""
+        return self.tls is None or self.trust_network
