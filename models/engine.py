@@ -22,6 +22,7 @@ from splitserve.kvstore import BlockPool, KVCacheManager, ModelIdentity
 from splitserve.models.kv_port import KVPort
 from splitserve.models.runner import ModelRunner, SequenceInput
 from splitserve.models.sampler import (
+    PendingSample,
     Sampler,
     SamplingParams,
     check_stop,
@@ -31,6 +32,28 @@ from splitserve.models.sampler import (
 from splitserve.models.scheduler import Request, ScheduledRequest, Scheduler
 
 __all__ = ["LLMEngine", "Request", "RequestDoesNotFit", "StepOutput"]
+
+
+_PLACEHOLDER = -1  # a sampled token still on the device (Request.num_pending)
+
+
+class _Launched:
+    """A step queued on the device whose tokens are not read yet."""
+
+    def __init__(
+        self,
+        scheduled: list[tuple[Request, int, int]],
+        reqs: list[Request],
+        sample: PendingSample,
+    ) -> None:
+        self.scheduled = scheduled  # (request, tokens computed after this step, its epoch)
+        self.ids = {req.request_id for req, _, _ in scheduled}
+        self.reqs = reqs  # the requests that sample, in the sample's row order
+        self.sample = sample
+        self.row_of: dict[str, int] = {}  # request id → its row of the sample
+        self.slots: list[int] = []  # where each row's token goes in its request's token_ids
+        self.free_after: list[str] = []  # ended meanwhile: free once this step is read
+        self.needs_tokens = False  # a request samples with penalties over its own tokens
 
 
 class RequestDoesNotFit(RuntimeError):
@@ -59,10 +82,13 @@ class LLMEngine:
         eos_token_id: int | None = None,
         prefill_only: bool = False,
         enable_kv_events: bool = False,
+        async_scheduling: bool | None = None,
     ) -> None:
         """``prefill_only``: a request ends after its first sampled token and keeps its blocks
         until ``release`` (a prefill node ships them first). ``enable_kv_events``: the pool
-        records stored/evicted hashes for a prefix index, which must then drain them."""
+        records stored/evicted hashes for a prefix index, which must then drain them.
+        ``async_scheduling`` (default: on a GPU): schedule and launch step N+1 before reading
+        step N's tokens (see ``step``)."""
         if identity.block_size != runner.block_size:
             raise ValueError(
                 f"identity.block_size {identity.block_size} != runner block size "
@@ -87,6 +113,10 @@ class LLMEngine:
         self.prefill_only = prefill_only
         self.held: dict[str, Request] = {}  # prefill_only: finished, blocks not yet released
         self.last_num_scheduled = 0
+        if async_scheduling is None:
+            async_scheduling = runner.device.type == "cuda"
+        self.async_scheduling = async_scheduling
+        self._inflight: _Launched | None = None
         # Requests to drop before the next step schedules anything (``abort_soon``): marked from
         # any thread, applied on the engine thread.
         self._abort_soon: set[str] = set()
@@ -217,7 +247,15 @@ class LLMEngine:
         if req is None:
             return
         self.scheduler.remove(req)
-        self.kv.free(request_id)
+        self._free(req)
+
+    def _free(self, req: Request) -> None:
+        """Free a request's blocks, once the step on the device no longer writes them."""
+        inflight = self._inflight
+        if inflight is not None and req.request_id in inflight.ids:
+            inflight.free_after.append(req.request_id)
+        else:
+            self.kv.free(req.request_id)
 
     @property
     def pending_prefill_tokens(self) -> int:
@@ -231,28 +269,45 @@ class LLMEngine:
         )
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # ------------------------------------------------------------------ step
 
     def step(self, on_launch: Callable[[], None] | None = None) -> list[StepOutput]:
-        """One iteration: apply pending aborts, schedule, run the forward, then sample and end
-        finished requests. ``on_launch`` is called once the forward is queued on the device and
-        before the wait for its results (on a GPU, what runs then overlaps the forward); not
-        called when nothing was scheduled."""
+        """One iteration: apply pending aborts, schedule, launch the forward and the sampling,
+        then read the tokens, check stop conditions and end finished requests. ``on_launch`` is
+        called once the forward is queued on the device and before the wait for its results (on
+        a GPU, what runs then overlaps the forward); not called when nothing was scheduled.
+
+        With ``async_scheduling`` the tokens read are those of the step before: step N+1 is
+        scheduled and launched while step N still computes (its sampled tokens feed N+1's
+        inputs on the device), then N's tokens are read. The host's work of a step (schedule,
+        inputs, stop checks, outputs) thus runs beside the device's instead of between two
+        forwards. A request that turns out to have ended at N computed one token too many in
+        N+1, which is dropped; its blocks are freed once N+1 is done with them. A step with a
+        request whose penalties need its previous token waits for that token first.
+        Returns the outputs of every step whose tokens were read in this call."""
         self._apply_aborts()
+        outputs: list[StepOutput] = []
+        if self._inflight is not None and self._inflight.needs_tokens:
+            outputs += self._read(self._inflight)
         scheduled = self.scheduler.schedule()
         self.last_num_scheduled = len(scheduled)
         if not scheduled:
-            self._drop_unfittable()
-            return []
-        logits = self._run_model(scheduled)
+            if self._inflight is not None:  # nothing to launch behind it: wait for its tokens
+                outputs += self._read(self._inflight)
+            else:
+                self._drop_unfittable()
+            return outputs
+        launched = self._launch(scheduled)
+        previous, self._inflight = self._inflight, launched
         if on_launch is not None:
             on_launch()
-        ready = self.scheduler.update_after_forward(scheduled)
-        if not ready:
-            return []
-        return self._postprocess([scheduled[i].request for i in ready], logits, ready)
+        if previous is not None:
+            outputs += self._read(previous)
+        if not self.async_scheduling:
+            outputs += self._read(launched)
+        return outputs
 
     def _drop_unfittable(self) -> None:
         """Nothing ran: raise ``RequestDoesNotFit`` for a head request that never can."""
@@ -266,55 +321,107 @@ class LLMEngine:
             f"KV cache ({self.pool.num_blocks - 1} blocks of {self.block_size}) even alone",
         )
 
-    def _run_model(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
-        seqs = [
-            SequenceInput(
-                req.token_ids[req.num_computed_tokens : req.num_computed_tokens + n],
-                req.num_computed_tokens,
-                self.kv.get_block_ids(req.request_id),
+    def _launch(self, scheduled: list[ScheduledRequest]) -> _Launched:
+        """Queue the forward of ``scheduled`` and the sampling of its ready rows; append a
+        placeholder token to every request that samples (read back by ``_read``)."""
+        inflight = self._inflight
+        seqs = []
+        for req, n in scheduled:
+            start = req.num_computed_tokens
+            tokens = req.token_ids[start : start + n]
+            feed_row = -1
+            if req.num_pending:  # its one new token is the in-flight step's sample
+                assert inflight is not None and req.request_id in inflight.row_of and n == 1
+                feed_row, tokens = inflight.row_of[req.request_id], [0]
+            seqs.append(
+                SequenceInput(tokens, start, self.kv.get_block_ids(req.request_id), feed_row)
             )
-            for req, n in scheduled
-        ]
-        return self.runner.execute(seqs)
-
-    def _postprocess(
-        self, reqs: list[Request], logits: torch.Tensor, rows: list[int]
-    ) -> list[StepOutput]:
-        """Sample the next token of ``reqs`` (their logits are ``rows``), append it, check stop
-        conditions and end the requests that finished (every request, in prefill-only mode)."""
-        index = torch.tensor(rows, device=logits.device)
-        result = self.sampler.sample(
-            logits.index_select(0, index),
+        feed = inflight.sample.token_ids if inflight is not None else None
+        logits = self.runner.execute(seqs, feed)
+        ready = self.scheduler.advance(scheduled)
+        reqs = [scheduled[i].request for i in ready]
+        if len(ready) < len(scheduled):
+            logits = logits.index_select(0, self._rows(ready, logits.device))
+        sample = self.sampler.launch(
+            logits,
             [r.params for r in reqs],
             [r.prompt_token_ids for r in reqs],
             [r.output_token_ids for r in reqs],
             [r.generator for r in reqs],
             self.eos_token_id,
         )
-        outputs = []
+        launched = _Launched(
+            [(req, req.num_computed_tokens, req.epoch) for req, _ in scheduled],
+            reqs,
+            sample,
+        )
+        max_len = self.runner.config.max_model_len
         for j, req in enumerate(reqs):
+            launched.row_of[req.request_id] = j
+            launched.slots.append(len(req.token_ids))
+            req.token_ids.append(_PLACEHOLDER)
+            req.num_pending += 1
+            req.closing = (
+                self.prefill_only
+                or len(req.output_token_ids) >= req.params.max_tokens
+                or len(req.token_ids) >= max_len
+            )
+            if req.params.needs_previous_tokens:
+                launched.needs_tokens = True
+        return launched
+
+    @staticmethod
+    def _rows(rows: list[int], device: torch.device) -> torch.Tensor:
+        host = torch.tensor(rows, dtype=torch.long)
+        if device.type == "cuda":  # non-blocking: a pageable copy would wait for the forward
+            return host.pin_memory().to(device, non_blocking=True)
+        return host
+
+    def _read(self, launched: _Launched) -> list[StepOutput]:
+        """Wait for a launched step's tokens; put them in place of their placeholders, cache the
+        blocks it filled, check stop conditions, end finished requests and free the blocks of
+        those that ended while it computed."""
+        if self._inflight is launched:
+            self._inflight = None
+        result = launched.sample.result()
+        for req, computed, epoch in launched.scheduled:
+            if req.epoch == epoch and req.request_id in self.requests:
+                self.scheduler.cache_computed(req, min(computed, req.num_computed_tokens))
+        outputs = []
+        max_len = self.runner.config.max_model_len
+        for j, req in enumerate(launched.reqs):
+            if self.requests.get(req.request_id) is not req:
+                continue  # aborted, or ended at the step before: this token is dropped
+            slot = launched.slots[j]
             token = result.token_ids[j]
+            req.token_ids[slot] = token
+            req.num_pending -= 1
             logprob = result.logprobs[j] if result.logprobs is not None else None
-            req.token_ids.append(token)
             if logprob is not None:
                 req.logprobs.append(logprob)
-            reason = check_stop(req.params, token, len(req.output_token_ids), self.eos_token_id)
-            if reason is None and len(req.token_ids) >= self.runner.config.max_model_len:
+            num_output = slot + 1 - len(req.prompt_token_ids)
+            reason = check_stop(req.params, token, num_output, self.eos_token_id)
+            if reason is None and slot + 1 >= max_len:
                 reason = "length"
             if reason is not None or self.prefill_only:
+                del req.token_ids[slot + 1 :]  # a placeholder of the step after, if any
+                req.num_pending = 0
                 self._finish(req, reason)
             outputs.append(StepOutput(req.request_id, token, logprob, reason))
+        for rid in launched.free_after:
+            self.kv.free(rid)
         return outputs
 
     def _finish(self, req: Request, reason: str | None) -> None:
         """End a request: free its blocks, or hold them until ``release`` (prefill-only)."""
         req.finish_reason = reason
-        self.scheduler.finish(req)
+        req.closing = False
+        self.scheduler.remove(req)
         self.requests.pop(req.request_id, None)
         if self.prefill_only:
             self.held[req.request_id] = req
         else:
-            self.kv.free(req.request_id)
+            self._free(req)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]

@@ -62,7 +62,13 @@ class AsyncEngine:
             self._profile = StepProfile(engine)
         self._device = engine.runner.device
         # GPU: a step's outputs wait here until the next step's forward is launched (see above).
-        self._defer_outputs = self._device is not None and self._device.type == "cuda"
+        # (An engine with asynchronous scheduling hands over a step's outputs after the next
+        # step's launch already: nothing to hold back then.)
+        self._defer_outputs = (
+            self._device is not None
+            and self._device.type == "cuda"
+            and not engine.async_scheduling
+        )
         self._held: list[StepOutput] | None = None
         self._jobs: deque[tuple[Future, Callable, tuple]] = deque()
         self._cond = threading.Condition()

@@ -34,6 +34,9 @@ class SequenceInput:
     token_ids: Sequence[int]
     start_pos: int
     block_ids: Sequence[int]
+    # >= 0: the one new token is row ``feed_row`` of the previous step's sampled tokens, still
+    # on the device (``token_ids`` then holds a stand-in); see ``ModelRunner.prepare``'s feed.
+    feed_row: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,14 +197,18 @@ class ModelRunner:
     # ------------------------------------------------------------------ forward
 
     def prepare(
-        self, seqs: Sequence[SequenceInput]
+        self, seqs: Sequence[SequenceInput], feed: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, bool]:
         """Flat input ids, positions and attention metadata for ``seqs``, on the device.
 
         Validates the block tables here, once per step, so the kernels need not. In a step that
         mixes one-token sequences with prompt chunks, the one-token ones go first (the decode
         kernel takes them: ``AttentionMetadata.num_decodes``); ``meta.last_rows`` says where each
-        sequence's last token landed, in the order of ``seqs``."""
+        sequence's last token landed, in the order of ``seqs``.
+
+        ``feed``: the previous step's sampled tokens on the device; a sequence with a
+        ``feed_row`` takes its input token from there, copied on the device (the host never
+        waits for that step to finish)."""
         num_seqs = len(seqs)
         if num_seqs == 0:
             raise ValueError("empty batch")
@@ -219,6 +226,13 @@ class ModelRunner:
                 seqs = [seqs[i] for i in order]
                 q_lens = q_lens[order]
         input_ids, positions, meta = self._inputs(seqs, q_lens, is_decode)
+        fed = [i for i, seq in enumerate(seqs) if seq.feed_row >= 0]
+        if fed:
+            if feed is None or any(q_lens[i] != 1 for i in fed):
+                raise ValueError("a fed sequence needs the feed and exactly one new token")
+            rows = np.fromiter((seqs[i].feed_row for i in fed), dtype=np.int64, count=len(fed))
+            flat = (np.cumsum(q_lens) - 1)[fed]
+            input_ids[self._to_device(flat)] = feed[self._to_device(rows)]
         if num_decodes:
             cu = np.zeros(num_seqs - num_decodes + 1, dtype=np.int32)
             np.cumsum(q_lens[num_decodes:], out=cu[1:])
@@ -301,10 +315,13 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, seqs: Sequence[SequenceInput]) -> torch.Tensor:
+    def execute(
+        self, seqs: Sequence[SequenceInput], feed: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Run one forward; returns float32 logits ``[len(seqs), vocab]`` of each sequence's last
-        new token (for a prompt chunk that is not the last, the caller ignores them)."""
-        input_ids, positions, meta, is_decode = self.prepare(seqs)
+        new token (for a prompt chunk that is not the last, the caller ignores them). ``feed``:
+        see ``prepare``."""
+        input_ids, positions, meta, is_decode = self.prepare(seqs, feed)
         if is_decode and self.graphs is not None and self.graphs.can_run(len(seqs)):
             return self.graphs.run(input_ids, positions, meta)
         hidden = self.model(input_ids, positions, self.kv_pool, meta)

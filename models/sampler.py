@@ -33,6 +33,49 @@ class SamplerOutput(NamedTuple):
     logprobs: list[float | None] | None
 
 
+def _small(values: Sequence, device: torch.device, dtype: torch.dtype | None = None) -> Tensor:
+    """A small host list on ``device`` without waiting for the device: a plain copy of pageable
+    memory to a GPU waits for everything queued before it (it would wait for the forward just
+    launched), so the list goes through pinned memory with a non-blocking copy."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+class PendingSample:
+    """The tokens of a launched ``Sampler.launch``: on a GPU still being computed. ``token_ids``
+    (a ``[B]`` long tensor on the device) can feed the next forward at once; ``result()`` waits
+    for this step's tokens only (a CUDA event after their copy to pinned memory), not for work
+    queued after them."""
+
+    def __init__(self, token_ids: Tensor, logprob_rows: list[int], logprobs: Tensor | None):
+        self.token_ids = token_ids
+        self._rows = logprob_rows
+        self._event = None
+        if token_ids.is_cuda:
+            host_ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            host_ids.copy_(token_ids, non_blocking=True)
+            if logprobs is not None:
+                host_lp = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
+                logprobs = host_lp.copy_(logprobs, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            token_ids = host_ids
+        self._host_ids, self._host_lp = token_ids, logprobs
+
+    def result(self) -> SamplerOutput:
+        if self._event is not None:
+            self._event.synchronize()
+        token_ids = self._host_ids.tolist()
+        if self._host_lp is None:
+            return SamplerOutput(token_ids, None)
+        logprobs: list[float | None] = [None] * len(token_ids)
+        for r, value in zip(self._rows, self._host_lp.tolist(), strict=True):
+            logprobs[r] = value
+        return SamplerOutput(token_ids, logprobs)
+
+
 def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
     """The request's own RNG, created once per request and passed to every ``sample`` call.
 
@@ -53,9 +96,11 @@ def _token_counts(
         return counts
     if min(flat) < 0 or max(flat) >= vocab_size:
         raise ValueError(f"token ids must be in [0, {vocab_size}), got {min(flat)}..{max(flat)}")
-    lengths = torch.tensor([len(t) for t in token_lists], device=device)
-    rows = torch.repeat_interleave(torch.arange(len(token_lists), device=device), lengths)
-    flat_index = rows * vocab_size + torch.tensor(flat, dtype=torch.long, device=device)
+    lengths = _small([len(t) for t in token_lists], device)
+    rows = torch.repeat_interleave(
+        torch.arange(len(token_lists), device=device), lengths, output_size=len(flat)
+    )
+    flat_index = rows * vocab_size + _small(flat, device, torch.long)
     counts.view(-1).scatter_add_(0, flat_index, torch.ones_like(flat_index, dtype=torch.float32))
     return counts
 
@@ -80,20 +125,21 @@ def apply_penalties(
         return logits
     device, vocab_size = logits.device, logits.shape[1]
     row_params = [params[i] for i in idx]
-    rows = logits[idx]  # advanced indexing copies
+    idx_t = _small(idx, device, torch.long)
+    rows = logits.index_select(0, idx_t)
     out_counts = _token_counts([output_token_ids[i] for i in idx], vocab_size, device)
     rep = [p.repetition_penalty for p in row_params]
     if any(r != 1 for r in rep):
         seen = _token_counts([prompt_token_ids[i] for i in idx], vocab_size, device) > 0
         seen |= out_counts > 0
-        rep_t = torch.tensor(rep, device=device).unsqueeze(1)
+        rep_t = _small(rep, device, torch.float32).unsqueeze(1)
         penalised = torch.where(rows < 0, rows * rep_t, rows / rep_t)
         rows = torch.where(seen, penalised, rows)
-    presence = torch.tensor([p.presence_penalty for p in row_params], device=device).unsqueeze(1)
-    frequency = torch.tensor([p.frequency_penalty for p in row_params], device=device).unsqueeze(1)
-    rows = rows - (frequency * out_counts + presence * (out_counts > 0))
+    presence = _small([p.presence_penalty for p in row_params], device, torch.float32)
+    frequency = _small([p.frequency_penalty for p in row_params], device, torch.float32)
+    rows = rows - (frequency.unsqueeze(1) * out_counts + presence.unsqueeze(1) * (out_counts > 0))
     out = logits.clone()
-    out[idx] = rows
+    out.index_copy_(0, idx_t, rows)
     return out
 
 
@@ -121,7 +167,9 @@ def _mask_stop_tokens(
         return logits
     if not owned:
         logits = logits.clone()
-    logits[rows, cols] = -math.inf
+    logits[
+        _small(rows, logits.device, torch.long), _small(cols, logits.device, torch.long)
+    ] = -math.inf
     return logits
 
 
@@ -147,18 +195,18 @@ def _draw(
 ) -> Tensor:
     """Temperature, top-k, top-p, min-p, then one token per row (none of the rows is greedy)."""
     device, (num_rows, vocab_size) = logits.device, logits.shape
-    temperature = torch.tensor([p.temperature for p in params], device=device)
+    temperature = _small([p.temperature for p in params], device, torch.float32)
     logits = logits / temperature.unsqueeze(1)
     top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
     top_p = [p.top_p for p in params]
     if any(k < vocab_size for k in top_k) or any(p < 1 for p in top_p):
         logits = _top_k_top_p(
-            logits, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device)
+            logits, _small(top_k, device, torch.long), _small(top_p, device, torch.float32)
         )
     probs = logits.softmax(dim=-1)
     min_p = [p.min_p for p in params]
     if any(m > 0 for m in min_p):
-        min_p_t = torch.tensor(min_p, device=device).unsqueeze(1)
+        min_p_t = _small(min_p, device, torch.float32).unsqueeze(1)
         threshold = min_p_t * probs.amax(dim=-1, keepdim=True)
         probs = logits.masked_fill(probs < threshold, -math.inf).softmax(dim=-1)
     # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) draws i with probability p_i.
@@ -204,8 +252,23 @@ class Sampler:
         top-p, min-p and a random draw. A seeded row's tokens depend only on its own logits and
         generator, not on the rest of the batch.
         """
+        return self.launch(
+            logits, params, prompt_token_ids, output_token_ids, generators, eos_token_id
+        ).result()
+
+    def launch(
+        self,
+        logits: Tensor,
+        params: Sequence[SamplingParams],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
+        generators: Sequence[torch.Generator | None],
+        eos_token_id: int | None,
+    ) -> PendingSample:
+        """``sample`` without waiting for the device: the draws are queued behind the forward and
+        the tokens come from ``PendingSample.result()``."""
         assert logits.dim() == 2 and logits.dtype == torch.float32, (logits.shape, logits.dtype)
-        num_rows = logits.shape[0]
+        num_rows, device = logits.shape[0], logits.device
         assert (
             len(params) == len(prompt_token_ids) == len(output_token_ids) == len(generators)
         ) and len(params) == num_rows, "every per-row argument needs one entry per logits row"
@@ -218,20 +281,25 @@ class Sampler:
         if len(greedy) == num_rows:
             token_ids = processed.argmax(dim=-1)
         else:
-            token_ids = torch.empty(num_rows, dtype=torch.long, device=logits.device)
+            token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
             if greedy:
-                token_ids[greedy] = processed[greedy].argmax(dim=-1)
+                greedy_t = _small(greedy, device, torch.long)
+                token_ids.index_copy_(
+                    0, greedy_t, processed.index_select(0, greedy_t).argmax(dim=-1)
+                )
             drawn = [r for r, p in enumerate(params) if not p.greedy]
-            token_ids[drawn] = _draw(
-                processed[drawn], [params[r] for r in drawn], [generators[r] for r in drawn]
+            drawn_t = _small(drawn, device, torch.long)
+            draws = _draw(
+                processed.index_select(0, drawn_t),
+                [params[r] for r in drawn],
+                [generators[r] for r in drawn],
             )
+            token_ids.index_copy_(0, drawn_t, draws)
 
         wants_logprobs = [r for r, p in enumerate(params) if p.logprobs]
         if not wants_logprobs:
-            return SamplerOutput(token_ids.tolist(), None)
-        chosen = token_ids[wants_logprobs].unsqueeze(1)
-        values = processed[wants_logprobs].log_softmax(dim=-1).gather(1, chosen).squeeze(1)
-        logprobs: list[float | None] = [None] * num_rows
-        for r, value in zip(wants_logprobs, values.tolist(), strict=True):
-            logprobs[r] = value
-        return SamplerOutput(token_ids.tolist(), logprobs)
+            return PendingSample(token_ids, [], None)
+        rows_t = _small(wants_logprobs, device, torch.long)
+        chosen = token_ids.index_select(0, rows_t).unsqueeze(1)
+        values = processed.index_select(0, rows_t).log_softmax(dim=-1).gather(1, chosen).squeeze(1)
+        return PendingSample(token_ids, wants_logprobs, values)

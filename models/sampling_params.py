@@ -100,6 +100,16 @@ class SamplingParams:
         object.__setattr__(self, "stop_set", frozenset(self.stop_token_ids))
 
     @property
+    def needs_previous_tokens(self) -> bool:
+        """Sampling reads the request's own earlier tokens (repetition, presence or frequency
+        penalty): a step cannot be sampled before the one before it is read back."""
+        return (
+            self.repetition_penalty != 1
+            or self.presence_penalty != 0
+            or self.frequency_penalty != 0
+        )
+
+    @property
     def greedy(self) -> bool:
         """True when the argmax is the only possible token (temperature 0 or top_k 1)."""
         return self.temperature == 0 or self.top_k == 1

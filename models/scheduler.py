@@ -37,6 +37,13 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     admitted: bool = False
+    # Asynchronous steps (models.engine): tokens appended as placeholders while the step that
+    # samples them is still on the device; ``closing``: its last sampled token ends it for sure
+    # (max_tokens, max_model_len, prefill-only), so it is not scheduled again; ``epoch`` counts
+    # its preemptions (a step's bookkeeping skips a request preempted since).
+    num_pending: int = 0
+    closing: bool = False
+    epoch: int = 0
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -138,14 +145,26 @@ class Scheduler:
         """Record the KV the forward wrote and cache the newly full blocks. Returns the indices
         into ``scheduled`` of the requests whose known tokens are now all computed: they sample
         (a prompt chunk that is not the last does not)."""
+        ready = self.advance(scheduled)
+        for req, _ in scheduled:
+            self.cache_computed(req, req.num_computed_tokens)
+        return ready
+
+    def advance(self, scheduled: list[ScheduledRequest]) -> list[int]:
+        """``update_after_forward`` without caching blocks: count the tokens the forward
+        computes (the next schedule goes on from there) before its KV is on the device."""
         ready = []
         for i, (req, num_new) in enumerate(scheduled):
             req.num_computed_tokens += num_new
-            self.hash_blocks(req, req.num_computed_tokens)
-            self.kv.cache_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
             if req.num_computed_tokens == len(req.token_ids):
                 ready.append(i)
         return ready
+
+    def cache_computed(self, req: Request, num_tokens: int) -> None:
+        """Hash and cache the full blocks of the first ``num_tokens`` tokens (their KV is on the
+        device, their token ids known)."""
+        self.hash_blocks(req, num_tokens)
+        self.kv.cache_blocks(req.request_id, req.block_hashes, num_tokens)
 
     def pop_unfittable(self, num_usable_blocks: int) -> Request | None:
         """After a step that scheduled nothing: the head of the queue when it can never run.
@@ -167,10 +186,16 @@ class Scheduler:
                 break
             if req not in self.running:  # preempted below for an earlier request
                 continue
+            if req.closing:  # its last token is still being sampled: it ends then
+                continue
             num_new = min(len(req.token_ids) - req.num_computed_tokens, budget)
             total = req.num_computed_tokens + num_new
             while self.kv.allocate_slots(req.request_id, total) is None:
-                victim = self.running[-1]
+                # NOTE: never a closing request: its last token is still being sampled, and a
+                # prefill-only one must keep its KV for the transfer that follows.
+                victim = next((r for r in reversed(self.running) if not r.closing), None)
+                if victim is None:
+                    break
                 self._preempt(victim)
                 if victim is req:
                     break
@@ -182,6 +207,8 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.num_pending:  # preempted with a token still on the device: wait for it
+                break
             self.hash_blocks(req, len(req.token_ids))
             # NOTE: lookup and allocation in the same step: a cached free block found here may
             # be evicted by any allocation in between.
@@ -203,6 +230,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
+        req.epoch += 1
         self.waiting.appendleft(req)
         self.num_preemptions += 1
         logger.debug("preempted %s (%d tokens)", req.request_id, len(req.token_ids))

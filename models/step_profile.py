@@ -36,7 +36,7 @@ class StepProfile:
         self._wrap(engine.scheduler, "schedule", "schedule")
         self._wrap(engine.runner, "prepare", "prepare")
         self._wrap(engine.runner, "execute", "execute", start_event=True)
-        self._wrap(engine.sampler, "sample", "sample", end_event=True)
+        self._wrap(engine.sampler, "launch", "sample", end_event=True)
 
     def _wrap(self, obj, name: str, phase: str, start_event=False, end_event=False) -> None:
         inner = getattr(obj, name)

@@ -113,9 +113,9 @@ def test_held_outputs_go_when_the_next_forward_is_launched_and_the_last_at_once(
     launches = []
     execute = core.runner.execute
 
-    def counted(seqs):
+    def counted(seqs, feed=None):
         launches.append(len(seqs))
-        return execute(seqs)
+        return execute(seqs, feed)
 
     core.runner.execute = counted
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
