@@ -2,6 +2,7 @@
 
     python benchmarks/transfer.py --device cuda [--paths ipc dist tcp grpc] [--blocks 1 16 256 4096]
     python benchmarks/transfer.py --device cpu --blocks 1 16 --small     # a quick check on CPU
+    python benchmarks/transfer.py --device cuda --paths tcp --tls --blocks 16 256 4096  # TLS cost
 
 Blocks of Llama-3-8B's KV shape (32 layers, 8 KV heads, head_dim 128, block size 16, bf16: 2 MiB
 a block; ``--small``: 2 layers, 2 KV heads, head_dim 64, 16 KiB) move from a sender process's
@@ -17,6 +18,8 @@ destination blocks against the source (per-block checksums across the processes)
 - ``tcp`` (CPU or CUDA, both processes on one GPU): the raw-socket path, from the command
   to the sender until ``KVReceiver.receive`` returned (blocks in the pool): gather into pinned
   memory, 16 MiB CRC-32 checked chunks over 4 loopback connections, one scatter per chunk.
+  ``--tls``: each tcp case again inside mutual TLS 1.3 (rows ``tcp+tls``: both processes present
+  a certificate of a CA made here with the openssl CLI, as nodes started with ``--tls-*`` do).
 - ``grpc``: the services' byte path over a loopback gRPC stream (``kvstore.codec`` messages of
   ~4 MB, CRC-32 checked, staged, then one ``write_blocks_bytes``), from the first message until
   the receiver answered.
@@ -42,7 +45,13 @@ from transfer_grpc import run_grpc
 
 from splitserve.transfer import DIST, GRPC, IPC, TCP, open_receiver
 from splitserve.transfer.reservation import block_nbytes
-from tests.support.kv_pools import SenderProcess, block_checksums, fill_pool, make_pool
+from tests.support.kv_pools import (
+    SenderProcess,
+    block_checksums,
+    fill_pool,
+    make_pool,
+    security_of,
+)
 
 
 def kv_shape(small: bool) -> dict:
@@ -71,9 +80,12 @@ def gpu_available_bytes(index: int) -> int:
     return torch.cuda.mem_get_info(index)[0]
 
 
-def run_layer_path(path: str, args, spec: dict, counts: list[int], out: list[Case]) -> None:
+def run_layer_path(
+    path: str, args, spec: dict, counts: list[int], out: list[Case], tls: dict | None = None
+) -> None:
     """ipc, dist or tcp: this process receives (a KVReceiver of that path alone), a spawned
-    process sends (a KVSender)."""
+    process sends (a KVSender); ``tls``: both sides' certificate files (``security_of``'s
+    ``tls``), the row named ``path+tls``."""
     device = args.device
     pool_blocks = max(counts) + 1
     rx_device = "cuda:0" if device == "cuda" else "cpu"
@@ -82,11 +94,20 @@ def run_layer_path(path: str, args, spec: dict, counts: list[int], out: list[Cas
         tx_device = "cuda:1"
     rx_pool = fill_pool(make_pool(pool_blocks, **spec, device=rx_device), RECEIVER_SEED)
     nbytes = block_nbytes(rx_pool)
+    security = {"tls": tls} if tls else None
     rx = open_receiver(
-        rx_pool, "bench-decode", paths=(path,), host="127.0.0.1", connect_timeout=60.0
+        rx_pool,
+        "bench-decode",
+        paths=(path,),
+        host="127.0.0.1",
+        connect_timeout=60.0,
+        security=security_of(security),
     )
     tx_spec = dict(num_blocks=pool_blocks, **spec, device=tx_device)
-    sender = SenderProcess("bench-prefill", tx_spec, SENDER_SEED, connect_timeout=60.0)
+    sender = SenderProcess(
+        "bench-prefill", tx_spec, SENDER_SEED, connect_timeout=60.0, security=security
+    )
+    label = f"{path}+tls" if tls else path
     rng = random.Random(0)
     try:
         sender.wait_ready(timeout=600)
@@ -94,7 +115,7 @@ def run_layer_path(path: str, args, spec: dict, counts: list[int], out: list[Cas
         if chosen != path:
             raise RuntimeError(f"the sender chose {chosen!r}, not {path!r}")
         for n in counts:
-            case = Case(path, n, n * nbytes)
+            case = Case(label, n, n * nbytes)
             src, dst = pick_ids(pool_blocks, n, rng), pick_ids(pool_blocks, n, rng)
             for i in range(args.repeats + 1):
                 res = rx.reserve(sender.node_id, dst, path)
@@ -137,6 +158,21 @@ def fits(path: str, device: str, n: int, nbytes: int, small_cpu_default: bool) -
     return None
 
 
+def make_certificates() -> tuple[str, str, str]:
+    """(cert, key, ca) of a CA made for this run (in a temporary folder kept until exit)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from tests.support.pki import HAVE_OPENSSL, make_pki, tls_triple
+
+    if not HAVE_OPENSSL:
+        sys.exit("--tls: making the certificates needs the openssl CLI")
+    folder = Path(tempfile.mkdtemp(prefix="kv-tls-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return tls_triple(make_pki(folder / "pki"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -146,6 +182,11 @@ def main() -> None:
     ap.add_argument("--blocks", nargs="+", type=int, default=None, help="default: 1 16 256 4096")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--small", action="store_true", help="a small block (16 KiB) for quick checks")
+    ap.add_argument(
+        "--tls",
+        action="store_true",
+        help="also run each tcp case inside mutual TLS 1.3 (rows tcp+tls; needs the openssl CLI)",
+    )
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA GPU here")
@@ -185,6 +226,8 @@ def main() -> None:
             run_grpc(args, spec, counts, results)
         else:
             run_layer_path(path, args, spec, counts, results)
+            if path == TCP and args.tls:
+                run_layer_path(path, args, spec, counts, results, tls=make_certificates())
     for note in notes:
         print(f"\n{note}")
     if any(c.check == "MISMATCH" for c in results):

@@ -8,9 +8,13 @@ with an ack. A chunk is a fixed header then ``count`` whole blocks of raw pool b
 ``token`` names the reservation (its ticket's random token: only the holder of the ticket can
 write into it), ``first``/``count`` the blocks of the reservation the data fills (positions in
 its block ids, so the receiver never trusts an id from the wire), ``crc32`` is zlib's CRC-32 of
-the data (computed in C over the whole chunk, outside the GIL). An ack is ``status u8 | length
-u16 | message``: ``OK`` or ``REFUSED`` with a message; after a refusal the receiver closes the
+the data (computed in C over the whole chunk, outside the GIL; inside TLS it is 0 and not
+checked: the AEAD tag of every TLS record checks the data). An ack is ``status u8 | length u16
+| message``: ``OK`` or ``REFUSED`` with a message; after a refusal the receiver closes the
 connection (the data that followed a bad header cannot be skipped safely).
+
+Inside TLS (``security.KVTls``) the same chunks and acks travel in TLS 1.3 records, after one
+``OK`` ack by which the listener says it accepted the sender's certificate.
 """
 
 from __future__ import annotations
