@@ -6,7 +6,9 @@ as a gRPC one (``router.front.RequestFront``), so limits, metrics and errors are
 are server-sent events (``data: {...}`` lines, then ``data: [DONE]``); the response starts only
 once the first token is there, so a request refused in admission or prefill still gets its HTTP
 status (429, 503, ...). A client that goes away cancels its request in the pools (aiohttp cancels
-the handler on disconnect), which frees its KV blocks.
+the handler on disconnect), which frees its KV blocks. With ``--api-key-file`` every route but
+``/health`` needs ``Authorization: Bearer <key>`` (``router.api_keys``; else 401); with
+``--http-tls-cert/--http-tls-key`` it is served over HTTPS (``https_context``).
 
 Over 300 lines: the OpenAI-compatible routes (completions, chat, models), their request checks and
 their streaming replies; the request path below them is shared with gRPC.
@@ -16,14 +18,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
+import ssl
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
+import grpc
 from aiohttp import web
 
+from splitserve.router.api_keys import ApiKeys
 from splitserve.router.errors import GenerateError
 from splitserve.router.front import CLIENT_KEY, RequestFront
 from splitserve.router.openai_api import ApiError, ApiRequest, parse_body
@@ -39,6 +45,27 @@ Outputs = AsyncGenerator[tuple[int, Step], None]  # (choice index, step) of ever
 SALT_HEADER = "x-splitserve-cache-salt"  # a tenant's prefix cache, as the body's cache_salt
 _END = object()
 ACCEPT_BACKLOG = 4096  # connections waiting to be accepted (the kernel caps it at somaxconn)
+OPEN_PATHS = frozenset({"/health"})  # answered without an API key (probes carry none)
+API_CLIENT = "splitserve.api_client"  # the request's key as a client (ApiKeys.client_of)
+UNAUTHORIZED = (
+    "a valid API key is required: send the header Authorization: Bearer <key>, with a key of "
+    "the router's --api-key-file"
+)
+
+
+def https_context(cert: str, key: str) -> ssl.SSLContext:
+    """The server context of the HTTPS front (TLS 1.2 or later); ``ValueError`` saying which
+    file does not load."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(
+            f"--http-tls-cert {cert} / --http-tls-key {key}: cannot load them ({exc}); give a "
+            "PEM certificate (chain) and its private key"
+        ) from None
+    return context
 
 
 def _error(exc: ApiError, retry_after_s: int | None = None) -> web.Response:
@@ -65,6 +92,25 @@ async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamRe
         return _error(ApiError(500, "internal error (logged by the router)", "server_error"))
 
 
+def _require_key(keys: ApiKeys, count_refused: Callable[[], None]):
+    @web.middleware
+    async def require_key(request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Every route but the open ones needs a key of the file (unknown routes too: a caller
+        without one learns nothing of what is served)."""
+        if request.path not in OPEN_PATHS:
+            client = keys.client_of(request.headers.get("Authorization"))
+            if client is None:
+                count_refused()
+                error = ApiError(401, UNAUTHORIZED, "authentication_error")
+                return web.json_response(
+                    error.body(), status=401, headers={"WWW-Authenticate": "Bearer"}
+                )
+            request[API_CLIENT] = client
+        return await handler(request)
+
+    return require_key
+
+
 class HttpFront:
     def __init__(
         self,
@@ -73,14 +119,21 @@ class HttpFront:
         max_request_bytes: int,
         ready: Callable[[], bool] = lambda: True,
         grace_s: float = 5.0,
+        api_keys: ApiKeys | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self._grace_s = grace_s
+        self._tls = tls
         self._front = front
         self._model = front.model
         self.model_name = model_name
         self._ready = ready
         self._created = int(time.time())
-        self.app = web.Application(client_max_size=max_request_bytes, middlewares=[_openai_errors])
+        middlewares: list = [_openai_errors]
+        if api_keys is not None:
+            refused = functools.partial(front.count_refused, grpc.StatusCode.UNAUTHENTICATED)
+            middlewares.insert(0, _require_key(api_keys, refused))  # outermost: runs first
+        self.app = web.Application(client_max_size=max_request_bytes, middlewares=middlewares)
         self.app.add_routes(
             [
                 web.post("/v1/completions", self.completions),
@@ -102,10 +155,18 @@ class HttpFront:
         await self._runner.setup()
         # A burst of clients connects at once (a benchmark opens hundreds of streams): a short
         # accept backlog (aiohttp's default is 128) drops SYNs, which the kernel retries 1 s later.
-        site = web.TCPSite(self._runner, host, port, reuse_port=False, backlog=ACCEPT_BACKLOG)
+        site = web.TCPSite(
+            self._runner,
+            host,
+            port,
+            reuse_port=False,
+            backlog=ACCEPT_BACKLOG,
+            ssl_context=self._tls,
+        )
         await site.start()
         self.port = int(self._runner.addresses[0][1])
-        logger.info("OpenAI-compatible HTTP API on http://%s:%d/v1", host, self.port)
+        scheme = "https" if self._tls is not None else "http"
+        logger.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", scheme, host, self.port)
         return self.port
 
     async def stop(self) -> None:
@@ -167,7 +228,14 @@ class HttpFront:
         except ApiError as exc:
             self._front.count_refused(exc.grpc_code)
             return _error(exc)
-        client = request.headers.get(CLIENT_KEY) or body.get("user") or request.remote or "-"
+        # With API keys the key is the client: a caller cannot dodge its cap by naming another.
+        client = (
+            request.get(API_CLIENT)
+            or request.headers.get(CLIENT_KEY)
+            or body.get("user")
+            or request.remote
+            or "-"
+        )
         outputs = self._outputs(api, str(client)[:64])
         try:
             async with contextlib.aclosing(outputs):

@@ -28,8 +28,9 @@ HTTP_STATUS = {
     grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    # The HTTP API has no credentials, and a client that cancels gets no answer: these codes
-    # come from the nodes (a cluster token that does not match, a node stopping mid-call).
+    # A client that cancels gets no answer, and the HTTP front's own API key check answers 401
+    # itself: these codes come from the nodes (a cluster token that does not match, a node
+    # stopping mid-call).
     grpc.StatusCode.UNAUTHENTICATED: (502, "server_error"),
     grpc.StatusCode.PERMISSION_DENIED: (502, "server_error"),
     grpc.StatusCode.CANCELLED: (502, "server_error"),
@@ -83,6 +84,7 @@ class ApiError(Exception):
         return {
             400: grpc.StatusCode.INVALID_ARGUMENT,
             404: grpc.StatusCode.NOT_FOUND,
+            401: grpc.StatusCode.UNAUTHENTICATED,
             413: grpc.StatusCode.RESOURCE_EXHAUSTED,
         }.get(self.status, grpc.StatusCode.INTERNAL)
 

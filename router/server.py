@@ -8,9 +8,10 @@ from pathlib import Path
 
 from splitserve.kvstore import ModelIdentity
 from splitserve.kvstore.redis_index import PrefixIndex
+from splitserve.router.api_keys import ApiKeys
 from splitserve.router.assembly import build_front
 from splitserve.router.front import RequestFront
-from splitserve.router.http import HttpFront
+from splitserve.router.http import HttpFront, https_context
 from splitserve.router.registry import NodeRegistry
 from splitserve.router.request import ModelInfo
 from splitserve.router.service import RouterService
@@ -125,10 +126,17 @@ async def start_http(
     config: RouterConfig, front: RequestFront, registry: NodeRegistry
 ) -> HttpFront | None:
     """The OpenAI-compatible HTTP API on ``config.http_port`` (None: not served), on the same
-    request path as the gRPC service."""
+    request path as the gRPC service: with ``config.api_key_file`` requiring a key, with
+    ``config.http_tls_cert`` over HTTPS."""
     if config.http_port is None:
+        if config.api_key_file or config.http_tls_cert:
+            logger.warning("--api-key-file / --http-tls-*: no --http-port, no HTTP API to guard")
         return None
     name = config.served_model_name or Path(config.model_path).name
+    keys = ApiKeys(config.api_key_file) if config.api_key_file else None
+    tls = None
+    if config.http_tls_cert and config.http_tls_key:
+        tls = https_context(config.http_tls_cert, config.http_tls_key)
     http = HttpFront(
         front,
         name,
@@ -137,6 +145,8 @@ async def start_http(
         # node is configured or usable (the direct route, router.route).
         ready=lambda: bool(registry.decode.usable()),
         grace_s=GRACE_S,
+        api_keys=keys,
+        tls=tls,
     )
     port = await http.start(config.http_host or config.host, config.http_port)
     if config.http_port_file:

@@ -175,9 +175,19 @@ class RouterConfig:
     http_port_file: str | None = option(None, "write the bound HTTP port here once serving")
     http_host: str | None = option(
         None,
-        "listen address of the HTTP API (default: --host; with --tls-* only a loopback address: "
-        "the HTTP API has no TLS, put a TLS-terminating proxy in front)",
+        "listen address of the HTTP API (default: --host; with --tls-* a loopback address "
+        "unless the HTTP API has --http-tls-cert/--http-tls-key and --api-key-file too)",
     )
+    api_key_file: str | None = option(
+        None,
+        "a file of API keys, one a line (blank lines and # comments ignored): the HTTP API then "
+        "answers only requests with Authorization: Bearer <key> (401 otherwise; /health stays "
+        "open); read again when it changes (default: none, the HTTP API is open)",
+    )
+    http_tls_cert: str | None = option(
+        None, "serve the HTTP API over HTTPS with this certificate (chain, PEM; with its key)"
+    )
+    http_tls_key: str | None = option(None, "the private key of --http-tls-cert (PEM)")
     served_model_name: str | None = option(
         None, "the model's name in the HTTP API (default: the checkpoint folder's name)"
     )
@@ -256,12 +266,16 @@ class RouterConfig:
             raise ValueError(f"--decode-kv-headroom: in [0, 1), got {self.decode_kv_headroom}")
         if self.decode_kv_reserve_tokens < 0 or self.prefill_queue_tokens < 0:
             raise ValueError("--decode-kv-reserve-tokens and --prefill-queue-tokens: >= 0")
+        if bool(self.http_tls_cert) != bool(self.http_tls_key):
+            raise ValueError("--http-tls-cert and --http-tls-key: give both or neither")
         host = self.http_host or self.host
-        if self.http_port is not None and self.tls_cert and not _is_loopback(host):
+        guarded = bool(self.http_tls_cert and self.api_key_file)
+        if self.http_port is not None and self.tls_cert and not guarded and not _is_loopback(host):
             raise ValueError(
-                f"--http-port with --tls-*: the HTTP API has no TLS, so it would be an open door "
-                f"beside the mTLS-only gRPC port; listen on loopback (--http-host 127.0.0.1, now "
-                f"{host}) behind a TLS-terminating proxy"
+                f"--http-port with --tls-*: an HTTP API without HTTPS and API keys would be an "
+                f"open door beside the mTLS-only gRPC port; give it --http-tls-cert/--http-tls-key "
+                f"and --api-key-file, or listen on loopback (--http-host 127.0.0.1, now {host}) "
+                f"behind a TLS-terminating, authenticating proxy"
             )
 
 

@@ -100,6 +100,14 @@ def cmd_router(args: argparse.Namespace) -> int:
         from splitserve.runtime.tls import TlsFiles
 
         TlsFiles.load(config.tls_cert, config.tls_key, config.tls_ca)
+        if config.api_key_file:  # a bad key file or HTTPS pair fails now, not at the first call
+            from splitserve.router.api_keys import read_api_keys
+
+            read_api_keys(config.api_key_file)
+        if config.http_tls_cert and config.http_tls_key:
+            from splitserve.router.http import https_context
+
+            https_context(config.http_tls_cert, config.http_tls_key)
     except ValueError as exc:
         return _error(str(exc), 2)
     from splitserve.router.request import ModelInfo
@@ -182,6 +190,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"redis    {a.redis_url}", flush=True)
         if a.token_file:
             print(f"token    {a.token_file} (internal calls carry it)", flush=True)
+        if a.api_key_file:
+            print(
+                f"api-key  {a.api_key_file} (HTTP calls send Authorization: Bearer <key>)",
+                flush=True,
+            )
         print(f"ready: splitserve generate --target {a.router} 'Hello'", flush=True)
         while (dead := cluster.poll()) is None:
             time.sleep(0.5)

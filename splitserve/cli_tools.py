@@ -162,7 +162,14 @@ def _generate_remote(args: argparse.Namespace) -> int:
         k: getattr(args, k)
         for k in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
     }
-    with Client(args.target) as client:
+    from splitserve.credentials import grpc_credentials
+
+    try:
+        credentials = grpc_credentials(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    with Client(args.target, credentials=credentials) as client:
         for prompt in prompts:
             try:
                 last = None
@@ -228,6 +235,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     remote.add_argument("--ignore-eos", action="store_true")
     remote.add_argument("--cache-salt", default=None)
     remote.add_argument("--timeout", type=float, default=None, help="seconds per request")
+    from splitserve.credentials import add_client_options
+
+    add_client_options(remote, http=False)  # a router serving mTLS: this client's files
     p.set_defaults(func=cmd_generate)
 
     add_bench(sub)

@@ -70,6 +70,13 @@ class ClusterSpec:
         "the run folder, printed) or `none`",
         cli_default="auto",
     )
+    api_key_file: str | None = option(
+        None,
+        "with --http-port: the API keys the HTTP API requires (Authorization: Bearer <key>): a "
+        "file, one key a line; `auto` (a new random one in the run folder, printed) or `none` "
+        "(an open HTTP API)",
+        cli_default="auto",
+    )
     tls_cert: str | None = option(None, "mTLS for every component: its certificate (PEM)")
     tls_key: str | None = option(None, "mTLS: the private key of --tls-cert")
     tls_ca: str | None = option(None, "mTLS: the CA that signed it (and every client's)")
@@ -133,6 +140,7 @@ class ClusterAddresses:
     http: str | None = None  # the router's HTTP API, host:port (None: not served)
     # Each component's gRPC address (router, nodes) → its /metrics URL (empty: not served).
     metrics: Mapping[str, str] = field(default_factory=dict)
+    api_key_file: str | None = None  # the HTTP API's keys (None: no key needed, or no HTTP API)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -179,6 +179,9 @@ class LocalCluster:
         # would stay in the router's pools as a down node for good.
         static = ((), ()) if self.max_nodes else (prefill_addrs, decode_addrs)
         router_flags = self.router_flags(*static, metrics[0] if metrics else None)
+        api_key_file = self._api_key_file() if spec.http_port is not None else None
+        if api_key_file:
+            router_flags += ["--api-key-file", api_key_file]
         router = self._component("router", 0, [*router_flags, *index_flags])
         router_addr = self._wait_ready(router, deadline)
         http = None
@@ -192,7 +195,14 @@ class LocalCluster:
             components = (router_addr, *prefill_addrs, *decode_addrs)
             urls = {a: metrics_url(spec.host, p) for a, p in zip(components, metrics, strict=True)}
         self.addresses = ClusterAddresses(
-            router_addr, prefill_addrs, decode_addrs, redis_url, token_file, http, urls
+            router_addr,
+            prefill_addrs,
+            decode_addrs,
+            redis_url,
+            token_file,
+            http,
+            urls,
+            api_key_file,
         )
         return self.addresses
 
@@ -233,6 +243,28 @@ class LocalCluster:
             return str(path)
         read_token_file(given)  # a clear error now rather than from every component
         return given
+
+    def _api_key_file(self) -> str | None:
+        """The HTTP API's key file: ``auto`` writes one with a new key into the run folder."""
+        given = self.spec.api_key_file
+        if given is None or given == "none":
+            return None
+        from splitserve.router.api_keys import read_api_keys, write_api_key_file
+
+        if given == "auto":
+            path = self._workdir / "api-key"
+            write_api_key_file(path)
+            return str(path)
+        read_api_keys(given)  # a clear error now rather than from the router
+        return given
+
+    @property
+    def api_key(self) -> str | None:
+        """A key the HTTP API takes (``Authorization: Bearer <key>``); None: it needs none."""
+        from splitserve.router.api_keys import read_api_keys
+
+        key_file = self.addresses.api_key_file if self.addresses else None
+        return read_api_keys(key_file)[0] if key_file else None
 
     @property
     def call_metadata(self):

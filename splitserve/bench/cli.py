@@ -65,11 +65,9 @@ def add_command(sub: argparse._SubParsersAction) -> None:
         "(any OpenAI-compatible server: POST /v1/completions, streamed)",
     )
     t.add_argument("--model", default=None, help="HTTP: the model name (default: GET /v1/models)")
-    t.add_argument(
-        "--api-key",
-        default=None,
-        help="HTTP: sent as a bearer token (unset: $OPENAI_API_KEY, if set)",
-    )
+    from splitserve.credentials import add_client_options
+
+    add_client_options(t)  # --tls-cert/--tls-key/--tls-ca, --api-key, --api-key-file
     t.add_argument("--timeout", type=float, default=600.0, help="seconds per request (600)")
     t.add_argument("--label", default=None, help="a name for this run in the JSON file")
 

@@ -9,6 +9,8 @@ import os
 import sys
 from typing import Any
 
+from splitserve import credentials
+
 __all__ = ["config_of", "make_workload", "run_bench"]
 
 WORKLOADS = ("random", "shared-prefix", "conversation", "jsonl")
@@ -102,8 +104,9 @@ async def run_bench(args: argparse.Namespace, slo: dict[str, float]) -> dict[str
         temperature=args.temperature,
         ignore_eos=args.ignore_eos,
         timeout=args.timeout,
-        api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+        api_key=credentials.api_key(args) or os.environ.get("OPENAI_API_KEY"),
         cache_salt=args.cache_salt,
+        **_tls_options(args),
     )
     async with target:
         await target.prepare()
@@ -155,3 +158,12 @@ def _progress(args: argparse.Namespace, load):
     from tqdm import tqdm
 
     return tqdm(total=load.num_requests, desc="requests", unit="req", file=sys.stderr)
+
+
+def _tls_options(args) -> dict:
+    """The target's TLS: mTLS credentials for a gRPC target, the CA of an https:// one."""
+    if args.target.startswith("https://"):
+        return {"ssl_context": credentials.https_context(args)}
+    if args.target.startswith("http://"):
+        return {}
+    return {"credentials": credentials.grpc_credentials(args)}

@@ -42,8 +42,12 @@ class _Target:
         timeout: float = 600.0,
         api_key: str | None = None,
         cache_salt: str | None = None,
+        credentials: Any = None,
+        ssl_context: Any = None,
     ) -> None:
         self.url = url
+        self.credentials = credentials  # gRPC: a router serving mTLS (grpc.ChannelCredentials)
+        self.ssl_context = ssl_context  # https://: the CA to trust (ssl.SSLContext; None: system)
         self.cache_salt = cache_salt
         self.model = model
         self.temperature = temperature
@@ -108,6 +112,7 @@ class GrpcTarget(_Target):
                     ("grpc.max_receive_message_length", -1),
                     ("grpc.use_local_subchannel_pool", 1),  # a connection of its own
                 ],
+                credentials=self.credentials,
             )
             for _ in range(GRPC_CONNECTIONS)
         ]
@@ -167,7 +172,8 @@ class HttpTarget(_Target):
             import aiohttp
 
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0),  # as many connections as requests
+                # limit 0: as many connections as requests
+                connector=aiohttp.TCPConnector(limit=0, ssl=self.ssl_context or True),
                 timeout=aiohttp.ClientTimeout(total=None),
                 headers=self._headers(),
             )

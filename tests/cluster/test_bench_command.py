@@ -168,9 +168,11 @@ def test_bench_command_against_up_over_grpc_and_http(tmp_path):
             assert len(metrics_urls) == 3  # router, prefill, decode
             runs = {"grpc": f"grpc://{addresses['router']}", "http": f"http://{addresses['http']}"}
             formats = {"grpc": "ids", "http": "text"}
+            # up made an API key for its HTTP API: the HTTP run presents it.
+            keys = {"grpc": [], "http": ["--api-key-file", addresses["api-key"]]}
             procs = {
                 name: subprocess.Popen(
-                    _bench_cmd(target, name, formats[name], tmp_path, metrics_urls),
+                    _bench_cmd(target, name, formats[name], tmp_path, metrics_urls) + keys[name],
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     text=True,

@@ -6,6 +6,7 @@ is out of KV blocks refuses with RESOURCE_EXHAUSTED and the router retries on an
 import signal
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -68,15 +69,25 @@ def test_up_serves_and_ctrl_c_stops_everything(model_dir, tmp_path):
         text=True,
     )
     try:
-        # router, http, prefill, decode, redis, token
-        lines = [up.stdout.readline() for _ in range(6)]
+        # router, http, prefill, decode, redis, token, api-key
+        lines = [up.stdout.readline() for _ in range(7)]
         addresses = {line.split()[0]: line.split()[1] for line in lines}
         # "router 127.0.0.1:P metrics http://127.0.0.1:M/metrics", and so on for each node
         urls = {line.split()[0]: line.split()[3] for line in lines if " metrics " in line}
         assert set(urls) == {"router", "prefill", "decode"}
-        # --http-port 0: the port the router bound, read from its --http-port-file
-        models = urllib.request.urlopen(f"http://{addresses['http']}/v1/models", timeout=10)
+        # --http-port 0: the port the router bound, read from its --http-port-file. up made an
+        # API key for it (printed): /v1/* wants it, /health does not.
+        with pytest.raises(urllib.error.HTTPError) as refused_http:
+            urllib.request.urlopen(f"http://{addresses['http']}/v1/models", timeout=10)
+        assert refused_http.value.code == 401
+        key = Path(addresses["api-key"]).read_text().split()[-1]
+        request = urllib.request.Request(
+            f"http://{addresses['http']}/v1/models", headers={"Authorization": f"Bearer {key}"}
+        )
+        models = urllib.request.urlopen(request, timeout=10)
         assert models.status == 200
+        health = urllib.request.urlopen(f"http://{addresses['http']}/health", timeout=10)
+        assert health.status in (200, 503)
         assert addresses["router"] == f"127.0.0.1:{port}"
         wait_healthy(addresses["router"])
         # up made a cluster token: the nodes' internal services want it, from anyone.
