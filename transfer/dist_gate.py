@@ -140,6 +140,9 @@ class Gate:
             self._pending -= 1
             self._tunnels += 1
         try:
+            # NOTE: no timeout from here on: a store client may stay silent for the pair's life.
+            conn.settimeout(None)
+            store.settimeout(None)
             splice(conn, store)
         finally:
             with self._mu:

@@ -163,3 +163,27 @@ def test_a_sender_without_a_token_is_told_so_at_once(gated):
         assert time.monotonic() - t0 < 5  # refused by the endpoint's flag, no store timeout
     finally:
         plain.stop()
+
+
+def test_a_tunnel_stays_open_past_the_handshake_timeout():
+    # The pair's store client may be silent for the pair's life (NCCL uses the store at its
+    # first operation, not at once): the gate's timeout covers the handshake only.
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
+
+    from splitserve.transfer.dist_gate import Gate, open_tunnel
+    from splitserve.transfer.dist_group import loopback_store
+
+    key = rendezvous_key(TOKEN)
+    store, store_port = loopback_store(10.0)
+    gate = Gate("127.0.0.1", 0, key, store_port, handshake_timeout=0.3)
+    try:
+        local = open_tunnel("127.0.0.1", gate.port, key, 10.0)
+        client = TCPStore("127.0.0.1", local, is_master=False, timeout=timedelta(seconds=10))
+        client.set("before", b"1")
+        time.sleep(1.0)  # over three handshake timeouts, silent
+        client.set("after", b"2")
+        assert store.get("before") == b"1" and client.get("after") == b"2"
+    finally:
+        gate.shutdown()
