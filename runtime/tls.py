@@ -3,8 +3,9 @@
 certificate signed by the CA; its channels to other components present the same certificate and
 check theirs against the CA (and their host names / IP addresses against the certificates'
 subject alternative names). One process, one identity: ``use_tls`` at start, then ``channel``
-and ``server_credentials`` everywhere. The KV byte paths (tcp, dist) are not inside TLS
-(docs/security.md).
+and ``server_credentials`` everywhere. The tcp KV path runs its own TLS with the same files
+(``transfer.security.KVTls``); dist cannot, and is then used only where the network is trusted
+(docs/security.md, "The KV byte paths").
 """
 
 from __future__ import annotations
