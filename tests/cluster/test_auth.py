@@ -1,7 +1,8 @@
 """The cluster credential (runtime/auth.py) on real processes: with ``--auth-token-file``, the
 nodes' internal services refuse calls without the token — UNAUTHENTICATED, before any parsing,
 block or engine work — while health stays open; the router, holding the token, serves through
-them token-exact with transformers, and its public service needs no token."""
+them token-exact with transformers, and its public service needs no token; the KV goes over
+dist through the rendezvous' token gate."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from support.reference import hf_greedy
 from splitserve.client import Client
 from splitserve.models.tiny import write_random_checkpoint
 from splitserve.runtime.auth import metadata_for, read_token_file, write_token_file
+from splitserve.transfer import Endpoint
 from splitserve.v1 import common_pb2, nodes_pb2, nodes_pb2_grpc
 
 UNAUTH = grpc.StatusCode.UNAUTHENTICATED
@@ -59,6 +61,19 @@ def test_router_with_the_token_serves_token_exact(cluster):
     with Client(router.address) as client:  # the public service: no token
         out = client.generate(prompt_token_ids=prompt, max_tokens=4, temperature=0.0)
     assert list(out.token_ids) == hf_greedy(model, prompt, 4)
+
+
+def test_the_kv_goes_over_dist_through_the_gated_rendezvous(cluster):
+    # No TLS: dist stays the CPU pair's path; with the token its store is behind the gate.
+    model, token, _, decode, router = cluster
+    prompt = [2, 7, 1, 8, 2, 8, 1, 8] * 6
+    with Client(router.address) as client:
+        out = client.generate(prompt_token_ids=prompt, max_tokens=3, temperature=0.0)
+    assert list(out.token_ids) == hf_greedy(model, prompt, 3)
+    reply = stats(decode, token)
+    assert reply.counters.get("transfers_dist", 0) >= 1, dict(reply.counters)
+    endpoint = Endpoint.from_bytes(reply.transfer_endpoint)
+    assert endpoint.dist is not None and endpoint.dist.gated
 
 
 @pytest.mark.parametrize("token", [None, "x" * 40])  # no token, a wrong one
