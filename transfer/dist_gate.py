@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from splitserve.transfer.errors import PeerLost
+from splitserve.transfer.security import RefusalLog
 
 logger = logging.getLogger("splitserve.transfer.dist")
 
@@ -40,7 +41,6 @@ MAGIC = b"SSRZ"
 VERSION = 1
 HELLO = struct.Struct("!4sH32s")
 NONCE_LEN = MAC_LEN = 32
-_LOG_EVERY_S = 10.0
 
 
 def _mac(key: bytes, side: bytes, nonce_g: bytes, nonce_c: bytes) -> bytes:
@@ -82,8 +82,7 @@ class Gate:
         self._listener.listen(128)
         self.port = int(self._listener.getsockname()[1])
         self._pending = self._tunnels = 0
-        self._refused = 0  # since the last log line
-        self._logged_at = -_LOG_EVERY_S
+        self._refusals = RefusalLog(logger, "rendezvous gate")
         self._mu = threading.Lock()
         self._stop = threading.Event()
         threading.Thread(target=self._accept_loop, name="kv-rendezvous-gate", daemon=True).start()
@@ -150,18 +149,7 @@ class Gate:
 
     def _refuse(self, conn: socket.socket, peer: object, why: str) -> None:
         _close(conn)
-        now = time.monotonic()
-        with self._mu:
-            self._refused += 1
-            if now - self._logged_at < _LOG_EVERY_S:
-                return
-            count, self._refused, self._logged_at = self._refused, 0, now
-        logger.warning(
-            "rendezvous gate: refused %s (%s)%s",
-            peer,
-            why,
-            f"; {count - 1} more refused since the last line" if count > 1 else "",
-        )
+        self._refusals.refused(peer, why)
 
 
 def open_tunnel(host: str, port: int, key: bytes, timeout: float) -> int:

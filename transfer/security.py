@@ -10,7 +10,10 @@ Which paths that leaves a node is ``chooser.secured_paths``; the tcp path wraps 
 from __future__ import annotations
 
 import hmac
+import logging
 import ssl
+import threading
+import time
 from dataclasses import dataclass
 
 
@@ -67,3 +70,24 @@ class KVSecurity:
         """Whether KV may cross the network unencrypted (the dist path): without TLS (nothing is
         encrypted then), or where the cluster says its KV network is trusted."""
         return self.tls is None or self.trust_network
+
+
+class RefusalLog:
+    """Logs refused connections at most once per ``every_s`` seconds, with how many were refused
+    meanwhile: a port scanner or a flood must not flood the log (nor hide that it happens)."""
+
+    def __init__(self, logger: logging.Logger, what: str, every_s: float = 10.0) -> None:
+        self.logger, self.what, self.every_s = logger, what, every_s
+        self._since = 0
+        self._logged_at = -every_s
+        self._mu = threading.Lock()
+
+    def refused(self, peer: object, why: str) -> None:
+        now = time.monotonic()
+        with self._mu:
+            self._since += 1
+            if now - self._logged_at < self.every_s:
+                return
+            count, self._since, self._logged_at = self._since, 0, now
+        more = f"; {count - 1} more refused since the last line" if count > 1 else ""
+        self.logger.warning("%s: refused %s (%s)%s", self.what, peer, why, more)

@@ -34,7 +34,7 @@ from splitserve.transfer.dist_group import default_host
 from splitserve.transfer.endpoint import TCP, TcpAddress
 from splitserve.transfer.errors import Incomplete, TransferError, TransferTimeout
 from splitserve.transfer.reservation import RESERVED, Reservation, block_nbytes
-from splitserve.transfer.security import KVTls
+from splitserve.transfer.security import KVTls, RefusalLog
 from splitserve.transfer.tcp_wire import (
     CHUNK,
     OK,
@@ -111,6 +111,7 @@ class TcpReceiver(KVReceiver):
         self._listener.listen(128)
         self.address = TcpAddress(host, int(self._listener.getsockname()[1]), tls=tls is not None)
         self._tls = tls
+        self._refusals = RefusalLog(logger, "tcp KV listener")
         self._inbound: dict[bytes, _Inbound] = {}
         self._conns: set[socket.socket] = set()
         self._mu = threading.Lock()
@@ -257,7 +258,7 @@ class TcpReceiver(KVReceiver):
         try:
             conn = tls.server.wrap_socket(raw, server_side=True)
         except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
-            logger.warning("tcp KV: refused %s: TLS handshake failed (%s)", peer, exc)
+            self._refusals.refused(peer, f"TLS handshake failed: {exc}")
             return None  # (wrap_socket closed the connection)
         with self._mu:
             self._conns.discard(raw)

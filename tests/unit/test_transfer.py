@@ -257,3 +257,23 @@ def test_the_reason_a_pair_is_not_on_ipc_is_named():
     assert why_not_ipc(local, receiver_endpoint(hostname="elsewhere")) is None  # a container
     assert "not visible" in why_not_ipc(endpoint(visible_devices=("GPU-0",)), receiver_endpoint())
     assert "offers no ipc" in why_not_ipc(local, receiver_endpoint(ipc_handle=None))
+
+
+def test_refused_connections_are_logged_once_per_interval_with_a_count(caplog):
+    import logging
+
+    from splitserve.transfer.security import RefusalLog
+
+    log = RefusalLog(logging.getLogger("refusals-test"), "a listener", every_s=3600)
+    with caplog.at_level(logging.WARNING, logger="refusals-test"):
+        for n in range(5):
+            log.refused(("10.0.0.9", 4000 + n), "junk")
+    assert [r.getMessage() for r in caplog.records] == [
+        "a listener: refused ('10.0.0.9', 4000) (junk)"
+    ]
+    log.every_s = 0  # the next line comes at once and counts the ones it held back
+    with caplog.at_level(logging.WARNING, logger="refusals-test"):
+        log.refused("peer", "bad token")
+    assert caplog.records[-1].getMessage() == (
+        "a listener: refused peer (bad token); 4 more refused since the last line"
+    )
