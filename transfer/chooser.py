@@ -1,5 +1,6 @@
 """The one place a transfer path is chosen: which paths exist, in which order they are preferred,
-which a node opens (``--kv-transfer``), and which one a (sender, receiver) pair takes.
+which a node opens (``--kv-transfer``, less what its ``KVSecurity`` forbids: ``secured_paths``),
+and which one a (sender, receiver) pair takes.
 
 Each path is a module declaring a ``base.TransferPath``; adding one (an RDMA library such as
 NIXL/UCX, say) is that module and its line in ``PREFERENCE`` (docs/transfer.md shows what it
