@@ -27,8 +27,10 @@ class AttentionMetadata:
 
     ``num_decodes``: in a step that also computes prompt tokens, the first ``num_decodes``
     sequences have one new token each (``ModelRunner.prepare`` puts them first). They go to the
-    decode kernel; the prefill kernel takes the rest (``cu_seqlens_q_rest``: their offsets from
-    row ``num_decodes``). The prefill kernel's query tile is as tall as the longest prompt chunk
+    decode kernel; the prefill kernel takes the rest, described by ``prompt_part`` (its own
+    contiguous block table, lengths and offsets from row ``num_decodes``: slices of this
+    metadata's tensors would start at addresses Triton compiles another kernel variant for, in
+    the middle of serving). The prefill kernel's query tile is as tall as the longest prompt chunk
     wants (up to 256 rows), so a one-token sequence inside it would compute a whole tile.
     """
 
@@ -40,7 +42,7 @@ class AttentionMetadata:
     is_decode: bool
     checked: bool = False
     num_decodes: int = 0
-    cu_seqlens_q_rest: torch.Tensor | None = None  # [B - num_decodes + 1] int32, from 0
+    prompt_part: AttentionMetadata | None = None
     last_rows: torch.Tensor | None = None  # [B] int64: row of each sequence's last new token
 
 
@@ -128,8 +130,8 @@ class PagedAttention(nn.Module):
                 self.scale,
                 validate=validate,
             )
-        elif meta.num_decodes and meta.cu_seqlens_q_rest is not None:
-            nd = meta.num_decodes
+        elif meta.num_decodes and meta.prompt_part is not None:
+            nd, rest = meta.num_decodes, meta.prompt_part
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             ops.paged_decode_attention(
                 q[:nd],
@@ -145,12 +147,12 @@ class PagedAttention(nn.Module):
                 q[nd:],
                 key_cache,
                 value_cache,
-                meta.block_table[nd:],
-                meta.cu_seqlens_q_rest,
-                meta.seq_lens[nd:],
+                rest.block_table,
+                rest.cu_seqlens_q,
+                rest.seq_lens,
                 self.scale,
                 out=out[nd:],
-                max_query_len=meta.max_query_len,
+                max_query_len=rest.max_query_len,
                 validate=validate,
             )
         else:

@@ -176,23 +176,35 @@ class ModelRunner:
         # splits (one sequence, a long table) and with one (a full batch, a short table).
         shapes = [([n], -(-n // bs)) for n in (16, 128, 1024) if n <= limit]
         shapes += [([1], self.max_blocks_per_seq), ([1] * self.rc.max_num_seqs, 1)]
+        # A mixed step: one-token sequences (decode kernel) beside a prompt chunk (prefill).
+        if limit >= 132 and self.rc.max_num_seqs >= 5:
+            shapes.append(([1, 1, 1, 1, 128], -(-128 // bs)))
         for q_lens, width in shapes:
             n, t = len(q_lens), sum(q_lens)
-            meta = AttentionMetadata(
-                slot_mapping=torch.full((t,), -1, dtype=torch.long, device=dev),
-                block_table=torch.zeros((n, width), dtype=torch.int32, device=dev),
-                seq_lens=torch.tensor(q_lens, dtype=torch.int32, device=dev),
-                cu_seqlens_q=torch.tensor(
-                    [0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=dev
-                ),
-                max_query_len=max(q_lens),
-                is_decode=max(q_lens) == 1,
-            )
+            meta = self._padding_meta(q_lens, width)
+            nd = sum(1 for q in q_lens if q == 1)
+            if 0 < nd < n:
+                meta.num_decodes = nd
+                meta.prompt_part = self._padding_meta(q_lens[nd:], width)
             ids = torch.zeros(t, dtype=torch.long, device=dev)
             hidden = self.model(ids, torch.zeros_like(ids), self.kv_pool, meta)
             self.model.compute_logits(hidden[:n])
         torch.cuda.synchronize()
         logger.info("kernel warm-up took %.1f s", time.perf_counter() - t0)
+
+    def _padding_meta(self, q_lens: list[int], width: int) -> AttentionMetadata:
+        """Metadata whose writes go to padding slots and whose reads go to the null block."""
+        dev, t = self.device, sum(q_lens)
+        return AttentionMetadata(
+            slot_mapping=torch.full((t,), -1, dtype=torch.long, device=dev),
+            block_table=torch.zeros((len(q_lens), width), dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(q_lens, dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor(
+                [0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=dev
+            ),
+            max_query_len=max(q_lens),
+            is_decode=max(q_lens) == 1,
+        )
 
     # ------------------------------------------------------------------ forward
 
@@ -225,7 +237,7 @@ class ModelRunner:
                 order = np.concatenate([np.flatnonzero(ones), np.flatnonzero(~ones)])
                 seqs = [seqs[i] for i in order]
                 q_lens = q_lens[order]
-        input_ids, positions, meta = self._inputs(seqs, q_lens, is_decode)
+        input_ids, positions, meta = self._inputs(seqs, q_lens, is_decode, num_decodes)
         fed = [i for i, seq in enumerate(seqs) if seq.feed_row >= 0]
         if fed:
             if feed is None or any(q_lens[i] != 1 for i in fed):
@@ -233,11 +245,6 @@ class ModelRunner:
             rows = np.fromiter((seqs[i].feed_row for i in fed), dtype=np.int64, count=len(fed))
             flat = (np.cumsum(q_lens) - 1)[fed]
             input_ids[self._to_device(flat)] = feed[self._to_device(rows)]
-        if num_decodes:
-            cu = np.zeros(num_seqs - num_decodes + 1, dtype=np.int32)
-            np.cumsum(q_lens[num_decodes:], out=cu[1:])
-            meta.num_decodes = num_decodes
-            meta.cu_seqlens_q_rest = self._to_device(cu)
         # Row of each sequence's last token, in the caller's order.
         ends = np.cumsum(q_lens) - 1
         if order is not None:
@@ -246,7 +253,7 @@ class ModelRunner:
         return input_ids, positions, meta, is_decode
 
     def _inputs(
-        self, seqs: Sequence[SequenceInput], q_lens: np.ndarray, is_decode: bool
+        self, seqs: Sequence[SequenceInput], q_lens: np.ndarray, is_decode: bool, num_decodes: int
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
         num_seqs = len(seqs)
@@ -284,6 +291,18 @@ class ModelRunner:
             is_decode=is_decode,
             checked=True,  # block ids, lengths, slots and token ids: all checked above
         )
+        if num_decodes:
+            nd = num_decodes
+            meta.num_decodes = nd
+            meta.prompt_part = AttentionMetadata(
+                slot_mapping=meta.slot_mapping,  # (unused: the cache is written for all rows)
+                block_table=put(np.ascontiguousarray(block_table[nd:])),
+                seq_lens=put(seq_lens[nd:].astype(np.int32)),
+                cu_seqlens_q=put(cu[nd:] - cu[nd]),
+                max_query_len=int(q_lens[nd:].max()),
+                is_decode=False,
+                checked=True,
+            )
         return put(input_ids), put(positions), meta
 
     def _block_table(self, seqs: Sequence[SequenceInput], seq_lens: np.ndarray) -> np.ndarray:

@@ -173,7 +173,9 @@ def test_a_mixed_step_puts_one_token_sequences_first_and_returns_logits_in_order
     _, _, meta, is_decode = runner.prepare(seqs)
     assert not is_decode and meta.num_decodes == 2
     assert meta.seq_lens.tolist() == [41, 40, 9, 20]  # one-token sequences first
-    assert meta.cu_seqlens_q_rest is not None and meta.cu_seqlens_q_rest.tolist() == [0, 9, 29]
+    rest = meta.prompt_part
+    assert rest is not None and rest.cu_seqlens_q.tolist() == [0, 9, 29]
+    assert rest.seq_lens.tolist() == [9, 20] and rest.max_query_len == 20
     assert meta.last_rows is not None and meta.last_rows.tolist() == [10, 0, 30, 1]
     # NOTE: the one-token sequence at 39 rewrites that slot of the shared context, before any
     # attention reads it; run alone afterwards each sees the same cache, so the logits agree.
