@@ -126,6 +126,11 @@ class NodeConfig:
         "compute and ship every prompt in full (a cold baseline for benchmarks)",
         flag="--no-prefix-caching",
     )
+    async_scheduling: str = option(
+        "auto",
+        "schedule and launch step N+1 while step N computes: auto (on a GPU), on, off",
+        choices=("auto", "on", "off"),
+    )
 
     def __post_init__(self) -> None:
         if self.max_transfers_per_peer < 1:

@@ -103,6 +103,7 @@ def build_engine(config: NodeConfig, prefill_only: bool) -> tuple[LLMEngine, Mod
         prefill_only=prefill_only,
         enable_prefix_caching=config.enable_prefix_caching,
         enable_kv_events=config.redis_url is not None,
+        async_scheduling={"auto": None, "on": True, "off": False}[config.async_scheduling],
     )
     return engine, identity
 
