@@ -30,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+from step_kernels import CATEGORIES
 
 from splitserve.models.sampling_params import SamplingParams
 from splitserve.models.step_profile import PHASES, StepProfile
@@ -37,7 +38,58 @@ from splitserve.runtime.config import NodeConfig
 from splitserve.runtime.node import build_engine
 
 
-def run(engine, prompts, gen: int, tag: str) -> dict:
+class PhaseKernels:
+    """``--kernel-profile``: torch.profiler over the steps that carry prompt tokens, then over
+    the decode-only ones; per phase the kernels' GPU time by kind (step_kernels.CATEGORIES) and
+    the CUDA runtime calls that block the stepping thread (syncs, allocations, pageable copies)."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, dict] = {}
+        self._prof = None
+        self._kind = None
+        self._t0 = 0.0
+
+    def enter(self, kind: str) -> None:
+        if kind == self._kind:
+            return
+        self.close()
+        from torch.profiler import ProfilerActivity, profile
+
+        self._kind, self._t0 = kind, time.perf_counter()
+        self._prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        self._prof.start()
+
+    def close(self) -> None:
+        if self._prof is None:
+            return
+        from step_kernels import category
+
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - self._t0
+        self._prof.stop()
+        cats: dict[str, float] = {}
+        runtime: dict[str, list] = {}
+        busy = 0.0
+        for ev in self._prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                ms = ev.device_time / 1e3
+                busy += ms
+                cats[category(ev.name)] = cats.get(category(ev.name), 0.0) + ms
+            elif ev.name.startswith("cuda") and ev.cpu_time_total > 0:
+                entry = runtime.setdefault(ev.name, [0.0, 0])
+                entry[0] += ev.cpu_time_total / 1e3
+                entry[1] += 1
+        top = sorted(runtime.items(), key=lambda kv: -kv[1][0])[:8]
+        self.phases[self._kind] = {
+            "wall_ms": wall * 1e3,
+            "kernel_ms": busy,
+            "kernels_ms": cats,
+            "runtime_calls_ms": {k: [round(v[0], 2), v[1]] for k, v in top},
+        }
+        self._prof, self._kind = None, None
+
+
+def run(engine, prompts, gen: int, tag: str, kernels: PhaseKernels | None = None) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
     profile = StepProfile(engine)
     if profile.cuda:
@@ -46,7 +98,15 @@ def run(engine, prompts, gen: int, tag: str) -> dict:
     # A cache salt per run: no run finds an earlier run's prompts in the prefix cache.
     reqs = [engine.add_request(f"{tag}-{i}", p, params, tag) for i, p in enumerate(prompts)]
     while engine.has_unfinished():
+        if kernels is not None:
+            prompt_left = any(
+                r.num_computed_tokens < len(r.prompt_token_ids)
+                for r in (*engine.scheduler.running, *engine.scheduler.waiting)
+            )
+            kernels.enter("prefill" if prompt_left else "decode")
         profile.step()
+    if kernels is not None:
+        kernels.close()
     if profile.cuda:
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
@@ -72,6 +132,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--prompt-range", type=int, nargs=2, default=[128, 1024])
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument(
+        "--kernel-profile",
+        action="store_true",
+        help="one more run under torch.profiler: kernel time by kind, per phase (not timed)",
+    )
     return ap.parse_args()
 
 
@@ -133,6 +198,24 @@ def main() -> None:
                 for k in keys
             ]
             print(f"| {r['run']} | {line['steps']} | " + " | ".join(cells) + " |")
+    if args.kernel_profile and args.device.startswith("cuda"):
+        kernels = PhaseKernels()
+        run(engine, prompts, args.gen, "profiled", kernels)
+        print(json.dumps(kernels.phases), flush=True)
+        print(
+            "\n| phase (profiled run) | wall ms | kernels ms | GPU busy | "
+            + " | ".join(c for c, _ in CATEGORIES)
+            + " | other |"
+        )
+        print("|---|---|---|---|" + "---|" * (len(CATEGORIES) + 1))
+        for kind, ph in kernels.phases.items():
+            cells = [f"{ph['kernels_ms'].get(c, 0.0):.1f}" for c, _ in (*CATEGORIES, ("other", 0))]
+            print(
+                f"| {kind} | {ph['wall_ms']:.0f} | {ph['kernel_ms']:.0f} | "
+                f"{ph['kernel_ms'] / ph['wall_ms']:.1%} | " + " | ".join(cells) + " |"
+            )
+        for kind, ph in kernels.phases.items():
+            print(f"{kind}: CUDA runtime calls (ms, count): {ph['runtime_calls_ms']}")
 
 
 if __name__ == "__main__":
