@@ -260,10 +260,14 @@ class TcpReceiver(KVReceiver):
         except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
             self._refusals.refused(peer, f"TLS handshake failed: {exc}")
             return None  # (wrap_socket closed the connection)
+        try:
+            send_ack(conn, OK)  # the certificate was accepted
+        except OSError:  # the sender left at once
+            _close(conn)
+            return None
         with self._mu:
             self._conns.discard(raw)
             self._conns.add(conn)
-        send_ack(conn, OK)  # the certificate was accepted
         return conn
 
     def _chunk(self, conn: socket.socket, header: bytes) -> str | None:
