@@ -65,9 +65,7 @@ class AsyncEngine:
         # (An engine with asynchronous scheduling hands over a step's outputs after the next
         # step's launch already: nothing to hold back then.)
         self._defer_outputs = (
-            self._device is not None
-            and self._device.type == "cuda"
-            and not engine.async_scheduling
+            self._device is not None and self._device.type == "cuda" and not engine.async_scheduling
         )
         self._held: list[StepOutput] | None = None
         self._jobs: deque[tuple[Future, Callable, tuple]] = deque()
