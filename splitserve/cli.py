@@ -62,7 +62,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         return _error(str(exc), 2)
     try:
         from splitserve.runtime.auth import read_token_file
-        from splitserve.runtime.node import transfer_paths, use_device
+        from splitserve.runtime.node import kv_security, transfer_paths, use_device
 
         if config.auth_token_file:
             read_token_file(config.auth_token_file)  # refuse a bad token before loading a model
@@ -70,6 +70,7 @@ def cmd_node(args: argparse.Namespace) -> int:
 
         TlsFiles.load(config.tls_cert, config.tls_key, config.tls_ca)
         transfer_paths(config)
+        kv_security(config)  # the tcp path's TLS contexts: a key that does not fit its certificate
         use_device(config.device)  # after the GPU claim: it fixes what CUDA sees
     except ValueError as exc:
         return _error(str(exc), 2)

@@ -2,7 +2,8 @@
 receiver) and spawned senders: what a relay on the wire records holds the KV blocks' bytes without
 TLS and none of them with it; the listener refuses plaintext, a TLS client without a certificate
 and one of another CA, and leaves the reservation untouched; with TLS, dist (plaintext) is
-offered and taken only where the network is trusted (--trust-kv-network), tcp otherwise.
+offered and taken only where the network is trusted (--trust-kv-network), tcp otherwise; a node
+whose key does not fit its certificate stops at start, saying so.
 Certificates are made with the openssl CLI (skipped, saying so, where it is missing)."""
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import socket
 import ssl
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -172,3 +175,12 @@ def test_with_tls_dist_is_taken_only_on_a_trusted_network(
     finally:
         sender.stop()
         rx.shutdown()
+
+
+def test_a_key_that_does_not_fit_its_certificate_stops_the_node_at_once(pki):
+    cluster, other = pki
+    cmd = [sys.executable, "-m", "splitserve.cli", "decode", "--model", "tiny"]
+    cmd += ["--tls-cert", cluster["cert"], "--tls-key", other["key"], "--tls-ca", cluster["ca"]]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "--tls-key" in done.stderr and "not a usable certificate and key" in done.stderr
