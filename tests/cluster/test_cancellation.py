@@ -5,7 +5,9 @@ abandons (half-closed and then cancelled, the way a prefill node gives up on one
 cancelled before they answered, and whole requests through the router (in prefill, in the
 transfer, while decoding). Afterwards every node's pool is back at its idle free count (cached
 blocks count as free) with nothing running or waiting for its Decode call, and the next request
-succeeds."""
+succeeds. The prefill node and one decode node schedule asynchronously (``--async-scheduling
+on``, a GPU's default: step N+1 launched before step N's tokens are read), the other decode node
+synchronously (the CPU's default), so both paths meet every cancellation."""
 
 import asyncio
 import contextlib
@@ -38,8 +40,8 @@ def cluster(tmp_path_factory):
     try:
         with ThreadPoolExecutor(3) as pool:  # the nodes load side by side
             started = [
-                pool.submit(start_node, role, model, tmp, *NODE_FLAGS)
-                for role in ("prefill", "decode", "decode")
+                pool.submit(start_node, role, model, tmp, *NODE_FLAGS, "--async-scheduling", mode)
+                for role, mode in (("prefill", "on"), ("decode", "on"), ("decode", "off"))
             ]
             procs += [f.result() for f in started]
         prefill, decode = procs[:1], procs[1:]
