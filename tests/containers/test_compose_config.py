@@ -1,6 +1,7 @@
 """The compose files as Docker Compose (where installed) and podman-compose read them: `config` of
-compose.yaml, compose.cpu.yaml and the auth override (the structural checks without either tool
-are in tests/unit/test_compose.py)."""
+compose.yaml and compose.cpu.yaml, with the cluster token and API key secrets they mount by
+default, and with compose.open.yaml, which turns both off (the structural checks without either
+tool are in tests/unit/test_compose.py)."""
 
 from __future__ import annotations
 
@@ -62,21 +63,42 @@ def test_podman_compose_reads_both_files(name):
         assert len({s["hostname"] for s in services.values()}) == 4
 
 
-def test_the_auth_override_gives_every_component_the_token(tmp_path):
-    token = tmp_path / "token"
+def _podman_config(tmp_path, *files: str, env: dict | None = None) -> dict:
+    token, keys = tmp_path / "token", tmp_path / "keys"
     token.write_text("t" * 43)
+    keys.write_text("k" * 43 + "\n")
+    paths = {"SPLITSERVE_TOKEN_PATH": str(token), "SPLITSERVE_API_KEYS_PATH": str(keys)}
+    cmd = [sys.executable, "-m", "podman_compose"]
+    for name in files:
+        cmd += ["-f", str(ROOT / name)]
     proc = subprocess.run(
-        [sys.executable, "-m", "podman_compose", "-f", str(ROOT / "compose.yaml"),
-         "-f", str(ROOT / "compose.auth.yaml"), "config"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-        env={**os.environ, "SPLITSERVE_TOKEN_PATH": str(token)},
+        [*cmd, "config"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, **paths, **(env or {})},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    config = yaml.safe_load(proc.stdout)
-    for name in ("router", "prefill", "decode"):
-        service = config["services"][name]
+    return yaml.safe_load(proc.stdout)
+
+
+@pytest.mark.parametrize("name", ["compose.yaml", "compose.cpu.yaml"])
+def test_every_component_gets_the_token_and_the_router_the_api_keys_by_default(tmp_path, name):
+    config = _podman_config(tmp_path, name)
+    for service_name in ("router", "prefill", "decode"):
+        service = config["services"][service_name]
         env = service["environment"]
-        assert env["SPLITSERVE_AUTH_TOKEN_FILE"] == "/run/secrets/cluster_token", name
-        assert env["SPLITSERVE_MODEL"] == "/models"  # merged with compose.yaml's, not replaced
+        assert env["SPLITSERVE_AUTH_TOKEN_FILE"] == "/run/secrets/cluster_token", service_name
         assert "cluster_token" in str(service["secrets"])
+    router = config["services"]["router"]
+    assert router["environment"]["SPLITSERVE_API_KEY_FILE"] == "/run/secrets/api_keys"
+    assert "api_keys" in str(router["secrets"])
     assert "redis" in config["services"] and "secrets" not in config["services"]["redis"]
+
+
+@pytest.mark.parametrize("name", ["compose.yaml", "compose.cpu.yaml"])
+def test_the_open_override_turns_both_off(tmp_path, name):
+    config = _podman_config(tmp_path, name, "compose.open.yaml")
+    for service_name in ("router", "prefill", "decode"):
+        env = config["services"][service_name]["environment"]
+        assert env["SPLITSERVE_AUTH_TOKEN_FILE"] == "", service_name
+        assert env["SPLITSERVE_HOST"]  # merged with the base file's, not replaced
+    assert config["services"]["router"]["environment"]["SPLITSERVE_API_KEY_FILE"] == ""
+    assert config["secrets"]["cluster_token"]["file"] == "/dev/null"

@@ -20,7 +20,10 @@ import random
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -29,6 +32,8 @@ from support.processes import Traffic
 
 from splitserve.client import Client, SplitserveError
 from splitserve.launcher import free_port
+from splitserve.router.api_keys import write_api_key_file
+from splitserve.runtime.auth import metadata_for, write_token_file
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,6 +66,7 @@ def _why_not() -> str | None:
     return None
 
 
+IMAGE_GID = 10001  # the group of the image's user (Dockerfile)
 pytestmark = [pytest.mark.slow]
 if (_reason := _why_not()) is not None:
     pytestmark.append(pytest.mark.skip(reason=_reason))
@@ -70,11 +76,25 @@ class Deployment:
     def __init__(self, project: str) -> None:
         self.project = project
         self.router_port, self.redis_port = free_port(), free_port()
+        self.http_port = free_port()
+        # The cluster token and the HTTP API's key compose.cpu.yaml mounts as secrets.
+        secrets = Path(tempfile.mkdtemp(prefix="sstest-secrets-"))
+        self.token = write_token_file(secrets / "cluster-token")
+        self.api_key = write_api_key_file(secrets / "api-keys")
+        for name in (
+            "cluster-token",
+            "api-keys",
+        ):  # readable by the image's group, as deploy.md says
+            os.chown(secrets / name, -1, IMAGE_GID)
+            os.chmod(secrets / name, 0o640)
         self.env = {
             **os.environ,
             "CONTAINERS_CONF": str(ROOT / "scripts/containers.conf"),
             "SPLITSERVE_ROUTER_PORT": str(self.router_port),
             "SPLITSERVE_REDIS_PORT": str(self.redis_port),
+            "SPLITSERVE_ROUTER_HTTP_PORT": str(self.http_port),
+            "SPLITSERVE_TOKEN_PATH": str(secrets / "cluster-token"),
+            "SPLITSERVE_API_KEYS_PATH": str(secrets / "api-keys"),
             "SPLITSERVE_NUM_PREFILL": "2",
             "SPLITSERVE_NUM_DECODE": "2",
             "SPLITSERVE_MODEL": "tiny",  # the reference below runs the same random model
@@ -120,7 +140,9 @@ class Deployment:
     def stats(self, container: str):
         with grpc.insecure_channel(self.address(container)) as channel:
             stub = nodes_pb2_grpc.NodeStatsServiceStub(channel)
-            return stub.GetStats(nodes_pb2.GetStatsRequest(), timeout=10)
+            return stub.GetStats(
+                nodes_pb2.GetStatsRequest(), timeout=10, metadata=metadata_for(self.token)
+            )
 
 
 def _wait(predicate, timeout: float, what: str) -> None:
@@ -211,6 +233,15 @@ def test_containers_serve_token_exact_with_their_own_host_names(deployment):
     # CPU pools on one kernel: not ipc (CUDA only); dist before tcp; never the byte fallback.
     want = {**dict.fromkeys(PATHS, 0), "dist": len(prompts)}
     assert took == want, f"the prompts' transfers by path {took}, per container {after}"
+    # The router's HTTP API wants the key compose.cpu.yaml mounted; /health does not.
+    models = f"http://127.0.0.1:{d.http_port}/v1/models"
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(models, timeout=10)
+    assert refused.value.code == 401
+    keyed = urllib.request.Request(models, headers={"Authorization": f"Bearer {d.api_key}"})
+    assert urllib.request.urlopen(keyed, timeout=10).status == 200
+    health = f"http://127.0.0.1:{d.http_port}/health"
+    assert urllib.request.urlopen(health, timeout=10).status == 200
 
 
 def test_a_decode_container_added_at_run_time_gets_transfers(deployment):

@@ -4,7 +4,7 @@ it with `kubectl kustomize`); every object loads into the `kubernetes` client's 
 unchanged (a misspelt or misplaced field would be dropped); every splitserve container's command
 line, with its environment, is parsed by the real `splitserve` parser; the planner's Role allows
 exactly get/patch of the two node Deployments' scale subresource; probes, drain grace, disruption
-budgets, the token Secret and GPU requests are where they must be."""
+budgets, the token and API key Secrets and GPU requests are where they must be."""
 
 from __future__ import annotations
 
@@ -144,6 +144,24 @@ def test_nodes_probe_drain_and_budget(rendered):
         assert c["image"] == ("splitserve:cpu" if layout.endswith("cpu") else "splitserve:latest")
     router = docs["Service", "splitserve-router"]["spec"]["ports"]
     assert {p["name"]: p["port"] for p in router} == {"grpc": 8000, "http": 8080, "metrics": 9100}
+
+
+def test_the_router_mounts_the_token_and_the_api_key_secrets(rendered):
+    _, docs = rendered
+    spec = docs["Deployment", "splitserve-router"]["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    env = _env(c)
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    wanted = {
+        "SPLITSERVE_AUTH_TOKEN_FILE": "splitserve-cluster-token",
+        "SPLITSERVE_API_KEY_FILE": "splitserve-api-keys",
+    }
+    for variable, secret in wanted.items():
+        path = env[variable]
+        (vol,) = [n for n, m in mounts.items() if path.startswith(m["mountPath"] + "/")]
+        assert mounts[vol]["readOnly"] and volumes[vol]["secret"]["secretName"] == secret
+    assert "--http-port" in c["args"]  # the keys guard a served HTTP API
 
 
 def test_the_autoscaler_examples_name_real_objects_and_metrics():
