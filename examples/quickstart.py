@@ -45,7 +45,7 @@ def ask_sdk(client: Client, question: str) -> None:
     show(f"SDK  > {question}", r.text, u.prompt_tokens, u.cached_tokens, u.completion_tokens, ttft)
 
 
-def ask_http(http: str, question: str) -> None:
+def ask_http(http: str, api_key: str | None, question: str) -> None:
     body = {
         "messages": [{"role": "user", "content": question}],
         "max_tokens": GREEDY["max_tokens"],
@@ -54,7 +54,11 @@ def ask_http(http: str, question: str) -> None:
     request = urllib.request.Request(
         f"http://{http}/v1/chat/completions",
         data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
+        headers={
+            "Content-Type": "application/json",
+            # The key the cluster made for its HTTP API (as `splitserve up` does).
+            **({"Authorization": f"Bearer {api_key}"} if api_key else {}),
+        },
     )
     with urllib.request.urlopen(request, timeout=GREEDY["timeout"]) as reply:
         answer = json.load(reply)
@@ -97,6 +101,7 @@ def main() -> None:
         num_decode=args.num_decode,
         port=free_port(),
         http_port=0,
+        api_key_file="auto",
         device=args.device,
         log_file=log_file,
     )
@@ -115,7 +120,7 @@ def main() -> None:
                 print(chunk.text, end="", flush=True)
             print()
         for question in QUESTIONS[:2]:
-            ask_http(a.http, question)
+            ask_http(a.http, cluster.api_key, question)
         results = asyncio.run(concurrent(a.router, 8))
         cached = sum(r.usage.cached_tokens for r in results)
         prompt = sum(r.usage.prompt_tokens for r in results)
