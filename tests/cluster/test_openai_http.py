@@ -443,12 +443,14 @@ def test_pools_down_is_503_and_a_full_client_cap_is_429(cluster, model_dir, tmp_
         capped.stop()
 
 
-def test_http_api_beside_mtls_listens_on_loopback_only():
+def test_http_api_beside_mtls_listens_on_loopback_only_unless_https_and_keys():
     from splitserve.runtime.config import RouterConfig
 
     tls = dict(tls_cert="c.pem", tls_key="k.pem", tls_ca="ca.pem")
     base = dict(model_path="m", prefill_addresses=(), decode_addresses=(), host="0.0.0.0")
-    with pytest.raises(ValueError, match="no TLS"):
+    with pytest.raises(ValueError, match="without HTTPS and API keys"):
         RouterConfig(**base, **tls, http_port=8080)
+    guarded = dict(http_tls_cert="h.pem", http_tls_key="hk.pem", api_key_file="keys")
+    assert RouterConfig(**base, **tls, **guarded, http_port=8080).http_host is None
     assert RouterConfig(**base, **tls, http_port=8080, http_host="127.0.0.1").http_port == 8080
     assert RouterConfig(**base, http_port=8080).http_host is None  # no TLS: any address
