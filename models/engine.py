@@ -383,34 +383,36 @@ class LLMEngine:
         those that ended while it computed."""
         if self._inflight is launched:
             self._inflight = None
-        result = launched.sample.result()
-        for req, computed, epoch in launched.scheduled:
-            if req.epoch == epoch and req.request_id in self.requests:
-                self.scheduler.cache_computed(req, min(computed, req.num_computed_tokens))
-        outputs = []
-        max_len = self.runner.config.max_model_len
-        for j, req in enumerate(launched.reqs):
-            if self.requests.get(req.request_id) is not req:
-                continue  # aborted, or ended at the step before: this token is dropped
-            slot = launched.slots[j]
-            token = result.token_ids[j]
-            req.token_ids[slot] = token
-            req.num_pending -= 1
-            logprob = result.logprobs[j] if result.logprobs is not None else None
-            if logprob is not None:
-                req.logprobs.append(logprob)
-            num_output = slot + 1 - len(req.prompt_token_ids)
-            reason = check_stop(req.params, token, num_output, self.eos_token_id)
-            if reason is None and slot + 1 >= max_len:
-                reason = "length"
-            if reason is not None or self.prefill_only:
-                del req.token_ids[slot + 1 :]  # a placeholder of the step after, if any
-                req.num_pending = 0
-                self._finish(req, reason)
-            outputs.append(StepOutput(req.request_id, token, logprob, reason))
-        for rid in launched.free_after:
-            self.kv.free(rid)
-        return outputs
+        try:
+            result = launched.sample.result()
+            for req, computed, epoch in launched.scheduled:
+                if req.epoch == epoch and req.request_id in self.requests:
+                    self.scheduler.cache_computed(req, min(computed, req.num_computed_tokens))
+            outputs = []
+            max_len = self.runner.config.max_model_len
+            for j, req in enumerate(launched.reqs):
+                if self.requests.get(req.request_id) is not req:
+                    continue  # aborted, or ended at the step before: this token is dropped
+                slot = launched.slots[j]
+                token = result.token_ids[j]
+                req.token_ids[slot] = token
+                req.num_pending -= 1
+                logprob = result.logprobs[j] if result.logprobs is not None else None
+                if logprob is not None:
+                    req.logprobs.append(logprob)
+                num_output = slot + 1 - len(req.prompt_token_ids)
+                reason = check_stop(req.params, token, num_output, self.eos_token_id)
+                if reason is None and slot + 1 >= max_len:
+                    reason = "length"
+                if reason is not None or self.prefill_only:
+                    del req.token_ids[slot + 1 :]  # a placeholder of the step after, if any
+                    req.num_pending = 0
+                    self._finish(req, reason)
+                outputs.append(StepOutput(req.request_id, token, logprob, reason))
+            return outputs
+        finally:  # even when reading failed (a device error): the step is over
+            for rid in launched.free_after:
+                self.kv.free(rid)
 
     def _finish(self, req: Request, reason: str | None) -> None:
         """End a request: free its blocks, or hold them until ``release`` (prefill-only)."""
