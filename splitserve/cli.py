@@ -35,7 +35,15 @@ __all__ = ["ENV_COMMANDS", "build_parser", "env_name", "env_names", "main"]
 
 ENV_COMMANDS = ("router", "prefill", "decode")  # their options also read SPLITSERVE_<OPTION>
 # The node options `splitserve up` forwards to every node it starts (unset: the node's default).
-UP_NODE_OPTIONS = ("dtype", "kv_cache_mb", "max_num_seqs", "max_num_batched_tokens", "load_format")
+UP_NODE_OPTIONS = (
+    "dtype",
+    "kv_cache_mb",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "load_format",
+    "async_scheduling",
+    "trust_kv_network",
+)
 ENV_EPILOG = (
     "Every option can also be set as SPLITSERVE_<OPTION> (e.g. --redis-url as "
     "SPLITSERVE_REDIS_URL; switches take 1/true/yes/on); the command line wins."
@@ -137,6 +145,18 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0 if result.serving else 1
 
 
+def up_node_args(args: argparse.Namespace) -> list[str]:
+    """The node options given to ``up``, as the nodes' own flags (a switch as its flag alone)."""
+    node_args: list[str] = []
+    for name in UP_NODE_OPTIONS:
+        value = getattr(args, name)
+        if value is None or value is False:
+            continue
+        flag = flag_of(NodeConfig, name)
+        node_args += [flag] if value is True else [flag, str(value)]
+    return node_args
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     """Start a local cluster (Redis, prefill and decode nodes, router) until Ctrl-C."""
     import signal
@@ -144,10 +164,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     from splitserve.launcher import LocalCluster
 
-    node_args: list[str] = []
-    for name in UP_NODE_OPTIONS:
-        if (value := getattr(args, name)) is not None:
-            node_args += [flag_of(NodeConfig, name), str(value)]
+    node_args = up_node_args(args)
     try:
         path = model_path(args.model_path)
         spec = ClusterSpec(

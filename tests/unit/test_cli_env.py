@@ -211,3 +211,14 @@ def test_advertised_host(monkeypatch):
     monkeypatch.setattr(socket, "getfqdn", lambda: "localhost")
     monkeypatch.setattr(socket, "gethostname", lambda: "a1b2c3d4e5f6")
     assert NodeConfig("m", host="0.0.0.0").advertised_host() == "a1b2c3d4e5f6"
+
+
+def test_up_forwards_its_node_options_switches_as_bare_flags():
+    """`up --trust-kv-network --async-scheduling off --dtype bfloat16` gives every node those
+    flags (a switch as its flag alone, which the node's parser takes); none given, none sent."""
+    args = parse("up", "--trust-kv-network", "--async-scheduling", "off", "--dtype", "bfloat16")
+    forwarded = cli.up_node_args(args)
+    assert forwarded == ["--dtype", "bfloat16", "--async-scheduling", "off", "--trust-kv-network"]
+    node = parse("decode", *forwarded)
+    assert node.trust_kv_network is True and node.async_scheduling == "off"
+    assert cli.up_node_args(parse("up")) == []
