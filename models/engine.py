@@ -5,8 +5,10 @@ requests and token counts of the next forward and allocates their KV, the runner
 logits, and the engine samples where a request's known tokens are all computed, checks stop
 conditions and ends finished requests (frees their blocks, or holds them in prefill-only mode).
 
-Over 300 lines on purpose: the request store and the step (add, abort, sample, stop checks,
-ends) share the engine's state; scheduling and the KV port are modules of their own already.
+Over 300 lines on purpose: the request store and the step (add, abort, launch, read back,
+stop checks, ends) share the engine's state — an asynchronous step's placeholders, deferred
+frees and aborts touch the same requests and blocks; scheduling, sampling and the KV port are
+modules of their own already.
 """
 
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""ModelRunner: turns a scheduled batch of sequences into one paged forward and its logits."""
+"""ModelRunner: turns a scheduled batch of sequences into one paged forward and its logits.
+
+Over 300 lines: sizing the KV pool, the start-up warm-up and a step's inputs (ordering, tables,
+checks, the device feed) all work on the runner's device, pool and limits; the CUDA graphs are
+a module of their own.
+"""
 
 from __future__ import annotations
 
