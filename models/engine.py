@@ -298,7 +298,7 @@ class LLMEngine:
         if not scheduled:
             if self._inflight is not None:  # nothing to launch behind it: wait for its tokens
                 outputs += self._read(self._inflight)
-            else:
+            elif not outputs:  # (outputs go first: the next step raises for the unfittable)
                 self._drop_unfittable()
             return outputs
         launched = self._launch(scheduled)

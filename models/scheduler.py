@@ -209,6 +209,12 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_pending:  # preempted with a token still on the device: wait for it
                 break
+            if -(-len(req.token_ids) // self.block_size) > self.kv.block_pool.num_blocks - 1:
+                # NOTE: more than the whole pool (less the null block): never admitted, so the
+                # engine drops it once nothing runs (pop_unfittable). Admitted chunk by chunk it
+                # would preempt itself each time it grows; with asynchronous steps its last
+                # chunk is not cached yet then, so it would start over for ever.
+                break
             self.hash_blocks(req, len(req.token_ids))
             # NOTE: lookup and allocation in the same step: a cached free block found here may
             # be evicted by any allocation in between.

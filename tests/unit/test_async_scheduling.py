@@ -193,3 +193,26 @@ def test_an_abort_while_the_step_computes_frees_after_it(model):
     while engine.has_unfinished():
         engine.step()
     assert engine.pool.num_free_blocks == engine.pool.num_blocks - 1
+
+
+def test_outputs_read_before_a_request_that_never_fits_are_not_lost(model):
+    """A step that reads the tokens of the step before (penalties need them) and then finds only
+    a request larger than the pool returns those tokens; the next step raises for that one."""
+    from splitserve.models.engine import RequestDoesNotFit
+
+    engine = _engine(model, True, num_blocks=8)
+    params = SamplingParams(temperature=0.0, max_tokens=3, repetition_penalty=1.2, ignore_eos=True)
+    engine.add_request("small", list(range(10)), params)
+    got, refused = [], []
+    for _ in range(20):
+        try:
+            got += [o for o in engine.step() if o.request_id == "small"]
+        except RequestDoesNotFit as exc:
+            refused.append(exc.request_id)
+        if len(got) == 1 and "big" not in engine.requests and not refused:
+            engine.add_request("big", list(range(200)), params)  # 13 blocks: never fits in 7
+        if not engine.has_unfinished():
+            break
+    assert [o.finish_reason for o in got] == [None, None, "length"]
+    assert refused == ["big"]
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks - 1
