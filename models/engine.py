@@ -437,6 +437,7 @@ class LLMEngine:
             self.add_request(f"gen-{id(self)}-{i}-{len(self.requests)}", p, sp)
             for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
         ]
-        while any(r.request_id in self.requests for r in reqs):
+        # (then the step still on the device, if any: it may hold blocks of ended requests)
+        while any(r.request_id in self.requests for r in reqs) or self._inflight is not None:
             self.step()
         return reqs

@@ -216,3 +216,14 @@ def test_outputs_read_before_a_request_that_never_fits_are_not_lost(model):
     assert [o.finish_reason for o in got] == [None, None, "length"]
     assert refused == ["big"]
     assert engine.pool.num_free_blocks == engine.pool.num_blocks - 1
+
+
+def test_generate_returns_with_every_block_back(model, rng):
+    """``generate`` also reads the step still on the device, whose wasted rows hold the blocks
+    of requests that ended at the step before."""
+    engine = _engine(model, True)
+    stop = SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=list(range(0, 300, 7)))
+    reqs = engine.generate(_prompts(rng, n=6), stop)
+    assert all(r.finish_reason is not None for r in reqs)
+    assert engine._inflight is None
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks - 1
