@@ -36,7 +36,7 @@ from splitserve.runtime.node import build_engine
 
 CATEGORIES = (
     ("attention", ("decode_kernel", "decode_reduce", "prefill_kernel", "flash", "attention")),
-    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "matmul", "sum_splits", "splitk")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "splitk")),
     ("norm", ("rms_norm",)),
     ("rotary", ("rotary",)),
     ("activation", ("silu",)),

@@ -30,6 +30,7 @@ from splitserve.models.sampler import (
     check_stop,
     make_generator,
     skip_draws,
+    to_device,
 )
 from splitserve.models.scheduler import Request, ScheduledRequest, Scheduler
 
@@ -343,7 +344,7 @@ class LLMEngine:
         ready = self.scheduler.advance(scheduled)
         reqs = [scheduled[i].request for i in ready]
         if len(ready) < len(scheduled):
-            logits = logits.index_select(0, self._rows(ready, logits.device))
+            logits = logits.index_select(0, to_device(ready, logits.device, torch.long))
         sample = self.sampler.launch(
             logits,
             [r.params for r in reqs],
@@ -371,13 +372,6 @@ class LLMEngine:
             if req.params.needs_previous_tokens:
                 launched.needs_tokens = True
         return launched
-
-    @staticmethod
-    def _rows(rows: list[int], device: torch.device) -> torch.Tensor:
-        host = torch.tensor(rows, dtype=torch.long)
-        if device.type == "cuda":  # non-blocking: a pageable copy would wait for the forward
-            return host.pin_memory().to(device, non_blocking=True)
-        return host
 
     def _read(self, launched: _Launched) -> list[StepOutput]:
         """Wait for a launched step's tokens; put them in place of their placeholders, cache the

@@ -43,7 +43,7 @@ class AttentionMetadata:
     checked: bool = False
     num_decodes: int = 0
     prompt_part: AttentionMetadata | None = None
-    last_rows: torch.Tensor | None = None  # [B] int64: row of each sequence's last new token
+    last_rows: torch.Tensor | None = None  # [B] int64: each sequence's last row, when reordered
 
 
 class RMSNorm(nn.Module):

@@ -221,7 +221,7 @@ class ModelRunner:
         Validates the block tables here, once per step, so the kernels need not. In a step that
         mixes one-token sequences with prompt chunks, the one-token ones go first (the decode
         kernel takes them: ``AttentionMetadata.num_decodes``); ``meta.last_rows`` says where each
-        sequence's last token landed, in the order of ``seqs``.
+        sequence's last token landed, in the order of ``seqs`` (set only when they were reordered).
 
         ``feed``: the previous step's sampled tokens on the device; a sequence with a
         ``feed_row`` takes its input token from there, copied on the device (the host never
@@ -243,18 +243,15 @@ class ModelRunner:
                 seqs = [seqs[i] for i in order]
                 q_lens = q_lens[order]
         input_ids, positions, meta = self._inputs(seqs, q_lens, is_decode, num_decodes)
+        ends = np.cumsum(q_lens) - 1  # each sequence's last row (int64)
         fed = [i for i, seq in enumerate(seqs) if seq.feed_row >= 0]
         if fed:
             if feed is None or any(q_lens[i] != 1 for i in fed):
                 raise ValueError("a fed sequence needs the feed and exactly one new token")
             rows = np.fromiter((seqs[i].feed_row for i in fed), dtype=np.int64, count=len(fed))
-            flat = (np.cumsum(q_lens) - 1)[fed]
-            input_ids[self._to_device(flat)] = feed[self._to_device(rows)]
-        # Row of each sequence's last token, in the caller's order.
-        ends = np.cumsum(q_lens) - 1
-        if order is not None:
-            ends = ends[np.argsort(order)]
-        meta.last_rows = self._to_device(ends.astype(np.int64))
+            input_ids[self._to_device(ends[fed])] = feed[self._to_device(rows)]
+        if order is not None:  # where each sequence's last token went, in the caller's order
+            meta.last_rows = self._to_device(ends[np.argsort(order)])
         return input_ids, positions, meta, is_decode
 
     def _inputs(
@@ -350,6 +347,6 @@ class ModelRunner:
             return self.graphs.run(input_ids, positions, meta)
         hidden = self.model(input_ids, positions, self.kv_pool, meta)
         last = meta.last_rows
-        if last is None:  # metadata built elsewhere (warm-up, tests): sequences in order
+        if last is None:  # the sequences kept their order
             last = meta.cu_seqlens_q[1:].long() - 1
         return self.model.compute_logits(hidden[last])

@@ -23,6 +23,7 @@ __all__ = [
     "check_stop",
     "make_generator",
     "skip_draws",
+    "to_device",
 ]
 
 
@@ -33,7 +34,7 @@ class SamplerOutput(NamedTuple):
     logprobs: list[float | None] | None
 
 
-def _small(values: Sequence, device: torch.device, dtype: torch.dtype | None = None) -> Tensor:
+def to_device(values: Sequence, device: torch.device, dtype: torch.dtype | None = None) -> Tensor:
     """A small host list on ``device`` without waiting for the device: a plain copy of pageable
     memory to a GPU waits for everything queued before it (it would wait for the forward just
     launched), so the list goes through pinned memory with a non-blocking copy."""
@@ -96,11 +97,11 @@ def _token_counts(
         return counts
     if min(flat) < 0 or max(flat) >= vocab_size:
         raise ValueError(f"token ids must be in [0, {vocab_size}), got {min(flat)}..{max(flat)}")
-    lengths = _small([len(t) for t in token_lists], device)
+    lengths = to_device([len(t) for t in token_lists], device)
     rows = torch.repeat_interleave(
         torch.arange(len(token_lists), device=device), lengths, output_size=len(flat)
     )
-    flat_index = rows * vocab_size + _small(flat, device, torch.long)
+    flat_index = rows * vocab_size + to_device(flat, device, torch.long)
     counts.view(-1).scatter_add_(0, flat_index, torch.ones_like(flat_index, dtype=torch.float32))
     return counts
 
@@ -116,27 +117,23 @@ def apply_penalties(
     Returns ``logits`` itself when no row has a penalty, else a new tensor in which rows without
     penalties are bit-identical to the input. Never writes to ``logits``.
     """
-    idx = [
-        i
-        for i, p in enumerate(params)
-        if p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
-    ]
+    idx = [i for i, p in enumerate(params) if p.needs_previous_tokens]
     if not idx:
         return logits
     device, vocab_size = logits.device, logits.shape[1]
     row_params = [params[i] for i in idx]
-    idx_t = _small(idx, device, torch.long)
+    idx_t = to_device(idx, device, torch.long)
     rows = logits.index_select(0, idx_t)
     out_counts = _token_counts([output_token_ids[i] for i in idx], vocab_size, device)
     rep = [p.repetition_penalty for p in row_params]
     if any(r != 1 for r in rep):
         seen = _token_counts([prompt_token_ids[i] for i in idx], vocab_size, device) > 0
         seen |= out_counts > 0
-        rep_t = _small(rep, device, torch.float32).unsqueeze(1)
+        rep_t = to_device(rep, device, torch.float32).unsqueeze(1)
         penalised = torch.where(rows < 0, rows * rep_t, rows / rep_t)
         rows = torch.where(seen, penalised, rows)
-    presence = _small([p.presence_penalty for p in row_params], device, torch.float32)
-    frequency = _small([p.frequency_penalty for p in row_params], device, torch.float32)
+    presence = to_device([p.presence_penalty for p in row_params], device, torch.float32)
+    frequency = to_device([p.frequency_penalty for p in row_params], device, torch.float32)
     rows = rows - (frequency.unsqueeze(1) * out_counts + presence.unsqueeze(1) * (out_counts > 0))
     out = logits.clone()
     out.index_copy_(0, idx_t, rows)
@@ -168,7 +165,7 @@ def _mask_stop_tokens(
     if not owned:
         logits = logits.clone()
     logits[
-        _small(rows, logits.device, torch.long), _small(cols, logits.device, torch.long)
+        to_device(rows, logits.device, torch.long), to_device(cols, logits.device, torch.long)
     ] = -math.inf
     return logits
 
@@ -195,18 +192,18 @@ def _draw(
 ) -> Tensor:
     """Temperature, top-k, top-p, min-p, then one token per row (none of the rows is greedy)."""
     device, (num_rows, vocab_size) = logits.device, logits.shape
-    temperature = _small([p.temperature for p in params], device, torch.float32)
+    temperature = to_device([p.temperature for p in params], device, torch.float32)
     logits = logits / temperature.unsqueeze(1)
     top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
     top_p = [p.top_p for p in params]
     if any(k < vocab_size for k in top_k) or any(p < 1 for p in top_p):
         logits = _top_k_top_p(
-            logits, _small(top_k, device, torch.long), _small(top_p, device, torch.float32)
+            logits, to_device(top_k, device, torch.long), to_device(top_p, device, torch.float32)
         )
     probs = logits.softmax(dim=-1)
     min_p = [p.min_p for p in params]
     if any(m > 0 for m in min_p):
-        min_p_t = _small(min_p, device, torch.float32).unsqueeze(1)
+        min_p_t = to_device(min_p, device, torch.float32).unsqueeze(1)
         threshold = min_p_t * probs.amax(dim=-1, keepdim=True)
         probs = logits.masked_fill(probs < threshold, -math.inf).softmax(dim=-1)
     # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) draws i with probability p_i.
@@ -283,12 +280,12 @@ class Sampler:
         else:
             token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
             if greedy:
-                greedy_t = _small(greedy, device, torch.long)
+                greedy_t = to_device(greedy, device, torch.long)
                 token_ids.index_copy_(
                     0, greedy_t, processed.index_select(0, greedy_t).argmax(dim=-1)
                 )
             drawn = [r for r, p in enumerate(params) if not p.greedy]
-            drawn_t = _small(drawn, device, torch.long)
+            drawn_t = to_device(drawn, device, torch.long)
             draws = _draw(
                 processed.index_select(0, drawn_t),
                 [params[r] for r in drawn],
@@ -299,7 +296,7 @@ class Sampler:
         wants_logprobs = [r for r, p in enumerate(params) if p.logprobs]
         if not wants_logprobs:
             return PendingSample(token_ids, [], None)
-        rows_t = _small(wants_logprobs, device, torch.long)
+        rows_t = to_device(wants_logprobs, device, torch.long)
         chosen = token_ids.index_select(0, rows_t).unsqueeze(1)
         values = processed.index_select(0, rows_t).log_softmax(dim=-1).gather(1, chosen).squeeze(1)
         return PendingSample(token_ids, wants_logprobs, values)

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from splitserve.transfer.errors import PeerLost
-from splitserve.transfer.security import RefusalLog
+from splitserve.transfer.security import RefusalLog, listen
 
 logger = logging.getLogger("splitserve.transfer.dist")
 
@@ -75,11 +75,7 @@ class Gate:
         self.key, self.store_port = key, store_port
         self.handshake_timeout = handshake_timeout
         self.max_pending, self.max_tunnels = max_pending, max_tunnels
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.socket(family, socket.SOCK_STREAM)
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind((host, port))
-        self._listener.listen(128)
+        self._listener = listen(host, port)
         self.port = int(self._listener.getsockname()[1])
         self._pending = self._tunnels = 0
         self._refusals = RefusalLog(logger, "rendezvous gate")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import socket
 import ssl
 import threading
 import time
@@ -91,3 +92,14 @@ class RefusalLog:
             count, self._since, self._logged_at = self._since, 0, now
         more = f"; {count - 1} more refused since the last line" if count > 1 else ""
         self.logger.warning("%s: refused %s (%s)%s", self.what, peer, why, more)
+
+
+def listen(host: str, port: int, backlog: int = 128) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (0: any free port), IPv6 for an IPv6 host: the
+    KV listeners' own (the tcp path's, the rendezvous gate's)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(backlog)
+    return sock

@@ -34,7 +34,7 @@ from splitserve.transfer.dist_group import default_host
 from splitserve.transfer.endpoint import TCP, TcpAddress
 from splitserve.transfer.errors import Incomplete, TransferError, TransferTimeout
 from splitserve.transfer.reservation import RESERVED, Reservation, block_nbytes
-from splitserve.transfer.security import KVTls, RefusalLog
+from splitserve.transfer.security import KVTls, RefusalLog, listen
 from splitserve.transfer.tcp_wire import (
     CHUNK,
     OK,
@@ -104,11 +104,7 @@ class TcpReceiver(KVReceiver):
         self.block_nbytes = block_nbytes(kv_pool)
         self.max_connections = max_connections
         self.io_timeout, self.idle_timeout = io_timeout, idle_timeout
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.socket(family, socket.SOCK_STREAM)
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind((host, port))
-        self._listener.listen(128)
+        self._listener = listen(host, port)
         self.address = TcpAddress(host, int(self._listener.getsockname()[1]), tls=tls is not None)
         self._tls = tls
         self._refusals = RefusalLog(logger, "tcp KV listener")

@@ -11,7 +11,6 @@ options."""
 from __future__ import annotations
 
 import json
-import shutil
 import ssl
 import subprocess
 import sys
@@ -22,35 +21,13 @@ from pathlib import Path
 
 import openai
 import pytest
+from support.pki import HAVE_OPENSSL, make_pki
 from support.processes import start_cli, start_node, start_router
 
 from splitserve.models.tiny import write_random_checkpoint
 
 KEYS = ["k-" + "a" * 30, "k-" + "b" * 30]
-HAVE_OPENSSL = shutil.which("openssl") is not None
 needs_openssl = pytest.mark.skipif(not HAVE_OPENSSL, reason="test certificates need openssl")
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def make_pki(folder: Path) -> dict[str, str]:
-    """A CA and one certificate it signs for 127.0.0.1 and localhost (server and client)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
-    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
-             "-subj", "/CN=test-ca", cwd=folder)  # fmt: skip
-    _openssl("req", *ec, "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=node",
-             cwd=folder)  # fmt: skip
-    (folder / "ext").write_text(
-        "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n"
-    )
-    _openssl("x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-             "-CAcreateserial", "-out", "node.pem", "-days", "2", "-extfile", "ext",
-             cwd=folder)  # fmt: skip
-    return {"ca": str(folder / "ca.pem"), "cert": str(folder / "node.pem"),
-            "key": str(folder / "node.key")}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
