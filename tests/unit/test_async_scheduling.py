@@ -56,7 +56,9 @@ def _assert_same(sync_run, async_run):
         assert a.output_token_ids == s.output_token_ids, a.request_id
         assert a.finish_reason == s.finish_reason, a.request_id
         assert -1 not in a.token_ids and a.num_pending == 0
-        assert a.logprobs == pytest.approx(s.logprobs)
+        # NOTE: the same tokens; their logprobs come from other batch shapes (the two runs
+        # group requests into steps differently), which moves float32 sums by ~1e-6.
+        assert a.logprobs == pytest.approx(s.logprobs, rel=1e-5, abs=1e-5)
         got = [(o.new_token_id, o.finish_reason) for o in a_out[a.request_id]]
         assert got == [(o.new_token_id, o.finish_reason) for o in s_out[s.request_id]]
 
