@@ -32,7 +32,14 @@ from aiohttp import web
 from splitserve.router.api_keys import ApiKeys
 from splitserve.router.errors import GenerateError
 from splitserve.router.front import CLIENT_KEY, RequestFront
-from splitserve.router.openai_api import ApiError, ApiRequest, parse_body
+from splitserve.router.openai_api import (
+    SLO_HEADER,
+    TIMEOUT_HEADER,
+    ApiError,
+    ApiRequest,
+    parse_body,
+    request_timeout,
+)
 from splitserve.router.openai_out import Choice, logprobs_json, usage_json
 from splitserve.router.orchestrator import Step
 from splitserve.v1 import router_pb2
@@ -43,6 +50,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Outputs = AsyncGenerator[tuple[int, Step], None]  # (choice index, step) of every choice
 
 SALT_HEADER = "x-splitserve-cache-salt"  # a tenant's prefix cache, as the body's cache_salt
+# Beside it, from router.openai_api (which checks their values): SLO_HEADER, "x-splitserve-slo"
+# (the request's own SLO), and TIMEOUT_HEADER, "x-request-timeout" (the client's deadline, s).
 _END = object()
 ACCEPT_BACKLOG = 4096  # connections waiting to be accepted (the kernel caps it at somaxconn)
 OPEN_PATHS = frozenset({"/health"})  # answered without an API key (probes carry none)
@@ -208,7 +217,9 @@ class HttpFront:
         return await self._serve(request, chat=True)
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        received = time.monotonic()
         try:
+            timeout = request_timeout(request.headers.get(TIMEOUT_HEADER))
             try:
                 body = await request.json(loads=json.loads)
             except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
@@ -224,6 +235,7 @@ class HttpFront:
                 self._model,
                 request.headers.get(SALT_HEADER, ""),
                 request.headers.get("x-request-id"),
+                request.headers.get(SLO_HEADER),
             )
         except ApiError as exc:
             self._front.count_refused(exc.grpc_code)
@@ -236,7 +248,8 @@ class HttpFront:
             or request.remote
             or "-"
         )
-        outputs = self._outputs(api, str(client)[:64])
+        deadline = None if timeout is None else received + timeout
+        outputs = self._outputs(api, str(client)[:64], deadline)
         try:
             async with contextlib.aclosing(outputs):
                 if api.stream:
@@ -245,11 +258,17 @@ class HttpFront:
         except GenerateError as exc:
             return _error(ApiError.of_grpc(exc.code, exc.message), exc.retry_after_s)
 
-    async def _outputs(self, api: ApiRequest, client: str) -> Outputs:
+    async def _outputs(self, api: ApiRequest, client: str, deadline: float | None) -> Outputs:
         """(choice index, step) of every choice as they come; ``GenerateError`` if any fails
-        (the others are cancelled)."""
+        (the others are cancelled). ``deadline``: the client's (``time.monotonic()``; None:
+        the router's --request-timeout-s alone)."""
+
+        def run(request: router_pb2.GenerateRequest):
+            left = None if deadline is None else deadline - time.monotonic()
+            return self._front.run(request, client, time_remaining=left)
+
         if len(api.requests) == 1:
-            async with contextlib.aclosing(self._front.run(api.requests[0], client)) as steps:
+            async with contextlib.aclosing(run(api.requests[0])) as steps:
                 async for _, step in steps:
                     yield 0, step
             return
@@ -257,7 +276,7 @@ class HttpFront:
 
         async def pump(index: int, request: router_pb2.GenerateRequest) -> None:
             try:
-                async with contextlib.aclosing(self._front.run(request, client)) as steps:
+                async with contextlib.aclosing(run(request)) as steps:
                     async for _, step in steps:
                         queue.put_nowait((index, step))
             except Exception as exc:  # GenerateError, or a bug: the request fails either way

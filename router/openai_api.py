@@ -9,6 +9,7 @@ JSON can get wrong (types, shapes, unsupported fields) and names the field in it
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -16,9 +17,15 @@ from typing import Any
 import grpc
 
 from splitserve.router.request import ModelInfo
+from splitserve.runtime.slo import SLO_SYNTAX, Slo
 from splitserve.v1 import common_pb2, router_pb2
 
 MAX_CHOICES = 128  # prompts x n in one HTTP request
+# The request's own SLO, in Slo.parse's syntax (the body's "slo" wins where both set a bound),
+# and the seconds the client will wait for the whole answer (gRPC: the call's deadline).
+SLO_HEADER = "x-splitserve-slo"
+TIMEOUT_HEADER = "x-request-timeout"
+SLO_BODY_SYNTAX = '{"ttft": SECONDS, "tpot": SECONDS} (either may be left out)'
 CHAT_ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
 
 # gRPC status → HTTP status and OpenAI error type.
@@ -241,10 +248,76 @@ def _logprobs(body: dict, chat: bool) -> bool:
     return wanted
 
 
+def _body_slo(value: Any) -> Slo | None:
+    """The body's ``slo``: ``{"ttft": 2, "tpot": 0.1}`` (seconds; null or absent: unset) or a
+    string in the header's syntax."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            return Slo.parse(value)
+        except ValueError as exc:
+            raise ApiError.bad(f"slo: {exc}; the syntax is {SLO_SYNTAX}", "slo") from None
+    if not isinstance(value, dict):
+        raise ApiError.bad(f"slo must be an object {SLO_BODY_SYNTAX}", "slo")
+    unknown = sorted(set(value) - {"ttft", "tpot"})
+    if unknown:
+        raise ApiError.bad(f"slo.{unknown[0]} is not a bound: give {SLO_BODY_SYNTAX}", "slo")
+    bounds = {}
+    for key in ("ttft", "tpot"):
+        x = value.get(key)
+        if x is not None and not (
+            isinstance(x, int | float) and not isinstance(x, bool) and 0 < x < math.inf
+        ):
+            raise ApiError.bad(
+                f"slo.{key} is {json.dumps(x)}: give a positive number of seconds, as in "
+                f"{SLO_BODY_SYNTAX}",
+                "slo",
+            )
+        bounds[key] = None if x is None else float(x)
+    return Slo.checked(bounds["ttft"], bounds["tpot"])
+
+
+def request_slo(body: dict, header: str | None) -> Slo | None:
+    """An HTTP request's own SLO: the ``x-splitserve-slo`` header (``Slo.parse``'s syntax), each
+    bound the body's ``slo`` sets taking its place; None when neither sets one. ``ApiError``
+    (400) saying the syntax on a bad value."""
+    try:
+        from_header = Slo.parse(header)
+    except ValueError as exc:
+        raise ApiError.bad(f"{SLO_HEADER} header: {exc}; the syntax is {SLO_SYNTAX}") from None
+    from_body = _body_slo(body.get("slo"))
+    return from_body.within(from_header) if from_body is not None else from_header
+
+
+def request_timeout(header: str | None) -> float | None:
+    """The ``x-request-timeout`` header: the seconds the client will wait (None: absent);
+    ``ApiError`` (400) unless a number > 0."""
+    if header is None or not header.strip():
+        return None
+    try:
+        seconds = float(header)
+    except ValueError:
+        seconds = math.nan
+    if not (0 < seconds < math.inf):
+        raise ApiError.bad(
+            f"{TIMEOUT_HEADER} header is {header[:40]!r}: give the seconds the client will wait "
+            "for the answer, a number > 0 (e.g. 30 or 2.5)"
+        )
+    return seconds
+
+
 def parse_body(
-    body: Any, chat: bool, model_name: str, model: ModelInfo, salt: str, request_id: str | None
+    body: Any,
+    chat: bool,
+    model_name: str,
+    model: ModelInfo,
+    salt: str,
+    request_id: str | None,
+    slo_header: str | None = None,
 ) -> ApiRequest:
-    """Check an HTTP request's JSON; raise ``ApiError`` (400, 404) on what is wrong."""
+    """Check an HTTP request's JSON (``slo_header``: the ``x-splitserve-slo`` header's value);
+    raise ``ApiError`` (400, 404) on what is wrong."""
     if not isinstance(body, dict):
         raise ApiError.bad("the request body must be a JSON object")
     name = body.get("model")
@@ -274,6 +347,7 @@ def parse_body(
     # The header (set by a trusted proxy, per tenant) wins over what the client's body says.
     salt = salt or _typed(body, "cache_salt", (str,), "a string")
     salt = salt or _typed(body, "user", (str,), "a string") or ""
+    slo = request_slo(body, slo_header)
     rid = request_id or uuid.uuid4().hex
     requests = []
     for i, prompt in enumerate(prompts):
@@ -285,6 +359,8 @@ def parse_body(
                 r.sampling.seed = (sampling.seed + j) % 2**64
             r.stop.extend(stop or ())
             r.cache_salt = salt
+            if slo is not None:
+                r.slo.ttft_s, r.slo.tpot_s = slo.ttft_s or 0.0, slo.tpot_s or 0.0
             r.request_id = rid if len(prompts) * n == 1 else f"{rid}-{i * n + j}"
             requests.append(r)
     return ApiRequest(

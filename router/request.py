@@ -15,6 +15,7 @@ from typing import Any
 from splitserve.kvstore.hashing import MAX_SALT_CHARS
 from splitserve.models.sampling_params import SamplingParams
 from splitserve.runtime.protocol import sampling_from_proto
+from splitserve.runtime.slo import Slo
 from splitserve.v1 import router_pb2
 
 MAX_STOP_STRINGS = 16
@@ -155,6 +156,18 @@ def parse_request(request: router_pb2.GenerateRequest, model: ModelInfo) -> Gene
         stop=stop,
         cache_salt=request.cache_salt,
     )
+
+
+def request_slo(request: router_pb2.GenerateRequest) -> Slo | None:
+    """The request's ``slo`` as sent: None when it has none or leaves both bounds 0 (unset);
+    ``InvalidRequest`` on a negative or non-finite bound. Needs no tokenizer: the front reads it
+    before parsing the prompt (a request refused for its SLO is never tokenized)."""
+    if not request.HasField("slo"):
+        return None
+    try:
+        return Slo.checked(request.slo.ttft_s, request.slo.tpot_s)
+    except ValueError as exc:
+        raise InvalidRequest(f"{exc}, or 0 to leave it unset") from None
 
 
 def chat_token_ids(messages: Sequence[router_pb2.ChatMessage], model: ModelInfo) -> tuple[int, ...]:

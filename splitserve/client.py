@@ -8,6 +8,7 @@
         for chunk in client.stream("Once upon a time", max_tokens=64):
             print(chunk.text, end="", flush=True)
         reply = client.chat([{"role": "user", "content": "Hi"}], max_tokens=32)
+        quick = client.generate("Hi", slo="ttft=500ms,tpot=50ms", timeout=10)
 
 Every failure raises ``SplitserveError`` with the gRPC status code and the server's message.
 Breaking out of a stream (or closing it) cancels the request on the server, which frees its
@@ -24,6 +25,7 @@ from typing import Any
 
 import grpc
 
+from splitserve.runtime.slo import Slo
 from splitserve.types import Collector, GenerateResult, SplitserveError, StreamChunk, Usage
 from splitserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -31,6 +33,7 @@ __all__ = [
     "AsyncClient",
     "Client",
     "GenerateResult",
+    "Slo",
     "SplitserveError",
     "StreamChunk",
     "Usage",
@@ -51,6 +54,7 @@ def _build_request(
     logprobs: bool = False,
     request_id: str | None = None,
     messages: Sequence[Mapping[str, str]] | None = None,
+    slo: Slo | str | None = None,
 ) -> router_pb2.GenerateRequest:
     """The request message. Value checks are the server's (one source of truth); only what
     cannot be encoded at all fails here, with the same INVALID_ARGUMENT code."""
@@ -86,6 +90,10 @@ def _build_request(
             request.messages.SetInParent()  # an empty list is still a chat request
         else:
             request.text = prompt or ""
+        if isinstance(slo, str):
+            slo = Slo.parse(slo)
+        if slo is not None:  # a bound left None goes as 0: unset, the router's --slo applies
+            request.slo.ttft_s, request.slo.tpot_s = slo.ttft_s or 0.0, slo.tpot_s or 0.0
         return request
     except (TypeError, ValueError, KeyError) as exc:
         raise SplitserveError(grpc.StatusCode.INVALID_ARGUMENT, f"bad argument: {exc}") from None
@@ -158,13 +166,14 @@ class Client:
         logprobs: bool = False,
         request_id: str | None = None,
         messages: Sequence[Mapping[str, str]] | None = None,
+        slo: Slo | str | None = None,
     ) -> GenerateResult:
         """Run one request to completion. Parameters as ``stream``."""
         collector = Collector()
         for chunk in self.stream(
             prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop,
             ignore_eos, cache_salt, timeout, logprobs=logprobs, request_id=request_id,
-            messages=messages,
+            messages=messages, slo=slo,
         ):  # fmt: skip
             collector.add(chunk)
         return collector.result()
@@ -186,17 +195,21 @@ class Client:
         logprobs: bool = False,
         request_id: str | None = None,
         messages: Sequence[Mapping[str, str]] | None = None,
+        slo: Slo | str | None = None,
     ) -> Iterator[StreamChunk]:
         """Yield the completion as it is generated.
 
         Give ``prompt`` (text), ``prompt_token_ids`` or chat ``messages`` (``{"role": ...,
         "content": ...}``, rendered with the model's chat template). ``temperature=0`` is
         greedy; ``stop`` strings end the completion without being included; ``cache_salt`` keeps
-        a tenant's prefix cache apart; ``timeout`` (seconds) bounds the whole request.
+        a tenant's prefix cache apart; ``timeout`` (seconds) bounds the whole request. ``slo``:
+        this request's latency targets, an ``Slo`` or ``"ttft=2,tpot=100ms"`` (the router's
+        ``--slo`` syntax; a bound left out takes the router's); a router that predicts a miss
+        refuses the request at once (``RESOURCE_EXHAUSTED``) rather than serve it late.
         """
         request = _build_request(
             prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop,
-            ignore_eos, cache_salt, logprobs, request_id, messages,
+            ignore_eos, cache_salt, logprobs, request_id, messages, slo,
         )  # fmt: skip
         call = self._stub.Generate(request, timeout=timeout)
         try:
@@ -269,13 +282,14 @@ class AsyncClient:
         logprobs: bool = False,
         request_id: str | None = None,
         messages: Sequence[Mapping[str, str]] | None = None,
+        slo: Slo | str | None = None,
     ) -> GenerateResult:
         """Run one request to completion. Parameters as ``Client.stream``."""
         collector = Collector()
         async for chunk in self.stream(
             prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop,
             ignore_eos, cache_salt, timeout, logprobs=logprobs, request_id=request_id,
-            messages=messages,
+            messages=messages, slo=slo,
         ):  # fmt: skip
             collector.add(chunk)
         return collector.result()
@@ -297,11 +311,12 @@ class AsyncClient:
         logprobs: bool = False,
         request_id: str | None = None,
         messages: Sequence[Mapping[str, str]] | None = None,
+        slo: Slo | str | None = None,
     ) -> AsyncIterator[StreamChunk]:
         """As ``Client.stream``; use ``async for``."""
         request = _build_request(
             prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop,
-            ignore_eos, cache_salt, logprobs, request_id, messages,
+            ignore_eos, cache_salt, logprobs, request_id, messages, slo,
         )  # fmt: skip
         call = self._get_stub().Generate(request, timeout=timeout)
         try:

@@ -164,6 +164,13 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     r.add_argument(
         "--slo", default=None, help="goodput bounds, e.g. ttft=2,tpot=0.05 (seconds; or 500ms)"
     )
+    r.add_argument(
+        "--send-slo",
+        action="store_true",
+        help="send --slo's ttft/tpot with every request as its own SLO (gRPC: the request's slo; "
+        "HTTP: the x-splitserve-slo header): a splitserve router refuses at once what it "
+        "predicts would miss them",
+    )
     r.add_argument("--result-json", default=None, metavar="FILE", help="every figure as JSON")
     r.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots into DIR")
     r.add_argument(

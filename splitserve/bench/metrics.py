@@ -15,6 +15,8 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from splitserve.runtime.slo import parse_bounds
+
 __all__ = [
     "SLO_KEYS",
     "RequestRecord",
@@ -96,24 +98,8 @@ def distribution(values: Sequence[float]) -> dict[str, float | None]:
 
 def parse_slo(text: str | None) -> dict[str, float]:
     """``ttft=2,tpot=0.05`` → {"ttft": 2.0, "tpot": 0.05}: seconds, or milliseconds with ``ms``
-    (``ttft=500ms``). Keys: ttft, tpot, e2e."""
-    slo: dict[str, float] = {}
-    for part in (text or "").split(","):
-        if not part.strip():
-            continue
-        key, sep, value = part.partition("=")
-        key, value = key.strip().lower(), value.strip().lower()
-        if not sep or key not in SLO_KEYS:
-            raise ValueError(f"bad SLO {part!r}: give KEY=SECONDS with KEY one of {SLO_KEYS}")
-        scale = 1e-3 if value.endswith("ms") else 1.0
-        try:
-            seconds = float(value.removesuffix("ms").removesuffix("s")) * scale
-        except ValueError:
-            raise ValueError(f"bad SLO {part!r}: {value!r} is not a number of seconds") from None
-        if not seconds > 0:
-            raise ValueError(f"bad SLO {part!r}: a bound is positive")
-        slo[key] = seconds
-    return slo
+    (``ttft=500ms``). Keys: ttft, tpot, e2e (the router's ``--slo`` syntax, plus e2e)."""
+    return parse_bounds(text, SLO_KEYS)
 
 
 def meets_slo(record: RequestRecord, slo: dict[str, float]) -> bool:

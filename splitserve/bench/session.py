@@ -10,8 +10,9 @@ import sys
 from typing import Any
 
 from splitserve import credentials
+from splitserve.runtime.slo import Slo
 
-__all__ = ["config_of", "make_workload", "run_bench"]
+__all__ = ["config_of", "make_workload", "run_bench", "sent_slo"]
 
 WORKLOADS = ("random", "shared-prefix", "conversation", "jsonl")
 
@@ -70,11 +71,22 @@ def config_of(args: argparse.Namespace, slo: dict[str, float]) -> dict[str, Any]
         "ignore_eos",
         "cache_salt",
         "timeout",
+        "send_slo",
         "metrics_url",
         "scrape_interval",
     )
     config = {k: getattr(args, k) for k in keys}
     return {"workload": " ".join(args.workload), **config, "slo": slo}
+
+
+def sent_slo(args: argparse.Namespace, slo: dict[str, float]) -> Slo | None:
+    """With ``--send-slo``: the ``Slo`` every request carries (``--slo``'s ttft and tpot; its
+    e2e stays the benchmark's own); else None."""
+    if not args.send_slo:
+        return None
+    if "ttft" not in slo and "tpot" not in slo:
+        raise ValueError("--send-slo sends --slo's ttft and tpot: give --slo with either")
+    return Slo(slo.get("ttft"), slo.get("tpot"))
 
 
 async def run_bench(args: argparse.Namespace, slo: dict[str, float]) -> dict[str, Any]:
@@ -106,6 +118,7 @@ async def run_bench(args: argparse.Namespace, slo: dict[str, float]) -> dict[str
         timeout=args.timeout,
         api_key=credentials.api_key(args) or os.environ.get("OPENAI_API_KEY"),
         cache_salt=args.cache_salt,
+        slo=sent_slo(args, slo),
         **_tls_options(args),
     )
     async with target:

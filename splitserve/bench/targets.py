@@ -16,8 +16,13 @@ from typing import Any
 from splitserve.bench.metrics import RequestRecord
 from splitserve.bench.sse import SSEParser, error_message, parse_event
 from splitserve.bench.workloads import BenchRequest
+from splitserve.runtime.slo import Slo
 
-__all__ = ["GrpcTarget", "HttpTarget", "make_target"]
+__all__ = ["SLO_HEADER", "GrpcTarget", "HttpTarget", "make_target"]
+
+# A splitserve router reads a request's own SLO from this header (router.http.SLO_HEADER; the
+# benchmark talks to any OpenAI-compatible server, so it loads no router code).
+SLO_HEADER = "x-splitserve-slo"
 
 
 def make_target(url: str, **options: Any) -> GrpcTarget | HttpTarget:
@@ -44,8 +49,10 @@ class _Target:
         cache_salt: str | None = None,
         credentials: Any = None,
         ssl_context: Any = None,
+        slo: Slo | None = None,
     ) -> None:
         self.url = url
+        self.slo = slo  # sent with every request as its own SLO (--send-slo); None: none
         self.credentials = credentials  # gRPC: a router serving mTLS (grpc.ChannelCredentials)
         self.ssl_context = ssl_context  # https://: the CA to trust (ssl.SSLContext; None: system)
         self.cache_salt = cache_salt
@@ -139,6 +146,7 @@ class GrpcTarget(_Target):
             ignore_eos=self.ignore_eos,
             cache_salt=self.cache_salt,
             timeout=self.timeout,
+            slo=self.slo,
         )
         async for chunk in stream:
             if chunk.token_ids:
@@ -165,7 +173,10 @@ class HttpTarget(_Target):
         self._session = None
 
     def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        if self.slo is not None:
+            headers[SLO_HEADER] = str(self.slo)
+        return headers
 
     def _get_session(self):
         if self._session is None:

@@ -12,18 +12,22 @@ from splitserve.planner.policy import Bounds, PolicyConfig, Slo
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_SLO = "ttft=2,tpot=0.1"  # the planner's aim when no --slo is given
 
-def add_policy_options(p: argparse.ArgumentParser) -> None:
-    """Bounds, SLO and timing: shared by ``planner`` and ``up --autoscale``."""
+
+def add_policy_options(p: argparse.ArgumentParser, slo: bool = True) -> None:
+    """Bounds, SLO and timing: shared by ``planner`` and ``up --autoscale`` (``slo``: add
+    ``--slo``; ``up`` has its own, which is also the router's)."""
     g = p.add_argument_group("planner")
     for role in ("prefill", "decode"):
         g.add_argument(f"--min-{role}", type=int, default=None, help=f"fewest {role} nodes")
         g.add_argument(f"--max-{role}", type=int, default=None, help=f"most {role} nodes")
-    g.add_argument(
-        "--slo",
-        default="ttft=2,tpot=0.1",
-        help="the latency aimed at: ttft=SECONDS,tpot=SECONDS (default: %(default)s)",
-    )
+    if slo:
+        g.add_argument(
+            "--slo",
+            default=None,
+            help=f"the latency aimed at: ttft=SECONDS,tpot=SECONDS (default: {DEFAULT_SLO})",
+        )
     g.add_argument("--interval", type=float, default=5.0, help="seconds between decisions")
     g.add_argument(
         "--cooldown",
@@ -70,7 +74,7 @@ def policy_from(args: argparse.Namespace, prefill: int = 1, decode: int = 1):
         settle_s=args.settle,
         max_step=args.max_step,
     )
-    return bounds, Slo.parse(args.slo), config
+    return bounds, Slo.parse(args.slo or DEFAULT_SLO), config
 
 
 def serve_planner_metrics(planner, port: int | None, host: str) -> int | None:

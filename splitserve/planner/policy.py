@@ -27,6 +27,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
+from splitserve.runtime.slo import parse_bounds
+
 ROLES = ("prefill", "decode")
 
 
@@ -64,19 +66,10 @@ class Slo:
 
     @classmethod
     def parse(cls, text: str) -> Slo:
-        """``ttft=S,tpot=S`` (either may be left out)."""
-        values: dict[str, float] = {}
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            key, _, value = part.partition("=")
-            if key not in ("ttft", "tpot"):
-                raise ValueError(f"--slo {text!r}: give ttft=SECONDS,tpot=SECONDS")
-            try:
-                values[f"{key}_s"] = float(value)
-            except ValueError:
-                raise ValueError(f"--slo {text!r}: {value!r} is not a number of seconds") from None
-            if values[f"{key}_s"] <= 0:
-                raise ValueError(f"--slo {text!r}: give positive seconds")
-        return cls(**values)
+        """``ttft=S,tpot=S`` (either may be left out: this class's default), the router's
+        syntax (``runtime.slo``)."""
+        bounds = parse_bounds(text, ("ttft", "tpot"))
+        return cls(**{f"{key}_s": value for key, value in bounds.items()})
 
 
 @dataclass(frozen=True, slots=True)

@@ -197,6 +197,17 @@ def test_slo_parsing():
             metrics.parse_slo(bad)
 
 
+def test_slo_parsing_is_the_routers_syntax_plus_e2e():
+    from splitserve.runtime.slo import Slo
+
+    text = "ttft=1.5,tpot=40ms"
+    parsed = metrics.parse_slo(text + ",e2e=9")
+    assert (parsed["ttft"], parsed["tpot"]) == Slo.parse(text) and parsed["e2e"] == 9
+    for bad in ["ttft=nan", "tpot=inf", "e2e=-1"]:
+        with pytest.raises(ValueError, match="bad SLO"):
+            metrics.parse_slo(bad)
+
+
 def test_goodput_counts_requests_meeting_every_slo():
     records = [
         rec(0, 0.0, [0.5, 0.6, 0.7], end=0.7),  # ttft .5, tpot .1: good
@@ -272,6 +283,93 @@ def test_targets_from_urls():
     assert targets.make_target("http://h:2/v1/").url == "http://h:2"
     with pytest.raises(ValueError, match="--target"):
         targets.make_target("h")
+
+
+def _bench_args(*argv: str):
+    import argparse
+
+    from splitserve.bench.cli import add_command
+
+    parser = argparse.ArgumentParser()
+    add_command(parser.add_subparsers())
+    return parser.parse_args(["bench", "--target", "h:1", *argv])
+
+
+def test_send_slo_sends_the_ttft_and_tpot_bounds_only():
+    from splitserve.bench.session import config_of, sent_slo
+    from splitserve.runtime.slo import Slo
+
+    args = _bench_args("--slo", "ttft=2,tpot=50ms,e2e=9", "--send-slo")
+    slo = metrics.parse_slo(args.slo)
+    assert sent_slo(args, slo) == Slo(2.0, 0.05)
+    assert config_of(args, slo)["send_slo"] is True
+    assert sent_slo(_bench_args("--slo", "ttft=2"), {"ttft": 2.0}) is None  # not asked
+    with pytest.raises(ValueError, match=r"--send-slo .*give --slo"):
+        sent_slo(_bench_args("--send-slo", "--slo", "e2e=3"), {"e2e": 3.0})
+
+
+class _Stub:
+    """The router's stub inside the SDK: records each request, answers one token."""
+
+    def __init__(self):
+        self.requests = []
+
+    def Generate(self, request, timeout=None):
+        self.requests.append(request)
+        return _Call()
+
+
+class _Call:
+    """A finished server stream of one message."""
+
+    async def __aiter__(self):
+        from splitserve.v1 import router_pb2
+
+        last = router_pb2.GenerateResponse(token_ids=[7], finish_reason="length")
+        last.usage.completion_tokens = 1
+        yield last
+
+    def cancel(self):
+        return False
+
+
+def test_grpc_target_sends_the_slo_with_every_request(rng):
+    from splitserve.runtime.slo import Slo
+
+    slo = Slo(rng.uniform(0.5, 5), rng.choice([None, 0.05]))
+    stub = _Stub()
+
+    async def run(target_slo):
+        async with targets.make_target("h:1", slo=target_slo) as target:
+            for client in target._clients:
+                client._stub = stub
+            for i in range(3):
+                record = await target.send(BenchRequest((1, 2, 3), 3, 1), RequestRecord(i, 3, 1, 0))
+                assert record.ok and record.output_tokens == 1
+
+    asyncio.run(run(slo))
+    sent = [(r.slo.ttft_s, r.slo.tpot_s or None) for r in stub.requests]
+    assert sent == [(slo.ttft_s, slo.tpot_s)] * 3
+    stub.requests.clear()
+    asyncio.run(run(None))
+    assert not any(r.HasField("slo") for r in stub.requests)
+
+
+def test_http_target_sends_the_slo_header():
+    from splitserve.router.http import SLO_HEADER
+    from splitserve.runtime.slo import Slo
+
+    assert targets.SLO_HEADER == SLO_HEADER  # the one the router reads
+    target = targets.make_target("http://h:2", slo=Slo(2.0, 0.05), api_key="k")
+    assert target._headers() == {"Authorization": "Bearer k", SLO_HEADER: "ttft=2,tpot=0.05"}
+    assert Slo.parse(target._headers()[SLO_HEADER]) == Slo(2.0, 0.05)
+    assert SLO_HEADER not in targets.make_target("http://h:2")._headers()
+
+
+def test_refusals_of_a_sent_slo_count_as_refused():
+    records = [rec(0, 0.0, [], end=0.01, error=e) for e in ("RESOURCE_EXHAUSTED", "HTTP 429")]
+    s = metrics.summarize([*records, rec(2, 0.0, [0.1], end=0.1)], 1.0, {"ttft": 1.0})
+    assert s["refused"] == 2 and s["failed"] == 0 and s["good_requests"] == 1
 
 
 # ---------------------------------------------------------------- the load loop

@@ -7,7 +7,9 @@ import random
 import pytest
 from support.router_helpers import MODEL, TOKENIZER, request
 
-from splitserve.router.request import InvalidRequest, parse_request
+from splitserve.router.request import InvalidRequest, parse_request, request_slo
+from splitserve.runtime.slo import Slo
+from splitserve.v1 import router_pb2
 
 
 @pytest.mark.parametrize(
@@ -40,3 +42,27 @@ def test_good_request_is_tokenized_with_defaults_filled_in():
     assert params.request_id and params.stop == ("\n",)
     ids = [random.randrange(320) for _ in range(63)]
     assert parse_request(request(prompt_token_ids=ids), MODEL).prompt_token_ids == tuple(ids)
+
+
+def test_the_requests_own_slo_is_read_and_zero_leaves_a_bound_unset(rng):
+    ttft, tpot = rng.uniform(0.05, 30), rng.uniform(0.001, 1)
+    both = request(prompt="hi", slo=router_pb2.Slo(ttft_s=ttft, tpot_s=tpot))
+    assert request_slo(both) == Slo(ttft, tpot)
+    only_tpot = request(prompt="hi", slo=router_pb2.Slo(tpot_s=tpot))
+    assert request_slo(only_tpot) == Slo(None, tpot)
+    assert request_slo(request(prompt="hi")) is None  # none sent
+    empty = request(prompt="hi", slo=router_pb2.Slo())  # present, both 0: nothing bounded
+    assert empty.HasField("slo") and request_slo(empty) is None
+
+
+@pytest.mark.parametrize(
+    ("slo", "named"),
+    [
+        ({"ttft_s": -1.0}, "slo.ttft is -1.0"),
+        ({"tpot_s": float("nan")}, "slo.tpot is nan"),
+        ({"ttft_s": 2.0, "tpot_s": float("inf")}, "slo.tpot is inf"),
+    ],
+)
+def test_a_bad_slo_is_rejected_with_a_message_naming_the_bound(slo, named):
+    with pytest.raises(InvalidRequest, match=f"{named}: give a positive number.*0 to leave"):
+        request_slo(request(prompt="hi", slo=router_pb2.Slo(**slo)))

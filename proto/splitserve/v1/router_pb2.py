@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from splitserve.v1 import common_pb2 as splitserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitserve/v1/router.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\"\xf1\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12/\n\x08messages\x18\x07 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\tB\x08\n\x06prompt\"\x95\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t2\xab\x01\n\rRouterService\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12K\n\x08\x43omplete\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitserve/v1/router.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\"\x92\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12/\n\x08messages\x18\x07 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x1f\n\x03slo\x18\x08 \x01(\x0b\x32\x12.splitserve.v1.SloB\x08\n\x06prompt\"%\n\x03Slo\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x02 \x01(\x01\"\x95\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t2\xab\x01\n\rRouterService\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12K\n\x08\x43omplete\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,15 +33,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitserve.v1.router_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=74
-  _globals['_GENERATEREQUEST']._serialized_end=315
-  _globals['_GENERATERESPONSE']._serialized_start=318
-  _globals['_GENERATERESPONSE']._serialized_end=467
-  _globals['_TOKENIDS']._serialized_start=469
-  _globals['_TOKENIDS']._serialized_end=492
-  _globals['_CHATMESSAGES']._serialized_start=494
-  _globals['_CHATMESSAGES']._serialized_end=554
-  _globals['_CHATMESSAGE']._serialized_start=556
-  _globals['_CHATMESSAGE']._serialized_end=600
-  _globals['_ROUTERSERVICE']._serialized_start=603
-  _globals['_ROUTERSERVICE']._serialized_end=774
+  _globals['_GENERATEREQUEST']._serialized_end=348
+  _globals['_SLO']._serialized_start=350
+  _globals['_SLO']._serialized_end=387
+  _globals['_GENERATERESPONSE']._serialized_start=390
+  _globals['_GENERATERESPONSE']._serialized_end=539
+  _globals['_TOKENIDS']._serialized_start=541
+  _globals['_TOKENIDS']._serialized_end=564
+  _globals['_CHATMESSAGES']._serialized_start=566
+  _globals['_CHATMESSAGES']._serialized_end=626
+  _globals['_CHATMESSAGE']._serialized_start=628
+  _globals['_CHATMESSAGE']._serialized_end=672
+  _globals['_ROUTERSERVICE']._serialized_start=675
+  _globals['_ROUTERSERVICE']._serialized_end=846
 # @@protoc_insertion_point(module_scope)
