@@ -14,6 +14,11 @@ from dataclasses import dataclass
 from splitserve.models.sampling_params import SamplingParams
 
 EXPIRY_POLL_S = 1.0
+# Ids released before their transfer was adopted (the router gave up on the request while P was
+# still shipping): remembered this long, at most this many, so the KV that lands later is freed
+# at once instead of at its transfer deadline.
+RELEASED_KEEP_S = 60.0
+RELEASED_MAX = 4096
 
 
 @dataclass(slots=True)
@@ -30,6 +35,7 @@ class Pending:
 class PendingTable:
     def __init__(self) -> None:
         self._items: dict[str, Pending] = {}
+        self._released: dict[str, float] = {}  # id → when released (insertion order: oldest first)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._items
@@ -38,10 +44,29 @@ class PendingTable:
         return len(self._items)
 
     def add(self, request_id: str, pending: Pending) -> None:
+        """Hold ``pending`` for its Decode call; one released already expires at the next poll
+        (its blocks are freed there, within ``EXPIRY_POLL_S``)."""
+        if self._released.pop(request_id, None) is not None:
+            pending.deadline = 0.0
         self._items[request_id] = pending
 
     def pop(self, request_id: str) -> Pending | None:
         return self._items.pop(request_id, None)
+
+    def release(self, request_id: str) -> Pending | None:
+        """The router gave the request up: its entry if it has one; else remember the id (for a
+        while, a bounded number) so that a transfer adopted later is freed at once."""
+        pending = self._items.pop(request_id, None)
+        if pending is None:
+            now = time.monotonic()
+            released = self._released
+            released[request_id] = now
+            while released and (
+                len(released) > RELEASED_MAX
+                or next(iter(released.values())) < now - RELEASED_KEEP_S
+            ):
+                del released[next(iter(released))]
+        return pending
 
     def take_expired(self, now: float) -> list[str]:
         """Remove and return the ids whose deadline has passed."""

@@ -284,7 +284,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"request_id must have 1 to {MAX_RELEASE_ID_CHARS} characters, got {len(rid)}",
             )
-        if self.pending.pop(rid) is None:  # unknown, decoding, released or expired
+        if self.pending.release(rid) is None:  # not adopted (yet), decoding, released, expired
             return nodes_pb2.ReleaseResponse(released=False)
         self._calls += 1  # a drain waits until the blocks are freed
         try:

@@ -1,20 +1,26 @@
-"""Overload queues at the router, in one bounded place, and what cannot wait is refused at once.
+"""Overload queues at the router, in one bounded place; what cannot wait, or cannot meet its
+latency targets, is refused at once.
 
 A request is let go to the pools only when both can take it:
 
 - a decode node has a sequence slot for it (``Node.capacity``: its ``max_num_seqs`` times the
-  router's ``--decode-overcommit``) and room in its KV ledger for its blocks
-  (``router.kv_budget``), so the prefill node never computes KV that has nowhere to go;
+  router's ``--decode-overcommit``), room in its KV ledger for its blocks (``router.kv_budget``),
+  so the prefill node never computes KV that has nowhere to go, and, with a TPOT target, a batch
+  one larger still predicted within it (``router.predictor``: the decode horizon);
 - a prefill node has room for its prompt tokens (``Node.max_queued_tokens``), so the excess waits
   here, where a node that joins finds it, not in one node's queue.
 
-Requests wait in arrival order (a newcomer queues behind waiting requests even when there is room
-at that instant; only the head is let go). A request is refused with RESOURCE_EXHAUSTED, before
-any node did work for it, when the queue is full (``--max-queue``), when its prompt is larger than
-any decode node's KV, when the queue's recent pace says its wait would outlast its deadline or
-``--queue-timeout-s``, or when it has waited that long; its deadline passing in the queue is
-DEADLINE_EXCEEDED. Each refusal carries a retry-after hint and is counted by reason
-(``splitserve_router_refused_total{reason}``).
+Requests wait fairly between clients (``router.fair_queue``: each client's share by its weight,
+arrival order within one; only the head is let go). A request is refused with
+RESOURCE_EXHAUSTED, before any node did work for it, when the queue is full (``--max-queue``),
+when its prompt is larger than any decode node's KV, when the queue's recent pace says its wait
+would outlast its deadline or ``--queue-timeout-s``, or when it has waited that long; with a TTFT
+target (``--slo`` or the request's own), when its predicted time to first token is past it
+(``slo_ttft``, at arrival) or it waited until it could no longer meet it (``slo_expired``). Its
+deadline passing in the queue is DEADLINE_EXCEEDED. Each refusal carries a retry-after hint and
+is counted by reason (``splitserve_router_refused_total{reason}``). A request that finds the
+pools idle (nothing waiting, room now) always goes: predictions only ever hold back what would
+queue.
 """
 
 from __future__ import annotations
@@ -23,14 +29,19 @@ import asyncio
 import math
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import grpc
 
 from splitserve.router.errors import GenerateError
+from splitserve.router.fair_queue import FairQueue
 from splitserve.router.kv_budget import KVDemand
 from splitserve.router.pool import NodePool
+from splitserve.router.predictor import TTFTPrediction, TTFTPredictor
 from splitserve.runtime.metrics import REFUSAL_REASONS, RouterMetrics
+from splitserve.runtime.slo import Slo
 
 RECHECK_S = 0.5  # waiters look again this often even without news (a node joined, came back)
 PACE_WINDOW = 64  # departures from the queue the wait estimate is drawn from
@@ -48,6 +59,21 @@ class Waiter:
     demand: KVDemand | None
     work: int  # prompt tokens to compute
     since: float = field(default_factory=time.monotonic)
+    tpot_s: float | None = None  # its TPOT target: decode room is a batch that still meets it
+    client: str = ""  # who sent it (router.fair_queue)
+
+    @property
+    def cost(self) -> int:
+        return self.work
+
+
+class Admitted(NamedTuple):
+    """A request let go to the pools: when, and what admission predicted for it then."""
+
+    at: float  # time.monotonic()
+    prediction: TTFTPrediction | None  # None: no prediction was made (no decode node usable)
+    capacity: float | None  # the prefill pool's measured rate then (tokens/s)
+    own_tokens: int  # its uncached prompt tokens
 
 
 class Admission:
@@ -58,14 +84,18 @@ class Admission:
         max_waiting: int = 4096,
         max_wait_s: float = 300.0,
         prefill: NodePool | None = None,
+        rates: NodePool | None = None,
+        weights: Mapping[str, float] | None = None,
     ) -> None:
         self._decode = decode
         self._prefill = prefill  # None: prefill room is not waited for
+        self._rates = rates if rates is not None else prefill  # the prefill pool's busy rates
+        self.predictor = TTFTPredictor()
         self._metrics = metrics
         self.max_waiting = max_waiting
         self.max_wait_s = max_wait_s
-        # In arrival order; only the head is woken.
-        self._waiters: deque[Waiter] = deque()
+        # Fair between clients, in arrival order within one; only the head is woken.
+        self._queue: FairQueue[Waiter] = FairQueue(weights)
         self._departures: deque[float] = deque(maxlen=PACE_WINDOW)  # when waiters were let go
         self._waits: deque[tuple[float, float]] = deque()  # (when it left, how long it waited)
         # How long requests took once let go, recently: one that could no longer finish before
@@ -77,7 +107,7 @@ class Admission:
             prefill.on_release = self.notify
 
     def __len__(self) -> int:
-        return len(self._waiters)
+        return len(self._queue)
 
     # NOTE: the three figures below are read on the metrics server's thread while the event
     # loop changes the deques: they read C-level snapshots (tuple() of a deque is atomic under
@@ -85,10 +115,10 @@ class Admission:
 
     @property
     def queued_prompt_tokens(self) -> int:
-        return sum(w.work for w in tuple(self._waiters))
+        return sum(w.cost for w in tuple(self._queue.all))
 
     def oldest_wait_s(self) -> float:
-        waiters = tuple(self._waiters)
+        waiters = tuple(self._queue.all)
         return time.monotonic() - waiters[0].since if waiters else 0.0
 
     def wait_quantiles(self, qs: tuple[float, ...]) -> list[float]:
@@ -113,51 +143,103 @@ class Admission:
         ones (0 until SERVICE_MIN were served)."""
         return self._service_s
 
+    def first_token(self, admitted: Admitted, arrival: float) -> None:
+        """A request ``enter`` let go reached its first token now: the predictor learns."""
+        if admitted.prediction is None:
+            return
+        now = time.monotonic()
+        error = self.predictor.observe(
+            admitted.prediction,
+            admitted.at - arrival,
+            now - arrival,
+            admitted.own_tokens,
+            admitted.capacity,
+        )
+        self._metrics.ttft_prediction_error.observe(error)
+
     def notify(self) -> None:
         """Wake the head of the queue (it looks whether the pools have room now)."""
-        if self._waiters:
-            wake = self._waiters[0].wake
+        head = self._queue.head()
+        if head is not None:
+            wake = head.wake
             if not wake.done():
                 wake.set_result(None)
 
-    def _room(self, demand: KVDemand | None, work: int) -> bool:
-        if not self._decode.has_room(demand):
+    def _room(self, demand: KVDemand | None, work: int, tpot_s: float | None = None) -> bool:
+        if not self._decode.has_room(demand, tpot_s=tpot_s):
             return False
         prefill = self._prefill
         return prefill is None or not prefill.usable() or prefill.has_room(work=work)
 
-    async def enter(self, deadline: float, demand: KVDemand | None = None, work: int = 0) -> float:
-        """Return (the time, ``time.monotonic()``) once this request may be sent to the pools:
-        at once when nothing waits and they have room, or when no decode node is usable (the
-        caller then reports that); ``GenerateError`` when it may not wait (any longer)."""
-        if not self._decode.usable():
-            return time.monotonic()
-        self._check_fits(demand)
-        if not self._waiters and self._room(demand, work):
-            return time.monotonic()
+    def capacity(self) -> float | None:
+        """The prefill pool's measured prompt tokens per second (None: not known, or no pool)."""
+        return self._rates.prefill_capacity() if self._rates is not None else None
+
+    def predict(self, own_tokens: int, client: str | None = "") -> TTFTPrediction:
+        """The TTFT of a request of ``client`` that queues now (None: one that goes now): its
+        fair position's share of the queue's pace and of the prompt tokens queued."""
+        capacity = self.capacity()
+        if client is None:
+            return self.predictor.predict(0, self._pace(), 0, own_tokens, capacity)
+        position = self._queue.position(client)
+        ahead = self.queued_prompt_tokens * min(1.0, (position - 1) / max(len(self._queue), 1))
+        return self.predictor.predict(position, self._pace(), int(ahead), own_tokens, capacity)
+
+    async def enter(
+        self,
+        deadline: float,
+        demand: KVDemand | None = None,
+        work: int = 0,
+        slo: Slo | None = None,
+        arrival: float | None = None,
+        client: str = "",
+    ) -> Admitted:
+        """Return once this request may be sent to the pools: at once when nothing waits and they
+        have room, or when no decode node is usable (the caller then reports that);
+        ``GenerateError`` when it may not wait (any longer). ``work``: its uncached prompt
+        tokens; ``slo``: its targets (a TTFT target it is predicted to miss, or that passes while
+        it waits, refuses it: ``slo_ttft``, ``slo_expired``); ``arrival``: when it reached the
+        router (default: now); ``client``: who sent it (the queue is fair between clients)."""
         start = time.monotonic()
-        latest, give_up = self._check_wait(deadline, start)
+        arrival = start if arrival is None else arrival
+        tpot_s = slo.tpot_s if slo is not None else None
+        if not self._decode.usable():
+            return Admitted(start, None, None, work)
+        self._check_fits(demand)
+        if not self._queue and self._room(demand, work, tpot_s):
+            return Admitted(start, self.predict(work, None), self.capacity(), work)
+        prediction = self.predict(work, client)
+        latest, give_up = self._check_wait(deadline, start, client)
+        ttft_by = None  # the latest it may be let go and still meet its TTFT target
+        if slo is not None and slo.ttft_s is not None:
+            target = arrival + slo.ttft_s
+            self._check_slo(prediction, target, start)
+            ttft_by = target - prediction.own_s - prediction.margin_s
+            give_up = min(give_up, ttft_by)
         loop = asyncio.get_running_loop()
-        me = Waiter(loop.create_future(), demand, work, start)
-        self._waiters.append(me)
-        self._metrics.queue_length.set(len(self._waiters))
+        me = Waiter(loop.create_future(), demand, work, start, tpot_s, client)
+        self._queue.append(me)
+        self._metrics.queue_length.set(len(self._queue))
         let_go = False
         try:
-            while not (self._waiters[0] is me and self._can_go(me)):
+            while not (self._queue.head() is me and self._can_go(me)):
                 left = give_up - time.monotonic()
                 if left <= 0:
+                    if ttft_by is not None and time.monotonic() >= ttft_by:
+                        raise self._expired(arrival, start, slo, prediction)
                     raise self._timed_out(deadline, latest, start)
                 if me.wake.done():
                     me.wake = loop.create_future()
                 # The head also looks again now and then (a node joined or came back up).
-                timeout = min(left, RECHECK_S) if self._waiters[0] is me else left
+                timeout = min(left, RECHECK_S) if self._queue.head() is me else left
                 await asyncio.wait([me.wake], timeout=timeout)
             let_go = True
-            return time.monotonic()
+            self._queue.let_go(me)
+            return Admitted(time.monotonic(), prediction, self.capacity(), work)
         finally:
-            self._waiters.remove(me)
+            self._queue.remove(me)
             now = time.monotonic()
-            self._metrics.queue_length.set(len(self._waiters))
+            self._metrics.queue_length.set(len(self._queue))
             self._metrics.queue_wait.observe(now - start)
             self._waits.append((now, now - start))
             self._trim_waits(now)
@@ -165,33 +247,71 @@ class Admission:
                 self._departures.append(now)
             self.notify()  # the next in line looks again
 
-    def check_arrival(self, deadline: float) -> None:
+    def check_arrival(self, deadline: float, slo: Slo | None = None, client: str = "") -> None:
         """Refuse (``GenerateError``) a request that would have to queue and may not: the queue
-        is full, or its pace puts the wait past the deadline or ``--queue-timeout-s`` (less the
-        time serving it takes). Needs no prompt: the front calls it before parsing one, so under
-        overload a refused request costs the router next to nothing; ``enter`` checks again."""
-        if self._waiters:  # nothing waits: whether there is room is enter's to say
-            self._check_wait(deadline, time.monotonic())
+        is full, its pace puts the wait past the deadline or ``--queue-timeout-s`` (less the
+        time serving it takes), or the predicted TTFT of a request at the end of the queue
+        (before its own prompt is known) is past ``slo``'s target. Needs no prompt: the front
+        calls it before parsing one, so under overload a refused request costs the router next
+        to nothing; ``enter`` checks again."""
+        if not self._queue:  # nothing waits: whether there is room is enter's to say
+            return
+        now = time.monotonic()
+        self._check_wait(deadline, now, client)
+        if slo is not None and slo.ttft_s is not None:
+            self._check_slo(self.predict(0, client), now + slo.ttft_s, now)
 
-    def _check_wait(self, deadline: float, start: float) -> tuple[float, float]:
+    def _check_slo(self, prediction: TTFTPrediction, target: float, now: float) -> None:
+        """Refuse a request whose predicted time to first token ends past ``target``."""
+        if now + prediction.ttft_s <= target:
+            return
+        # Retry once the queue has drained enough for a newcomer to meet the same target.
+        budget = target - now - prediction.own_s - prediction.margin_s
+        raise self._refuse(
+            "slo_ttft",
+            f"predicted time to first token {prediction.ttft_s:.2f} s (queue wait "
+            f"{prediction.wait_s:.2f} s behind {len(self._queue)} requests, then "
+            f"{prediction.own_s:.2f} s "
+            f"+ {prediction.margin_s:.2f} s margin) is past its TTFT target "
+            f"({target - now:.2f} s left): retry later, with a larger target, or add nodes",
+            max(prediction.wait_s - max(budget, 0.0), 0.0),
+        )
+
+    def _expired(
+        self, arrival: float, start: float, slo: Slo | None, prediction: TTFTPrediction
+    ) -> GenerateError:
+        """A queued request whose TTFT target could no longer be met: refused before any node
+        worked on it."""
+        ttft = slo.ttft_s if slo is not None else None
+        return self._refuse(
+            "slo_expired",
+            f"waited {time.monotonic() - start:.2f} s for room in the pools; with "
+            f"~{prediction.own_s + prediction.margin_s:.2f} s more to its first token it can no "
+            f"longer meet its TTFT target of {ttft} s: retry later, with a larger target, or "
+            "add nodes",
+            self._pace_wait(len(self._queue)),
+        )
+
+    def _check_wait(self, deadline: float, start: float, client: str) -> tuple[float, float]:
         """Refuse a request that may not queue (see ``check_arrival``); else its limits: the
         latest time it may still be let go (past it, it could not be served before its deadline)
         and the time it gives up (that, or ``--queue-timeout-s``)."""
-        if len(self._waiters) >= self.max_waiting:
+        waiting = len(self._queue)
+        if waiting >= self.max_waiting:
             raise self._refuse(
                 "queue_full",
-                f"the pools are full and {len(self._waiters)} requests are already waiting (the "
+                f"the pools are full and {waiting} requests are already waiting (the "
                 "router's --max-queue); retry later or add nodes",
-                self._pace_wait(len(self._waiters)),
+                self._pace_wait(waiting),
             )
         latest = deadline - self.service_s
         give_up = min(latest, start + self.max_wait_s)
-        estimate = self._pace_wait(len(self._waiters) + 1)
+        estimate = self._pace_wait(self._queue.position(client))
         if estimate is not None and start + estimate > give_up:
             limit = "deadline" if latest < start + self.max_wait_s else "--queue-timeout-s"
             raise self._refuse(
                 "queue_wait",
-                f"{len(self._waiters)} requests are waiting ahead of this one and the router lets "
+                f"{waiting} requests are waiting ahead of this one and the router lets "
                 f"about {self._pace():.1f}/s go: its wait (~{estimate:.1f} s) would outlast its "
                 f"{limit} (less ~{self.service_s:.1f} s to serve it: {give_up - start:.1f} s "
                 "left); retry later or add nodes",
@@ -202,7 +322,7 @@ class Admission:
     def _can_go(self, me: Waiter) -> bool:
         if not self._decode.usable():
             return True  # the caller reports that no node is usable
-        return self._room(me.demand, me.work)
+        return self._room(me.demand, me.work, me.tpot_s)
 
     def _check_fits(self, demand: KVDemand | None) -> None:
         """Refuse a prompt no usable decode node could ever hold (its KV would have nowhere to
@@ -257,13 +377,13 @@ class Admission:
                 f"waited {waited:.1f} s for room in the pools; serving it takes ~"
                 f"{self.service_s:.1f} s, more than is left before its deadline: retry later or "
                 "add nodes",
-                self._pace_wait(len(self._waiters)),
+                self._pace_wait(len(self._queue)),
             )
         return self._refuse(
             "queue_timeout",
             f"waited {waited:.1f} s (the router's --queue-timeout-s) for room in the pools; they "
             "stayed full: retry later or add nodes",
-            self._pace_wait(len(self._waiters)),
+            self._pace_wait(len(self._queue)),
         )
 
 

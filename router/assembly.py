@@ -39,7 +39,13 @@ def build_front(
     # direct, not to wait: requests then wait for decode room only.
     prefill_room = registry.prefill if not policy.direct_prefill_backlog_tokens else None
     admission = Admission(
-        registry.decode, metrics, config.max_queue, config.queue_timeout_s, prefill=prefill_room
+        registry.decode,
+        metrics,
+        config.max_queue,
+        config.queue_timeout_s,
+        prefill=prefill_room,
+        rates=registry.prefill,
+        weights=config.client_weights,
     )
     pressure = Pressure(registry, admission)
     metrics.watch_pressure(pressure.figures)
@@ -62,7 +68,12 @@ def build_front(
         policy=policy,
         kv_reserve_tokens=config.decode_kv_reserve_tokens,
     )
-    orchestrator = Orchestrator(model, dispatch, on_served=admission.note_served)
+    orchestrator = Orchestrator(
+        model,
+        dispatch,
+        on_served=admission.note_served,
+        on_wasted=metrics.wasted_prompt_tokens.inc,
+    )
     return RequestFront(
         model,
         orchestrator,
@@ -70,4 +81,5 @@ def build_front(
         config.request_timeout_s,
         config.max_requests_per_client,
         check_arrival=admission.check_arrival,
+        default_slo=config.slo,
     )

@@ -31,13 +31,14 @@ from splitserve.router.direct import DirectStage
 from splitserve.router.errors import GenerateError
 from splitserve.router.first_token import Started, Tried
 from splitserve.router.kv_budget import KVDemand
-from splitserve.router.pool import Node, NodePool
+from splitserve.router.pool import Node, NodePool, prompt_tokens_to_compute
 from splitserve.router.prefill_stage import PrefillStage
 from splitserve.router.prefix import PrefixLookup
 from splitserve.router.registry import NodeRegistry
 from splitserve.router.request import GenerateParams
 from splitserve.router.route import DISAGGREGATED, NO_DIRECT, RoutePolicy, choose_route
 from splitserve.runtime.metrics import RouterMetrics
+from splitserve.runtime.slo import Slo
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +72,18 @@ class Dispatcher:
         self._policy = policy
         self._kv_reserve_tokens = kv_reserve_tokens  # router.kv_budget's up-front output
 
-    async def run(self, params: GenerateParams, deadline: float) -> Started:
+    async def run(
+        self,
+        params: GenerateParams,
+        deadline: float,
+        slo: Slo | None = None,
+        arrival: float | None = None,
+        client: str = "",
+    ) -> Started:
         """The request's first token, on a D that holds it (close ``Started.session``);
-        ``GenerateError`` when no attempt succeeded."""
+        ``GenerateError`` when no attempt succeeded. For admission: ``slo``, its targets;
+        ``arrival``, when it reached the router (default: now); ``client``, who sent it."""
+        arrival = time.monotonic() if arrival is None else arrival
         tried = Tried(set(), set())
         error = GenerateError(grpc.StatusCode.UNAVAILABLE, "no attempt made")
         # The prompt is hashed once, for the index look-up and the decode KV ledger alike.
@@ -90,17 +100,20 @@ class Dispatcher:
             hashes,
         )
         n_prompt = len(params.prompt_token_ids)
+        work = self._uncached_tokens(n_prompt, cached)
+        tpot_s = slo.tpot_s if slo is not None else None
+        admission = self._admission
         for attempt in range(self._max_attempts):
             if attempt:
                 self._metrics.retries.inc()
                 if tried.busy:  # a node refused: give it a moment (before queueing again)
                     await asyncio.sleep(min(0.05 * 2**attempt, max(deadline - time.monotonic(), 0)))
-            admitted = time.monotonic()
-            if self._admission is not None:
-                admitted = await self._admission.enter(deadline, demand, n_prompt)
+            admitted = None
+            if admission is not None:
+                admitted = await admission.enter(deadline, demand, work, slo, arrival, client)
             # NOTE: from here to the claim on D and the stage's acquire of P nothing awaits: the
             # room just found is this request's.
-            d = self._choose_decode(tried, cached, demand)
+            d = self._choose_decode(tried, cached, demand, tpot_s)
             route = choose_route(
                 self._policy,
                 self._registry.prefill,
@@ -118,7 +131,10 @@ class Dispatcher:
             result = await self._attempt(params, (p, d), demand, cached, tried, deadline)
             if not isinstance(result, GenerateError):
                 self._metrics.routes.labels(route=route).inc()
-                return result._replace(admitted_at=admitted)
+                if admission is None or admitted is None:
+                    return result._replace(admitted_at=arrival)
+                admission.first_token(admitted, arrival)
+                return result._replace(admitted_at=admitted.at)
             error = result
             logger.info(
                 "request %s: prefill attempt %d/%d failed: %s",
@@ -148,12 +164,14 @@ class Dispatcher:
             else:
                 first = await self._prefill.attempt(params, p, session, cached, tried, deadline)
         except BaseException:
-            session.close()
+            # NOTE: cancelled (the client left, its deadline passed) while P may already have
+            # shipped the KV into D: D frees it now (``Release``), not at its transfer deadline.
+            session.close(release_kv=p is not None)
             raise
         if isinstance(first, GenerateError):
-            session.close()
+            session.close(release_kv=p is not None)
             return first
-        return Started(first, session, 0.0)
+        return Started(first, session, 0.0, time.monotonic())
 
     async def _cached_blocks(self, hashes: Sequence[BlockHash] | None) -> dict[str, int]:
         """Leading blocks of the prompt (its ``hashes``) each node holds; empty without an
@@ -164,8 +182,18 @@ class Dispatcher:
         addresses = [n.address for pool in (reg.prefill, reg.decode) for n in pool.nodes]
         return await self._lookup.cached_blocks(hashes, addresses)
 
-    def _choose_decode(self, tried: Tried, cached: Mapping[str, int], demand: KVDemand) -> Node:
-        d = _choose(self._registry.decode, tried, cached, demand=demand)
+    def _uncached_tokens(self, n_prompt: int, cached: Mapping[str, int]) -> int:
+        """The prompt tokens a node will compute, by the prefix index's estimate: the prompt less
+        the longest prefix any node of the pool that computes it holds."""
+        reg = self._registry
+        pool = reg.prefill if reg.prefill.usable() else reg.decode
+        held = max((cached.get(n.address, 0) for n in pool.nodes), default=0)
+        return prompt_tokens_to_compute(n_prompt, held, self._block_size)
+
+    def _choose_decode(
+        self, tried: Tried, cached: Mapping[str, int], demand: KVDemand, tpot_s: float | None
+    ) -> Node:
+        d = _choose(self._registry.decode, tried, cached, demand=demand, tpot_s=tpot_s)
         if d is None:
             raise _none_reachable(self._registry.decode)
         return d
@@ -192,7 +220,8 @@ def _choose(
     prompt_tokens: int | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
     demand: KVDemand | None = None,
+    tpot_s: float | None = None,
 ) -> Node | None:
     """A node not yet tried by this request if any, else one that only refused (full)."""
-    args = (cached, prompt_tokens, block_size, demand)
+    args = (cached, prompt_tokens, block_size, demand, tpot_s)
     return pool.pick(tried.unreachable | tried.busy, *args) or pool.pick(tried.unreachable, *args)

@@ -18,6 +18,7 @@ class FirstToken(NamedTuple):
     logprob: float
     finish_reason: str  # set: the node that sampled it ended the request there
     cached_tokens: int  # prompt tokens found in the computing node's cache
+    computed_tokens: int = 0  # prompt tokens a prefill node computed for it (0: direct route)
 
 
 class Started(NamedTuple):
@@ -26,6 +27,7 @@ class Started(NamedTuple):
     first: FirstToken
     session: DecodeSession  # D's slot and stream: whoever receives this closes it
     admitted_at: float  # when admission let it go to the pools (time.monotonic())
+    first_at: float = 0.0  # when its first token came (time.monotonic())
 
 
 class Tried(NamedTuple):

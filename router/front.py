@@ -17,8 +17,15 @@ import grpc
 from splitserve.router.errors import GenerateError
 from splitserve.router.observe import RequestObserver
 from splitserve.router.orchestrator import DEADLINE_SLACK_S, Orchestrator, Step
-from splitserve.router.request import GenerateParams, InvalidRequest, ModelInfo, parse_request
+from splitserve.router.request import (
+    GenerateParams,
+    InvalidRequest,
+    ModelInfo,
+    parse_request,
+    request_slo,
+)
 from splitserve.runtime.metrics import RouterMetrics
+from splitserve.runtime.slo import Slo
 from splitserve.v1 import router_pb2
 
 logger = logging.getLogger(__name__)
@@ -34,7 +41,8 @@ class RequestFront:
         metrics: RouterMetrics,
         request_timeout_s: float,
         max_requests_per_client: int,
-        check_arrival: Callable[[float], None] | None = None,
+        check_arrival: Callable[[float, Slo | None, str], None] | None = None,
+        default_slo: Slo | None = None,
     ) -> None:
         self.model = model
         self._orchestrator = orchestrator
@@ -45,6 +53,7 @@ class RequestFront:
         # Admission's refusals that need no prompt (router.admission.check_arrival): made before
         # the request is parsed, so a refusal under overload costs next to nothing.
         self._check_arrival = check_arrival
+        self._default_slo = default_slo  # the router's --slo: a request's own bounds win
 
     async def run(
         self,
@@ -63,6 +72,8 @@ class RequestFront:
         counted = False
         params: GenerateParams | None = None
         try:
+            slo = self._slo(request, time_remaining)
+            observer.slo = slo
             if self._in_flight[client] >= self._max_per_client:
                 self._metrics.refused.labels(reason="client_cap").inc()
                 raise GenerateError(
@@ -74,7 +85,7 @@ class RequestFront:
             self._in_flight[client] += 1
             counted = True
             if self._check_arrival is not None:
-                self._check_arrival(deadline)
+                self._check_arrival(deadline, slo, client)
             try:
                 # Off the event loop: tokenizing a long text takes long, and other streams go on.
                 params = await asyncio.to_thread(parse_request, request, self.model)
@@ -82,7 +93,7 @@ class RequestFront:
                 raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
             # Closed here, not by the event loop's finalizer later: a cancelled request gives its
             # nodes back (and its KV ledger charge) at once.
-            steps = self._orchestrator.run(params, start, deadline)
+            steps = self._orchestrator.run(params, start, deadline, slo, client)
             async with contextlib.aclosing(steps):
                 async for step in steps:
                     observer.tokens(len(step.delta.token_ids))
@@ -104,6 +115,18 @@ class RequestFront:
             if observer.code == "CANCELLED" and time.monotonic() >= deadline - DEADLINE_SLACK_S:
                 observer.failed(grpc.StatusCode.DEADLINE_EXCEEDED.name)
             observer.end()
+
+    def _slo(self, request: router_pb2.GenerateRequest, time_remaining: float | None) -> Slo | None:
+        """The request's targets: its own bounds, the router's ``--slo`` for those it left
+        unset, the TTFT one no later than the client's deadline."""
+        try:
+            own = request_slo(request)
+        except InvalidRequest as exc:
+            raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        slo = own.within(self._default_slo) if own is not None else self._default_slo
+        if time_remaining is not None:
+            slo = (slo or Slo()).capped(max(time_remaining, 0.0))
+        return slo
 
     def count_refused(self, code: grpc.StatusCode) -> None:
         """A request a front refused before ``run`` (the HTTP front's JSON checks): counted

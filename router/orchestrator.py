@@ -13,9 +13,11 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from typing import NamedTuple
 
+from splitserve.router.decode_stage import DecodeSession
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.output import Delta, OutputAssembler, Usage
 from splitserve.router.request import GenerateParams, ModelInfo
+from splitserve.runtime.slo import Slo
 
 # A request that ended this close to its deadline was cut off by it (timed out, not cancelled):
 # the client's clock and ours start a few milliseconds apart.
@@ -35,16 +37,25 @@ class Orchestrator:
         model: ModelInfo,
         dispatch: Dispatcher,
         on_served: Callable[[float], None] | None = None,
+        on_wasted: Callable[[int], None] | None = None,
     ) -> None:
         self._on_served = on_served  # seconds from admission to the end of a served request
+        # prompt tokens computed for a request that then did not complete
+        self._on_wasted = on_wasted
         self._model = model
         self._dispatch = dispatch
 
     async def run(
-        self, params: GenerateParams, start: float, deadline: float
+        self,
+        params: GenerateParams,
+        start: float,
+        deadline: float,
+        slo: Slo | None = None,
+        client: str = "",
     ) -> AsyncGenerator[Step, None]:
-        """The request's output; raises ``GenerateError`` when it cannot be served."""
-        started = await self._dispatch.run(params, deadline)
+        """The request's output; raises ``GenerateError`` when it cannot be served. ``slo``: its
+        targets, ``client``: who sent it (both for admission)."""
+        started = await self._dispatch.run(params, deadline, slo, start, client)
         first, session = started.first, started.session
         served: list[float] = []  # seconds from admission to its last token, once served
         try:
@@ -71,16 +82,21 @@ class Orchestrator:
                 return
             call = session.stream(deadline)
             yield step(delta)
+            batch = session.node.in_flight  # the batch it met on D, at its first token
             while True:
                 reply = await call.read()
                 delta = output.add(reply.token_ids, reply.logprobs, reply.finish_reason)
                 session.grow(output.num_tokens)  # its output fills blocks beyond the reserve
+                if output.finished:
+                    _note_tpot(session, started.first_at, output.num_tokens, batch)
                 yield step(delta)
                 if output.finished:
                     return
         finally:
             session.close()  # idempotent
             self._note_service(served, started.admitted_at, deadline)
+            if not served and first.computed_tokens and self._on_wasted is not None:
+                self._on_wasted(first.computed_tokens)
 
     def _note_service(self, served: list[float], admitted_at: float, deadline: float) -> None:
         """Tell admission how long serving took; a request cut off at its deadline took at least
@@ -93,3 +109,13 @@ class Orchestrator:
             self._on_served(served[0])
         elif now >= deadline - DEADLINE_SLACK_S:
             self._on_served(now - admitted_at)
+
+
+def _note_tpot(session: DecodeSession, first_at: float, tokens: int, batch: int) -> None:
+    """Teach D's TPOT line (``router.predictor``) what a request among ``batch`` (the mean of
+    D's requests at its first and last token) saw: its time per output token after the first."""
+    if tokens < 2 or not first_at:
+        return
+    node = session.node
+    tpot = (time.monotonic() - first_at) / (tokens - 1)
+    node.tpot.add((batch + node.in_flight) / 2, tpot)

@@ -16,6 +16,7 @@ import grpc
 
 from splitserve.kvstore.hashing import DEFAULT_BLOCK_SIZE
 from splitserve.router.kv_budget import KVDemand, KVLedger
+from splitserve.router.predictor import BusyRate, TPOTLine
 
 logger = logging.getLogger(__name__)
 
@@ -49,20 +50,31 @@ class Node:
     # Set when the health checker finds the node silent: calls waiting on it give up then.
     stalled: asyncio.Event | None = field(default=None, repr=False)
     silent_probes: int = 0  # health checks failed in a row
+    # prefill: prompt tokens it computes per busy second (admission's TTFT prediction)
+    rate: BusyRate = field(default_factory=BusyRate, repr=False)
+    # decode: its requests' time per output token against how many it holds (router.predictor)
+    tpot: TPOTLine = field(default_factory=TPOTLine, repr=False)
 
     def stall_signal(self) -> asyncio.Event:
         if self.stalled is None:
             self.stalled = asyncio.Event()
         return self.stalled
 
-    def has_room(self, demand: KVDemand | None = None, work: int = 0) -> bool:
+    def has_room(
+        self, demand: KVDemand | None = None, work: int = 0, tpot_s: float | None = None
+    ) -> bool:
         """Room for one more request: a sequence slot and, with ``demand``, its KV blocks
-        (decode); with ``work``, that many prompt tokens to compute (prefill; a node with
-        nothing queued always has room)."""
+        (decode); with ``tpot_s``, a batch one larger still predicted within that time per
+        output token (decode; an idle node always has room); with ``work``, that many prompt
+        tokens to compute (prefill; a node with nothing queued always has room)."""
         if self.capacity is not None and self.in_flight >= self.capacity:
             return False
         if demand is not None and not self.kv.fits(demand):
             return False
+        if tpot_s is not None and self.in_flight:
+            predicted = self.tpot.predict(self.in_flight + 1)
+            if predicted is not None and predicted > tpot_s:
+                return False
         limit = self.max_queued_tokens
         if work and limit is not None and self.queued_tokens > 0:
             return self.queued_tokens + work <= limit
@@ -115,6 +127,7 @@ class NodePool:
         prompt_tokens: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         demand: KVDemand | None = None,
+        tpot_s: float | None = None,
     ) -> Node | None:
         """The up node with the fewest in-flight requests; with ``cached`` (address → leading
         blocks of the prompt the node holds), the one holding the longest prefix among those
@@ -124,7 +137,8 @@ class NodePool:
         least ``queued_tokens`` plus the tokens it would compute for this prompt
         (``prompt_tokens_to_compute``); fewest in flight, then round robin among ties.
 
-        With ``demand`` (decode), nodes whose KV ledger has room for it come first."""
+        With ``demand`` (decode), nodes whose KV ledger has room for it (and, with ``tpot_s``,
+        whose batch stays within that TPOT) come first."""
         now = self._clock()
         candidates = [
             n for n in self.nodes if n not in exclude and not n.rejected and not n.leaving
@@ -134,7 +148,7 @@ class NodePool:
             if not candidates:
                 return None
             return min(candidates, key=lambda n: n.down_until)
-        roomy = [n for n in up if n.has_room(demand)]
+        roomy = [n for n in up if n.has_room(demand, tpot_s=tpot_s)]
         up = roomy or up  # full nodes only when every node is full (the admission queue's job)
         if prompt_tokens is not None:
             cached = cached or {}
@@ -162,9 +176,17 @@ class NodePool:
         now = self._clock()
         return [n for n in self.nodes if n.is_up(now) and not n.rejected and not n.leaving]
 
-    def has_room(self, demand: KVDemand | None = None, work: int = 0) -> bool:
+    def has_room(
+        self, demand: KVDemand | None = None, work: int = 0, tpot_s: float | None = None
+    ) -> bool:
         """A node that may take work has room for one more request (``Node.has_room``)."""
-        return any(n.has_room(demand, work) for n in self.usable())
+        return any(n.has_room(demand, work, tpot_s) for n in self.usable())
+
+    def prefill_capacity(self) -> float | None:
+        """Prompt tokens per second the usable nodes compute when busy, summed over those whose
+        rate is measured (None: none is)."""
+        rates = [r for n in self.usable() if (r := n.rate.rate()) is not None]
+        return sum(rates) if rates else None
 
     def notify_waiters(self) -> None:
         if self.on_release is not None:
@@ -195,12 +217,19 @@ class NodePool:
         ``demand``'s KV blocks); pair every call with ``release`` of the same arguments."""
         node.in_flight += 1
         node.queued_tokens += tokens
+        if tokens:
+            node.rate.start()
         if demand is not None:
             node.kv.take(demand)
 
-    def release(self, node: Node, tokens: int = 0, demand: KVDemand | None = None) -> None:
+    def release(
+        self, node: Node, tokens: int = 0, demand: KVDemand | None = None, computed: int = 0
+    ) -> None:
+        """``computed``: prompt tokens the node computed for the request (its busy rate)."""
         node.in_flight -= 1
         node.queued_tokens -= tokens
+        if tokens:
+            node.rate.end(computed)
         if demand is not None:
             node.kv.give_back(demand)
         assert node.in_flight >= 0, f"{node.address}: released more than acquired"

@@ -72,25 +72,28 @@ class PrefillStage:
         work = prompt_tokens_to_compute(n_prompt, cached.get(p.address, 0), self._block_size)
         remaining = max(deadline - time.monotonic(), 0.001)
         reg.prefill.acquire(p, work)
+        computed = 0
         try:
             call = reg.prefill_stub(p).Prefill(request, timeout=remaining, metadata=call_metadata())
             try:
                 response = await _unless_stalled(call, p, d)
             finally:
                 call.cancel()
+            computed = max(n_prompt - response.cached_tokens, 0)
             if self._on_computed is not None:
-                self._on_computed(max(n_prompt - response.cached_tokens, 0))
+                self._on_computed(computed)
             return FirstToken(
                 token_id=response.first_token_id,
                 logprob=response.first_logprob,
                 finish_reason=response.finish_reason,
                 cached_tokens=response.cached_tokens,
+                computed_tokens=computed,
             )
         except grpc.aio.AioRpcError as exc:
             # NOTE: classified while p and d still count this request: a probe may take a while.
             return await self._classify(p, d, exc, deadline, tried)
         finally:
-            reg.prefill.release(p, work)
+            reg.prefill.release(p, work, computed=computed)
 
     async def _classify(
         self, p: Node, d: Node, exc: grpc.aio.AioRpcError, deadline: float, tried: Tried

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from splitserve.kvstore.hashing import DEFAULT_BLOCK_SIZE
 from splitserve.runtime.options import option
+from splitserve.runtime.slo import SLO_SYNTAX, Slo
 
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
 
@@ -39,6 +40,25 @@ def parse_addresses(value: str) -> tuple[str, ...]:
     if not addresses:
         raise ValueError("give at least one host:port")
     return addresses
+
+
+def parse_weights(text: str | None) -> dict[str, float]:
+    """``tenant-a=4,key-0123abcd4567=0.5`` → {"tenant-a": 4.0, ...}; ``ValueError`` saying
+    what is wrong."""
+    weights: dict[str, float] = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        client, sep, value = part.rpartition("=")
+        client = client.strip()
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = -1.0
+        if not sep or not client or not weight > 0 or weight == float("inf"):
+            raise ValueError(f"bad client weight {part!r}: give CLIENT=WEIGHT, WEIGHT > 0")
+        weights[client] = weight
+    return weights
 
 
 _MODEL_HELP = (
@@ -214,6 +234,28 @@ class RouterConfig:
     )
     queue_timeout_s: float = option(
         300.0, "how long a request may wait for a decode node with room (RESOURCE_EXHAUSTED)"
+    )
+    slo: Slo | None = option(
+        None,
+        f"the default latency targets, {SLO_SYNTAX}: a request that must queue and is predicted "
+        "to miss its TTFT target, or that waits until it can no longer meet it, is refused at "
+        "once (RESOURCE_EXHAUSTED), before any node works on it; a decode node takes a request "
+        "only while its batch is predicted within the TPOT target. A request may carry its own "
+        "(gRPC: GenerateRequest.slo; HTTP: the x-splitserve-slo header or the body's slo); a "
+        "client deadline caps the TTFT target (default: none, requests wait up to their deadline "
+        "or --queue-timeout-s)",
+        cli_default="",
+        convert=Slo.parse,
+    )
+    client_weights: dict[str, float] | None = option(
+        None,
+        "weighted fair queuing between clients in the router's queue: CLIENT=WEIGHT,... (a "
+        "client is an API key's name, key- and 12 hex digits as logged, else the "
+        "x-splitserve-client metadata or header, else the caller's host; unnamed clients weigh "
+        "1). Each client gets its weight's share of what the pools let go, so one client's "
+        "burst cannot take the others' turns",
+        cli_default="",
+        convert=parse_weights,
     )
     decode_overcommit: float = option(
         1.5,

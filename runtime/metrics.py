@@ -37,6 +37,8 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 REFUSAL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300, 600)
+# Signed: a prediction error is late (> 0) or early (< 0).
+ERROR_BUCKETS = (-10, -5, -2.5, -1, -0.5, -0.25, -0.1, 0, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +237,29 @@ class RouterMetrics:
             "Prompt tokens prefill nodes computed for this router's requests (prompt less cached)",
             registry=r,
         )
+        self.wasted_prompt_tokens = Counter(
+            "splitserve_router_prefill_wasted_tokens",
+            "Prompt tokens prefill nodes computed for requests that then did not complete (failed, "
+            "timed out or cancelled after their prefill)",
+            registry=r,
+        )
+        self.ttft_prediction_error = Histogram(
+            "splitserve_router_ttft_prediction_error_seconds",
+            "Admission's time-to-first-token prediction error: actual less predicted (before "
+            "the learned margin), per request that reached its first token",
+            buckets=ERROR_BUCKETS,
+            registry=r,
+        )
+        self.slo_requests = Counter(
+            "splitserve_router_slo_requests",
+            "Requests that ended with a TTFT or TPOT target, by whether they met every target "
+            "(met: completed within them; missed: completed late; failed: refused or not "
+            "completed)",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in ("met", "missed", "failed"):
+            self.slo_requests.labels(outcome=outcome)
         self.nodes: dict[tuple[str, str], LoadFigures] = {}  # (role, address) → last figures
         r.register(_NodesCollector(self.nodes))
 
@@ -250,6 +275,8 @@ REFUSAL_REASONS = {
     "deadline": "its deadline passed while it waited",
     "prompt_too_large": "its prompt's KV is larger than any decode node's",
     "client_cap": "its client had --max-requests-per-client in flight",
+    "slo_ttft": "at its arrival, its predicted time to first token was past its TTFT target",
+    "slo_expired": "it waited until its TTFT target could no longer be met",
 }
 
 
@@ -277,6 +304,9 @@ class PressureFigures:
     prefill_tokens_per_s: float  # computed by the prefill pool, recently
     prefill: PoolPressure
     decode: PoolPressure
+    prefill_capacity_tokens_per_s: float = 0.0  # computed per busy second (0: not known)
+    ttft_base_s: float = 0.0  # admission's learned time from leaving the queue to first token
+    ttft_margin_s: float = 0.0  # the learned margin over its TTFT predictions
 
 
 class _PressureCollector(Collector):
@@ -311,6 +341,24 @@ class _PressureCollector(Collector):
             "prefill_tokens_per_second",
             "Prompt tokens the prefill pool computed per second for this router (last 10 s)",
             f.prefill_tokens_per_s,
+        )
+        yield gauge(
+            "prefill_capacity_tokens_per_second",
+            "Prompt tokens the prefill pool computes per second of being busy (summed over "
+            "its usable nodes, each measured over its last 10 s; 0: not known yet)",
+            f.prefill_capacity_tokens_per_s,
+        )
+        yield gauge(
+            "ttft_prediction_base_seconds",
+            "Admission's learned time from leaving the queue to the first token, less the "
+            "request's own prefill (median of the last minute)",
+            f.ttft_base_s,
+        )
+        yield gauge(
+            "ttft_prediction_margin_seconds",
+            "The margin admission adds to its TTFT predictions: the 90th percentile of the "
+            "last minute's prediction errors (never below 0)",
+            f.ttft_margin_s,
         )
         per_role = {
             "in_flight": "This router's requests on the pool's nodes",

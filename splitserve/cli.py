@@ -307,7 +307,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="run the planner: it grows and drains the pools within --min/--max-prefill and "
         "--min/--max-decode (default: the --num-* counts) to meet --slo (docs/deploy.md, Scaling)",
     )
-    add_policy_options(p)
+    add_policy_options(p, slo=False)  # ClusterSpec's --slo: the router's and the planner's
     p.set_defaults(func=cmd_up)
 
     planner_cli.add_command(sub)

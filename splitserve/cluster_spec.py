@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from splitserve.runtime.options import option
+from splitserve.runtime.slo import Slo
 
 DEFAULT_GPU_SHARE = 0.9  # of one GPU's memory, split among the nodes sharing it
 
@@ -39,6 +40,12 @@ class ClusterSpec:
     )
     tokenizer_path: str | None = option(
         None, "the router's tokenizer folder (default: the checkpoint's)", flag="--tokenizer"
+    )
+    slo: str | None = option(
+        None,
+        "the router's --slo, e.g. ttft=2,tpot=100ms: requests predicted to miss it are refused "
+        "at once (default: none); with --autoscale also the planner's aim (default there: "
+        "ttft=2,tpot=0.1)",
     )
     metrics_port: int | None = option(
         None,
@@ -93,6 +100,7 @@ class ClusterSpec:
         last = 65535 - self.num_prefill - self.num_decode  # the router's, then one per node
         if self.metrics_port is not None and not 0 <= self.metrics_port <= last:
             raise ValueError(f"--metrics-port {self.metrics_port}: give 0..{last}")
+        Slo.parse(self.slo)  # a bad --slo fails here, not in the router started later
 
     def metrics_ports(self) -> list[int] | None:
         """The /metrics port of the router, then of each node (prefill nodes first): from

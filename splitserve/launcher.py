@@ -226,6 +226,8 @@ class LocalCluster:
             flags += ["--tokenizer", spec.tokenizer_path]
         if spec.direct_prefill_tokens is not None:
             flags += ["--direct-prefill-tokens", str(spec.direct_prefill_tokens)]
+        if spec.slo:
+            flags += ["--slo", spec.slo]
         if metrics_port is not None:
             flags += ["--metrics-port", str(metrics_port)]
         return flags + _identity_flags(spec.node_args)

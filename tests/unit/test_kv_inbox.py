@@ -15,9 +15,10 @@ import grpc
 import pytest
 
 from splitserve.decode_node.header import TransferRefused
-from splitserve.decode_node.pending import PendingTable
+from splitserve.decode_node.pending import Pending, PendingTable
 from splitserve.decode_node.receiver import KVInbox
 from splitserve.kvstore import ModelIdentity
+from splitserve.models.sampling_params import SamplingParams
 from splitserve.runtime import counter_names as names
 
 
@@ -162,3 +163,15 @@ def test_a_ticket_for_another_nodes_endpoint_falls_back_to_bytes():
     mine = SimpleNamespace(transfer_path="tcp", receiver_id="decode-0", sender_id="p0")
     assert box.reserve_in_layer(mine, [5]) == "tcp"
     assert rx.reserved == [("p0", (3, 4), ""), ("p0", (5,), "tcp")]
+
+
+def test_a_release_before_the_transfer_lands_frees_it_at_the_next_poll():
+    """The router gave up on the request while P was still shipping: D's Release found nothing;
+    the KV adopted after it expires at once rather than at its transfer deadline."""
+    table = PendingTable()
+    assert table.release("r-1") is None  # nothing yet: remembered
+    far = time.monotonic() + 30
+    table.add("r-1", Pending([1, 2], 3, SamplingParams(), None, far))
+    table.add("r-2", Pending([1, 2], 3, SamplingParams(), None, far))
+    assert table.take_expired(time.monotonic()) == ["r-1"]
+    assert "r-2" in table and table.release("r-2") is not None and len(table) == 0

@@ -84,7 +84,7 @@ def test_prefill_stage_returns_the_first_token_and_gives_p_back():
         prm = params("abcd")
         session = decode.claim(d, demand_of(prm), "r-1")
         first = await stage.attempt(prm, p, session, {}, tried(), time.monotonic() + 5)
-        assert first == FirstToken(ord("d"), 0.0, "", 3)
+        assert first == FirstToken(ord("d"), 0.0, "", 3, computed_tokens=1)
         assert computed == [len("abcd") - 3]
         assert nodes.prefill_calls == [("p0", "d0")] and "r-1" in nodes.held
         assert (p.in_flight, p.queued_tokens) == (0, 0)

@@ -1,0 +1,284 @@
+"""Admission by predicted latency (router/predictor.py, router/admission.py): a request that must
+queue and is predicted to miss its TTFT target is refused at once, one whose target passes
+while it waits is refused before any node works on it, a decode node takes a request only while
+its batch stays within the TPOT target, and the predictor learns from what it sees."""
+
+import asyncio
+import random
+import time
+
+import grpc
+import pytest
+
+from splitserve.router.admission import Admission
+from splitserve.router.errors import GenerateError
+from splitserve.router.pool import NodePool
+from splitserve.router.predictor import (
+    MIN_SAMPLES,
+    WINDOW,
+    BusyRate,
+    TPOTLine,
+    TTFTPrediction,
+    TTFTPredictor,
+)
+from splitserve.runtime.metrics import RouterMetrics
+from splitserve.runtime.slo import Slo
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_busy_rate_is_tokens_over_busy_seconds_not_wall_seconds():
+    clock = Clock()
+    rate = BusyRate(clock)
+    rng = random.Random(7)
+    tokens_per_s = rng.uniform(2_000, 20_000)
+    assert rate.rate() is None
+    for _ in range(MIN_SAMPLES + 4):
+        clock.now += rng.uniform(0.05, 0.3)  # idle between requests: not counted
+        rate.start()
+        tokens = rng.randint(50, 500)
+        clock.now += tokens / tokens_per_s
+        rate.end(tokens)
+    # The first sample's tokens are the window's base: the rate is over the rest.
+    assert rate.rate() == pytest.approx(tokens_per_s, rel=1e-6)
+    clock.now += 60  # old news is forgotten
+    assert rate.rate() is None
+
+
+def test_busy_rate_counts_overlapping_requests_once_in_time():
+    clock = Clock()
+    rate = BusyRate(clock)
+    for _ in range(4 * MIN_SAMPLES):
+        rate.start()
+        rate.start()  # two at once: the node is busy for 0.1 s and computes both
+        clock.now += 0.1
+        rate.end(100)
+        rate.end(100)
+        clock.now += 0.2
+    # Within the window's edge (its first sample is the base): 2,000, not 1,000 per request.
+    assert rate.rate() == pytest.approx(2_000, rel=0.05)
+
+
+def test_ttft_prediction_adds_queue_wait_own_prefill_and_a_learned_margin():
+    clock = Clock()
+    predictor = TTFTPredictor(clock)
+    nothing = predictor.predict(5, pace=0.0, tokens_ahead=0, own_tokens=100, capacity=None)
+    assert nothing == TTFTPrediction(0.0, 0.0, 0.0)  # nothing learned: nothing predicted
+    p = predictor.predict(10, pace=5.0, tokens_ahead=1_000, own_tokens=200, capacity=1_000.0)
+    assert p.wait_s == pytest.approx(2.0) and p.own_s == pytest.approx(0.2)
+    p = predictor.predict(10, pace=5.0, tokens_ahead=4_000, own_tokens=200, capacity=1_000.0)
+    assert p.wait_s == pytest.approx(4.0)  # the prefill backlog, when it is the longer wait
+    # Requests take 0.5 s more than predicted: the base learns it, and until it has, the margin
+    # covers it; once the window holds only errors made since, the margin is their spread.
+    rng = random.Random(3)
+    for _ in range(WINDOW + MIN_SAMPLES):
+        guess = predictor.predict(0, 0.0, 0, 300, 1_000.0)
+        actual = 0.3 + 0.5 + rng.uniform(0, 0.1)
+        predictor.observe(guess, queued_s=0.0, first_token_s=actual, own_tokens=300, capacity=1e3)
+    p = predictor.predict(0, 0.0, 0, 300, 1_000.0)
+    assert 0.8 <= p.own_s <= 0.9 and p.margin_s < 0.1  # learned: no systematic error left
+    assert 0.8 <= p.ttft_s <= 1.0
+
+
+def test_the_margin_covers_recent_underestimates_and_is_forgotten():
+    clock = Clock()
+    predictor = TTFTPredictor(clock)
+    guess = TTFTPrediction(1.0, 0.5, 0.0)
+    for i in range(2 * MIN_SAMPLES):
+        late = 0.0 if i % 10 else 3.0  # one in ten is 3 s late
+        predictor.observe(guess, queued_s=1.0, first_token_s=1.5 + late, own_tokens=0, capacity=0)
+    assert predictor.margin_s() == pytest.approx(3.0)
+    clock.now += 120
+    assert predictor.margin_s() == 0.0 and predictor.base_s() == 0.0
+
+
+def test_tpot_line_predicts_from_recent_batches():
+    clock = Clock()
+    line = TPOTLine(clock)
+    rng = random.Random(11)
+    for _ in range(2 * MIN_SAMPLES):
+        batch = rng.randint(1, 40)
+        line.add(batch, 0.010 + 0.002 * batch + rng.uniform(-1e-4, 1e-4))
+    assert line.predict(50) == pytest.approx(0.110, abs=0.002)
+    same = TPOTLine(clock)
+    for _ in range(2 * MIN_SAMPLES):
+        same.add(8, 0.05)
+    assert same.predict(50) is None  # one batch size says nothing about others
+
+
+def _pools(capacity: int = 1):
+    decode = NodePool("decode", ["d:1"])
+    decode.nodes[0].capacity = capacity
+    prefill = NodePool("prefill", ["p:1"])
+    return decode, prefill
+
+
+def _teach_pace(admission: Admission, per_s: float) -> None:
+    now = time.monotonic()
+    for i in range(32):
+        admission._departures.append(now - (31 - i) / per_s)
+
+
+def test_a_request_predicted_to_miss_its_ttft_is_refused_at_arrival():
+    async def run():
+        decode, prefill = _pools()
+        metrics = RouterMetrics()
+        admission = Admission(decode, metrics, prefill=prefill)
+        decode.acquire(decode.nodes[0])  # full
+        far = time.monotonic() + 60
+        waiting = [asyncio.create_task(admission.enter(far, work=100)) for _ in range(9)]
+        await asyncio.sleep(0.01)
+        _teach_pace(admission, 2.0)  # 2/s with 9 ahead: ~5 s of queue
+        start = time.monotonic()
+        with pytest.raises(GenerateError) as refused:
+            admission.check_arrival(far, Slo(ttft_s=2.0))
+        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "TTFT target" in refused.value.message
+        assert refused.value.retry_after_s is not None and refused.value.retry_after_s >= 3
+        with pytest.raises(GenerateError):
+            await admission.enter(far, work=100, slo=Slo(ttft_s=2.0))
+        assert time.monotonic() - start < 0.05  # at once, not after waiting
+        assert metrics.refused.labels(reason="slo_ttft")._value.get() == 2
+        # A target the queue can meet waits its turn; no target waits as before.
+        ok = asyncio.create_task(admission.enter(far, work=100, slo=Slo(ttft_s=30.0)))
+        plain = asyncio.create_task(admission.enter(far, work=100))
+        await asyncio.sleep(0.01)
+        assert len(admission) == 11 and not ok.done() and not plain.done()
+        for task in [*waiting, ok, plain]:
+            task.cancel()
+        await asyncio.gather(*waiting, ok, plain, return_exceptions=True)
+        assert len(admission) == 0
+
+    asyncio.run(run())
+
+
+def test_a_queued_request_whose_ttft_target_passes_is_refused_before_any_node_works():
+    async def run():
+        decode, prefill = _pools()
+        metrics = RouterMetrics()
+        admission = Admission(decode, metrics, prefill=prefill)
+        decode.acquire(decode.nodes[0])
+        start = time.monotonic()
+        with pytest.raises(GenerateError) as expired:
+            await admission.enter(start + 60, work=10, slo=Slo(ttft_s=0.2), arrival=start)
+        waited = time.monotonic() - start
+        assert 0.15 <= waited < 0.5  # given up at its target, not at the deadline
+        assert expired.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert metrics.refused.labels(reason="slo_expired")._value.get() == 1
+        assert len(admission) == 0 and decode.nodes[0].in_flight == 1
+
+    asyncio.run(run())
+
+
+def test_an_idle_pool_admits_whatever_the_prediction():
+    """Nothing waits and there is room: the request goes (a router that refused on a stale
+    prediction with idle pools would never learn they recovered)."""
+
+    async def run():
+        decode, prefill = _pools(capacity=4)
+        admission = Admission(decode, RouterMetrics(), prefill=prefill)
+        for _ in range(2 * MIN_SAMPLES):  # the predictor thinks requests take 10 s
+            admission.predictor.observe(TTFTPrediction(0, 0, 0), 0.0, 10.0, 0, None)
+        admitted = await asyncio.wait_for(
+            admission.enter(time.monotonic() + 60, work=10, slo=Slo(ttft_s=1.0)), 0.5
+        )
+        assert admitted.prediction is not None and admitted.prediction.ttft_s >= 10
+
+    asyncio.run(run())
+
+
+def test_a_decode_node_takes_requests_only_while_its_batch_meets_the_tpot_target():
+    async def run():
+        decode, prefill = _pools(capacity=64)
+        node = decode.nodes[0]
+        for batch in range(1, 2 * MIN_SAMPLES + 1):
+            node.tpot.add(batch, 0.01 * batch)  # 10 ms per request in the batch
+        admission = Admission(decode, RouterMetrics(), prefill=prefill)
+        far = time.monotonic() + 60
+        for _ in range(4):
+            await asyncio.wait_for(admission.enter(far, slo=Slo(tpot_s=0.05)), 0.5)
+            decode.acquire(node)
+        # A fifth makes a batch of 5 (50 ms): still within; a sixth would not be.
+        await asyncio.wait_for(admission.enter(far, slo=Slo(tpot_s=0.05)), 0.5)
+        decode.acquire(node)
+        sixth = asyncio.create_task(admission.enter(far, slo=Slo(tpot_s=0.05)))
+        loose = asyncio.create_task(admission.enter(far, slo=Slo(tpot_s=1.0)))
+        await asyncio.sleep(0.05)
+        assert not sixth.done() and not loose.done()  # in arrival order: behind the sixth
+        decode.release(node)
+        await asyncio.wait_for(sixth, 0.5)
+        decode.acquire(node)
+        await asyncio.wait_for(loose, 0.5)
+        assert decode.pick(tpot_s=0.05) is node  # the only node: picked when all are full
+
+    asyncio.run(run())
+
+
+# ---------------------------------------------------------------- fair share between clients
+
+
+def test_a_burst_of_one_client_does_not_take_the_turns_of_another():
+    async def run():
+        decode, prefill = _pools(capacity=1)
+        node = decode.nodes[0]
+        admission = Admission(decode, RouterMetrics(), prefill=prefill, weights={"gold": 2})
+        decode.acquire(node)  # full: everything queues
+        far = time.monotonic() + 60
+        order: list[str] = []
+
+        async def request(client: str) -> None:
+            await admission.enter(far, work=100, client=client)
+            order.append(client)
+
+        tasks = [asyncio.create_task(request("heavy")) for _ in range(12)]
+        await asyncio.sleep(0.01)
+        tasks += [asyncio.create_task(request("light")) for _ in range(3)]
+        tasks += [asyncio.create_task(request("gold")) for _ in range(4)]
+        await asyncio.sleep(0.01)
+        # A newcomer of a client with nothing queued stands near the front, not behind 19.
+        assert admission._queue.position("other") == 5  # 1 / its share (weights 1+1+2+1)
+        for _ in range(19):
+            decode.release(node)  # one slot frees: the head goes and takes it
+            await asyncio.sleep(0.005)
+            decode.acquire(node)
+        await asyncio.gather(*tasks)
+        # heavy came first but shares by weight (1:1:2): within 10 turns light's 3 and gold's 4
+        # have all gone, heavy has had 3, not the first 12
+        first_ten = order[:10]
+        assert first_ten.count("light") == 3 and first_ten.count("gold") == 4, order
+        assert order.count("heavy") == 12 and len(admission) == 0
+
+    asyncio.run(run())
+
+
+def test_one_client_alone_keeps_arrival_order():
+    async def run():
+        decode, prefill = _pools(capacity=1)
+        node = decode.nodes[0]
+        admission = Admission(decode, RouterMetrics(), prefill=prefill)
+        decode.acquire(node)
+        far = time.monotonic() + 60
+        order: list[int] = []
+
+        async def request(i: int) -> None:
+            await admission.enter(far, work=random.randint(1, 500), client="only")
+            order.append(i)
+
+        tasks = []
+        for i in range(8):
+            tasks.append(asyncio.create_task(request(i)))
+            await asyncio.sleep(0.002)
+        for _ in range(8):
+            decode.release(node)
+            await asyncio.sleep(0.005)
+            decode.acquire(node)
+        await asyncio.gather(*tasks)
+        assert order == list(range(8))
+
+    asyncio.run(run())
