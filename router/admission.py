@@ -207,6 +207,10 @@ class Admission:
             return Admitted(start, None, None, work)
         self._check_fits(demand)
         if not self._queue and self._room(demand, work, tpot_s):
+            # NOTE: counted in the pace too: when a queue first forms, its pace is then known at
+            # once (at most the arrival rate so far, which the pools kept up with: a wait
+            # predicted from it is too long, never too short, until queued departures replace it).
+            self._departures.append(start)
             return Admitted(start, self.predict(work, None), self.capacity(), work)
         prediction = self.predict(work, client)
         latest, give_up = self._check_wait(deadline, start, client)
@@ -214,7 +218,9 @@ class Admission:
         if slo is not None and slo.ttft_s is not None:
             target = arrival + slo.ttft_s
             self._check_slo(prediction, target, start)
-            ttft_by = target - prediction.own_s - prediction.margin_s
+            # NOTE: the margin buys the wait room to run late at arrival; once queued, a request
+            # goes as long as its own part can still end within the target.
+            ttft_by = target - prediction.own_s
             give_up = min(give_up, ttft_by)
         loop = asyncio.get_running_loop()
         me = Waiter(loop.create_future(), demand, work, start, tpot_s, client)
@@ -226,6 +232,7 @@ class Admission:
                 left = give_up - time.monotonic()
                 if left <= 0:
                     if ttft_by is not None and time.monotonic() >= ttft_by:
+                        self.predictor.expired(prediction, time.monotonic() - start)
                         raise self._expired(arrival, start, slo, prediction)
                     raise self._timed_out(deadline, latest, start)
                 if me.wake.done():
@@ -286,7 +293,7 @@ class Admission:
         return self._refuse(
             "slo_expired",
             f"waited {time.monotonic() - start:.2f} s for room in the pools; with "
-            f"~{prediction.own_s + prediction.margin_s:.2f} s more to its first token it can no "
+            f"~{prediction.own_s:.2f} s more to its first token it can no "
             f"longer meet its TTFT target of {ttft} s: retry later, with a larger target, or "
             "add nodes",
             self._pace_wait(len(self._queue)),

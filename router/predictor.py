@@ -9,8 +9,10 @@ will wait until the pools let it go, then its own prefill, transfer and D's firs
 - **Own time**: a learned base (transfer, D's first step, the node's own queue: the recent median
   of what a request took from leaving the queue to its first token, less its own prefill at the
   measured rate) plus its own uncached tokens at the measured rate.
-- **Margin**: the 90th percentile of recent errors (actual less predicted TTFT; never below 0),
-  so the prediction corrects itself when the pools change or the model of them is off.
+- **Margin**: the 95th percentile of recent errors (actual less predicted TTFT; never below 0),
+  so the prediction corrects itself when the pools change or the model of them is off. A request
+  that waited in vain (refused when its target passed) counts with the wait it had, an error at
+  least that large: errors of served requests alone would hide the ones the margin failed.
 
 Time per output token (Mooncake's decode horizon): the router's requests on a decode node include
 those still in prefill there, so ``in_flight`` is the batch a new request will meet when its
@@ -34,7 +36,7 @@ T = TypeVar("T")
 WINDOW = 256  # samples each estimate is drawn from
 MAX_AGE_S = 60.0  # samples older than this are forgotten
 MIN_SAMPLES = 16  # fewer: no estimate
-MARGIN_QUANTILE = 0.9
+MARGIN_QUANTILE = 0.95  # a request admitted past it is refused late (slo_expired) or misses
 RATE_WINDOW_S = 10.0  # a node's prefill rate: tokens over busy seconds in this window
 TPOT_MIN_SPREAD = 2  # batch sizes seen must span this much before a TPOT line is drawn
 
@@ -170,6 +172,11 @@ class TTFTPredictor:
         error = first_token_s - (prediction.wait_s + prediction.own_s)
         self._errors.add(error)
         return error
+
+    def expired(self, prediction: TTFTPrediction, queued_s: float) -> None:
+        """A request waited ``queued_s`` and was given up (its target passed): its wait alone
+        was that much longer than predicted (its TTFT would have been later still)."""
+        self._errors.add(queued_s - prediction.wait_s)
 
 
 class TPOTLine:

@@ -356,7 +356,7 @@ class _PressureCollector(Collector):
         )
         yield gauge(
             "ttft_prediction_margin_seconds",
-            "The margin admission adds to its TTFT predictions: the 90th percentile of the "
+            "The margin admission adds to its TTFT predictions: the 95th percentile of the "
             "last minute's prediction errors (never below 0)",
             f.ttft_margin_s,
         )
