@@ -59,7 +59,7 @@ def test_goodput_holds_past_the_knee(tmp_path):
         high = _bench(target, tmp_path, "high", f"--request-rate {3 * capacity:.2f} --duration 10")
         url = cluster.addresses.metrics[target]
         router = scrape_metrics(int(url.rsplit(":", 1)[1].split("/")[0]))
-        reasons = {k: v for k, v in router.items() if k.startswith("splitserve_router_refused") and v}
+        reasons = {k: v for k, v in router.items() if k.startswith("splitserve_router_refused_t")}
         print(f"capacity {capacity:.1f} req/s; goodput at 0.4x {low['goodput']:.2f}, at 3x "
               f"{high['goodput']:.2f}; refused at 3x {high['refused']}, by the router {reasons}; "
               f"refusal latency at the client {high['refusal_latency_s']}")  # fmt: skip
