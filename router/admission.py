@@ -18,9 +18,10 @@ would outlast its deadline or ``--queue-timeout-s``, or when it has waited that 
 target (``--slo`` or the request's own), when its predicted time to first token is past it
 (``slo_ttft``, at arrival) or it waited until it could no longer meet it (``slo_expired``). Its
 deadline passing in the queue is DEADLINE_EXCEEDED. Each refusal carries a retry-after hint and
-is counted by reason (``splitserve_router_refused_total{reason}``). A request that finds the
-pools idle (nothing waiting, room now) always goes: predictions only ever hold back what would
-queue.
+is counted by reason (``splitserve_router_refused_total{reason}``). A request that finds room
+(nothing waiting) is still refused (``slo_ttft``) when the prefill nodes' backlog puts its first
+token past its target, unless none was let go for ``PROBE_S``: the predictor learns only from
+requests it lets go.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from splitserve.router.errors import GenerateError
 from splitserve.router.fair_queue import FairQueue
 from splitserve.router.kv_budget import KVDemand
 from splitserve.router.pool import NodePool
-from splitserve.router.predictor import TTFTPrediction, TTFTPredictor
+from splitserve.router.predictor import PrefillLoad, TTFTPrediction, TTFTPredictor
 from splitserve.runtime.metrics import REFUSAL_REASONS, RouterMetrics
 from splitserve.runtime.slo import Slo
 
@@ -51,6 +52,9 @@ WAITS_WINDOW_S = 60.0  # queue wait quantiles are over the requests that left in
 SERVICE_WINDOW = 256  # recent requests' service times (from leaving the queue to the end)
 SERVICE_QUANTILE = 0.9  # a queued request needs this quantile of them left before its deadline
 SERVICE_MIN = 16  # fewer served than this: no service estimate (0)
+# With room in the pools, a request predicted to miss its TTFT target is still let go when none
+# was for this long: the predictor learns only from requests it lets go.
+PROBE_S = 1.0
 
 
 @dataclass(slots=True, eq=False)
@@ -72,7 +76,7 @@ class Admitted(NamedTuple):
 
     at: float  # time.monotonic()
     prediction: TTFTPrediction | None  # None: no prediction was made (no decode node usable)
-    capacity: float | None  # the prefill pool's measured rate then (tokens/s)
+    load: PrefillLoad  # the prefill pool's when it was let go
     own_tokens: int  # its uncached prompt tokens
 
 
@@ -91,6 +95,7 @@ class Admission:
         self._prefill = prefill  # None: prefill room is not waited for
         self._rates = rates if rates is not None else prefill  # the prefill pool's busy rates
         self.predictor = TTFTPredictor()
+        self._admitted = 0.0  # when a request was last let go
         self._metrics = metrics
         self.max_waiting = max_waiting
         self.max_wait_s = max_wait_s
@@ -153,7 +158,7 @@ class Admission:
             admitted.at - arrival,
             now - arrival,
             admitted.own_tokens,
-            admitted.capacity,
+            admitted.load,
         )
         self._metrics.ttft_prediction_error.observe(error)
 
@@ -175,15 +180,22 @@ class Admission:
         """The prefill pool's measured prompt tokens per second (None: not known, or no pool)."""
         return self._rates.prefill_capacity() if self._rates is not None else None
 
+    def load(self) -> PrefillLoad:
+        """The prefill pool now: its measured rate and the prompt tokens it has to compute."""
+        pool = self._rates
+        if pool is None:
+            return PrefillLoad(None, 0)
+        return PrefillLoad(pool.prefill_capacity(), sum(n.queued_tokens for n in pool.usable()))
+
     def predict(self, own_tokens: int, client: str | None = "") -> TTFTPrediction:
         """The TTFT of a request of ``client`` that queues now (None: one that goes now): its
         fair position's share of the queue's pace and of the prompt tokens queued."""
-        capacity = self.capacity()
+        load = self.load()
         if client is None:
-            return self.predictor.predict(0, self._pace(), 0, own_tokens, capacity)
+            return self.predictor.predict(0, self._pace(), 0, own_tokens, load)
         position = self._queue.position(client)
         ahead = self.queued_prompt_tokens * min(1.0, (position - 1) / max(len(self._queue), 1))
-        return self.predictor.predict(position, self._pace(), int(ahead), own_tokens, capacity)
+        return self.predictor.predict(position, self._pace(), int(ahead), own_tokens, load)
 
     async def enter(
         self,
@@ -204,14 +216,19 @@ class Admission:
         arrival = start if arrival is None else arrival
         tpot_s = slo.tpot_s if slo is not None else None
         if not self._decode.usable():
-            return Admitted(start, None, None, work)
+            return Admitted(start, None, PrefillLoad(None, 0), work)
         self._check_fits(demand)
         if not self._queue and self._room(demand, work, tpot_s):
+            prediction = self.predict(work, None)
+            if slo is not None and slo.ttft_s is not None and start - self._admitted < PROBE_S:
+                # Room by count, but the nodes' backlog may already be past the target.
+                self._check_slo(prediction, arrival + slo.ttft_s, start)
             # NOTE: counted in the pace too: when a queue first forms, its pace is then known at
             # once (at most the arrival rate so far, which the pools kept up with: a wait
             # predicted from it is too long, never too short, until queued departures replace it).
             self._departures.append(start)
-            return Admitted(start, self.predict(work, None), self.capacity(), work)
+            self._admitted = start
+            return Admitted(start, prediction, self.load(), work)
         prediction = self.predict(work, client)
         latest, give_up = self._check_wait(deadline, start, client)
         ttft_by = None  # the latest it may be let go and still meet its TTFT target
@@ -242,7 +259,8 @@ class Admission:
                 await asyncio.wait([me.wake], timeout=timeout)
             let_go = True
             self._queue.let_go(me)
-            return Admitted(time.monotonic(), prediction, self.capacity(), work)
+            self._admitted = time.monotonic()
+            return Admitted(self._admitted, prediction, self.load(), work)
         finally:
             self._queue.remove(me)
             now = time.monotonic()

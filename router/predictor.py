@@ -6,9 +6,11 @@ will wait until the pools let it go, then its own prefill, transfer and D's firs
 - **Wait**: the longer of the queue's pace (requests let go per second, whatever the bottleneck:
   decode slots, decode KV or prefill room) times its position, and the uncached prompt tokens
   queued ahead of it over the prefill pool's measured rate (``prefill_capacity``).
-- **Own time**: a learned base (transfer, D's first step, the node's own queue: the recent median
-  of what a request took from leaving the queue to its first token, less its own prefill at the
-  measured rate) plus its own uncached tokens at the measured rate.
+- **Own time**: the prefill nodes' backlog (prompt tokens of requests already let go) and its own
+  uncached tokens at the measured rate, plus a learned base (transfer, D's first step: the recent
+  median of what a request took from leaving the queue to its first token, less that prefill).
+  The backlog is read, not learned: when the nodes hold more work than a target allows, requests
+  are refused at once even with room in the pools by count.
 - **Margin**: the 95th percentile of recent errors (actual less predicted TTFT; never below 0),
   so the prediction corrects itself when the pools change or the model of them is off. A request
   that waited in vain (refused when its target passed) counts with the wait it had, an error at
@@ -113,6 +115,17 @@ class BusyRate:
         return (tokens1 - tokens0) / (busy1 - busy0)
 
 
+class PrefillLoad(NamedTuple):
+    """The prefill pool as a request leaving the queue meets it."""
+
+    capacity: float | None  # prompt tokens per second it computes when busy (None: not known)
+    backlog: int  # prompt tokens it has to compute for requests already let go
+
+    def seconds(self, own_tokens: int) -> float:
+        """Until a request's own ``own_tokens`` are computed, behind the backlog (0: unknown)."""
+        return (self.backlog + own_tokens) / self.capacity if self.capacity else 0.0
+
+
 class TTFTPrediction(NamedTuple):
     wait_s: float  # in the router's queue
     own_s: float  # from leaving the queue to the first token
@@ -140,21 +153,15 @@ class TTFTPredictor:
         return max(margin, 0.0) if margin is not None else 0.0
 
     def predict(
-        self,
-        position: int,
-        pace: float,
-        tokens_ahead: int,
-        own_tokens: int,
-        capacity: float | None,
+        self, position: int, pace: float, tokens_ahead: int, own_tokens: int, load: PrefillLoad
     ) -> TTFTPrediction:
         """``position``: requests in the queue up to and including this one (0: it goes now);
         ``pace``: requests the queue lets go per second (0: unknown); ``tokens_ahead``: uncached
-        prompt tokens queued ahead; ``own_tokens``: its own; ``capacity``: the prefill pool's
-        tokens per second (None: unknown)."""
+        prompt tokens queued ahead; ``own_tokens``: its own; ``load``: the prefill pool's."""
         wait = position / pace if pace > 0 and position else 0.0
-        if capacity:
-            wait = max(wait, tokens_ahead / capacity)
-        own = self.base_s() + (own_tokens / capacity if capacity else 0.0)
+        if load.capacity:
+            wait = max(wait, tokens_ahead / load.capacity)
+        own = self.base_s() + load.seconds(own_tokens)
         return TTFTPrediction(wait, own, self.margin_s())
 
     def observe(
@@ -163,12 +170,12 @@ class TTFTPredictor:
         queued_s: float,
         first_token_s: float,
         own_tokens: int,
-        capacity: float | None,
+        load: PrefillLoad,
     ) -> float:
         """A request's first token came ``first_token_s`` after its arrival, ``queued_s`` of it
-        in the queue: learn from it; returns the error (actual less predicted, no margin)."""
-        own = own_tokens / capacity if capacity else 0.0
-        self._base.add(first_token_s - queued_s - own)
+        in the queue, ``load`` the prefill pool's when it left the queue: learn from it; returns
+        the error (actual less predicted, no margin)."""
+        self._base.add(first_token_s - queued_s - load.seconds(own_tokens))
         error = first_token_s - (prediction.wait_s + prediction.own_s)
         self._errors.add(error)
         return error

@@ -10,13 +10,14 @@ import time
 import grpc
 import pytest
 
-from splitserve.router.admission import Admission
+from splitserve.router.admission import PROBE_S, Admission
 from splitserve.router.errors import GenerateError
 from splitserve.router.pool import NodePool
 from splitserve.router.predictor import (
     MIN_SAMPLES,
     WINDOW,
     BusyRate,
+    PrefillLoad,
     TPOTLine,
     TTFTPrediction,
     TTFTPredictor,
@@ -68,20 +69,24 @@ def test_busy_rate_counts_overlapping_requests_once_in_time():
 def test_ttft_prediction_adds_queue_wait_own_prefill_and_a_learned_margin():
     clock = Clock()
     predictor = TTFTPredictor(clock)
-    nothing = predictor.predict(5, pace=0.0, tokens_ahead=0, own_tokens=100, capacity=None)
+    unknown, idle = PrefillLoad(None, 0), PrefillLoad(1_000.0, 0)
+    nothing = predictor.predict(5, pace=0.0, tokens_ahead=0, own_tokens=100, load=unknown)
     assert nothing == TTFTPrediction(0.0, 0.0, 0.0)  # nothing learned: nothing predicted
-    p = predictor.predict(10, pace=5.0, tokens_ahead=1_000, own_tokens=200, capacity=1_000.0)
+    p = predictor.predict(10, pace=5.0, tokens_ahead=1_000, own_tokens=200, load=idle)
     assert p.wait_s == pytest.approx(2.0) and p.own_s == pytest.approx(0.2)
-    p = predictor.predict(10, pace=5.0, tokens_ahead=4_000, own_tokens=200, capacity=1_000.0)
-    assert p.wait_s == pytest.approx(4.0)  # the prefill backlog, when it is the longer wait
+    p = predictor.predict(10, pace=5.0, tokens_ahead=4_000, own_tokens=200, load=idle)
+    assert p.wait_s == pytest.approx(4.0)  # the queued prompt tokens, when the longer wait
+    busy = PrefillLoad(1_000.0, 1_500)  # the nodes hold 1.5 s of prompts let go before it
+    p = predictor.predict(0, pace=5.0, tokens_ahead=0, own_tokens=200, load=busy)
+    assert p.wait_s == 0.0 and p.own_s == pytest.approx(1.7)
     # Requests take 0.5 s more than predicted: the base learns it, and until it has, the margin
     # covers it; once the window holds only errors made since, the margin is their spread.
     rng = random.Random(3)
     for _ in range(WINDOW + MIN_SAMPLES):
-        guess = predictor.predict(0, 0.0, 0, 300, 1_000.0)
+        guess = predictor.predict(0, 0.0, 0, 300, idle)
         actual = 0.3 + 0.5 + rng.uniform(0, 0.1)
-        predictor.observe(guess, queued_s=0.0, first_token_s=actual, own_tokens=300, capacity=1e3)
-    p = predictor.predict(0, 0.0, 0, 300, 1_000.0)
+        predictor.observe(guess, queued_s=0.0, first_token_s=actual, own_tokens=300, load=idle)
+    p = predictor.predict(0, 0.0, 0, 300, idle)
     assert 0.8 <= p.own_s <= 0.9 and p.margin_s < 0.1  # learned: no systematic error left
     assert 0.8 <= p.ttft_s <= 1.0
 
@@ -92,7 +97,9 @@ def test_the_margin_covers_recent_underestimates_and_is_forgotten():
     guess = TTFTPrediction(1.0, 0.5, 0.0)
     for i in range(2 * MIN_SAMPLES):
         late = 0.0 if i % 10 else 3.0  # one in ten is 3 s late
-        predictor.observe(guess, queued_s=1.0, first_token_s=1.5 + late, own_tokens=0, capacity=0)
+        predictor.observe(
+            guess, 1.0, first_token_s=1.5 + late, own_tokens=0, load=PrefillLoad(0, 0)
+        )
     assert predictor.margin_s() == pytest.approx(3.0)
     clock.now += 120
     assert predictor.margin_s() == 0.0 and predictor.base_s() == 0.0
@@ -176,19 +183,35 @@ def test_a_queued_request_whose_ttft_target_passes_is_refused_before_any_node_wo
     asyncio.run(run())
 
 
-def test_an_idle_pool_admits_whatever_the_prediction():
-    """Nothing waits and there is room: the request goes (a router that refused on a stale
-    prediction with idle pools would never learn they recovered)."""
+def test_room_by_count_is_not_enough_when_the_nodes_backlog_is_past_the_target():
+    """Nothing waits at the router and every pool has room by count, but the prefill nodes
+    already hold 3 s of prompts: a 1 s target is refused at once. One request a PROBE_S still goes
+    whatever the prediction (the predictor learns only from requests it lets go)."""
 
     async def run():
-        decode, prefill = _pools(capacity=4)
+        decode, prefill = _pools(capacity=64)
+        p = prefill.nodes[0]
+        clock = Clock()
+        clock.now = time.monotonic() - 2.0
+        p.rate = BusyRate(clock)
+        for _ in range(MIN_SAMPLES + 1):  # p computes 1,000 tokens per busy second
+            p.rate.start()
+            clock.now += 0.1
+            p.rate.end(100)
         admission = Admission(decode, RouterMetrics(), prefill=prefill)
-        for _ in range(2 * MIN_SAMPLES):  # the predictor thinks requests take 10 s
-            admission.predictor.observe(TTFTPrediction(0, 0, 0), 0.0, 10.0, 0, None)
-        admitted = await asyncio.wait_for(
-            admission.enter(time.monotonic() + 60, work=10, slo=Slo(ttft_s=1.0)), 0.5
-        )
-        assert admitted.prediction is not None and admitted.prediction.ttft_s >= 10
+        far = time.monotonic() + 60
+        first = await asyncio.wait_for(admission.enter(far, work=10, slo=Slo(ttft_s=1.0)), 0.5)
+        assert first.prediction is not None and first.prediction.ttft_s < 1.0
+        prefill.acquire(p, 3_000)  # requests let go earlier: 3 s of work on the node
+        with pytest.raises(GenerateError) as refused:
+            await admission.enter(far, work=10, slo=Slo(ttft_s=1.0))
+        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "TTFT target" in refused.value.message and len(admission) == 0
+        await asyncio.wait_for(admission.enter(far, work=10, slo=Slo(ttft_s=5.0)), 0.5)
+        await asyncio.wait_for(admission.enter(far, work=10), 0.5)  # no target: no prediction
+        admission._admitted -= PROBE_S  # nothing let go for PROBE_S: the next one probes
+        probe = await asyncio.wait_for(admission.enter(far, work=10, slo=Slo(ttft_s=1.0)), 0.5)
+        assert probe.prediction is not None and probe.prediction.ttft_s > 3.0
 
     asyncio.run(run())
 
