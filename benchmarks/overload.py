@@ -2,18 +2,32 @@
 cost the pools (``splitserve bench`` per rate, a fresh router per rate).
 
     python benchmarks/overload.py --device cuda --make-8b /tmp/llama8l --layers 8 \\
-        --num-prefill 4 --gpu-memory-utilization 0.12 --rates 32 64 128
-    python benchmarks/overload.py --rates 4 16 64 --duration 10 --workload "--workload \
-        shared-prefix --num-prefixes 32 --prefix-len 256 --question-len 32 --output-len 16"  # CPU
+        --num-prefill 4 --gpu-memory-utilization 0.12 --rates 64 128 256 \\
+        --slo ttft=2,tpot=0.1 --router-arg=--slo=ttft=2,tpot=0.1 --light-share 0.1
+    python benchmarks/overload.py --rates 4 16 64 --duration 10 --slo ttft=2,tpot=0.5 \\
+        --router-arg=--slo=ttft=2,tpot=0.5 --workload "--workload shared-prefix \\
+        --num-prefixes 32 --prefix-len 256 --question-len 32 --output-len 16"  # CPU
 
-Per rate: output tok/s, requests completed / refused (by reason, and how fast the refusals came)
-/ failed, TTFT p50 / p99, SLO attainment, the prefill pool's computed prompt tokens against the
-prompts of the requests served (the prefill nodes' own counters, ``prompt_tokens -
-cached_tokens``), prefill attempts retried (the router's), transfers that failed or waited on the
-decode node for blocks. Each rate's workload goes under its own cache salt, so no run finds
-another's prompts cached. ``--index on`` routes with the Redis prefix index (the cluster always
-runs one; ``off`` gives the router static node lists and no index). JSON of every run in
+Per rate: output tok/s, requests completed / refused (by reason, and how fast the refusals came:
+the client's p99, the router's share within 50 ms) / failed, the share of the admitted requests
+that completed in time (completed / (completed + failed): with short deadlines the failures are
+timeouts after admission), TTFT p50 / p99, SLO attainment and goodput (requests/s within
+``--slo``), the share of the prompt tokens computed that went to requests that did not complete
+(the router's ``prefill_wasted_tokens`` / ``prefill_computed_tokens``), the prefill pool's
+computed prompt tokens against the prompts of the requests served (the prefill nodes' own
+counters, ``prompt_tokens - cached_tokens``), prefill attempts retried (the router's), transfers
+that failed or waited on the decode node for blocks. Each rate's workload goes under its own
+cache salt, so no run finds another's prompts cached. ``--index on`` routes with the Redis prefix
+index (the cluster always runs one; ``off`` gives the router static node lists and no index).
+
+The router's own SLO: ``--router-arg=--slo=ttft=2,tpot=0.1`` (the ``=`` form: the value starts
+with ``--``); ``--send-slo`` makes every request carry ``--slo`` instead. ``--light-share F`` runs
+two tenants at once against each router: ``heavy`` at the rate and ``light`` at F times it (its
+own seed and cache salt), started together; a row's request figures are then the heavy tenant's
+(the token and router figures count both) and a second table gives each tenant's. A router of
+``--before`` may lack the newer metrics: its rows show ``-`` there. JSON of every run in
 ``--out``; ``--plot JSON`` draws the sweep from a finished run's ``sweep.json`` (no cluster).
+Over 300 lines: the cluster, the runs, the rows and the tables of one experiment in one file.
 """
 
 from __future__ import annotations
@@ -27,6 +41,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from contextlib import ExitStack
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -46,7 +61,7 @@ WORKLOAD = [
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--model", default=None, help="a checkpoint (default: the embedded model)")
     ap.add_argument("--make-8b", default=None, metavar="DIR", help="Llama-3-8B's shape (dummy)")
     ap.add_argument("--layers", type=int, default=32, help="with --make-8b: decoder layers")
@@ -55,11 +70,15 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--num-decode", type=int, default=1)
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
     ap.add_argument("--node-arg", action="append", default=[], help="a flag for every node")
-    ap.add_argument("--router-arg", action="append", default=[], help="a flag for each router")
+    ap.add_argument("--router-arg", action="append", default=[],
+                    help="a flag for each router but --before's: --router-arg=--slo=X")  # fmt: skip
     ap.add_argument("--rates", type=float, nargs="+", default=[32, 64, 128])
     ap.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per rate")
     ap.add_argument("--timeout", type=float, default=30.0, help="each request's deadline (s)")
-    ap.add_argument("--slo", default="ttft=2,tpot=0.05")
+    ap.add_argument("--slo", default="ttft=2,tpot=0.05", help="bench's --slo (goodput)")
+    ap.add_argument("--send-slo", action="store_true", help="every request carries --slo")
+    ap.add_argument("--light-share", type=float, default=0.0, metavar="F",
+                    help="also a 'light' tenant at F times the rate (0: off)")  # fmt: skip
     ap.add_argument("--index", choices=("off", "on"), nargs="+", default=["off"])
     ap.add_argument("--workload", default=None,
                     help="splitserve bench's workload flags, one string (default: the "
@@ -125,25 +144,64 @@ def start_router(cluster, model: str, index: str, out: Path, tag: str, extra: li
     return proc, f"127.0.0.1:{port_file.read_text().strip()}", f"http://127.0.0.1:{metrics_port}"
 
 
+def bench_command(args, target: str, rate: float, salt: str, seed: int, result: Path) -> list[str]:
+    workload = shlex.split(args.workload) if args.workload else WORKLOAD
+    return [
+        sys.executable, "-m", "splitserve.cli", "bench", "--target", target,
+        *workload, "--request-rate", f"{rate:g}",
+        "--duration", f"{args.duration:g}", "--timeout", f"{args.timeout:g}",
+        "--slo", args.slo, "--seed", str(seed), "--cache-salt", salt, "--no-progress",
+        "--result-json", str(result), *(["--send-slo"] if args.send_slo else []),
+    ]  # fmt: skip
+
+
+def run_benches(commands: dict[str, list[str]], out: Path) -> None:
+    """Start every bench at once, then wait for all (exit 1: none completed, still a result)."""
+    with ExitStack() as stack:
+        procs = []
+        for name, cmd in commands.items():
+            log = stack.enter_context((out / f"bench-{name}.log").open("w"))
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+        for proc in procs:
+            proc.wait()
+
+
+def share(part: float | None, whole: float | None) -> float | None:
+    return part / whole if part is not None and whole else None
+
+
+def tenant(rate: float, r: dict) -> dict:
+    """One tenant's figures from its bench results."""
+    return {
+        "rate": rate,
+        "completed": r["completed"],
+        "refused": r["refused"],
+        "failed": r["failed"],
+        "in_time": share(r["completed"], r["completed"] + r["failed"]),
+        "slo_attainment": r["slo_attainment"],
+        "goodput": r["goodput"],
+        "ttft_p99_ms": None if r["ttft_s"]["p99"] is None else 1e3 * r["ttft_s"]["p99"],
+    }
+
+
 def one_rate(args, cluster, model: str, rate: float, index: str, out: Path, env=None) -> dict:
+    """One rate through a fresh router (its counters start at 0): the row of the sweep."""
     label = index if env is None else f"{index}, before"
     tag = f"{index}-r{rate:g}" if env is None else f"{index}-before-r{rate:g}"
     extra = args.router_arg if env is None else []  # an older router may lack newer options
     router, target, metrics = start_router(cluster, model, index, out, tag, extra, env)
     prefill, decode = cluster.addresses.prefill, cluster.addresses.decode
+    benches = {"heavy": (rate, tag)}  # tenant: its rate, the name of its files and cache salt
+    if args.light_share:
+        benches["light"] = (rate * args.light_share, f"{tag}-light")
+    commands = {}
+    for seed, (name, (its_rate, its_tag)) in enumerate(benches.items(), start=1):
+        cmd = bench_command(args, target, its_rate, its_tag, seed, out / f"bench-{its_tag}.json")
+        commands[its_tag] = [*cmd, *(["--client-id", name] if args.light_share else [])]
+    commands[tag] += ["--metrics-url", f"{metrics}/metrics"]
     try:
         before = {a: counters(a) for a in (*prefill, *decode)}
-        result = out / f"bench-{tag}.json"
-        workload = shlex.split(args.workload) if args.workload else WORKLOAD
-        bench = [
-            sys.executable, "-m", "splitserve.cli", "bench", "--target", target,
-            *workload, "--request-rate", f"{rate:g}",
-            "--duration", f"{args.duration:g}", "--timeout", f"{args.timeout:g}",
-            "--slo", args.slo, "--seed", "1", "--cache-salt", tag, "--no-progress",
-            "--result-json", str(result), "--metrics-url", f"{metrics}/metrics",
-        ]  # fmt: skip
-        with (out / f"bench-{tag}.log").open("w") as log:
-            subprocess.run(bench, stdout=log, stderr=subprocess.STDOUT)  # 1: none completed
+        run_benches(commands, out)
         router_figures = scrape(f"{metrics}/metrics")
         after = {a: counters(a) for a in (*prefill, *decode)}
     finally:
@@ -153,7 +211,14 @@ def one_rate(args, cluster, model: str, rate: float, index: str, out: Path, env=
     def delta(addresses, name):
         return sum(after[a].get(name, 0.0) - before[a].get(name, 0.0) for a in addresses)
 
-    r = json.loads(result.read_text())["results"]
+    def router_figure(name: str) -> float | None:  # None: this router does not export it
+        return router_figures.get(f"splitserve_router_{name}")
+
+    runs = {
+        name: json.loads((out / f"bench-{its_tag}.json").read_text())["results"]
+        for name, (_, its_tag) in benches.items()
+    }
+    r = runs["heavy"]
     computed = delta(prefill, "prompt_tokens") - delta(prefill, "cached_tokens")
     refused_by = {
         k.split('reason="')[1].rstrip('"}'): v
@@ -161,9 +226,16 @@ def one_rate(args, cluster, model: str, rate: float, index: str, out: Path, env=
         if k.startswith("splitserve_router_refused_total{") and v
     }
     lat = r["refusal_latency_s"]
-    n_ref = router_figures.get("splitserve_router_refusal_seconds_count", 0.0)
-    ref_sum = router_figures.get("splitserve_router_refusal_seconds_sum", 0.0)
-    fast = router_figures.get('splitserve_router_refusal_seconds_bucket{le="0.1"}', 0.0)
+    n_ref = router_figure("refusal_seconds_count") or 0.0
+    ref_sum = router_figure("refusal_seconds_sum") or 0.0
+
+    def refused_within(le: str) -> float | None:
+        return share(router_figure(f'refusal_seconds_bucket{{le="{le}"}}'), n_ref)
+
+    outcomes = {
+        o: router_figure(f'slo_requests_total{{outcome="{o}"}}')
+        for o in ("met", "missed", "failed")
+    }
     return {
         "index": label,
         "rate": rate,
@@ -174,45 +246,86 @@ def one_rate(args, cluster, model: str, rate: float, index: str, out: Path, env=
         "refusal_p99_ms": None if lat["p99"] is None else 1e3 * lat["p99"],
         "refusal_max_ms": None if lat["max"] is None else 1e3 * lat["max"],
         "router_refusal_mean_ms": 1e3 * ref_sum / n_ref if n_ref else None,
-        "router_refused_within_100ms": fast / n_ref if n_ref else None,
+        "router_refused_within_50ms": refused_within("0.05"),
+        "router_refused_within_100ms": refused_within("0.1"),
         "failed": r["failed"],
         "failures": r["failures"],
+        "in_time": share(r["completed"], r["completed"] + r["failed"]),
         "ttft_p50_ms": 1e3 * (r["ttft_s"]["p50"] or 0),
         "ttft_p99_ms": 1e3 * (r["ttft_s"]["p99"] or 0),
         "slo_attainment": r["slo_attainment"],
-        "served_prompt_tokens": r["input_tokens"],
-        "served_cached_tokens": r["cached_tokens"],
+        "goodput": r["goodput"],
+        "router_slo_requests": outcomes if any(v is not None for v in outcomes.values()) else None,
+        "served_prompt_tokens": sum(x["input_tokens"] for x in runs.values()),
+        "served_cached_tokens": sum(x["cached_tokens"] for x in runs.values()),
         "computed_prompt_tokens": computed,
+        "router_computed_prompt_tokens": router_figure("prefill_computed_tokens_total"),
+        "router_wasted_prompt_tokens": router_figure("prefill_wasted_tokens_total"),
+        "wasted_share": share(
+            router_figure("prefill_wasted_tokens_total"),
+            router_figure("prefill_computed_tokens_total"),
+        ),
         "prefill_retries": router_figures.get("splitserve_router_prefill_retries_total", 0.0),
         "prefill_transfers_failed": delta(prefill, "transfers_failed"),
         "decode_transfers_waited": delta(decode, "transfers_waited_for_blocks"),
         "decode_transfers_failed": delta(decode, "transfers_failed"),
+        "tenants": {name: tenant(benches[name][0], x) for name, x in runs.items()}
+        if args.light_share
+        else None,
     }
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def num(x: float | None, fmt: str = ".0f") -> str:
+    return "-" if x is None else format(x, fmt)
 
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| index | rate (req/s) | output tok/s | done | refused (client p99 / max ms) | failed | "
-        "TTFT p50 / p99 (ms) | SLO att. | computed / served prompt tokens | computed / uncached "
-        "served | prefill retries | transfers failed P / waited D |",
+        "| index | rate (req/s) | output tok/s | done / refused / failed | in time | refusals: "
+        "by reason; client p99 ms; router <= 50 ms | TTFT p50 / p99 (ms) | SLO att. / goodput "
+        "(req/s) | wasted prefill | computed / served prompt tokens (/ uncached) | prefill "
+        "retries | transfers failed P / waited D |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         uncached = max(r["served_prompt_tokens"] - r["served_cached_tokens"], 1)
-        ref = f"{r['refused']:.0f}"
+        ref = "-"
         if r["refused"]:
-            ref += f" ({r['refusal_p99_ms']:.0f} / {r['refusal_max_ms']:.0f}"
-            if r.get("router_refused_within_100ms") is not None:
-                ref += f"; router: {100 * r['router_refused_within_100ms']:.0f}% <= 100 ms"
-            ref += ")"
-        att = "-" if r["slo_attainment"] is None else f"{100 * r['slo_attainment']:.0f}%"
+            reasons = sorted(r["refused_by_reason"].items(), key=lambda kv: -kv[1])
+            ref = ", ".join(f"{k} {v:.0f}" for k, v in reasons) or "?"
+            ref += f"; {num(r['refusal_p99_ms'])}; {pct(r.get('router_refused_within_50ms'))}"
+        computed = r["computed_prompt_tokens"]
         lines.append(
-            f"| {r['index']} | {r['rate']:g} | {r['output_tok_s']:,.0f} | {r['completed']} | "
-            f"{ref} | {r['failed']} | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | {att} | "
-            f"{r['computed_prompt_tokens'] / max(r['served_prompt_tokens'], 1):.3f} | "
-            f"{r['computed_prompt_tokens'] / uncached:.3f} | {r['prefill_retries']:.0f} | "
+            f"| {r['index']} | {r['rate']:g} | {r['output_tok_s']:,.0f} | "
+            f"{r['completed']} / {r['refused']} / {r['failed']} | {pct(r.get('in_time'))} | "
+            f"{ref} | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
+            f"{pct(r['slo_attainment'])} / {num(r.get('goodput'), '.2f')} | "
+            f"{pct(r.get('wasted_share'))} | "
+            f"{computed / max(r['served_prompt_tokens'], 1):.3f} ({computed / uncached:.3f}) | "
+            f"{r['prefill_retries']:.0f} | "
             f"{r['prefill_transfers_failed']:.0f} / {r['decode_transfers_waited']:.0f} |"
         )
+    return "\n".join(lines)
+
+
+def tenant_table(rows: list[dict]) -> str:
+    lines = [
+        "| index | rate (req/s) | tenant | its rate | done / refused / failed | in time | SLO att. "
+        "| goodput (req/s) | TTFT p99 (ms) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        for name, t in (r.get("tenants") or {}).items():
+            lines.append(
+                f"| {r['index']} | {r['rate']:g} | {name} | {t['rate']:g} | {t['completed']} / "
+                f"{t['refused']} / {t['failed']} | {pct(t['in_time'])} | "
+                f"{pct(t['slo_attainment'])} | {num(t['goodput'], '.2f')} | "
+                f"{num(t['ttft_p99_ms'])} |"
+            )
     return "\n".join(lines)
 
 
@@ -285,6 +398,8 @@ def main() -> None:
             (out / "sweep.json").write_text(json.dumps({"args": vars(args), "rows": rows}))
     print(f"\nruns in {out}\n")
     print(table(rows))
+    if args.light_share:
+        print("\n" + tenant_table(rows))
 
 
 if __name__ == "__main__":

@@ -99,6 +99,14 @@ def _build_request(
         raise SplitserveError(grpc.StatusCode.INVALID_ARGUMENT, f"bad argument: {exc}") from None
 
 
+def _call_options(timeout: float | None, metadata: Sequence[tuple[str, str]]) -> dict[str, Any]:
+    """The keyword arguments of one ``Generate`` call: ``metadata`` only when there is some."""
+    options: dict[str, Any] = {"timeout": timeout}
+    if metadata:
+        options["metadata"] = tuple(metadata)
+    return options
+
+
 def _chunk(msg: router_pb2.GenerateResponse) -> StreamChunk:
     usage = None
     if msg.HasField("usage"):
@@ -167,13 +175,14 @@ class Client:
         request_id: str | None = None,
         messages: Sequence[Mapping[str, str]] | None = None,
         slo: Slo | str | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
     ) -> GenerateResult:
         """Run one request to completion. Parameters as ``stream``."""
         collector = Collector()
         for chunk in self.stream(
             prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop,
             ignore_eos, cache_salt, timeout, logprobs=logprobs, request_id=request_id,
-            messages=messages, slo=slo,
+            messages=messages, slo=slo, metadata=metadata,
         ):  # fmt: skip
             collector.add(chunk)
         return collector.result()
@@ -196,6 +205,7 @@ class Client:
         request_id: str | None = None,
         messages: Sequence[Mapping[str, str]] | None = None,
         slo: Slo | str | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
     ) -> Iterator[StreamChunk]:
         """Yield the completion as it is generated.
 
@@ -206,12 +216,15 @@ class Client:
         this request's latency targets, an ``Slo`` or ``"ttft=2,tpot=100ms"`` (the router's
         ``--slo`` syntax; a bound left out takes the router's); a router that predicts a miss
         refuses the request at once (``RESOURCE_EXHAUSTED``) rather than serve it late.
+        ``metadata``: gRPC metadata sent with the call, e.g. ``[("x-splitserve-client",
+        "tenant-a")]`` names the client whose fair share and in-flight cap the request counts
+        against.
         """
         request = _build_request(
             prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop,
             ignore_eos, cache_salt, logprobs, request_id, messages, slo,
         )  # fmt: skip
-        call = self._stub.Generate(request, timeout=timeout)
+        call = self._stub.Generate(request, **_call_options(timeout, metadata))
         try:
             for msg in call:
                 yield _chunk(msg)
@@ -283,13 +296,14 @@ class AsyncClient:
         request_id: str | None = None,
         messages: Sequence[Mapping[str, str]] | None = None,
         slo: Slo | str | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
     ) -> GenerateResult:
         """Run one request to completion. Parameters as ``Client.stream``."""
         collector = Collector()
         async for chunk in self.stream(
             prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop,
             ignore_eos, cache_salt, timeout, logprobs=logprobs, request_id=request_id,
-            messages=messages, slo=slo,
+            messages=messages, slo=slo, metadata=metadata,
         ):  # fmt: skip
             collector.add(chunk)
         return collector.result()
@@ -312,13 +326,14 @@ class AsyncClient:
         request_id: str | None = None,
         messages: Sequence[Mapping[str, str]] | None = None,
         slo: Slo | str | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
     ) -> AsyncIterator[StreamChunk]:
         """As ``Client.stream``; use ``async for``."""
         request = _build_request(
             prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop,
             ignore_eos, cache_salt, logprobs, request_id, messages, slo,
         )  # fmt: skip
-        call = self._get_stub().Generate(request, timeout=timeout)
+        call = self._get_stub().Generate(request, **_call_options(timeout, metadata))
         try:
             async for msg in call:
                 yield _chunk(msg)

@@ -70,6 +70,14 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     add_client_options(t)  # --tls-cert/--tls-key/--tls-ca, --api-key, --api-key-file
     t.add_argument("--timeout", type=float, default=600.0, help="seconds per request (600)")
     t.add_argument("--label", default=None, help="a name for this run in the JSON file")
+    t.add_argument(
+        "--client-id",
+        default=None,
+        metavar="NAME",
+        help="sent with every request as the x-splitserve-client gRPC metadata / HTTP header: "
+        "the client (tenant) a splitserve router counts it against for fair queuing and its "
+        "in-flight cap (default: none; the router then counts the caller's host)",
+    )
 
     w = p.add_argument_group(
         "workload (lengths: N, uniform:LO:HI, normal:MEAN:STD, lognormal:MEAN:STD)"

@@ -72,6 +72,7 @@ def config_of(args: argparse.Namespace, slo: dict[str, float]) -> dict[str, Any]
         "cache_salt",
         "timeout",
         "send_slo",
+        "client_id",
         "metrics_url",
         "scrape_interval",
     )
@@ -119,6 +120,7 @@ async def run_bench(args: argparse.Namespace, slo: dict[str, float]) -> dict[str
         api_key=credentials.api_key(args) or os.environ.get("OPENAI_API_KEY"),
         cache_salt=args.cache_salt,
         slo=sent_slo(args, slo),
+        client_id=args.client_id,
         **_tls_options(args),
     )
     async with target:

@@ -18,11 +18,14 @@ from splitserve.bench.sse import SSEParser, error_message, parse_event
 from splitserve.bench.workloads import BenchRequest
 from splitserve.runtime.slo import Slo
 
-__all__ = ["SLO_HEADER", "GrpcTarget", "HttpTarget", "make_target"]
+__all__ = ["CLIENT_HEADER", "SLO_HEADER", "GrpcTarget", "HttpTarget", "make_target"]
 
 # A splitserve router reads a request's own SLO from this header (router.http.SLO_HEADER; the
 # benchmark talks to any OpenAI-compatible server, so it loads no router code).
 SLO_HEADER = "x-splitserve-slo"
+# ... and the client (a tenant) a request counts against from this gRPC metadata key / HTTP header
+# (router.front.CLIENT_KEY): its fair share of the pools and its in-flight cap.
+CLIENT_HEADER = "x-splitserve-client"
 
 
 def make_target(url: str, **options: Any) -> GrpcTarget | HttpTarget:
@@ -50,8 +53,12 @@ class _Target:
         credentials: Any = None,
         ssl_context: Any = None,
         slo: Slo | None = None,
+        client_id: str | None = None,
     ) -> None:
+        if client_id is not None and not (client_id.isascii() and client_id.isprintable()):
+            raise ValueError(f"--client-id {client_id!r}: give printable ASCII (a header value)")
         self.url = url
+        self.client_id = client_id or None  # sent as CLIENT_HEADER with every request; None: no
         self.slo = slo  # sent with every request as its own SLO (--send-slo); None: none
         self.credentials = credentials  # gRPC: a router serving mTLS (grpc.ChannelCredentials)
         self.ssl_context = ssl_context  # https://: the CA to trust (ssl.SSLContext; None: system)
@@ -147,6 +154,7 @@ class GrpcTarget(_Target):
             cache_salt=self.cache_salt,
             timeout=self.timeout,
             slo=self.slo,
+            metadata=[(CLIENT_HEADER, self.client_id)] if self.client_id else (),
         )
         async for chunk in stream:
             if chunk.token_ids:
@@ -176,6 +184,8 @@ class HttpTarget(_Target):
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         if self.slo is not None:
             headers[SLO_HEADER] = str(self.slo)
+        if self.client_id:
+            headers[CLIENT_HEADER] = self.client_id
         return headers
 
     def _get_session(self):

@@ -313,21 +313,27 @@ class _Stub:
 
     def __init__(self):
         self.requests = []
+        self.metadata = []
 
-    def Generate(self, request, timeout=None):
+    def Generate(self, request, timeout=None, metadata=None):
         self.requests.append(request)
+        self.metadata.append(metadata)
         return _Call()
 
 
 class _Call:
-    """A finished server stream of one message."""
+    """A finished server stream of one message (async, and blocking for the SDK's Client)."""
 
-    async def __aiter__(self):
+    def __iter__(self):
         from splitserve.v1 import router_pb2
 
         last = router_pb2.GenerateResponse(token_ids=[7], finish_reason="length")
         last.usage.completion_tokens = 1
-        yield last
+        return iter([last])
+
+    async def __aiter__(self):
+        for msg in self:
+            yield msg
 
     def cancel(self):
         return False
@@ -364,6 +370,44 @@ def test_http_target_sends_the_slo_header():
     assert target._headers() == {"Authorization": "Bearer k", SLO_HEADER: "ttft=2,tpot=0.05"}
     assert Slo.parse(target._headers()[SLO_HEADER]) == Slo(2.0, 0.05)
     assert SLO_HEADER not in targets.make_target("http://h:2")._headers()
+
+
+def test_client_id_names_every_request_to_the_router(rng):
+    from splitserve.bench.session import config_of
+    from splitserve.client import Client
+    from splitserve.router.front import CLIENT_KEY
+
+    assert targets.CLIENT_HEADER == CLIENT_KEY  # the key the router reads, gRPC and HTTP
+    name = f"tenant-{rng.randrange(10**6)}"
+    stub = _Stub()
+
+    async def run(client_id):
+        async with targets.GrpcTarget("h:1", client_id=client_id) as target:
+            for client in target._clients:
+                client._stub = stub  # type: ignore[assignment]
+            for i in range(3):
+                record = await target.send(BenchRequest((1, 2), 2, 1), RequestRecord(i, 2, 1, 0))
+                assert record.ok
+
+    asyncio.run(run(name))
+    assert stub.metadata == [((CLIENT_KEY, name),)] * 3
+    stub.metadata.clear()
+    asyncio.run(run(None))
+    assert stub.metadata == [None] * 3  # no metadata at all: the router counts the caller's host
+    with Client("h:1") as blocking:  # the SDK's blocking twin takes the same metadata=
+        blocking._stub = stub  # type: ignore[assignment]
+        result = blocking.generate(prompt_token_ids=[1], metadata=[(CLIENT_KEY, name)])
+    assert result.token_ids == (7,)
+    assert stub.metadata[-1] == ((CLIENT_KEY, name),)
+    http = targets.HttpTarget("http://h:2", client_id=name, api_key="k")
+    assert http._headers() == {"Authorization": "Bearer k", CLIENT_KEY: name}
+    assert CLIENT_KEY not in targets.HttpTarget("http://h:2")._headers()
+    args = _bench_args("--client-id", name)
+    assert config_of(args, {})["client_id"] == name
+    assert config_of(_bench_args(), {})["client_id"] is None
+    for bad in ("caf\u00e9", "a\nb"):
+        with pytest.raises(ValueError, match="--client-id"):
+            targets.make_target("http://h:2", client_id=bad)
 
 
 def test_refusals_of_a_sent_slo_count_as_refused():
