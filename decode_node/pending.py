@@ -19,6 +19,10 @@ EXPIRY_POLL_S = 1.0
 # at once instead of at its transfer deadline.
 RELEASED_KEEP_S = 60.0
 RELEASED_MAX = 4096
+# A draining node holds an adopted request this long for its Decode call (the router makes it
+# right after the prefill answered): one whose client has gone must not hold the drain for the
+# whole transfer deadline.
+DRAIN_HOLD_S = 5.0
 
 
 @dataclass(slots=True)
@@ -36,6 +40,7 @@ class PendingTable:
     def __init__(self) -> None:
         self._items: dict[str, Pending] = {}
         self._released: dict[str, float] = {}  # id → when released (insertion order: oldest first)
+        self._hold_until: float | None = None  # draining: no entry is held past this
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._items
@@ -48,7 +53,15 @@ class PendingTable:
         (its blocks are freed there, within ``EXPIRY_POLL_S``)."""
         if self._released.pop(request_id, None) is not None:
             pending.deadline = 0.0
+        if self._hold_until is not None:
+            pending.deadline = min(pending.deadline, self._hold_until)
         self._items[request_id] = pending
+
+    def hold_at_most(self, seconds: float) -> None:
+        """The node drains: hold no entry, present or future, more than ``seconds`` from now."""
+        self._hold_until = time.monotonic() + seconds
+        for pending in self._items.values():
+            pending.deadline = min(pending.deadline, self._hold_until)
 
     def pop(self, request_id: str) -> Pending | None:
         return self._items.pop(request_id, None)

@@ -23,7 +23,7 @@ import grpc
 from splitserve.decode_node.cleanup import end_request
 from splitserve.decode_node.header import TransferRefused
 from splitserve.decode_node.peer_caps import PeerCaps, PeerLimits
-from splitserve.decode_node.pending import Pending, PendingTable
+from splitserve.decode_node.pending import DRAIN_HOLD_S, Pending, PendingTable
 from splitserve.decode_node.receiver import BAD, KVInbox, Transfer
 from splitserve.decode_node.relay import relay_tokens
 from splitserve.kvstore import ModelIdentity
@@ -79,6 +79,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
         """Wait (up to ``timeout_s``) until every accepted request is done: transfers in flight,
         transferred requests waiting for their Decode call, and requests decoding."""
         deadline = time.monotonic() + timeout_s
+        self.pending.hold_at_most(min(DRAIN_HOLD_S, timeout_s))
         engine = self.engine.engine
         while self._transfers or self._calls or self.pending or engine.requests:
             if time.monotonic() >= deadline:

@@ -175,3 +175,16 @@ def test_a_release_before_the_transfer_lands_frees_it_at_the_next_poll():
     table.add("r-2", Pending([1, 2], 3, SamplingParams(), None, far))
     assert table.take_expired(time.monotonic()) == ["r-1"]
     assert "r-2" in table and table.release("r-2") is not None and len(table) == 0
+
+
+def test_a_draining_node_holds_adopted_requests_briefly():
+    """Requests whose Decode call may never come (their client gone) do not hold a drain for
+    the transfer deadline: a few seconds, for those adopted before and during the drain."""
+    table = PendingTable()
+    far = time.monotonic() + 30
+    table.add("before", Pending([1], 3, SamplingParams(), None, far))
+    table.hold_at_most(0.05)
+    table.add("during", Pending([1], 3, SamplingParams(), None, far))
+    assert table.take_expired(time.monotonic()) == []
+    time.sleep(0.06)
+    assert sorted(table.take_expired(time.monotonic())) == ["before", "during"]
