@@ -54,7 +54,10 @@ SERVICE_QUANTILE = 0.9  # a queued request needs this quantile of them left befo
 SERVICE_MIN = 16  # fewer served than this: no service estimate (0)
 # With room in the pools, a request predicted to miss its TTFT target is still let go when none
 # was for this long: the predictor learns only from requests it lets go.
-PROBE_S = 1.0
+PROBE_S = 0.2
+# The learned margin takes at most this share of a request's TTFT target: errors of a burst the
+# predictor had not learned yet must not refuse everything for as long as they are remembered.
+MAX_MARGIN_SHARE = 0.5
 
 
 @dataclass(slots=True, eq=False)
@@ -187,15 +190,23 @@ class Admission:
             return PrefillLoad(None, 0)
         return PrefillLoad(pool.prefill_capacity(), sum(n.queued_tokens for n in pool.usable()))
 
-    def predict(self, own_tokens: int, client: str | None = "") -> TTFTPrediction:
+    def predict(
+        self, own_tokens: int, client: str | None = "", ttft_s: float | None = None
+    ) -> TTFTPrediction:
         """The TTFT of a request of ``client`` that queues now (None: one that goes now): its
-        fair position's share of the queue's pace and of the prompt tokens queued."""
+        fair position's share of the queue's pace and of the prompt tokens queued; with its
+        target ``ttft_s``, the margin at most MAX_MARGIN_SHARE of it."""
         load = self.load()
         if client is None:
-            return self.predictor.predict(0, self._pace(), 0, own_tokens, load)
-        position = self._queue.position(client)
-        ahead = self.queued_prompt_tokens * min(1.0, (position - 1) / max(len(self._queue), 1))
-        return self.predictor.predict(position, self._pace(), int(ahead), own_tokens, load)
+            prediction = self.predictor.predict(0, self._pace(), 0, own_tokens, load)
+        else:
+            position = self._queue.position(client)
+            share = min(1.0, (position - 1) / max(len(self._queue), 1))
+            ahead = int(self.queued_prompt_tokens * share)
+            prediction = self.predictor.predict(position, self._pace(), ahead, own_tokens, load)
+        if ttft_s is not None and prediction.margin_s > MAX_MARGIN_SHARE * ttft_s:
+            prediction = prediction._replace(margin_s=MAX_MARGIN_SHARE * ttft_s)
+        return prediction
 
     async def enter(
         self,
@@ -215,11 +226,12 @@ class Admission:
         start = time.monotonic()
         arrival = start if arrival is None else arrival
         tpot_s = slo.tpot_s if slo is not None else None
+        ttft_s = slo.ttft_s if slo is not None else None
         if not self._decode.usable():
             return Admitted(start, None, PrefillLoad(None, 0), work)
         self._check_fits(demand)
         if not self._queue and self._room(demand, work, tpot_s):
-            prediction = self.predict(work, None)
+            prediction = self.predict(work, None, ttft_s)
             if slo is not None and slo.ttft_s is not None and start - self._admitted < PROBE_S:
                 # Room by count, but the nodes' backlog may already be past the target.
                 self._check_slo(prediction, arrival + slo.ttft_s, start)
@@ -229,7 +241,7 @@ class Admission:
             self._departures.append(start)
             self._admitted = start
             return Admitted(start, prediction, self.load(), work)
-        prediction = self.predict(work, client)
+        prediction = self.predict(work, client, ttft_s)
         latest, give_up = self._check_wait(deadline, start, client)
         ttft_by = None  # the latest it may be let go and still meet its TTFT target
         if slo is not None and slo.ttft_s is not None:
@@ -284,7 +296,7 @@ class Admission:
         now = time.monotonic()
         self._check_wait(deadline, now, client)
         if slo is not None and slo.ttft_s is not None:
-            self._check_slo(self.predict(0, client), now + slo.ttft_s, now)
+            self._check_slo(self.predict(0, client, slo.ttft_s), now + slo.ttft_s, now)
 
     def _check_slo(self, prediction: TTFTPrediction, target: float, now: float) -> None:
         """Refuse a request whose predicted time to first token ends past ``target``."""

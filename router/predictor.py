@@ -21,9 +21,11 @@ those still in prefill there, so ``in_flight`` is the batch a new request will m
 prefill ends. Per node, recent requests' TPOT against that batch size give a least-squares line;
 a node has room for a request only while the line at ``in_flight + 1`` stays within its TPOT SLO.
 
-Every figure comes from a recent window and is forgotten when it is old: with no recent
-samples, nothing is predicted and nothing is refused on a prediction (a router refusing everything
-would never learn that the pools recovered).
+Every figure comes from a recent window (the TTFT ones the last 10 s, the TPOT lines the last
+minute) and is forgotten when it is old: with no recent samples nothing is predicted. Admission
+caps the margin at half a request's target and lets a request go now and then whatever the
+prediction (``router.admission``): a router refusing on stale figures would never learn that the
+pools recovered.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ T = TypeVar("T")
 
 WINDOW = 256  # samples each estimate is drawn from
 MAX_AGE_S = 60.0  # samples older than this are forgotten
+# The TTFT estimates forget sooner: what a burst taught must not outlive it (a router that
+# refuses on stale figures lets few requests go, and so learns little that is new).
+TTFT_AGE_S = 10.0
 MIN_SAMPLES = 16  # fewer: no estimate
 MARGIN_QUANTILE = 0.95  # a request admitted past it is refused late (slo_expired) or misses
 RATE_WINDOW_S = 10.0  # a node's prefill rate: tokens over busy seconds in this window
@@ -49,17 +54,20 @@ def quantile(values: Iterable[float], q: float) -> float:
 
 
 class Samples(Generic[T]):
-    """Recent values, at most WINDOW of them, none older than MAX_AGE_S."""
+    """Recent values, at most WINDOW of them, none older than ``max_age_s``."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, max_age_s: float = MAX_AGE_S
+    ) -> None:
         self._clock = clock
+        self._max_age_s = max_age_s
         self._items: deque[tuple[float, T]] = deque(maxlen=WINDOW)
 
     def add(self, value: T) -> None:
         self._items.append((self._clock(), value))
 
     def values(self) -> list[T]:
-        since = self._clock() - MAX_AGE_S
+        since = self._clock() - self._max_age_s
         # NOTE: tuple() of a deque is one C-level copy: the metrics thread reads this too.
         return [v for t, v in tuple(self._items) if t >= since]
 
@@ -141,8 +149,9 @@ class TTFTPredictor:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._base: Samples[float] = Samples(clock)  # leaving the queue → first token, less own
-        self._errors: Samples[float] = Samples(clock)  # actual less predicted TTFT, no margin
+        # leaving the queue → first token, less its prefill; actual less predicted TTFT
+        self._base: Samples[float] = Samples(clock, TTFT_AGE_S)
+        self._errors: Samples[float] = Samples(clock, TTFT_AGE_S)
 
     def base_s(self) -> float:
         base = recent_quantile(self._base, 0.5)
