@@ -155,8 +155,9 @@ class HttpFront:
         self._runner: web.AppRunner | None = None
         self.port = 0
 
-    async def start(self, host: str, port: int) -> int:
-        """Listen; returns the bound port."""
+    async def start(self, host: str, port: int, reuse_port: bool = False) -> int:
+        """Listen (``reuse_port``: sharing the port with other routers); returns the bound
+        port."""
         # handler_cancellation: a client that disconnects cancels its handler, hence its request.
         self._runner = web.AppRunner(
             self.app, handler_cancellation=True, access_log=None, shutdown_timeout=self._grace_s
@@ -168,7 +169,7 @@ class HttpFront:
             self._runner,
             host,
             port,
-            reuse_port=False,
+            reuse_port=reuse_port,
             backlog=ACCEPT_BACKLOG,
             ssl_context=self._tls,
         )

@@ -18,8 +18,11 @@ prompt alone fits. D's cached prefix blocks no request holds are evictable, so t
 
 Why a ledger rather than D's published free-block figure: those figures are seconds old, and a
 burst admits hundreds of requests in milliseconds; the ledger moves with every admission. With
-several routers in front of one decode pool each sees only its own requests; D's own reservation
-wait (``decode_node.receiver``) remains the backstop then.
+several routers in front of one decode pool each sees only its own requests: each then fills only
+its ``--capacity-share`` of every node (1/N of N routers), so together they never charge more
+than D holds; D's own reservation wait (``decode_node.receiver``) remains the backstop for what
+a static split cannot see (a prefix two routers both charge, a router started with the wrong
+share).
 """
 
 from __future__ import annotations
@@ -87,9 +90,10 @@ def _private(prompt_tokens: int, output_tokens: int, block_size: int) -> int:
 class KVLedger:
     """One decode node's blocks as the router charges them (pure bookkeeping)."""
 
-    def __init__(self, headroom: float = 0.0) -> None:
+    def __init__(self, headroom: float = 0.0, share: float = 1.0) -> None:
         self.num_blocks: int | None = None  # D's usable blocks, once its GetStats answered
         self.headroom = headroom  # share of num_blocks kept out of the ledger's reach
+        self.share = share  # of the rest, the share this router fills (--capacity-share)
         self._shared: Counter[bytes] = Counter()  # prompt block hash → requests holding it
         self._private = 0
 
@@ -102,7 +106,7 @@ class KVLedger:
     def limit(self) -> int | None:
         if self.num_blocks is None:
             return None
-        return max(int(self.num_blocks * (1.0 - self.headroom)), 1)
+        return max(int(self.num_blocks * (1.0 - self.headroom) * self.share), 1)
 
     # NOTE: a request's hashes are distinct (each chains its parent), so no set is needed.
 

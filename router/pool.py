@@ -106,11 +106,13 @@ class NodePool:
         clock: Callable[[], float] = time.monotonic,
         down_s: float = DEFAULT_DOWN_S,
         kv_headroom: float = 0.0,
+        share: float = 1.0,
     ) -> None:
         if len(set(addresses)) != len(addresses):
             raise ValueError(f"{role} node addresses repeat: {', '.join(addresses)}")
         self.role = role
         self.kv_headroom = kv_headroom  # decode: the KV ledger's headroom (router.kv_budget)
+        self.share = share  # decode: the share of each node's KV this router's ledger fills
         self.nodes = [self._new_node(address) for address in addresses]
         self._clock = clock
         self._down_s = down_s
@@ -118,7 +120,8 @@ class NodePool:
         self.on_release: Callable[[], None] | None = None  # news for whoever waits for room
 
     def _new_node(self, address: str, discovered: bool = False) -> Node:
-        return Node(address, self.role, discovered=discovered, kv=KVLedger(self.kv_headroom))
+        kv = KVLedger(self.kv_headroom, self.share)
+        return Node(address, self.role, discovered=discovered, kv=kv)
 
     def pick(
         self,

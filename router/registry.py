@@ -50,15 +50,18 @@ class NodeRegistry:
         decode_overcommit: float = 1.5,
         decode_kv_headroom: float = 0.0,
         prefill_queue_tokens: int = 0,
+        share: float = 1.0,
     ) -> None:
         # A decode node may hold this many of the router's requests per max_num_seqs slot: those
         # in prefill or transfer do not decode yet, and the node queues the rest it receives.
         self.decode_overcommit = decode_overcommit
         # A prefill node's queue bound (0: PREFILL_QUEUE_STEPS of its own step budget).
         self.prefill_queue_tokens = prefill_queue_tokens
+        # The share of each node this router fills (--capacity-share: several routers, one pool).
+        self.share = share
         self.prefill = NodePool("prefill", prefill_addresses, down_s=down_s)
         self.decode = NodePool(
-            "decode", decode_addresses, down_s=down_s, kv_headroom=decode_kv_headroom
+            "decode", decode_addresses, down_s=down_s, kv_headroom=decode_kv_headroom, share=share
         )
         self.expected_identity = expected_identity
         self._empty_since: dict[str, float] = {}  # role → when the registry first had none
@@ -132,13 +135,12 @@ class NodeRegistry:
         node.verified = True
         if pool.role == "decode" and stats.max_num_seqs:
             node.slots = stats.max_num_seqs
-            node.capacity = max(1, int(stats.max_num_seqs * self.decode_overcommit))
+            node.capacity = max(1, int(stats.max_num_seqs * self.decode_overcommit * self.share))
             node.kv.num_blocks = stats.num_blocks or None
             pool.notify_waiters()
         if pool.role == "prefill" and (self.prefill_queue_tokens or stats.max_num_batched_tokens):
-            node.max_queued_tokens = (
-                self.prefill_queue_tokens or PREFILL_QUEUE_STEPS * stats.max_num_batched_tokens
-            )
+            queued = self.prefill_queue_tokens or PREFILL_QUEUE_STEPS * stats.max_num_batched_tokens
+            node.max_queued_tokens = max(1, int(queued * self.share))
             pool.notify_waiters()
         if self.expected_identity is None:
             return

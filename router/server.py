@@ -45,6 +45,7 @@ def build_router(
         decode_overcommit=config.decode_overcommit,
         decode_kv_headroom=config.decode_kv_headroom,
         prefill_queue_tokens=config.prefill_queue_tokens,
+        share=config.capacity_share,
     )
     front = build_front(config, model, registry, index, metrics)
     tls = TlsFiles.load(config.tls_cert, config.tls_key, config.tls_ca)
@@ -55,6 +56,7 @@ def build_router(
         [SERVICE_NAME],
         max_request_bytes=config.max_request_bytes,
         tls=tls,
+        reuse_port=config.reuse_port,
     )
     router_pb2_grpc.add_RouterServiceServicer_to_server(RouterService(front), server.server)
     return server, registry, front
@@ -148,7 +150,7 @@ async def start_http(
         api_keys=keys,
         tls=tls,
     )
-    port = await http.start(config.http_host or config.host, config.http_port)
+    port = await http.start(config.http_host or config.host, config.http_port, config.reuse_port)
     if config.http_port_file:
         write_port_file(config.http_port_file, port)
     return http

@@ -305,8 +305,21 @@ class RouterConfig:
         4 << 20, "the largest request the public API accepts, in bytes (RESOURCE_EXHAUSTED above)"
     )
     block_size: int = option(DEFAULT_BLOCK_SIZE, _BLOCK_HELP)
+    reuse_port: bool = option(
+        False,
+        "bind the gRPC and HTTP ports with SO_REUSEPORT, so that several routers share one "
+        "address (the kernel spreads connections over them; give each --capacity-share)",
+    )
+    capacity_share: float = option(
+        1.0,
+        "the share of every node's capacity this router may fill (decode slots and KV blocks, "
+        "prefill queued tokens): with N routers in front of the same pools, 1/N each, so that "
+        "together they never admit more than the nodes hold",
+    )
 
     def __post_init__(self) -> None:
+        if not 0.0 < self.capacity_share <= 1.0:
+            raise ValueError(f"--capacity-share: in (0, 1], got {self.capacity_share}")
         if self.direct_prefill_tokens < 0 or self.direct_prefill_backlog_tokens < 0:
             raise ValueError("--direct-prefill-tokens and --direct-prefill-backlog-tokens: >= 0")
         if not 0.0 <= self.decode_kv_headroom < 1.0:

@@ -33,7 +33,8 @@ CHANNEL_OPTIONS = [
 ]
 
 
-# NOTE: no SO_REUSEPORT: a second process must fail to bind a taken port, not share it silently.
+# NOTE: no SO_REUSEPORT unless asked (``reuse_port``: routers sharing one address): a second
+# process must fail to bind a taken port, not share it silently.
 SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
 
 
@@ -53,10 +54,15 @@ class Server:
         interceptors: Sequence = (),
         max_request_bytes: int | None = None,
         tls: TlsFiles | None = None,
+        reuse_port: bool = False,
     ) -> None:
         """``max_request_bytes``: the largest message it accepts (default MAX_MESSAGE_BYTES,
-        for KV blocks between nodes; a public port takes far less)."""
+        for KV blocks between nodes; a public port takes far less); ``reuse_port``: share the
+        port with other processes that ask the same (SO_REUSEPORT)."""
         options = list(SERVER_OPTIONS)
+        if reuse_port:
+            options = [(k, v) for k, v in options if k != "grpc.so_reuseport"]
+            options.append(("grpc.so_reuseport", 1))
         if max_request_bytes is not None:
             key = "grpc.max_receive_message_length"
             options = [(k, v) for k, v in options if k != key] + [(key, max_request_bytes)]

@@ -28,6 +28,12 @@ class ClusterSpec:
         1, "prefill nodes (0: the decode nodes prefill every request themselves, e.g. one GPU)"
     )
     num_decode: int = option(1, "decode nodes")
+    num_routers: int = option(
+        1,
+        "routers sharing the one --port (and --http-port) through SO_REUSEPORT, each admitting "
+        "into 1/N of every node's capacity: one Python router takes a few thousand relayed "
+        "tokens per second (docs/deploy.md, Overload)",
+    )
     host: str = option("127.0.0.1", "listen address of every component")
     port: int = option(8000, "the router's port")
     http_port: int | None = option(
@@ -93,21 +99,23 @@ class ClusterSpec:
     stop_grace_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if self.num_prefill < 0 or self.num_decode < 1:
-            raise ValueError("--num-prefill must be >= 0 and --num-decode >= 1")
+        if self.num_prefill < 0 or self.num_decode < 1 or self.num_routers < 1:
+            raise ValueError("--num-prefill must be >= 0, --num-decode and --num-routers >= 1")
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
             raise ValueError(f"--http-port {self.http_port}: give 0..65535")
-        last = 65535 - self.num_prefill - self.num_decode  # the router's, then one per node
+        # the first router's, then one per node, then the other routers'
+        last = 65536 - self.num_prefill - self.num_decode - self.num_routers
         if self.metrics_port is not None and not 0 <= self.metrics_port <= last:
             raise ValueError(f"--metrics-port {self.metrics_port}: give 0..{last}")
         Slo.parse(self.slo)  # a bad --slo fails here, not in the router started later
 
     def metrics_ports(self) -> list[int] | None:
-        """The /metrics port of the router, then of each node (prefill nodes first): from
-        ``metrics_port`` on, or free ones for 0; None without ``metrics_port``."""
+        """The /metrics port of the first router, then of each node (prefill nodes first), then
+        of the other routers: from ``metrics_port`` on, or free ones for 0; None without
+        ``metrics_port``."""
         if self.metrics_port is None:
             return None
-        count = 1 + self.num_prefill + self.num_decode
+        count = self.num_routers + self.num_prefill + self.num_decode
         if self.metrics_port == 0:
             return free_ports(self.host, count)
         return [self.metrics_port + i for i in range(count)]
@@ -149,6 +157,8 @@ class ClusterAddresses:
     # Each component's gRPC address (router, nodes) → its /metrics URL (empty: not served).
     metrics: Mapping[str, str] = field(default_factory=dict)
     api_key_file: str | None = None  # the HTTP API's keys (None: no key needed, or no HTTP API)
+    # Every router's /metrics URL (several share ``router``: --num-routers), empty: not served.
+    router_metrics: tuple[str, ...] = ()
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -178,22 +178,28 @@ class LocalCluster:
         # NOTE: elastic pools are found in the registry only: a static node the planner drained
         # would stay in the router's pools as a down node for good.
         static = ((), ()) if self.max_nodes else (prefill_addrs, decode_addrs)
-        router_flags = self.router_flags(*static, metrics[0] if metrics else None)
         api_key_file = self._api_key_file() if spec.http_port is not None else None
-        if api_key_file:
-            router_flags += ["--api-key-file", api_key_file]
-        router = self._component("router", 0, [*router_flags, *index_flags])
-        router_addr = self._wait_ready(router, deadline)
+        nodes = spec.num_prefill + spec.num_decode
+        router_metrics = [metrics[0], *metrics[1 + nodes :]] if metrics else []
+        routers = []
+        shared = self._shared_ports() if spec.num_routers > 1 else None
+        for i in range(spec.num_routers):
+            flags = self.router_flags(*static, router_metrics[i] if metrics else None, shared)
+            if api_key_file:
+                flags += ["--api-key-file", api_key_file]
+            routers.append(self._component("router", i, [*flags, *index_flags]))
+        router_addr, *_ = [self._wait_ready(r, deadline) for r in routers]  # one address
         http = None
         if spec.http_port is not None:
-            http_port = spec.http_port or self._read_port_file(
-                router, self._http_port_file, deadline
-            )
+            http_port = (shared[1] if shared else None) or spec.http_port
+            if not http_port:
+                http_port = self._read_port_file(routers[0], self._http_port_file, deadline)
             http = f"{spec.host}:{http_port}"
         urls = {}
         if metrics:
             components = (router_addr, *prefill_addrs, *decode_addrs)
-            urls = {a: metrics_url(spec.host, p) for a, p in zip(components, metrics, strict=True)}
+            ports = metrics[: len(components)]  # the other routers' are in router_metrics
+            urls = {a: metrics_url(spec.host, p) for a, p in zip(components, ports, strict=True)}
         self.addresses = ClusterAddresses(
             router_addr,
             prefill_addrs,
@@ -203,6 +209,7 @@ class LocalCluster:
             http,
             urls,
             api_key_file,
+            tuple(metrics_url(spec.host, p) for p in router_metrics),
         )
         return self.addresses
 
@@ -210,17 +217,32 @@ class LocalCluster:
     def _http_port_file(self) -> Path:
         return self._workdir / "router-0.http-port"
 
-    def router_flags(
-        self, prefill: tuple[str, ...], decode: tuple[str, ...], metrics_port: int | None
-    ) -> list[str]:
-        """The router's own flags (those of Redis, the token and TLS come on top)."""
+    def _shared_ports(self) -> tuple[int, int | None]:
+        """The gRPC and HTTP ports several routers share: fixed before the first binds."""
         spec = self.spec
-        flags = ["--port", str(spec.port)]
+        port = spec.port or free_port(spec.host)
+        http = None if spec.http_port is None else spec.http_port or free_port(spec.host)
+        return port, http
+
+    def router_flags(
+        self,
+        prefill: tuple[str, ...],
+        decode: tuple[str, ...],
+        metrics_port: int | None,
+        shared: tuple[int, int | None] | None = None,
+    ) -> list[str]:
+        """A router's own flags (those of Redis, the token and TLS come on top); ``shared``:
+        the gRPC and HTTP ports of ``--num-routers`` routers, each with its share."""
+        spec = self.spec
+        port, http_port = shared or (spec.port, spec.http_port)
+        flags = ["--port", str(port)]
+        if shared is not None:
+            flags += ["--reuse-port", "--capacity-share", f"{1 / spec.num_routers:.6f}"]
         if prefill or decode:
             flags += ["--prefill", ",".join(prefill), "--decode", ",".join(decode)]
-        if spec.http_port is not None:
-            flags += ["--http-port", str(spec.http_port)]
-            if spec.http_port == 0:
+        if http_port is not None:
+            flags += ["--http-port", str(http_port)]
+            if http_port == 0:
                 flags += ["--http-port-file", str(self._http_port_file)]
         if spec.tokenizer_path is not None:
             flags += ["--tokenizer", spec.tokenizer_path]

@@ -85,3 +85,26 @@ def test_the_ledger_is_the_union_of_what_is_held(ops):
     for d in held:
         ledger.give_back(d)
     assert ledger.used == 0
+
+
+def test_a_router_with_a_capacity_share_fills_only_its_share_of_the_node():
+    """Two routers in front of one decode node, each with half: together they never charge
+    more than the node holds; a prompt larger than a share but not than the node still goes
+    alone."""
+    from splitserve.router.kv_budget import KVDemand, KVLedger
+
+    ledgers = [KVLedger(share=0.5), KVLedger(share=0.5)]
+    for ledger in ledgers:
+        ledger.num_blocks = 100
+    taken = 0
+    for i in range(200):
+        ledger = ledgers[i % 2]
+        demand = KVDemand.of([i] * 40, f"s{i}", 8, 16, 8)  # 3 blocks, none shared
+        if ledger.fits(demand):
+            ledger.take(demand)
+            taken += demand.total_blocks
+    assert taken <= 100 and all(ledger.used <= 50 for ledger in ledgers)
+    big = KVDemand.of(list(range(16 * 70)), "big", 1, 16, 1)  # 71 blocks: over a share of 50
+    alone = KVLedger(share=0.5)
+    alone.num_blocks = 100
+    assert alone.fits(big) and alone.can_ever_fit(big)

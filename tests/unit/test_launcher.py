@@ -128,3 +128,19 @@ def test_a_decode_only_cluster_and_the_direct_prefill_threshold(capsys):
 
     assert cli.cmd_router(build_parser().parse_args(["router", "--prefill", "p:1"])) == 2
     assert "--decode" in capsys.readouterr().err
+
+
+def test_several_routers_share_one_port_and_split_every_nodes_capacity():
+    cluster = LocalCluster(spec(num_routers=4, port=0, http_port=0))
+    try:
+        ports = cluster._shared_ports()
+        flags = cluster.router_flags(("p:1",), ("d:1",), None, ports)
+    finally:
+        cluster.stop()
+    grpc_port, http_port = ports
+    assert grpc_port and http_port  # fixed before any router binds: they must all bind the same
+    assert _value(flags, "--port") == str(grpc_port) and "--reuse-port" in flags
+    assert _value(flags, "--http-port") == str(http_port) and "--http-port-file" not in flags
+    assert float(_value(flags, "--capacity-share") or 0) == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="--num-routers"):
+        spec(num_routers=0)
