@@ -25,7 +25,9 @@ with ``--``); ``--send-slo`` makes every request carry ``--slo`` instead. ``--li
 two tenants at once against each router: ``heavy`` at the rate and ``light`` at F times it (its
 own seed and cache salt), started together; a row's request figures are then the heavy tenant's
 (the token and router figures count both) and a second table gives each tenant's. A router of
-``--before`` may lack the newer metrics: its rows show ``-`` there. JSON of every run in
+``--before`` may lack the newer metrics: its rows show ``-`` there. ``--routers N`` starts N
+routers per rate on one address (SO_REUSEPORT, each ``--capacity-share 1/N``), their metrics
+summed. JSON of every run in
 ``--out``; ``--plot JSON`` draws the sweep from a finished run's ``sweep.json`` (no cluster).
 Over 300 lines: the cluster, the runs, the rows and the tables of one experiment in one file.
 """
@@ -77,6 +79,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=30.0, help="each request's deadline (s)")
     ap.add_argument("--slo", default="ttft=2,tpot=0.05", help="bench's --slo (goodput)")
     ap.add_argument("--send-slo", action="store_true", help="every request carries --slo")
+    ap.add_argument("--routers", type=int, default=1,
+                    help="routers per rate on one address (SO_REUSEPORT, each --capacity-share "
+                    "1/N; the --before router runs alone)")  # fmt: skip
     ap.add_argument("--light-share", type=float, default=0.0, metavar="F",
                     help="also a 'light' tenant at F times the rate (0: off)")  # fmt: skip
     ap.add_argument("--index", choices=("off", "on"), nargs="+", default=["off"])
@@ -121,27 +126,49 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
-def start_router(cluster, model: str, index: str, out: Path, tag: str, extra: list[str], env=None):
+def start_routers(
+    cluster, model: str, index: str, out: Path, tag: str, extra: list[str], n: int, env=None
+):
+    """``n`` routers on one address (n > 1: SO_REUSEPORT, 1/n of every node each): their
+    processes, the address, and each one's /metrics base URL."""
     addr = cluster.addresses
-    port_file = out / f"router-{tag}.port"
-    port_file.unlink(missing_ok=True)  # a run before into the same --out left one
-    metrics_port = free_port()
     nodes = ["--redis-url", addr.redis_url] if index == "on" else []
     nodes += ["--prefill", ",".join(addr.prefill)] if addr.prefill else []
-    cmd = [
-        sys.executable, "-m", "splitserve.cli", "router", "--model", model,
-        "--decode", ",".join(addr.decode), *nodes, "--port", "0", "--port-file", str(port_file),
-        "--metrics-port", str(metrics_port), "--max-requests-per-client", "100000", *extra,
-    ]  # fmt: skip
-    log = (out / f"router-{tag}.log").open("w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    port = "0" if n == 1 else str(free_port())
+    shared = [] if n == 1 else ["--reuse-port", "--capacity-share", f"{1 / n:.6f}"]
+    procs, urls, port_files = [], [], []
+    for i in range(n):
+        name = tag if n == 1 else f"{tag}-{i}"
+        port_file = out / f"router-{name}.port"
+        port_file.unlink(missing_ok=True)  # a run before into the same --out left one
+        metrics_port = free_port()
+        cmd = [
+            sys.executable, "-m", "splitserve.cli", "router", "--model", model,
+            "--decode", ",".join(addr.decode), *nodes, "--port", port, "--port-file",
+            str(port_file), "--metrics-port", str(metrics_port), "--max-requests-per-client",
+            "100000", *shared, *extra,
+        ]  # fmt: skip
+        log = (out / f"router-{name}.log").open("w")
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
+        urls.append(f"http://127.0.0.1:{metrics_port}")
+        port_files.append(port_file)
     deadline = time.monotonic() + 120
-    while not (port_file.exists() and port_file.read_text().strip()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            sys.exit(f"router {tag} did not start: see {out}")
-        time.sleep(0.2)
+    for proc, port_file in zip(procs, port_files, strict=True):
+        while not (port_file.exists() and port_file.read_text().strip()):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                sys.exit(f"router {tag} did not start: see {out}")
+            time.sleep(0.2)
     time.sleep(2.0)  # health checks and the nodes' GetStats (capacities) answered
-    return proc, f"127.0.0.1:{port_file.read_text().strip()}", f"http://127.0.0.1:{metrics_port}"
+    return procs, f"127.0.0.1:{port_files[0].read_text().strip()}", urls
+
+
+def scrape_all(urls: list[str]) -> dict[str, float]:
+    """Every router's samples, summed by name (counters and histogram buckets add up)."""
+    total: dict[str, float] = {}
+    for url in urls:
+        for key, value in scrape(f"{url}/metrics").items():
+            total[key] = total.get(key, 0.0) + value
+    return total
 
 
 def bench_command(args, target: str, rate: float, salt: str, seed: int, result: Path) -> list[str]:
@@ -189,7 +216,10 @@ def one_rate(args, cluster, model: str, rate: float, index: str, out: Path, env=
     label = index if env is None else f"{index}, before"
     tag = f"{index}-r{rate:g}" if env is None else f"{index}-before-r{rate:g}"
     extra = args.router_arg if env is None else []  # an older router may lack newer options
-    router, target, metrics = start_router(cluster, model, index, out, tag, extra, env)
+    n = args.routers if env is None else 1
+    if n > 1:
+        label += f", {n} routers"
+    routers, target, metrics = start_routers(cluster, model, index, out, tag, extra, n, env)
     prefill, decode = cluster.addresses.prefill, cluster.addresses.decode
     benches = {"heavy": (rate, tag)}  # tenant: its rate, the name of its files and cache salt
     if args.light_share:
@@ -198,15 +228,17 @@ def one_rate(args, cluster, model: str, rate: float, index: str, out: Path, env=
     for seed, (name, (its_rate, its_tag)) in enumerate(benches.items(), start=1):
         cmd = bench_command(args, target, its_rate, its_tag, seed, out / f"bench-{its_tag}.json")
         commands[its_tag] = [*cmd, *(["--client-id", name] if args.light_share else [])]
-    commands[tag] += ["--metrics-url", f"{metrics}/metrics"]
+    commands[tag] += [a for url in metrics for a in ("--metrics-url", f"{url}/metrics")]
     try:
         before = {a: counters(a) for a in (*prefill, *decode)}
         run_benches(commands, out)
-        router_figures = scrape(f"{metrics}/metrics")
+        router_figures = scrape_all(metrics)
         after = {a: counters(a) for a in (*prefill, *decode)}
     finally:
-        router.terminate()
-        router.wait(30)
+        for router in routers:
+            router.terminate()
+        for router in routers:
+            router.wait(30)
 
     def delta(addresses, name):
         return sum(after[a].get(name, 0.0) - before[a].get(name, 0.0) for a in addresses)
@@ -239,6 +271,7 @@ def one_rate(args, cluster, model: str, rate: float, index: str, out: Path, env=
     return {
         "index": label,
         "rate": rate,
+        "routers": n,
         "output_tok_s": r["output_throughput"],
         "completed": r["completed"],
         "refused": r["refused"],
