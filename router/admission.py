@@ -40,7 +40,13 @@ from splitserve.router.errors import GenerateError
 from splitserve.router.fair_queue import FairQueue
 from splitserve.router.kv_budget import KVDemand
 from splitserve.router.pool import NodePool
-from splitserve.router.predictor import PrefillLoad, TTFTPrediction, TTFTPredictor
+from splitserve.router.predictor import (
+    PrefillLoad,
+    Samples,
+    TTFTPrediction,
+    TTFTPredictor,
+    recent_quantile,
+)
 from splitserve.runtime.metrics import REFUSAL_REASONS, RouterMetrics
 from splitserve.runtime.slo import Slo
 
@@ -58,6 +64,10 @@ PROBE_S = 0.2
 # The learned margin takes at most this share of a request's TTFT target: errors of a burst the
 # predictor had not learned yet must not refuse everything for as long as they are remembered.
 MAX_MARGIN_SHARE = 0.5
+# With a TTFT target, the prefill nodes take work while what they hold is at most this share of
+# the target (in seconds at their measured rate): the rest waits in the router's fair queue,
+# where a light client's request goes ahead of a heavy client's burst (the nodes serve in order).
+BACKLOG_SHARE = 0.25
 
 
 @dataclass(slots=True, eq=False)
@@ -68,6 +78,7 @@ class Waiter:
     since: float = field(default_factory=time.monotonic)
     tpot_s: float | None = None  # its TPOT target: decode room is a batch that still meets it
     client: str = ""  # who sent it (router.fair_queue)
+    ttft_s: float | None = None  # its TTFT target: prefill room is a backlog well within it
 
     @property
     def cost(self) -> int:
@@ -110,6 +121,7 @@ class Admission:
         # its deadline is refused rather than let go to fail there (its prefill thrown away).
         self._service: deque[float] = deque(maxlen=SERVICE_WINDOW)
         self._service_s = 0.0
+        self._decode_times: Samples[float] = Samples()
         decode.on_release = self.notify  # a request left a decode node: the head may go
         if prefill is not None:
             prefill.on_release = self.notify
@@ -145,6 +157,17 @@ class Admission:
             ordered = sorted(self._service)
             self._service_s = ordered[int(SERVICE_QUANTILE * (len(ordered) - 1))]
 
+    def note_decoded(self, decode_s: float) -> None:
+        """A request ended served ``decode_s`` after its first token."""
+        self._decode_times.add(decode_s)
+
+    @property
+    def decode_s(self) -> float:
+        """How long a request takes from its first token to its end: the SERVICE_QUANTILE of
+        the recent ones (0 until MIN_SAMPLES were served). A request with a deadline needs its
+        first token that long before it."""
+        return recent_quantile(self._decode_times, SERVICE_QUANTILE) or 0.0
+
     @property
     def service_s(self) -> float:
         """How long serving a request takes once let go: the SERVICE_QUANTILE of the recent
@@ -173,11 +196,21 @@ class Admission:
             if not wake.done():
                 wake.set_result(None)
 
-    def _room(self, demand: KVDemand | None, work: int, tpot_s: float | None = None) -> bool:
+    def _room(
+        self,
+        demand: KVDemand | None,
+        work: int,
+        tpot_s: float | None = None,
+        ttft_s: float | None = None,
+    ) -> bool:
         if not self._decode.has_room(demand, tpot_s=tpot_s):
             return False
         prefill = self._prefill
-        return prefill is None or not prefill.usable() or prefill.has_room(work=work)
+        if prefill is None or not prefill.usable():
+            return True
+        if ttft_s is not None and self.load().seconds(0) > BACKLOG_SHARE * ttft_s:
+            return False  # the excess waits here, in the fair queue, not in the nodes' FIFO
+        return prefill.has_room(work=work)
 
     def capacity(self) -> float | None:
         """The prefill pool's measured prompt tokens per second (None: not known, or no pool)."""
@@ -227,10 +260,14 @@ class Admission:
         arrival = start if arrival is None else arrival
         tpot_s = slo.tpot_s if slo is not None else None
         ttft_s = slo.ttft_s if slo is not None else None
+        if ttft_s is not None and self.decode_s:
+            # Its first token must leave it the time decoding takes before its deadline.
+            ttft_s = min(ttft_s, deadline - arrival - self.decode_s)
+            slo = Slo(ttft_s, tpot_s)
         if not self._decode.usable():
             return Admitted(start, None, PrefillLoad(None, 0), work)
         self._check_fits(demand)
-        if not self._queue and self._room(demand, work, tpot_s):
+        if not self._queue and self._room(demand, work, tpot_s, ttft_s):
             prediction = self.predict(work, None, ttft_s)
             if slo is not None and slo.ttft_s is not None and start - self._admitted < PROBE_S:
                 # Room by count, but the nodes' backlog may already be past the target.
@@ -252,7 +289,7 @@ class Admission:
             ttft_by = target - prediction.own_s
             give_up = min(give_up, ttft_by)
         loop = asyncio.get_running_loop()
-        me = Waiter(loop.create_future(), demand, work, start, tpot_s, client)
+        me = Waiter(loop.create_future(), demand, work, start, tpot_s, client, ttft_s)
         self._queue.append(me)
         self._metrics.queue_length.set(len(self._queue))
         let_go = False
@@ -359,7 +396,7 @@ class Admission:
     def _can_go(self, me: Waiter) -> bool:
         if not self._decode.usable():
             return True  # the caller reports that no node is usable
-        return self._room(me.demand, me.work, me.tpot_s)
+        return self._room(me.demand, me.work, me.tpot_s, me.ttft_s)
 
     def _check_fits(self, demand: KVDemand | None) -> None:
         """Refuse a prompt no usable decode node could ever hold (its KV would have nowhere to

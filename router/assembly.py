@@ -73,6 +73,7 @@ def build_front(
         dispatch,
         on_served=admission.note_served,
         on_wasted=metrics.wasted_prompt_tokens.inc,
+        on_decoded=admission.note_decoded,
     )
     return RequestFront(
         model,

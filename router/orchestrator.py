@@ -38,10 +38,12 @@ class Orchestrator:
         dispatch: Dispatcher,
         on_served: Callable[[float], None] | None = None,
         on_wasted: Callable[[int], None] | None = None,
+        on_decoded: Callable[[float], None] | None = None,
     ) -> None:
         self._on_served = on_served  # seconds from admission to the end of a served request
         # prompt tokens computed for a request that then did not complete
         self._on_wasted = on_wasted
+        self._on_decoded = on_decoded  # seconds from the first token to the end of a served one
         self._model = model
         self._dispatch = dispatch
 
@@ -71,6 +73,8 @@ class Orchestrator:
                 if not delta.finish_reason:
                     return Step(delta, None)
                 served.append(time.monotonic() - started.admitted_at)
+                if self._on_decoded is not None and started.first_at:
+                    self._on_decoded(time.monotonic() - started.first_at)
                 return Step(delta, usage._replace(completion_tokens=output.num_tokens))
 
             delta = output.add([first.token_id], [first.logprob], first.finish_reason)

@@ -185,8 +185,9 @@ def test_a_queued_request_whose_ttft_target_passes_is_refused_before_any_node_wo
 
 def test_room_by_count_is_not_enough_when_the_nodes_backlog_is_past_the_target():
     """Nothing waits at the router and every pool has room by count, but the prefill nodes
-    already hold 3 s of prompts: a 1 s target is refused at once. One request a PROBE_S still goes
-    whatever the prediction (the predictor learns only from requests it lets go)."""
+    already hold 3 s of prompts: a 1 s target is refused at once, a 5 s one waits at the router.
+    One request a PROBE_S still goes whatever the prediction (the predictor learns only from
+    requests it lets go)."""
 
     async def run():
         decode, prefill = _pools(capacity=64)
@@ -207,11 +208,23 @@ def test_room_by_count_is_not_enough_when_the_nodes_backlog_is_past_the_target()
             await admission.enter(far, work=10, slo=Slo(ttft_s=1.0))
         assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "TTFT target" in refused.value.message and len(admission) == 0
-        await asyncio.wait_for(admission.enter(far, work=10, slo=Slo(ttft_s=5.0)), 0.5)
+        # A 5 s target could wait out the backlog, but not in the node's FIFO: it waits here
+        # (fairly between clients) until the node holds at most a quarter of its target.
+        patient = asyncio.create_task(admission.enter(far, work=10, slo=Slo(ttft_s=5.0)))
+        await asyncio.sleep(0.05)
+        assert not patient.done() and len(admission) == 1
+        prefill.release(p, 3_000, computed=3_000)
+        await asyncio.wait_for(patient, 0.5)
         await asyncio.wait_for(admission.enter(far, work=10), 0.5)  # no target: no prediction
+        # Room, nothing queued, but the predictor has learned that first tokens take 10 s: a 1 s
+        # target is refused, except one request per PROBE_S, which goes whatever the prediction.
+        for _ in range(2 * MIN_SAMPLES):
+            admission.predictor.observe(TTFTPrediction(0, 0, 0), 0.0, 10.0, 0, PrefillLoad(0, 0))
+        with pytest.raises(GenerateError):
+            await admission.enter(far, work=10, slo=Slo(ttft_s=1.0))
         admission._admitted -= PROBE_S  # nothing let go for PROBE_S: the next one probes
         probe = await asyncio.wait_for(admission.enter(far, work=10, slo=Slo(ttft_s=1.0)), 0.5)
-        assert probe.prediction is not None and probe.prediction.ttft_s > 3.0
+        assert probe.prediction is not None and probe.prediction.own_s >= 9.0
 
     asyncio.run(run())
 
@@ -303,5 +316,25 @@ def test_one_client_alone_keeps_arrival_order():
             decode.acquire(node)
         await asyncio.gather(*tasks)
         assert order == list(range(8))
+
+    asyncio.run(run())
+
+
+def test_a_deadline_leaves_its_request_the_time_decoding_takes():
+    """Served requests took 0.3 s from their first token to their end: one with 0.5 s left
+    before its deadline must have its first token within 0.2 s, whatever its 2 s TTFT target."""
+
+    async def run():
+        decode, prefill = _pools()
+        metrics = RouterMetrics()
+        admission = Admission(decode, metrics, prefill=prefill)
+        for _ in range(MIN_SAMPLES):
+            admission.note_decoded(0.3)
+        decode.acquire(decode.nodes[0])  # full: it queues
+        start = time.monotonic()
+        with pytest.raises(GenerateError):
+            await admission.enter(start + 0.5, work=10, slo=Slo(ttft_s=2.0), arrival=start)
+        assert 0.15 <= time.monotonic() - start < 0.4
+        assert metrics.refused.labels(reason="slo_expired")._value.get() == 1
 
     asyncio.run(run())
