@@ -5,8 +5,8 @@ virtual time: the prompt tokens of its requests let go so far, divided by its we
 (``--client-weights``, 1 by default). The head of the queue is the oldest waiter of the waiting
 client with the least virtual time, so a client's burst queues behind itself and every client
 gets its weight's share of what the pools let go. A client that starts waiting again begins at
-the queue's virtual time (the tag of the last request let go), not where it left off: idle
-time earns no credit. One client alone: arrival order, as a plain queue.
+the queue's virtual time (the work let go so far per weight of the clients waiting), not where
+it left off: idle time earns no credit. One client alone: arrival order, as a plain queue.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class FairQueue(Generic[W]):
         self._weights = dict(weights or {})
         self._queues: dict[str, deque[W]] = {}  # clients with waiters, each in arrival order
         self._vtime: dict[str, float] = {}  # client → service per weight (active clients)
-        self._now = 0.0  # the queue's virtual time: the start tag of the last one let go
+        self._now = 0.0  # the queue's virtual time (see let_go)
         # NOTE: every waiter in arrival order too: the metrics thread reads snapshots of it
         # (tuple() of a deque is one C-level copy) while the event loop changes the rest.
         self.all: deque[W] = deque()
@@ -78,8 +78,18 @@ class FairQueue(Generic[W]):
     def let_go(self, waiter: W) -> None:
         """``waiter`` (the head) goes to the pools: charge its client (then ``remove`` it)."""
         start = self._vtime[waiter.client]
-        self._now = max(self._now, start)
-        self._vtime[waiter.client] = start + max(waiter.cost, 1) / self.weight(waiter.client)
+        cost = max(waiter.cost, 1)
+        self._vtime[waiter.client] = start + cost / self.weight(waiter.client)
+        # The queue's time advances as fair queuing's would: by the work let go over the weight
+        # of the clients waiting, and never behind the least of theirs. A newcomer starts there,
+        # so a stream of clients that come once each cannot keep one waiting client behind them.
+        active = sum(self.weight(c) for c in self._queues)
+        least = min(self._vtime[c] for c in self._queues)
+        self._now = max(self._now + cost / active, least)
+        if len(self._vtime) > 2 * len(self._queues) + 64:  # clients gone, their credit spent
+            for client in [c for c, v in self._vtime.items() if c not in self._queues]:
+                if self._vtime[client] <= self._now:
+                    del self._vtime[client]
 
     def share(self, client: str) -> float:
         """The share of departures ``client`` gets while it waits beside those waiting now."""

@@ -338,3 +338,33 @@ def test_a_deadline_leaves_its_request_the_time_decoding_takes():
         assert metrics.refused.labels(reason="slo_expired")._value.get() == 1
 
     asyncio.run(run())
+
+
+def test_the_fair_queue_forgets_clients_that_left():
+    """Many clients come once and go: the queue does not keep a virtual time for each forever."""
+    from dataclasses import dataclass
+
+    from splitserve.router.fair_queue import FairQueue
+
+    @dataclass
+    class W:
+        client: str
+        cost: int
+        since: float
+
+    queue: FairQueue[W] = FairQueue()
+    steady = W("steady", 10, 0.0)
+    queue.append(steady)
+    steady_turns = 0
+    for i in range(2_000):
+        queue.append(W(f"c{i}", 10, float(i)))  # a client that comes once
+        head = queue.head()
+        assert head is not None
+        queue.let_go(head)
+        queue.remove(head)
+        if head is steady:  # it always has one more waiting
+            steady_turns += 1
+            steady = W("steady", 10, float(i))
+            queue.append(steady)
+    assert steady_turns >= 10  # not kept behind the stream of newcomers for good
+    assert len(queue._vtime) <= 2 * len(queue) + 65  # the ones that left are forgotten
