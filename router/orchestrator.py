@@ -5,19 +5,33 @@ The stages own their failure handling (``router.dispatch``, ``router.prefill_sta
 ``router.direct``, ``router.decode_stage``); this joins them, closes the request's
 ``DecodeSession`` (its slot and stream on D) when it ends, and turns the nodes' tokens into text
 (``router.output``). Plain values out: the servicer makes the protobuf messages.
+
+A decode node that fails mid-answer (UNAVAILABLE: gone, or silent to health checks) does not end
+the stream: the prompt and the tokens already sent become a new request, prefilled (its blocks
+found in the index or recomputed) and decoded elsewhere, and the client's stream goes on with
+the next token (``resumed_params``; at most ``MAX_RESUMES`` times).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from collections.abc import AsyncGenerator, Callable
 from typing import NamedTuple
 
+import grpc
+
 from splitserve.router.decode_stage import DecodeSession
 from splitserve.router.dispatch import Dispatcher
+from splitserve.router.errors import GenerateError
 from splitserve.router.output import Delta, OutputAssembler, Usage
 from splitserve.router.request import GenerateParams, ModelInfo
 from splitserve.runtime.slo import Slo
+
+logger = logging.getLogger(__name__)
+
+MAX_RESUMES = 2  # a stream whose decode node fails goes on elsewhere at most this many times
 
 # A request that ended this close to its deadline was cut off by it (timed out, not cancelled):
 # the client's clock and ours start a few milliseconds apart.
@@ -59,7 +73,10 @@ class Orchestrator:
         targets, ``client``: who sent it (both for admission)."""
         started = await self._dispatch.run(params, deadline, slo, start, client)
         first, session = started.first, started.session
+        admitted_at = started.admitted_at
         served: list[float] = []  # seconds from admission to its last token, once served
+        tokens: list[int] = []  # its output so far (a resumed request's prompt carries them)
+        resumed = 0
         try:
             usage = Usage(
                 prompt_tokens=len(params.prompt_token_ids),
@@ -72,33 +89,54 @@ class Orchestrator:
             def step(delta: Delta) -> Step:
                 if not delta.finish_reason:
                     return Step(delta, None)
-                served.append(time.monotonic() - started.admitted_at)
-                if self._on_decoded is not None and started.first_at:
+                served.append(time.monotonic() - admitted_at)
+                if self._on_decoded is not None and started.first_at and not resumed:
                     self._on_decoded(time.monotonic() - started.first_at)
                 return Step(delta, usage._replace(completion_tokens=output.num_tokens))
 
-            delta = output.add([first.token_id], [first.logprob], first.finish_reason)
-            if output.finished:
-                # NOTE: a stop string on the first token: D holds the shipped blocks until its
-                # transfer deadline unless told (direct: closing the stream ends it on D).
-                session.close(release_kv=not first.finish_reason)
-                yield step(delta)
-                return
-            call = session.stream(deadline)
-            yield step(delta)
-            batch = session.node.in_flight  # the batch it met on D, at its first token
-            while True:
-                reply = await call.read()
-                delta = output.add(reply.token_ids, reply.logprobs, reply.finish_reason)
-                session.grow(output.num_tokens)  # its output fills blocks beyond the reserve
+            while True:  # once, and again for each resume on another decode node
+                tokens.append(started.first.token_id)
+                delta = output.add(
+                    [started.first.token_id], [started.first.logprob], started.first.finish_reason
+                )
                 if output.finished:
-                    _note_tpot(session, started.first_at, output.num_tokens, batch)
-                yield step(delta)
-                if output.finished:
+                    # NOTE: a stop string on the first token: D holds the shipped blocks until its
+                    # transfer deadline unless told (direct: closing the stream ends it on D).
+                    session.close(release_kv=not started.first.finish_reason)
+                    yield step(delta)
                     return
+                call = session.stream(deadline)
+                yield step(delta)
+                batch = session.node.in_flight  # the batch it met on D, at its first token
+                try:
+                    while True:
+                        reply = await call.read()
+                        tokens.extend(reply.token_ids)
+                        delta = output.add(reply.token_ids, reply.logprobs, reply.finish_reason)
+                        session.grow(output.num_tokens)  # output past the reserve fills blocks
+                        if output.finished and not resumed:
+                            _note_tpot(session, started.first_at, output.num_tokens, batch)
+                        yield step(delta)
+                        if output.finished:
+                            return
+                except GenerateError as exc:
+                    if exc.code != grpc.StatusCode.UNAVAILABLE or resumed >= MAX_RESUMES:
+                        raise
+                    logger.warning(
+                        "request %s: %s; resuming after %d tokens on another decode node",
+                        params.request_id,
+                        exc.message,
+                        len(tokens),
+                    )
+                session.close()  # the failed node's slot and stream
+                resumed += 1
+                started = await self._dispatch.run(
+                    resumed_params(params, tokens), deadline, None, time.monotonic(), client
+                )
+                session = started.session
         finally:
             session.close()  # idempotent
-            self._note_service(served, started.admitted_at, deadline)
+            self._note_service(served, admitted_at, deadline)
             if not served and first.computed_tokens and self._on_wasted is not None:
                 self._on_wasted(first.computed_tokens)
 
@@ -123,3 +161,19 @@ def _note_tpot(session: DecodeSession, first_at: float, tokens: int, batch: int)
     node = session.node
     tpot = (time.monotonic() - first_at) / (tokens - 1)
     node.tpot.add((batch + node.in_flight) / 2, tpot)
+
+
+def resumed_params(params: GenerateParams, tokens: list[int]) -> GenerateParams:
+    """The rest of a request whose decode node failed after ``tokens``: its prompt and those
+    tokens as the new prompt, the output budget less what was sent. Greedy output goes on exactly
+    as it would have; penalties over the output and seeded sampling see the sent tokens as
+    prompt."""
+    n = len(tokens)
+    sampling = dataclasses.replace(
+        params.sampling,
+        max_tokens=params.sampling.max_tokens - n,
+        min_tokens=max(params.sampling.min_tokens - n, 0),
+    )
+    return dataclasses.replace(
+        params, prompt_token_ids=(*params.prompt_token_ids, *tokens), sampling=sampling
+    )
