@@ -5,26 +5,16 @@ served token-exact, and neither router admits more than its share of the decode 
 from __future__ import annotations
 
 import random
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from support.processes import scrape_metrics
 from support.reference import hf_greedy
 
 from splitserve.launcher import ClusterSpec, LocalCluster, free_port
 from splitserve.models.tiny import write_random_checkpoint
 from splitserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-
-
-def _scrape(url: str) -> dict[str, float]:
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
 
 
 @pytest.mark.slow
@@ -65,7 +55,7 @@ def test_two_routers_share_one_address_and_split_the_pools(tmp_path):
             assert tokens == hf_greedy(model, prompt, 6)
         served = []
         for url in addresses.router_metrics:
-            page = _scrape(url)
+            page = scrape_metrics(int(url.rsplit(":", 1)[1].split("/")[0]))
             served.append(page.get('splitserve_requests_total{code="OK"}', 0.0))
             # max_num_seqs 4 x overcommit 1.5 = 6 slots, 3 for each router
             assert page['splitserve_router_pool_slots{role="decode"}'] == 4.0
