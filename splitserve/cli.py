@@ -200,6 +200,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             print(f"{name:8s} {address}" + (f" metrics {url}" if url else ""), flush=True)
 
         show("router", a.router)
+        for url in a.router_metrics[1:]:  # --num-routers: the others share its address
+            print(f"router   {a.router} metrics {url}", flush=True)
         if a.http:
             print(f"http     {a.http} (OpenAI-compatible API)", flush=True)
         for role, addresses in (("prefill", a.prefill), ("decode", a.decode)):
@@ -234,6 +236,9 @@ def _autoscale_policy(args: argparse.Namespace, spec: ClusterSpec):
 
     if not spec.prefix_index:
         raise ValueError("--autoscale needs the Redis registry: new nodes join through it")
+    if spec.num_routers > 1:
+        # NOTE: the planner reads one router's /metrics: with several it would see 1/N of the load.
+        raise ValueError("--autoscale reads one router's pressure: use it with --num-routers 1")
     bounds, slo, config = policy_from(args, spec.num_prefill, spec.num_decode)
     if not bounds.min_prefill <= spec.num_prefill <= bounds.max_prefill:
         raise ValueError("--num-prefill must be within --min-prefill..--max-prefill")
