@@ -160,20 +160,17 @@ def test_unreachable_nodes_give_unavailable(model_dir, tmp_path):
         router.stop()
 
 
-def test_killed_decode_node_fails_fast_and_the_router_moves_on(model_dir, tmp_path, hf):
+def test_killed_decode_nodes_stream_resumes_and_the_router_moves_on(model_dir, tmp_path, hf):
+    """The stream goes on on the other decode node (router.orchestrator's resume; its tokens are
+    checked against transformers in test_decode_resume.py), and new requests avoid the dead one."""
     prefill = start_node("prefill", model_dir, tmp_path)
     decode = [start_node("decode", model_dir, tmp_path) for _ in range(2)]
     router = start_router(model_dir, tmp_path, [prefill.address], [d.address for d in decode])
     try:
         with Client(router.address) as client:
-            stream = client.stream(
-                prompt_token_ids=[3] * 20,
-                max_tokens=2000,
-                ignore_eos=True,
-                temperature=0.0,
-                timeout=60,
-            )
-            next(iter(stream))  # the first token comes from the prefill node
+            request = {"prompt_token_ids": [3] * 20, "max_tokens": 2000, "ignore_eos": True}
+            stream = client.stream(**request, temperature=0.0, timeout=60)
+            first = next(iter(stream))  # the first token comes from the prefill node
             deadline = time.monotonic() + 20
             while not (busy := [d for d in decode if node_stats(d).running == 1]):
                 assert time.monotonic() < deadline, "no decode node started the request"
@@ -181,10 +178,11 @@ def test_killed_decode_node_fails_fast_and_the_router_moves_on(model_dir, tmp_pa
             victim = busy[0]
             victim.popen.kill()
             t0 = time.monotonic()
-            with pytest.raises(SplitserveError):
-                for _ in stream:
-                    pass
-            assert time.monotonic() - t0 < 30
+            rest = [t for chunk in stream for t in chunk.token_ids]
+            assert time.monotonic() - t0 < 50
+            # Up to the model's length limit, exactly what an undisturbed run gives.
+            whole = client.generate(**request, temperature=0.0, timeout=60)
+            assert [*first.token_ids, *rest] == list(whole.token_ids)
             prompt = [random.randrange(256) for _ in range(20)]
             for _ in range(4):  # every request lands on the surviving decode node
                 r = client.generate(prompt_token_ids=prompt, **GREEDY, timeout=60)
