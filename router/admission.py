@@ -42,10 +42,9 @@ from splitserve.router.kv_budget import KVDemand
 from splitserve.router.pool import NodePool
 from splitserve.router.predictor import (
     PrefillLoad,
-    Samples,
+    RunningQuantile,
     TTFTPrediction,
     TTFTPredictor,
-    recent_quantile,
 )
 from splitserve.runtime.metrics import REFUSAL_REASONS, RouterMetrics
 from splitserve.runtime.slo import Slo
@@ -55,9 +54,7 @@ PACE_WINDOW = 64  # departures from the queue the wait estimate is drawn from
 PACE_MIN = 16  # fewer departures than this: no estimate, requests wait up to their limits
 PACE_STALE_S = 5.0  # no departure for this long: the pace is not known
 WAITS_WINDOW_S = 60.0  # queue wait quantiles are over the requests that left in this window
-SERVICE_WINDOW = 256  # recent requests' service times (from leaving the queue to the end)
 SERVICE_QUANTILE = 0.9  # a queued request needs this quantile of them left before its deadline
-SERVICE_MIN = 16  # fewer served than this: no service estimate (0)
 # With room in the pools, a request predicted to miss its TTFT target is still let go when none
 # was for this long: the predictor learns only from requests it lets go.
 PROBE_S = 0.2
@@ -119,9 +116,8 @@ class Admission:
         self._waits: deque[tuple[float, float]] = deque()  # (when it left, how long it waited)
         # How long requests took once let go, recently: one that could no longer finish before
         # its deadline is refused rather than let go to fail there (its prefill thrown away).
-        self._service: deque[float] = deque(maxlen=SERVICE_WINDOW)
-        self._service_s = 0.0
-        self._decode_times: Samples[float] = Samples()
+        self._service = RunningQuantile(SERVICE_QUANTILE)
+        self._decoding = RunningQuantile(SERVICE_QUANTILE)  # from the first token to the end
         decode.on_release = self.notify  # a request left a decode node: the head may go
         if prefill is not None:
             prefill.on_release = self.notify
@@ -152,27 +148,24 @@ class Admission:
 
     def note_served(self, service_s: float) -> None:
         """A request ended served ``service_s`` after ``enter`` let it go."""
-        self._service.append(service_s)
-        if len(self._service) >= SERVICE_MIN and len(self._service) % 8 == 0:
-            ordered = sorted(self._service)
-            self._service_s = ordered[int(SERVICE_QUANTILE * (len(ordered) - 1))]
+        self._service.add(service_s)
 
     def note_decoded(self, decode_s: float) -> None:
         """A request ended served ``decode_s`` after its first token."""
-        self._decode_times.add(decode_s)
+        self._decoding.add(decode_s)
 
     @property
     def decode_s(self) -> float:
         """How long a request takes from its first token to its end: the SERVICE_QUANTILE of
-        the recent ones (0 until MIN_SAMPLES were served). A request with a deadline needs its
-        first token that long before it."""
-        return recent_quantile(self._decode_times, SERVICE_QUANTILE) or 0.0
+        the recent ones (0 until 16 were served). A request with a deadline needs its first
+        token that long before it."""
+        return self._decoding.value
 
     @property
     def service_s(self) -> float:
         """How long serving a request takes once let go: the SERVICE_QUANTILE of the recent
-        ones (0 until SERVICE_MIN were served)."""
-        return self._service_s
+        ones (0 until 16 were served)."""
+        return self._service.value
 
     def first_token(self, admitted: Admitted, arrival: float) -> None:
         """A request ``enter`` let go reached its first token now: the predictor learns."""
@@ -211,10 +204,6 @@ class Admission:
         if ttft_s is not None and self.load().seconds(0) > BACKLOG_SHARE * ttft_s:
             return False  # the excess waits here, in the fair queue, not in the nodes' FIFO
         return prefill.has_room(work=work)
-
-    def capacity(self) -> float | None:
-        """The prefill pool's measured prompt tokens per second (None: not known, or no pool)."""
-        return self._rates.prefill_capacity() if self._rates is not None else None
 
     def load(self) -> PrefillLoad:
         """The prefill pool now: its measured rate and the prompt tokens it has to compute."""

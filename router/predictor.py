@@ -72,6 +72,25 @@ class Samples(Generic[T]):
         return [v for t, v in tuple(self._items) if t >= since]
 
 
+class RunningQuantile:
+    """A quantile of the last WINDOW values, recomputed every 8th value (read per request: no
+    sort on the read); 0 until MIN_SAMPLES were added."""
+
+    __slots__ = ("_q", "_values", "value")
+
+    def __init__(self, q: float) -> None:
+        self._q = q
+        self._values: deque[float] = deque(maxlen=WINDOW)
+        self.value = 0.0
+
+    def add(self, value: float) -> None:
+        values = self._values
+        values.append(value)
+        if len(values) >= MIN_SAMPLES and len(values) % 8 == 0:
+            ordered = sorted(values)
+            self.value = ordered[int(self._q * (len(ordered) - 1))]
+
+
 def recent_quantile(samples: Samples[float], q: float) -> float | None:
     values = samples.values()
     return quantile(values, q) if len(values) >= MIN_SAMPLES else None

@@ -45,7 +45,7 @@ class Pressure:
             wait_p99_s=p99,
             prefill_tokens_per_s=sum(t for w, t in computed if w >= now - RATE_WINDOW_S)
             / RATE_WINDOW_S,
-            prefill_capacity_tokens_per_s=admission.capacity() or 0.0,
+            prefill_capacity_tokens_per_s=admission.load().capacity or 0.0,
             ttft_base_s=admission.predictor.base_s(),
             ttft_margin_s=admission.predictor.margin_s(),
             prefill=_pool(self._registry.prefill),

@@ -99,14 +99,6 @@ def _build_request(
         raise SplitserveError(grpc.StatusCode.INVALID_ARGUMENT, f"bad argument: {exc}") from None
 
 
-def _call_options(timeout: float | None, metadata: Sequence[tuple[str, str]]) -> dict[str, Any]:
-    """The keyword arguments of one ``Generate`` call: ``metadata`` only when there is some."""
-    options: dict[str, Any] = {"timeout": timeout}
-    if metadata:
-        options["metadata"] = tuple(metadata)
-    return options
-
-
 def _chunk(msg: router_pb2.GenerateResponse) -> StreamChunk:
     usage = None
     if msg.HasField("usage"):
@@ -224,7 +216,7 @@ class Client:
             prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop,
             ignore_eos, cache_salt, logprobs, request_id, messages, slo,
         )  # fmt: skip
-        call = self._stub.Generate(request, **_call_options(timeout, metadata))
+        call = self._stub.Generate(request, timeout=timeout, metadata=tuple(metadata) or None)
         try:
             for msg in call:
                 yield _chunk(msg)
@@ -333,7 +325,7 @@ class AsyncClient:
             prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop,
             ignore_eos, cache_salt, logprobs, request_id, messages, slo,
         )  # fmt: skip
-        call = self._get_stub().Generate(request, **_call_options(timeout, metadata))
+        call = self._get_stub().Generate(request, timeout=timeout, metadata=tuple(metadata) or None)
         try:
             async for msg in call:
                 yield _chunk(msg)

@@ -61,7 +61,7 @@ class FakeStub:
     def __init__(self) -> None:
         self.requests: list[router_pb2.GenerateRequest] = []
 
-    def Generate(self, request, timeout=None):
+    def Generate(self, request, timeout=None, metadata=None):
         self.requests.append(request)
         return _Call()
 
