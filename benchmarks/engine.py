@@ -9,7 +9,7 @@ The engine is built as a decode node builds it (``runtime.node.build_engine``: t
 ``benchmarks/pipeline.py`` (random token ids, lengths uniform in ``--prompt-range``, seed 0),
 ``--gen`` tokens each (greedy, ignore_eos), all added at once, then stepped to the end.
 
-Per run: output tok/s, steps, and a profile of the steps (``models/step_profile.py``) split into
+Per run: output tok/s, steps, and a profile of the steps (``engine/step_profile.py``) split into
 those that computed prompt tokens ("prefill", chunks mixed with decodes) and decode-only ones:
 wall ms per step, the GPU time of the forward and sampling, the GPU's idle time between them
 (wall - GPU: what overlapping the CPU's step work with the GPU can win back), and the CPU time of
@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from step_kernels import CATEGORIES
 
+from splitserve.engine.step_profile import PHASES, StepProfile
 from splitserve.models.sampling_params import SamplingParams
-from splitserve.models.step_profile import PHASES, StepProfile
 from splitserve.runtime.config import NodeConfig
 from splitserve.runtime.node import build_engine
 

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shapes import llama3_8b_config
 
+from splitserve.engine.core import LLMEngine
 from splitserve.kvstore import ModelIdentity
-from splitserve.models.engine import LLMEngine
 from splitserve.models.loader import load_model, load_weights
 from splitserve.models.runner import ModelRunner, RunnerConfig, SequenceInput
 from splitserve.models.sampling_params import SamplingParams

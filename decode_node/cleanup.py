@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from splitserve.models.engine import LLMEngine
-from splitserve.models.engine_loop import AsyncEngine
+from splitserve.engine.core import LLMEngine
+from splitserve.engine.loop import AsyncEngine
 
 
 async def end_request(engine: AsyncEngine, request_id: str) -> bool:

@@ -18,7 +18,7 @@ from splitserve.models.sampling_params import SamplingParams
 from splitserve.runtime.protocol import sampling_from_proto
 
 if TYPE_CHECKING:
-    from splitserve.models.engine import LLMEngine
+    from splitserve.engine.core import LLMEngine
     from splitserve.v1 import nodes_pb2
 
 

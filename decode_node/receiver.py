@@ -31,10 +31,10 @@ from splitserve.decode_node.cleanup import Signal
 from splitserve.decode_node.header import TransferRefused, check_header
 from splitserve.decode_node.peer_caps import PeerCaps, PeerHold
 from splitserve.decode_node.pending import PendingTable
+from splitserve.engine.kv_port import Reserved
+from splitserve.engine.loop import AsyncEngine
 from splitserve.kvstore import ModelIdentity
 from splitserve.kvstore.codec import decode_blocks
-from splitserve.models.engine_loop import AsyncEngine
-from splitserve.models.kv_port import Reserved
 from splitserve.runtime import counter_names as names
 from splitserve.transfer import Incomplete, KVReceiver, Reservation
 from splitserve.transfer import TransferError as TransferLayerError

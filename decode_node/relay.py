@@ -9,7 +9,7 @@ from typing import cast
 
 import grpc
 
-from splitserve.models.engine import StepOutput
+from splitserve.engine.core import StepOutput
 from splitserve.runtime import counter_names as names
 from splitserve.runtime.node import failure_code
 from splitserve.v1 import nodes_pb2

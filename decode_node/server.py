@@ -8,8 +8,8 @@ import uuid
 
 from splitserve.decode_node.peer_caps import PeerLimits
 from splitserve.decode_node.service import DecodeService
+from splitserve.engine.loop import AsyncEngine
 from splitserve.kvstore import ModelIdentity
-from splitserve.models.engine_loop import AsyncEngine
 from splitserve.runtime.config import NodeConfig
 from splitserve.runtime.node import kv_security, serve_node, transfer_paths
 from splitserve.transfer import open_receiver

@@ -26,8 +26,8 @@ from splitserve.decode_node.peer_caps import PeerCaps, PeerLimits
 from splitserve.decode_node.pending import DRAIN_HOLD_S, Pending, PendingTable
 from splitserve.decode_node.receiver import BAD, KVInbox, Transfer
 from splitserve.decode_node.relay import relay_tokens
+from splitserve.engine.loop import AsyncEngine
 from splitserve.kvstore import ModelIdentity
-from splitserve.models.engine_loop import AsyncEngine
 from splitserve.runtime import counter_names as names
 from splitserve.runtime.metrics import LoadFigures
 from splitserve.runtime.node import checked_request, node_stats

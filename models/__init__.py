@@ -1,1 +1,1 @@
-"""Model side of a node: Llama-family decoder on paged KV, weight loading, sampler, engine."""
+"""Model side of a node: Llama-family decoder on paged KV, weight loading, sampler."""

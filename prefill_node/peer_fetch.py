@@ -16,10 +16,10 @@ from typing import Any
 
 import grpc
 
+from splitserve.engine.kv_port import KVPort
+from splitserve.engine.loop import AsyncEngine
 from splitserve.kvstore import BlockHash, hash_request_tokens
 from splitserve.kvstore.codec import batch_indices, decode_blocks, encode_blocks
-from splitserve.models.engine_loop import AsyncEngine
-from splitserve.models.kv_port import KVPort
 from splitserve.prefill_node.channels import Channels
 from splitserve.prefill_node.peer_layer import LayerFetch
 from splitserve.prefill_node.rates import MIN_FETCH_BLOCKS, Rates

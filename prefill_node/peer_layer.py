@@ -25,8 +25,8 @@ from typing import Any
 
 import grpc
 
+from splitserve.engine.loop import AsyncEngine, settle
 from splitserve.kvstore import BlockHash, KVCacheBlock
-from splitserve.models.engine_loop import AsyncEngine, settle
 from splitserve.prefill_node.channels import Channels
 from splitserve.runtime import counter_names as names
 from splitserve.runtime.auth import call_metadata

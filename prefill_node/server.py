@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+from splitserve.engine.loop import AsyncEngine
 from splitserve.kvstore import ModelIdentity
-from splitserve.models.engine_loop import AsyncEngine
 from splitserve.prefill_node.peer_layer import FETCH_RECEIVER_MARK
 from splitserve.prefill_node.service import PrefillService
 from splitserve.runtime.config import NodeConfig

@@ -16,11 +16,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from splitserve.engine.core import StepOutput
+from splitserve.engine.loop import AsyncEngine
+from splitserve.engine.scheduler import Request
 from splitserve.kvstore import ModelIdentity
-from splitserve.models.engine import StepOutput
-from splitserve.models.engine_loop import AsyncEngine
 from splitserve.models.sampling_params import SamplingParams
-from splitserve.models.scheduler import Request
 from splitserve.prefill_node.channels import Channels
 from splitserve.prefill_node.peer_fetch import PeerFetcher
 from splitserve.prefill_node.peer_layer import LayerFetch

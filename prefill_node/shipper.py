@@ -22,11 +22,11 @@ from typing import NamedTuple
 
 import grpc
 
+from splitserve.engine.kv_port import KVPort
+from splitserve.engine.loop import AsyncEngine, settle
+from splitserve.engine.scheduler import Request
 from splitserve.kvstore import BlockHash
 from splitserve.kvstore.codec import batch_indices, encode_blocks
-from splitserve.models.engine_loop import AsyncEngine, settle
-from splitserve.models.kv_port import KVPort
-from splitserve.models.scheduler import Request
 from splitserve.prefill_node.channels import Channels
 from splitserve.runtime import counter_names as names
 from splitserve.runtime.auth import call_metadata

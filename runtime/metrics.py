@@ -71,8 +71,8 @@ class LoadFigures:
 
     @classmethod
     def of_engine(cls, engine, pending_transfers: int = 0) -> LoadFigures:
-        """The figures of a live ``models.engine.LLMEngine``, read without an engine job from the
-        event loop or the metrics thread (the figures ``models.kv_port`` allows there)."""
+        """The figures of a live ``engine.core.LLMEngine``, read without an engine job from the
+        event loop or the metrics thread (the figures ``engine.kv_port`` allows there)."""
         pool = engine.kv_port.stats()
         slots = engine.kv_port.slot_usage()
         return cls(

@@ -24,9 +24,9 @@ from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 if TYPE_CHECKING:
     import torch
 
+    from splitserve.engine.core import LLMEngine
+    from splitserve.engine.loop import AsyncEngine
     from splitserve.kvstore import ModelIdentity
-    from splitserve.models.engine import LLMEngine
-    from splitserve.models.engine_loop import AsyncEngine
     from splitserve.models.sampling_params import SamplingParams
     from splitserve.runtime.metrics import LoadFigures
     from splitserve.transfer import KVSecurity
@@ -68,8 +68,8 @@ def build_engine(config: NodeConfig, prefill_only: bool) -> tuple[LLMEngine, Mod
     """Load the model of a node and wrap it in an engine (blocking: call before serving)."""
     import torch
 
+    from splitserve.engine.core import LLMEngine
     from splitserve.kvstore import ModelIdentity
-    from splitserve.models.engine import LLMEngine
     from splitserve.models.loader import load_model
     from splitserve.models.runner import ModelRunner, RunnerConfig
 
@@ -147,11 +147,11 @@ def start_engine(config: NodeConfig, role: str) -> tuple[AsyncEngine, ModelIdent
     """Load the model and start its engine thread (steps run once the loop is this one)."""
     core, identity = build_engine(config, prefill_only=role == "prefill")
     logger.info("%s node: %s", role, identity)
-    from splitserve.models.engine_loop import AsyncEngine
+    from splitserve.engine.loop import AsyncEngine
 
     set_gil_switch_interval()
     # SPLITSERVE_STEP_PROFILE=PATH: the engine thread times every step's phases and writes them
-    # to PATH.<role>.<pid>.json when the node stops (models.step_profile). For measurement runs:
+    # to PATH.<role>.<pid>.json when the node stops (engine.step_profile). For measurement runs:
     # it keeps a row (and two CUDA events) per step until then.
     profile = os.environ.get("SPLITSERVE_STEP_PROFILE")
     profile_path = f"{profile}.{role}.{os.getpid()}.json" if profile else None
@@ -238,7 +238,7 @@ def checked_request(
 def failure_code(exc: BaseException) -> grpc.StatusCode:
     """The status of a request the engine failed: a prompt that can never fit the KV cache is
     RESOURCE_EXHAUSTED (another node may have room), anything else INTERNAL."""
-    from splitserve.models.engine import RequestDoesNotFit
+    from splitserve.engine.core import RequestDoesNotFit
 
     if isinstance(exc, RequestDoesNotFit):
         return grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -13,10 +13,10 @@ from splitserve.runtime.auth import read_token_file, registry_key
 from splitserve.runtime.config import NodeConfig
 
 if TYPE_CHECKING:
+    from splitserve.engine.loop import AsyncEngine
     from splitserve.kvstore import BlockHash, ModelIdentity
     from splitserve.kvstore.block_pool import KVCacheEvent
     from splitserve.kvstore.redis_index import IndexPublisher, NodeInfo
-    from splitserve.models.engine_loop import AsyncEngine
     from splitserve.runtime.metrics import LoadFigures
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def index_publisher(
         return await engine.call(port.cached_hashes)
 
     async def info() -> NodeInfo:
-        pool = port.stats()  # figures, read without a job (models.kv_port)
+        pool = port.stats()  # figures, read without a job (engine.kv_port)
         return NodeInfo(
             address,
             role,

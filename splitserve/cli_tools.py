@@ -112,8 +112,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoTokenizer
 
+    from splitserve.engine.core import LLMEngine
     from splitserve.kvstore import ModelIdentity
-    from splitserve.models.engine import LLMEngine
     from splitserve.models.loader import load_model
     from splitserve.models.runner import ModelRunner, RunnerConfig
     from splitserve.models.sampling_params import SamplingParams

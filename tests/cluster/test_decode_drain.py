@@ -8,7 +8,7 @@ import time
 import grpc
 
 from splitserve.decode_node.server import make_service
-from splitserve.models.engine_loop import AsyncEngine
+from splitserve.engine.loop import AsyncEngine
 from splitserve.runtime.config import NodeConfig
 from splitserve.runtime.node import build_engine
 from splitserve.v1 import common_pb2, nodes_pb2, nodes_pb2_grpc

@@ -22,9 +22,9 @@ import pytest
 import torch
 from support.processes import node_stats, start_node, start_router
 
+from splitserve.engine.core import LLMEngine
+from splitserve.engine.loop import AsyncEngine
 from splitserve.kvstore import ModelIdentity
-from splitserve.models.engine import LLMEngine
-from splitserve.models.engine_loop import AsyncEngine
 from splitserve.models.loader import load_model
 from splitserve.models.runner import ModelRunner, RunnerConfig
 from splitserve.models.tiny import ensure_tiny_model, write_random_checkpoint

@@ -189,8 +189,8 @@ def deployment():
 
 def _reference(prompts: list[list[int]]) -> list[list[int]]:
     """Greedy output of the in-process engine on the same embedded model."""
+    from splitserve.engine.core import LLMEngine
     from splitserve.kvstore import ModelIdentity
-    from splitserve.models.engine import LLMEngine
     from splitserve.models.loader import load_model
     from splitserve.models.runner import ModelRunner, RunnerConfig
     from splitserve.models.sampling_params import SamplingParams

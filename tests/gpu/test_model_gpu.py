@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
+from splitserve.engine.core import LLMEngine
 from splitserve.kvstore import ModelIdentity
-from splitserve.models.engine import LLMEngine
 from splitserve.models.loader import load_model
 from splitserve.models.runner import ModelRunner, RunnerConfig, SequenceInput
 from splitserve.models.sampling_params import SamplingParams

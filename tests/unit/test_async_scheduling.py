@@ -9,8 +9,8 @@ moments."""
 import pytest
 import torch
 
+from splitserve.engine.core import LLMEngine
 from splitserve.kvstore import ModelIdentity
-from splitserve.models.engine import LLMEngine
 from splitserve.models.loader import load_model
 from splitserve.models.runner import ModelRunner, RunnerConfig
 from splitserve.models.sampling_params import SamplingParams
@@ -200,7 +200,7 @@ def test_an_abort_while_the_step_computes_frees_after_it(model):
 def test_outputs_read_before_a_request_that_never_fits_are_not_lost(model):
     """A step that reads the tokens of the step before (penalties need them) and then finds only
     a request larger than the pool returns those tokens; the next step raises for that one."""
-    from splitserve.models.engine import RequestDoesNotFit
+    from splitserve.engine.core import RequestDoesNotFit
 
     engine = _engine(model, True, num_blocks=8)
     params = SamplingParams(temperature=0.0, max_tokens=3, repetition_penalty=1.2, ignore_eos=True)

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
+from splitserve.engine.core import LLMEngine, RequestDoesNotFit
 from splitserve.kvstore import ModelIdentity, hash_request_tokens
-from splitserve.models.engine import LLMEngine, RequestDoesNotFit
 from splitserve.models.loader import load_model
 from splitserve.models.runner import ModelRunner, RunnerConfig
 from splitserve.models.sampling_params import SamplingParams

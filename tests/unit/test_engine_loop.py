@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from splitserve.models.engine_loop import AsyncEngine, settle
+from splitserve.engine.loop import AsyncEngine, settle
 
 
 def _idle_engine() -> AsyncEngine:
@@ -101,7 +101,7 @@ def test_settle_waits_for_the_work_through_cancellations():
 
 def test_held_outputs_go_when_the_next_forward_is_launched_and_the_last_at_once(tmp_path):
     """On a GPU a step's outputs are handed to the loop once the next step's forward is queued
-    (models.engine_loop); the CPU engine is made to do the same here. Every token arrives, in
+    (engine.loop); the CPU engine is made to do the same here. Every token arrives, in
     order, the final ones too (no step follows them), each step's after the next launch."""
     from splitserve.models.sampling_params import SamplingParams
     from splitserve.models.tiny import write_random_checkpoint

@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from support.router_helpers import MODEL
 
 from splitserve.decode_node.header import TransferRefused, check_header
+from splitserve.engine.core import LLMEngine
 from splitserve.kvstore import ModelIdentity, hash_request_tokens
-from splitserve.models.engine import LLMEngine
 from splitserve.models.loader import load_model
 from splitserve.models.runner import ModelRunner, RunnerConfig
 from splitserve.models.tiny import write_random_checkpoint

@@ -3,7 +3,7 @@ load without torch, and what the wheel holds: tests/cluster/test_packaging.py).
 
 Layers, lowest first (a module may import from its own part and from parts of lower layers only):
 
-    kernels, kvstore, v1 (stubs)  ←  models  ←  transfer  ←  runtime
+    kernels, kvstore, v1 (stubs)  ←  models  ←  transfer  ←  engine  ←  runtime
         ←  prefill_node, decode_node, router  ←  the public face (cli, client, launcher)
 
 Every import counts, those inside functions too: a lazy import still runs back up.
@@ -23,6 +23,7 @@ LAYERS = [
     {"kernels", "kvstore", "v1"},
     {"models"},
     {"transfer"},
+    {"engine"},
     {"runtime"},
     {"prefill_node", "decode_node", "router"},
     {"face"},  # splitserve/ itself: cli, client, launcher (may import one another)

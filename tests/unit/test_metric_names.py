@@ -21,8 +21,8 @@ from support.metrics import ROLES, assert_no_name_shared, families_of
 import splitserve.decode_node
 import splitserve.prefill_node
 from splitserve.decode_node.service import DecodeService
-from splitserve.models.engine_loop import AsyncEngine
-from splitserve.models.kv_port import KVPort
+from splitserve.engine.kv_port import KVPort
+from splitserve.engine.loop import AsyncEngine
 from splitserve.prefill_node.service import PrefillService
 from splitserve.runtime import counter_names
 from splitserve.runtime.metrics import LoadFigures, NodeCollector, RouterMetrics

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from splitserve.decode_node.relay import relay_tokens
-from splitserve.models.engine import StepOutput
+from splitserve.engine.core import StepOutput
 
 
 class Aborted(Exception):

@@ -3,9 +3,9 @@ prefill, prefix-cache hits, preemption by recompute, and the request that can ne
 
 import random
 
+from splitserve.engine.scheduler import Request, Scheduler
 from splitserve.kvstore import BlockPool, KVCacheManager, ModelIdentity
 from splitserve.models.sampling_params import SamplingParams
-from splitserve.models.scheduler import Request, Scheduler
 
 BS = 16
 ROOT = ModelIdentity("m", block_size=BS).root_hash

@@ -16,9 +16,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.decode_node.service import DecodeService
+from splitserve.engine.core import LLMEngine
 from splitserve.kvstore import BlockPool, KVCacheManager, ModelIdentity, hash_request_tokens
 from splitserve.kvstore.kv_cache_manager import SlotUsage
-from splitserve.models.engine import LLMEngine
 from splitserve.models.loader import load_model
 from splitserve.models.runner import ModelRunner, RunnerConfig
 from splitserve.models.sampling_params import SamplingParams

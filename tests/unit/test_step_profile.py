@@ -1,12 +1,12 @@
-"""The step profile a node records with SPLITSERVE_STEP_PROFILE (models.step_profile): the real
+"""The step profile a node records with SPLITSERVE_STEP_PROFILE (engine.step_profile): the real
 engine behind AsyncEngine, as a node runs it; the rows and table written when it stops."""
 
 import asyncio
 import json
 
-from splitserve.models.engine_loop import AsyncEngine
+from splitserve.engine.loop import AsyncEngine
+from splitserve.engine.step_profile import PHASES
 from splitserve.models.sampling_params import SamplingParams
-from splitserve.models.step_profile import PHASES
 from splitserve.models.tiny import write_random_checkpoint
 from splitserve.runtime.config import NodeConfig
 from splitserve.runtime.node import build_engine

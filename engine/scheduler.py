@@ -37,7 +37,7 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     admitted: bool = False
-    # Asynchronous steps (models.engine): tokens appended as placeholders while the step that
+    # Asynchronous steps (engine.core): tokens appended as placeholders while the step that
     # samples them is still on the device; ``closing``: its last sampled token ends it for sure
     # (max_tokens, max_model_len, prefill-only), so it is not scheduled again; ``epoch`` counts
     # its preemptions (a step's bookkeeping skips a request preempted since).

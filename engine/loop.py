@@ -38,8 +38,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
-from splitserve.models.engine import LLMEngine, RequestDoesNotFit, StepOutput
-from splitserve.models.kv_port import KVPort
+from splitserve.engine.core import LLMEngine, RequestDoesNotFit, StepOutput
+from splitserve.engine.kv_port import KVPort
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -51,13 +51,13 @@ IDLE_WAIT_S = 0.002
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, profile_path: str | None = None) -> None:
-        """``profile_path``: time every step's phases (models.step_profile) and write them
+        """``profile_path``: time every step's phases (engine.step_profile) and write them
         there when stopped."""
         self.engine = engine
         self._profile_path = profile_path
         self._profile = None
         if profile_path:
-            from splitserve.models.step_profile import StepProfile
+            from splitserve.engine.step_profile import StepProfile
 
             self._profile = StepProfile(engine)
         self._device = engine.runner.device

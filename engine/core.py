@@ -1,6 +1,6 @@
 """LLMEngine: continuous batching over one ModelRunner, with prefix caching and chunked prefill.
 
-The engine keeps the request store and runs steps: ``Scheduler`` (models/scheduler.py) picks the
+The engine keeps the request store and runs steps: ``Scheduler`` (engine/scheduler.py) picks the
 requests and token counts of the next forward and allocates their KV, the runner computes the
 logits, and the engine samples where a request's known tokens are all computed, checks stop
 conditions and ends finished requests (frees their blocks, or holds them in prefill-only mode).
@@ -20,8 +20,9 @@ from typing import NamedTuple
 
 import torch
 
+from splitserve.engine.kv_port import KVPort
+from splitserve.engine.scheduler import Request, ScheduledRequest, Scheduler
 from splitserve.kvstore import BlockPool, KVCacheManager, ModelIdentity
-from splitserve.models.kv_port import KVPort
 from splitserve.models.runner import ModelRunner, SequenceInput
 from splitserve.models.sampler import (
     PendingSample,
@@ -32,7 +33,6 @@ from splitserve.models.sampler import (
     skip_draws,
     to_device,
 )
-from splitserve.models.scheduler import Request, ScheduledRequest, Scheduler
 
 __all__ = ["LLMEngine", "Request", "RequestDoesNotFit", "StepOutput"]
 
@@ -264,7 +264,7 @@ class LLMEngine:
     def pending_prefill_tokens(self) -> int:
         """Prompt tokens admitted or queued but not computed yet (a scaler's prefill backlog).
 
-        NOTE: read from other threads too (models.kv_port's figures): each queue is copied by one
+        NOTE: read from other threads too (engine.kv_port's figures): each queue is copied by one
         unpacking, which holds the GIL, before anything is summed."""
         return sum(
             max(len(r.prompt_token_ids) - r.num_computed_tokens, 0)

@@ -31,8 +31,8 @@ from splitserve.kvstore import BlockHash, KVCacheBlock
 from splitserve.kvstore.kv_cache_manager import SlotUsage
 
 if TYPE_CHECKING:
+    from splitserve.engine.core import LLMEngine
     from splitserve.kvstore.block_pool import KVCacheEvent
-    from splitserve.models.engine import LLMEngine
 
 
 class Reserved(NamedTuple):
