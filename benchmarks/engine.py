@@ -89,7 +89,14 @@ class PhaseKernels:
         self._prof, self._kind = None, None
 
 
-def run(engine, prompts, gen: int, tag: str, kernels: PhaseKernels | None = None) -> dict:
+def run(
+    engine,
+    prompts,
+    gen: int,
+    tag: str,
+    kernels: PhaseKernels | None = None,
+    dump: str | None = None,
+) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
     profile = StepProfile(engine)
     if profile.cuda:
@@ -112,6 +119,8 @@ def run(engine, prompts, gen: int, tag: str, kernels: PhaseKernels | None = None
     wall = time.perf_counter() - t0
     produced = sum(len(r.output_token_ids) for r in reqs)
     assert produced == gen * len(prompts), (produced, gen * len(prompts))
+    if dump:
+        profile.dump(dump)  # every step's row: benchmarks/step_compare.py reads it
     return {
         "run": tag,
         "output_tok_s": produced / wall,
@@ -136,6 +145,11 @@ def parse_args() -> argparse.Namespace:
         "--kernel-profile",
         action="store_true",
         help="one more run under torch.profiler: kernel time by kind, per phase (not timed)",
+    )
+    ap.add_argument(
+        "--profile-json",
+        metavar="PATH",
+        help="write each run's step rows to PATH.rN.json (for benchmarks/step_compare.py)",
     )
     return ap.parse_args()
 
@@ -171,7 +185,8 @@ def main() -> None:
 
     rows = []
     for rep in range(args.repeats):
-        row = run(engine, prompts, args.gen, f"r{rep}")
+        dump = f"{args.profile_json}.r{rep}.json" if args.profile_json else None
+        row = run(engine, prompts, args.gen, f"r{rep}", dump=dump)
         print(json.dumps(row), flush=True)
         rows.append(row)
     print("\n| run | output tok/s | wall s | steps |")

@@ -1,32 +1,22 @@
-"""Ending a decode node's request to the end, whatever interrupts it (``AsyncEngine.call_to_end``
-says why a plain ``await engine.call(...)`` is not enough), and the signal that blocks were freed.
+"""Ending a decode node's request to the end, whatever interrupts it (``NodeEngine.end_request``
+completes even when its caller is cancelled), and the signal that blocks were freed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import TYPE_CHECKING
 
-from splitserve.engine.core import LLMEngine
-from splitserve.engine.loop import AsyncEngine
+if TYPE_CHECKING:
+    from splitserve.engine.api import NodeEngine
 
 
-async def end_request(engine: AsyncEngine, request_id: str) -> bool:
+async def end_request(engine: NodeEngine, request_id: str) -> bool:
     """Drop a decoding (or never started, or still prefilling) request and free every block held
-    under its id, to the end; True if it was still running. The next engine step drops it before
-    scheduling, even while other engine jobs are queued ahead of this one
-    (``LLMEngine.abort_soon``)."""
-    engine.engine.abort_soon(request_id)
-    return await engine.call_to_end(_end_request, engine.engine, request_id)
-
-
-def _end_request(core: LLMEngine, request_id: str) -> bool:
-    """Engine thread. ``abort`` frees a running request's blocks; a request whose
-    ``add_transferred`` never ran still holds its adopted blocks under its id: free those too."""
-    running = request_id in core.requests
-    core.abort(request_id)
-    core.kv_port.free(request_id)
-    return running
+    under its id, to the end; True if it was still running. The engine drops it before its next
+    step schedules, even while other engine work is queued ahead of the command."""
+    return await engine.end_request(request_id)
 
 
 class Signal:

@@ -18,7 +18,7 @@ from splitserve.models.sampling_params import SamplingParams
 from splitserve.runtime.protocol import sampling_from_proto
 
 if TYPE_CHECKING:
-    from splitserve.engine.core import LLMEngine
+    from splitserve.engine.api import EngineInfo
     from splitserve.v1 import nodes_pb2
 
 
@@ -32,13 +32,13 @@ class TransferRefused(Exception):
 
 def check_header(
     header: nodes_pb2.TransferHeader,
-    core: LLMEngine,
+    info: EngineInfo,
     identity: ModelIdentity,
-    block_nbytes: int,
     in_use: Callable[[str], bool],
 ) -> tuple[SamplingParams, list[int]]:
-    """The request's sampling parameters and prompt, or ``TransferRefused``. ``core``: the
-    ``LLMEngine`` (prompt and vocabulary checks); ``in_use(rid)``: the id is taken here."""
+    """The request's sampling parameters and prompt, or ``TransferRefused``. ``info``: the
+    engine's (block size in bytes, prompt and vocabulary checks); ``in_use(rid)``: the id is
+    taken here."""
     bad = grpc.StatusCode.INVALID_ARGUMENT
     if not header.request_id:
         raise TransferRefused(bad, "request_id is empty")
@@ -59,14 +59,15 @@ def check_header(
         )
     if len(header.cache_salt) > MAX_SALT_CHARS:
         raise TransferRefused(bad, f"cache_salt is over {MAX_SALT_CHARS} characters")
+    block_nbytes = info.block_nbytes
     if header.block_nbytes != block_nbytes:
         raise TransferRefused(bad, f"block_nbytes {header.block_nbytes} != {block_nbytes}")
     try:
         params = sampling_from_proto(header.sampling)
-        prompt = core.check_prompt(header.prompt_token_ids)
+        prompt = info.check_prompt(header.prompt_token_ids)
     except ValueError as exc:
         raise TransferRefused(bad, str(exc)) from None
-    vocab = core.runner.config.vocab_size
+    vocab = info.vocab_size
     if header.first_token_id >= vocab:
         raise TransferRefused(bad, f"first_token_id {header.first_token_id} >= vocab {vocab}")
     # The hashes must be the chain of these very tokens, or a later prompt would read this

@@ -1,5 +1,6 @@
 """The decode node's receiving side: every transfer, whichever path its bytes take, goes through
-one reservation of the node's ``transfer.KVReceiver`` of the blocks the KV port reserved.
+one reservation, made by the node's transfer receiver (which lives beside the pool, behind the
+engine: ``engine.api.NodeEngine``'s ``rx_*`` commands), of the blocks the engine reserved.
 
     inbox.begin(header) → transfer.reserve() → transfer.receive() → [transfer.write(BlockData)…]
         → transfer.commit() (finishes, registers) → on any failure or cancel: transfer.release()
@@ -8,7 +9,7 @@ Which path a transfer takes is the sender's choice (the header names it) and the
 business: this module only acts on what the reservation says of itself. Blocks that come on the
 stream (``caller_writes``: gRPC bytes) are checked message by message (``kvstore.codec``) and
 written through the reservation; otherwise the sender moves them, and where the layer receives
-them itself (``receive_first``) ``receive`` waits for that in a thread. Hashes are registered only
+them itself (``receive_first``) ``receive`` waits for that. Hashes are registered only
 in ``commit``, once the layer says every block has arrived, so a failed transfer leaves nothing
 findable: its blocks are freed (after the grace the layer asks for when the sender may still have
 a write into them queued).
@@ -23,7 +24,8 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
 
 import grpc
 
@@ -31,12 +33,12 @@ from splitserve.decode_node.cleanup import Signal
 from splitserve.decode_node.header import TransferRefused, check_header
 from splitserve.decode_node.peer_caps import PeerCaps, PeerHold
 from splitserve.decode_node.pending import PendingTable
-from splitserve.engine.kv_port import Reserved
-from splitserve.engine.loop import AsyncEngine
-from splitserve.kvstore import ModelIdentity
+from splitserve.engine.api import RX, NodeEngine, Reserved, ResInfo
+from splitserve.engine.loop import settle
+from splitserve.kvstore import BlockHash, ModelIdentity
 from splitserve.kvstore.codec import decode_blocks
 from splitserve.runtime import counter_names as names
-from splitserve.transfer import Incomplete, KVReceiver, Reservation
+from splitserve.transfer import Incomplete
 from splitserve.transfer import TransferError as TransferLayerError
 
 if TYPE_CHECKING:
@@ -50,21 +52,20 @@ BAD = grpc.StatusCode.INVALID_ARGUMENT
 
 
 class KVInbox:
-    """What the transfers of one decode node share: the layer's receiver, the KV port, which
-    block hashes are being received, which request ids are in transfer."""
+    """What the transfers of one decode node share: the engine (its blocks and its transfer
+    receiver), which block hashes are being received, which request ids are in transfer or in
+    the engine."""
 
     def __init__(
         self,
-        engine: AsyncEngine,
-        rx: KVReceiver,
+        engine: NodeEngine,
         identity: ModelIdentity,
         pending: PendingTable,
         counters: Counter[str],
         caps: PeerCaps | None = None,
     ) -> None:
         self.engine = engine
-        self.port = engine.kv_port
-        self.rx = rx
+        self.rx_id = engine.kv.rx_id  # the receiver's id: a sender's ticket names it
         self.identity = identity
         self.pending = pending
         self.counters = counters
@@ -75,28 +76,34 @@ class KVInbox:
         # having the same bytes shipped again (a burst of prompts with a new shared prefix).
         self.receiving: dict[bytes, asyncio.Future] = {}
         self.in_transfer: set[str] = set()  # request ids with a TransferKV call in progress
+        # Request ids a Decode or Generate call of this node added to the engine and has not
+        # ended yet (added just before the engine is asked, dropped once it has ended the
+        # request): the node's own table, never the engine's, which lives on its thread (or in
+        # its process).
+        self.live: set[str] = set()
         self._quarantined: set[asyncio.Task] = set()
-        # Senders look a path up only if this node offers one besides the gRPC bytes.
-        self.endpoint = rx.endpoint().to_bytes() if rx.paths else b""
+        # Senders look a path up only if this node offers one besides the gRPC bytes (the
+        # engine's receiver gives no endpoint otherwise).
+        self.endpoint = engine.kv.rx_endpoint
 
     def begin(self, header: nodes_pb2.TransferHeader, peer: str) -> Transfer:
         """Check ``header``, take the sending node's (``peer``'s) share of its caps and claim
         the request id (``TransferRefused`` otherwise)."""
-        params, prompt = check_header(
-            header, self.engine.engine, self.identity, self.port.block_nbytes, self._in_use
-        )
+        info = self.engine.info
+        params, prompt = check_header(header, info, self.identity, self.in_use)
         hold = None
         if self.caps is not None:
-            num_blocks = len(header.block_hashes) + (len(prompt) % self.port.block_size != 0)
+            num_blocks = len(header.block_hashes) + (len(prompt) % info.block_size != 0)
             hold = self.caps.admit(peer, num_blocks)
         self.in_transfer.add(header.request_id)  # no await since the check: the id is ours
         return Transfer(self, header, params, prompt, hold)
 
-    def _in_use(self, rid: str) -> bool:
-        return rid in self.pending or rid in self.engine.engine.requests or rid in self.in_transfer
+    def in_use(self, rid: str) -> bool:
+        """The id is taken here: in transfer, waiting for its Decode call, or in the engine."""
+        return rid in self.pending or rid in self.live or rid in self.in_transfer
 
     async def free(self, rid: str) -> None:
-        await self.engine.call_to_end(self.port.free, rid)
+        await self.engine.free(rid)  # to the end, even if the caller is cancelled
         self.freed.notify()
 
     def quarantine(self, rid: str, num_blocks: int, grace_s: float) -> None:
@@ -112,7 +119,7 @@ class KVInbox:
         self._quarantined.add(task)
         task.add_done_callback(self._quarantined.discard)
 
-    async def wait_for_receiving(self, hashes: list[bytes], deadline: float | None) -> None:
+    async def wait_for_receiving(self, hashes: Sequence[bytes], deadline: float | None) -> None:
         """Wait until no other transfer is receiving any of ``hashes``; they are then cached
         here (or, if that transfer failed, missing and shipped by this one)."""
         waited = False
@@ -129,13 +136,14 @@ class KVInbox:
                 )
 
     async def reserve_blocks(
-        self, rid: str, hashes: list[bytes], prompt_len: int, deadline: float | None
+        self, rid: str, hashes: list[BlockHash], prompt_len: int, deadline: float | None
     ) -> Reserved:
         """Reserve the transfer's blocks; while the pool is short only because other requests
         hold blocks (a burst), wait for them to free — up to RESERVE_WAIT_S and the caller's
         deadline — rather than fail work the prefill node has already done."""
-        need = len(hashes) + (prompt_len % self.port.block_size != 0)
-        usable = self.port.num_usable_blocks
+        info = self.engine.info
+        need = len(hashes) + (prompt_len % info.block_size != 0)
+        usable = info.num_usable_blocks
         if need > usable:
             raise TransferRefused(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -147,7 +155,7 @@ class KVInbox:
         waited = False
         while True:
             # To the end even if cancelled: the caller's release then frees what it allocated.
-            reserved = await self.engine.call_to_end(self.port.reserve, rid, hashes, prompt_len)
+            reserved = await self.engine.reserve(rid, hashes, prompt_len)
             if reserved is not None:
                 return reserved
             left = give_up - time.monotonic()
@@ -163,21 +171,21 @@ class KVInbox:
             # Requests finishing on the engine thread free blocks too: look again soon.
             await self.freed.wait(min(left, 0.05))
 
-    def reserve_in_layer(self, header: nodes_pb2.TransferHeader, dest: list[int]) -> Reservation:
+    async def reserve_in_layer(self, header: nodes_pb2.TransferHeader, dest: list[int]) -> ResInfo:
         """The layer's reservation of ``dest``: over the path the sender asked for when it asked
         this very node and the path can be served, else for the blocks as BlockData ("")."""
         path = header.transfer_path  # "": BlockData on the stream
-        if path and header.receiver_id != self.rx.node_id:
+        if path and header.receiver_id != self.rx_id:
             self.counters[names.TRANSFERS_DECLINED_STALE_ENDPOINT] += 1
         elif path:
             try:
-                return self.rx.reserve(header.sender_id, dest, path)
+                return await self.engine.rx_reserve(RX, header.sender_id, dest, path)
             except (TransferLayerError, ValueError) as exc:
                 logger.info("%s transfer from %s declined: %s", path, header.sender_id, exc)
-        return self.rx.reserve(header.sender_id, dest, "")
+        return await self.engine.rx_reserve(RX, header.sender_id, dest, "")
 
     async def close(self) -> None:
-        await asyncio.to_thread(self.rx.shutdown)
+        """Nothing to shut down: the receiver is the engine's (``NodeEngine.stop`` closes it)."""
 
 
 class Transfer:
@@ -197,9 +205,9 @@ class Transfer:
         self.rid: str = header.request_id
         self.params = params
         self.prompt = prompt
-        self.hashes = list(header.block_hashes)
+        self.hashes = cast(list[BlockHash], list(header.block_hashes))  # checked: check_header
         self.missing: list[int] = []
-        self.res: Reservation | None = None
+        self.res: ResInfo | None = None  # the layer's reservation, where the engine lives
         self.adopted = False  # registered and handed to the pending table: not ours to free
         self._dest: dict[int, int] = {}  # grpc: block index (-1: tail) → reserved block id
         self._received: set[int] = set()
@@ -223,21 +231,21 @@ class Transfer:
     @property
     def ticket(self) -> bytes:
         """For the sender: empty when the blocks come as BlockData on the stream."""
-        return b"" if self.res is None or self.on_stream else self.res.ticket.to_bytes()
+        return b"" if self.res is None or self.on_stream else self.res.ticket
 
     @property
     def nbytes(self) -> int:
         """The bytes of the blocks it reserved (and, once committed, received)."""
         return self.res.nbytes if self.res is not None else 0
 
-    def _reservation(self) -> Reservation:
+    def _reservation(self) -> ResInfo:
         assert self.res is not None, "the transfer has no reservation yet"
         return self.res
 
     async def reserve(self, time_remaining: float | None) -> None:
         inbox = self.inbox
         # Blocks still held under the id: an unfinished ipc transfer's, freed after the grace.
-        if await inbox.engine.call(inbox.port.holds, self.rid):
+        if await inbox.engine.holds(self.rid):
             raise TransferRefused(
                 grpc.StatusCode.ALREADY_EXISTS, f"request {self.rid!r} is already on this node"
             )
@@ -269,14 +277,19 @@ class Transfer:
         self._reserving.set_result(None)
         indices = [*self.missing, *([-1] if reserved.has_tail else [])]
         self._dest = dict(zip(indices, reserved.dest, strict=True))
-        self.res = inbox.reserve_in_layer(self.header, reserved.dest)
+        await settle(asyncio.ensure_future(self._reserve_in_layer(reserved.dest)))
+
+    async def _reserve_in_layer(self, dest: list[int]) -> None:
+        """Kept even when the call is cancelled meanwhile (``settle``): ``release`` then
+        cancels the reservation rather than leave it behind where the engine lives."""
+        self.res = await self.inbox.reserve_in_layer(self.header, dest)
 
     async def write(self, meta: bytes, data: bytes) -> None:
         """Check one BlockData message and write its blocks into the reservation."""
         res = self._reservation()
         if not res.caller_writes:
             raise TransferRefused(BAD, f"expected TransferEnd after the {res.path} transfer")
-        block_nbytes = self.inbox.port.block_nbytes
+        block_nbytes = self.inbox.engine.info.block_nbytes
         try:
             # Checksumming MBs is CPU work: off the event loop (zlib releases the GIL).
             batch = await asyncio.to_thread(decode_blocks, meta, data, block_nbytes)
@@ -289,8 +302,8 @@ class Transfer:
                 raise TransferRefused(BAD, f"block index {index} was not asked for")
             self._received.add(index)
             ids.append(self._dest[index])
-        # On the engine thread, between steps, like every other write into the pool.
-        await self.inbox.engine.call(self.inbox.rx.write, res, ids, batch.data)
+        # Where the engine lives, between steps, like every other write into the pool.
+        await self.inbox.engine.rx_write(RX, res.res_id, ids, batch.data)
 
     async def receive(self, timeout: float) -> None:
         """Where the layer takes the data in itself (``receive_first``): until the sender's
@@ -299,7 +312,7 @@ class Transfer:
         if not res.receive_first:
             return
         try:
-            await asyncio.to_thread(self.inbox.rx.receive, res, timeout)
+            await self.inbox.engine.rx_receive(RX, res.res_id, timeout)
         except TransferLayerError as exc:
             raise TransferRefused(
                 grpc.StatusCode.UNAVAILABLE, f"{res.path} transfer: {exc}"
@@ -310,14 +323,14 @@ class Transfer:
         blocks did not arrive), then the hashes are registered."""
         res = self._reservation()
         try:
-            self.inbox.rx.finish(res)
+            await self.inbox.engine.rx_finish(RX, res.res_id)
         except Incomplete as exc:
             raise TransferRefused(BAD, str(exc)) from None
         except TransferLayerError as exc:
             raise TransferRefused(
                 grpc.StatusCode.UNAVAILABLE, f"{res.path} transfer: {exc}"
             ) from None
-        await self.inbox.engine.call(self.inbox.port.register, self.rid, self.hashes)
+        await self.inbox.engine.register(self.rid, self.hashes)
         self.adopted = True
 
     async def release(self) -> None:
@@ -329,6 +342,8 @@ class Transfer:
         try:
             if self._owns_blocks and not self.adopted:
                 await self._free_blocks()
+        except ConnectionError as exc:  # the engine is gone, and the blocks with it
+            logger.warning("transfer of %s not released: %s", self.rid, exc)
         finally:
             try:
                 for block_hash in self._claimed:
@@ -343,12 +358,22 @@ class Transfer:
                     self.hold.release()  # its sender's share back, whatever ended the transfer
 
     async def _free_blocks(self) -> None:
+        """Cancel the reservation, then free the blocks (after the layer's grace, if it asks for
+        one); both happen even when the caller is cancelled meanwhile."""
         res = self.res
-        if res is not None:
-            # First: no later data of the layer lands in the blocks (but a sender writing into
-            # this pool itself may still have a write queued: the layer then asks for a grace).
-            grace_s = self.inbox.rx.cancel(res)
+        if res is None:
+            await self.inbox.free(self.rid)  # to the end
+            return
+        # First: no later data of the layer lands in the blocks (but a sender writing into this
+        # pool itself may still have a write queued: the layer then asks for a grace).
+        cancel = asyncio.ensure_future(self.inbox.engine.rx_cancel(RX, res.res_id))
+        try:
+            await settle(cancel)  # to the end, through cancellations of this task
+        finally:
+            grace_s = 0.0
+            if cancel.done() and not cancel.cancelled() and cancel.exception() is None:
+                grace_s = cancel.result()
             if grace_s > 0:
-                self.inbox.quarantine(self.rid, len(res.block_ids), grace_s)
-                return
-        await self.inbox.free(self.rid)
+                self.inbox.quarantine(self.rid, res.num_blocks, grace_s)
+            else:
+                await self.inbox.free(self.rid)

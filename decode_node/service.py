@@ -17,6 +17,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator
+from typing import NoReturn
 
 import grpc
 
@@ -26,12 +27,11 @@ from splitserve.decode_node.peer_caps import PeerCaps, PeerLimits
 from splitserve.decode_node.pending import DRAIN_HOLD_S, Pending, PendingTable
 from splitserve.decode_node.receiver import BAD, KVInbox, Transfer
 from splitserve.decode_node.relay import relay_tokens
-from splitserve.engine.loop import AsyncEngine
+from splitserve.engine.api import EngineFigures, NodeEngine
 from splitserve.kvstore import ModelIdentity
 from splitserve.runtime import counter_names as names
 from splitserve.runtime.metrics import LoadFigures
 from splitserve.runtime.node import checked_request, node_stats
-from splitserve.transfer import KVReceiver
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -41,15 +41,17 @@ logger = logging.getLogger(__name__)
 # first).
 LAYER_IDLE_FACTOR = 4
 MAX_RELEASE_ID_CHARS = 1024  # Release's request_id (input from another node: bounded)
+# The engine's own counters a decode node exports besides its own and preemptions (named where
+# they are produced: ``AsyncEngine.counters``); not the prefix-cache look-ups.
+ENGINE_COUNTERS = ("steps", "step_seconds", "engine_job_seconds")
 
 
 class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: NodeEngine,
         identity: ModelIdentity,
         deadline_s: float,
-        receiver: KVReceiver,
         peer_limits: PeerLimits | None = None,
     ) -> None:
         self.engine = engine
@@ -58,7 +60,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
         self.pending = PendingTable()
         self.counters: Counter[str] = Counter()
         caps = None if peer_limits is None else PeerCaps(peer_limits, self.counters)
-        self.inbox = KVInbox(engine, receiver, identity, self.pending, self.counters, caps)
+        self.inbox = KVInbox(engine, identity, self.pending, self.counters, caps)
         # Set on SIGTERM: new transfers and Generate calls are refused, accepted ones finish.
         self.draining = False
         self._transfers = 0  # TransferKV calls in flight
@@ -77,18 +79,19 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
 
     async def drain(self, timeout_s: float) -> None:
         """Wait (up to ``timeout_s``) until every accepted request is done: transfers in flight,
-        transferred requests waiting for their Decode call, and requests decoding."""
+        transferred requests waiting for their Decode call, and requests decoding (those this
+        node added to the engine and has not ended: ``KVInbox.live``)."""
         deadline = time.monotonic() + timeout_s
         self.pending.hold_at_most(min(DRAIN_HOLD_S, timeout_s))
-        engine = self.engine.engine
-        while self._transfers or self._calls or self.pending or engine.requests:
+        live = self.inbox.live
+        while self._transfers or self._calls or self.pending or live:
             if time.monotonic() >= deadline:
                 logger.warning(
                     "drain: %d transfers, %d pending, %d calls, %d in the engine after %.0f s",
                     self._transfers,
                     len(self.pending),
                     self._calls,
-                    len(engine.requests),
+                    len(live),
                     timeout_s,
                 )
                 return
@@ -97,27 +100,31 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
     async def close(self) -> None:
         await self.inbox.close()
 
-    def load(self) -> LoadFigures:
-        return LoadFigures.of_engine(self.engine.engine, pending_transfers=len(self.pending))
+    def load(self, figures: EngineFigures | None = None) -> LoadFigures:
+        """The node's load (``figures``: the engine's, default its latest known: no wait)."""
+        figures = self.engine.last_figures() if figures is None else figures
+        return LoadFigures.of_figures(figures, pending_transfers=len(self.pending))
 
-    def all_counters(self) -> dict[str, float]:
-        engine = self.engine.engine
+    def all_counters(self, figures: EngineFigures | None = None) -> dict[str, float]:
+        """This node's counters and the engine's (steps, step and job seconds, preemptions)."""
+        engine = (self.engine.last_figures() if figures is None else figures).counters
         return {
             **self.counters,
-            names.PREEMPTIONS: engine.num_preemptions,
-            **self.engine.counters(),
+            names.PREEMPTIONS: engine.get("preemptions", 0),
+            **{name: engine[name] for name in ENGINE_COUNTERS if name in engine},
         }
 
     async def GetStats(
         self, request: nodes_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> nodes_pb2.GetStatsResponse:
+        figures = await self.engine.figures()
         return node_stats(
             "decode",
-            self.engine.engine,
-            self.identity,
-            self.load(),
-            self.all_counters(),
-            transfer_endpoint=self.inbox.endpoint,
+            self.engine.info,
+            figures,
+            self.load(figures),
+            self.all_counters(figures),
+            transfer_endpoint=self.engine.kv.rx_endpoint,
         )
 
     # ------------------------------------------------------------------ transfer
@@ -154,6 +161,9 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             if transfer is not None:
                 await transfer.release()
             await context.abort(exc.code, str(exc))
+        except ConnectionError as exc:  # the engine is gone: the sender ships to another node
+            self.counters[names.TRANSFERS_FAILED] += 1
+            await _engine_gone(context, exc)
         except BaseException:
             # Client gone or cancelled: nothing half-written is ever registered; free the rest.
             self.counters[names.TRANSFERS_FAILED] += 1
@@ -245,31 +255,24 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
                 grpc.StatusCode.NOT_FOUND,
                 f"request {rid!r} has no transferred KV here (never sent, or its deadline passed)",
             )
+        # No await since the pop: the id goes from the pending table to the live set at once.
         queue = self.engine.subscribe(rid)
+        self.inbox.live.add(rid)
         finished = False
         try:
             try:
-                await self.engine.call(
-                    self.engine.engine.add_transferred,
-                    rid,
-                    pending.prompt,
-                    pending.first_token,
-                    pending.params,
-                    pending.cache_salt,
+                await self.engine.add_transferred(
+                    rid, pending.prompt, pending.first_token, pending.params, pending.cache_salt
                 )
             except ValueError as exc:  # the id is taken (a repeated Decode of one request)
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-            self.engine.notify()
+            except ConnectionError as exc:
+                await _engine_gone(context, exc)
             async for reply in relay_tokens(queue, context, "decoding", self.counters):
                 finished = bool(reply.finish_reason)
                 yield reply
         finally:
-            self.engine.unsubscribe(rid)
-            # Cancelled, failed, or never joined (add_transferred refused, or dropped from the
-            # engine's queue by the cancel): the blocks adopted under the id are freed either way.
-            if not finished and await end_request(self.engine, rid):
-                self.counters[names.REQUESTS_ABORTED] += 1
-            self.inbox.freed.notify()
+            await self._end(rid, finished)
 
     # ------------------------------------------------------------------ release
 
@@ -314,21 +317,25 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
                 grpc.StatusCode.UNAVAILABLE, "decode node is draining; retry on another node"
             )
         rid = request.request_id
-        core = self.engine.engine
         try:
-            params, prompt = checked_request(core, request)
+            params, prompt = checked_request(self.engine.info, request)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if self.inbox.in_use(rid):
+            # Another call's (decoding, transferred, in transfer): touch nothing of it.
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already on this node"
+            )
         queue = self.engine.subscribe(rid)
+        self.inbox.live.add(rid)
         finished = False
         try:
             try:
-                req = await self.engine.call(
-                    core.add_request, rid, prompt, params, request.cache_salt or None
-                )
+                await self.engine.add_request(rid, prompt, params, request.cache_salt or None)
             except ValueError as exc:  # the id is taken
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-            self.engine.notify()
+            except ConnectionError as exc:
+                await _engine_gone(context, exc)
             # The router cancels an abandoned call only once it has heard from this handler (a
             # cancel arriving before the handler runs is lost): tell it now, not at the first
             # token, which a long prompt delays.
@@ -338,18 +345,27 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             async for reply in relay_tokens(
                 queue, context, "generating", self.counters, first_alone=True
             ):
-                if first:
+                if first:  # cached_tokens: from the first token's facts (relay_tokens)
                     first = False
-                    reply.cached_tokens = req.num_cached_tokens
                     self.counters[names.DIRECT_PROMPT_TOKENS] += len(prompt)
-                    self.counters[names.DIRECT_CACHED_TOKENS] += req.num_cached_tokens
+                    self.counters[names.DIRECT_CACHED_TOKENS] += reply.cached_tokens
                 finished = bool(reply.finish_reason)
                 yield reply
         finally:
-            self.engine.unsubscribe(rid)
-            # Cancelled (mid-prefill too), failed, or never added: its blocks are freed.
+            await self._end(rid, finished)
+
+    async def _end(self, rid: str, finished: bool) -> None:
+        """A Decode or Generate call's end: cancelled (mid-prefill too), failed, or never joined
+        (add_* refused, or dropped from the engine's queue by the cancel), the request is ended
+        and every block held under its id freed, to the end; then it leaves the live set."""
+        self.engine.unsubscribe(rid)
+        try:
             if not finished and await end_request(self.engine, rid):
                 self.counters[names.REQUESTS_ABORTED] += 1
+        except ConnectionError as exc:  # the engine is gone, the request and its blocks with it
+            logger.warning("request %s not ended: %s", rid, exc)
+        finally:
+            self.inbox.live.discard(rid)
             self.inbox.freed.notify()
 
     async def _counted(
@@ -366,6 +382,13 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             finally:
                 self._calls -= 1
                 self.inbox.freed.notify()
+
+
+async def _engine_gone(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
+    """End a call whose engine is gone (``ConnectionError``: an engine process that died; the
+    node exits) with UNAVAILABLE, the status callers retry on another node."""
+    await context.abort(grpc.StatusCode.UNAVAILABLE, f"the decode node's engine is gone: {exc}")
+    raise AssertionError("unreachable: abort raises")
 
 
 def _peer_of(header: nodes_pb2.TransferHeader, context: grpc.aio.ServicerContext) -> str:

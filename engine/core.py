@@ -34,7 +34,7 @@ from splitserve.models.sampler import (
     to_device,
 )
 
-__all__ = ["LLMEngine", "Request", "RequestDoesNotFit", "StepOutput"]
+__all__ = ["FirstFacts", "LLMEngine", "Request", "RequestDoesNotFit", "StepOutput"]
 
 
 _PLACEHOLDER = -1  # a sampled token still on the device (Request.num_pending)
@@ -67,11 +67,22 @@ class RequestDoesNotFit(RuntimeError):
         self.request_id = request_id
 
 
+class FirstFacts(NamedTuple):
+    """What a request's first sampled token brings besides the token: how much of its prompt
+    was cached, and on a prefill-only engine the blocks it holds for shipping (its full
+    blocks' hashes and every block id, the partial tail last)."""
+
+    num_cached_tokens: int
+    block_hashes: list[bytes] | None = None
+    block_ids: list[int] | None = None
+
+
 class StepOutput(NamedTuple):
     request_id: str
     new_token_id: int
     logprob: float | None
     finish_reason: str | None
+    facts: FirstFacts | None = None  # on a request's first token sampled here
 
 
 class LLMEngine:
@@ -404,11 +415,24 @@ class LLMEngine:
                     del req.token_ids[slot + 1 :]  # a placeholder of the step after, if any
                     req.num_pending = 0
                     self._finish(req, reason)
-                outputs.append(StepOutput(req.request_id, token, logprob, reason))
+                facts = None
+                if num_output == 1:
+                    facts = self._first_facts(req)
+                outputs.append(StepOutput(req.request_id, token, logprob, reason, facts))
             return outputs
         finally:  # even when reading failed (a device error): the step is over
             for rid in launched.free_after:
                 self.kv.free(rid)
+
+    def _first_facts(self, req: Request) -> FirstFacts:
+        if not self.prefill_only:
+            return FirstFacts(req.num_cached_tokens)
+        full = len(req.prompt_token_ids) // self.block_size
+        return FirstFacts(
+            req.num_cached_tokens,
+            list(req.block_hashes[:full]),
+            self.kv.get_block_ids(req.request_id),
+        )
 
     def _finish(self, req: Request, reason: str | None) -> None:
         """End a request: free its blocks, or hold them until ``release`` (prefill-only)."""

@@ -50,10 +50,23 @@ IDLE_WAIT_S = 0.002
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, profile_path: str | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        profile_path: str | None = None,
+        deliver: Callable[[list[StepOutput]], object] | None = None,
+        fail: Callable[[list[str], BaseException], object] | None = None,
+        on_thread: bool = False,
+    ) -> None:
         """``profile_path``: time every step's phases (engine.step_profile) and write them
-        there when stopped."""
+        there when stopped. ``deliver(outputs)`` / ``fail(request_ids, exc)``: where a step's
+        outputs go (default: the queues of ``subscribe``), called on the event loop, or with
+        ``on_thread`` on the engine thread itself (an engine process writing them out: no hop
+        through its loop)."""
         self.engine = engine
+        self._deliver_to = deliver or self._deliver
+        self._fail_to = fail or self._fail
+        self._on_thread = on_thread
         self._profile_path = profile_path
         self._profile = None
         if profile_path:
@@ -226,7 +239,7 @@ class AsyncEngine:
                 outputs = self._profile.step(launched)
         except RequestDoesNotFit as exc:
             self._hand_over()
-            self._post(self._fail, [exc.request_id], exc)
+            self._post(self._fail_to, [exc.request_id], exc)
             return True
         except Exception as exc:  # a failed step fails its requests, not the node
             self._hand_over()
@@ -234,7 +247,7 @@ class AsyncEngine:
             rids = [r.request_id for r in (*engine.running, *engine.waiting, *engine.ready)]
             for rid in rids:
                 engine.abort(rid)
-            self._post(self._fail, rids, exc)
+            self._post(self._fail_to, rids, exc)
             return True
         self._hand_over()  # nothing launched (nothing scheduled): the last outputs go now
         if engine.last_num_scheduled:
@@ -244,16 +257,22 @@ class AsyncEngine:
             if self._defer_outputs:
                 self._held = outputs
             else:
-                self._post(self._deliver, outputs)
+                self._post(self._deliver_to, outputs)
         return bool(engine.last_num_scheduled)
 
     def _hand_over(self) -> None:
         """Post the outputs held back from the last step, if any."""
         held, self._held = self._held, None
         if held:
-            self._post(self._deliver, held)
+            self._post(self._deliver_to, held)
 
     def _post(self, fn: Callable, *args) -> None:
+        if self._on_thread:
+            try:
+                fn(*args)
+            except Exception:  # the engine thread goes on; the sink says what failed
+                logger.exception("handing a step's outputs over failed")
+            return
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is left to hear
             self._loop.call_soon_threadsafe(fn, *args)  # pyright: ignore[reportOptionalMemberAccess] (set by start)
 

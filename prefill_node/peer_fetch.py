@@ -2,7 +2,8 @@
 (per the router's index hint) instead of computing them, and serve ``FetchBlocks`` to peers.
 
 Blocks are addressed by chained hash, so a stale hint or a dead peer never gives a wrong answer:
-whatever is not fetched is computed. Pool access is the engine's KVPort only.
+whatever is not fetched is computed. The engine's blocks are reached through its
+``engine.api.NodeEngine`` commands only (count_cached, adopt, pin/unpin, read).
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from typing import Any
 
 import grpc
 
-from splitserve.engine.kv_port import KVPort
-from splitserve.engine.loop import AsyncEngine
+from splitserve.engine.api import NodeEngine
 from splitserve.kvstore import BlockHash, hash_request_tokens
 from splitserve.kvstore.codec import batch_indices, decode_blocks, encode_blocks
 from splitserve.prefill_node.channels import Channels
@@ -36,7 +36,7 @@ MAX_FETCH_BLOCKS = 1 << 16  # what one FetchBlocks may name (a 1M-token prompt o
 class PeerFetcher:
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: NodeEngine,
         root_hash: bytes,
         rates: Rates,
         channels: Channels,
@@ -45,9 +45,8 @@ class PeerFetcher:
     ) -> None:
         self.layer = layer  # fetches through the transfer layer where a path exists
         self.engine = engine
-        self.port: KVPort = engine.kv_port
         self.root = root_hash
-        self.block_size, self.block_nbytes = self.port.block_size, self.port.block_nbytes
+        self.block_size, self.block_nbytes = engine.info.block_size, engine.info.block_nbytes
         self.rates, self.channels, self.counters = rates, channels, counters
         self._fetching: dict[bytes, asyncio.Future] = {}  # last hash of a run → its fetch
 
@@ -90,7 +89,7 @@ class PeerFetcher:
         salt: str | None,
         timeout: float | None,
     ) -> int:
-        local = await self.engine.call(self.port.count_cached, hashes)
+        local = await self.engine.count_cached(hashes)
         want = hashes[local:]
         # What the peer recomputes the asked hashes from: no prompt, no blocks.
         proof = dict(
@@ -127,7 +126,7 @@ class PeerFetcher:
             return 0
         # One engine call reserves, writes, registers and releases: nothing to leak if the
         # caller is cancelled meanwhile.
-        adopted = await self.engine.call(self.port.adopt, want[:n], [got[i] for i in range(n)])
+        adopted = await self.engine.adopt(want[:n], [got[i] for i in range(n)])
         self.rates.fetched(n * self.block_nbytes, time.perf_counter() - t0)
         self.counters[names.PREFIX_BLOCKS_FETCHED] += adopted
         return adopted
@@ -166,7 +165,7 @@ class PeerFetcher:
     @property
     def max_blocks(self) -> int:
         """The most blocks a prompt of this model can have (what a fetch may name)."""
-        max_len = self.engine.engine.runner.config.max_model_len
+        max_len = self.engine.info.max_model_len
         return min(MAX_FETCH_BLOCKS, max_len // self.block_size + 1)
 
     def why_not_proven(self, request: nodes_pb2.FetchBlocksRequest) -> str | None:
@@ -190,19 +189,20 @@ class PeerFetcher:
         """``FetchBlocks``: the longest leading run of the requested blocks held here, as
         BlockData messages, or (with a ticket) through the transfer layer; the blocks are
         pinned while they are read."""
-        hashes = list(request.block_hashes)
-        pinned = await self.engine.acquire(self.port.pin, self.port.unpin, hashes)
+        hashes = list(map(BlockHash, request.block_hashes))
+        # A caller cancelled before the pin is answered has the blocks unpinned for it.
+        pinned = await self.engine.pin(hashes)
         try:
             if request.ticket:
                 declined = nodes_pb2.FetchBlocksResponse()  # no transfer_path: fetch bytes
                 yield await self.layer.serve(request, pinned) if self.layer else declined
                 return
-            for run in batch_indices(list(range(len(pinned))), self.block_nbytes):
-                ids = [pinned[i].block_id for i in run]
-                data = await self.engine.call(self.port.read, ids)
+            block_ids = pinned.block_ids
+            for run in batch_indices(list(range(len(block_ids))), self.block_nbytes):
+                data = await self.engine.read([block_ids[i] for i in run])
                 meta, data = await asyncio.to_thread(encode_blocks, run, data)
                 yield nodes_pb2.FetchBlocksResponse(meta=meta, data=data)
-            self.counters[names.BLOCKS_SERVED_TO_PEERS] += len(pinned)
+            self.counters[names.BLOCKS_SERVED_TO_PEERS] += len(block_ids)
         finally:
-            # Submitted once, and run even if the call is cancelled again meanwhile.
-            await self.engine.call_to_end(self.port.unpin, pinned)
+            # To the end: run even if the call is cancelled again meanwhile.
+            await self.engine.unpin(pinned.pin_id)

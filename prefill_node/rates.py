@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from splitserve.transfer import rate_prior
 
 if TYPE_CHECKING:
-    from splitserve.models.runner import ModelRunner
+    from splitserve.engine.api import EngineInfo
 
 MIN_FETCH_BLOCKS = 2  # fewer than this: computing is cheaper than a round trip to a peer
 # Until measured here: each path of the fetch moves what the transfer layer assumes of it
@@ -49,14 +49,13 @@ class Rates:
         self.compute_rate = compute_rate
 
     @classmethod
-    def for_runner(cls, runner: ModelRunner, block_nbytes: int, block_size: int) -> Rates:
-        """Priors for a model runner: a GPU's prefill rate from the parameter count; on CPU
-        unknown (fetch whatever is worth a round trip)."""
+    def for_engine(cls, info: EngineInfo) -> Rates:
+        """Priors for an engine (``NodeEngine.info``): on a GPU the prefill rate from the model's
+        parameter count; on CPU unknown (fetch whatever is worth a round trip)."""
         compute_rate = None
-        if runner.device.type == "cuda":
-            params = sum(p.numel() for p in runner.model.parameters())
-            compute_rate = GPU_PREFILL_FLOPS_PRIOR / (2 * params)
-        return cls(block_nbytes, block_size, compute_rate)
+        if info.device.startswith("cuda") and info.num_params > 0:
+            compute_rate = GPU_PREFILL_FLOPS_PRIOR / (2 * info.num_params)
+        return cls(info.block_nbytes, info.block_size, compute_rate)
 
     def fetch_rate(self, path: str = "") -> float:
         """Of a fetch over the transfer layer's ``path`` ("": the FetchBlocks byte stream)."""

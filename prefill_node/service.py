@@ -3,7 +3,8 @@ budget, reusing cached prefix blocks), samples the first token, and ships the fu
 plus the partial tail block into the chosen decode node — only the blocks that node lacks.
 
 The servicer turns protobuf into calls: shipping is ``shipper.KVShipper``, peer prefix reuse
-(fetching and serving ``FetchBlocks``) is ``peer_fetch.PeerFetcher``."""
+(fetching and serving ``FetchBlocks``) is ``peer_fetch.PeerFetcher``. The engine is reached
+through ``engine.api.NodeEngine`` only (in this process or in an engine process of its own)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from splitserve.engine.core import StepOutput
-from splitserve.engine.loop import AsyncEngine
-from splitserve.engine.scheduler import Request
+from splitserve.engine.api import EngineFigures, NodeEngine, StepOutput
+from splitserve.engine.core import FirstFacts
 from splitserve.kvstore import ModelIdentity
 from splitserve.models.sampling_params import SamplingParams
 from splitserve.prefill_node.channels import Channels
@@ -29,7 +29,6 @@ from splitserve.prefill_node.shipper import KVShipper, ShipError
 from splitserve.runtime import counter_names as names
 from splitserve.runtime.metrics import LoadFigures
 from splitserve.runtime.node import checked_request, failure_code, node_stats
-from splitserve.transfer import KVReceiver, KVSender
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -38,27 +37,24 @@ logger = logging.getLogger(__name__)
 class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: NodeEngine,
         identity: ModelIdentity,
         deadline_s: float,
-        sender: KVSender | None = None,
-        receiver: KVReceiver | None = None,
-        fetch_sender: KVSender | None = None,
     ) -> None:
+        """``engine``: started, its transfer sides opened (``open_kv``) if it has any."""
         self.engine = engine
         self.identity = identity
-        port = engine.kv_port
         self.counters: Counter[str] = Counter()
         self.channels = Channels()
         # Fetch or compute a peer's prefix: by measured rates (priors until measured).
-        self.rates = Rates.for_runner(engine.engine.runner, port.block_nbytes, port.block_size)
+        self.rates = Rates.for_engine(engine.info)
         self.shipper = KVShipper(
-            engine, identity.root_hash, deadline_s, self.channels, self.counters, sender
+            engine, identity.root_hash, deadline_s, self.channels, self.counters
         )
-        # Peer prefix fetches through the transfer layer: this node receives (receiver), and
-        # serves its peers' fetches with a sender of its own (fetch_sender, the fetch paths only).
-        self.sender, self.receiver, self.fetch_sender = sender, receiver, fetch_sender
-        layer = LayerFetch(engine, self.channels, self.counters, fetch_sender, receiver)
+        # Peer prefix fetches through the transfer layer: this node receives (the engine's
+        # receiver), and serves its peers' fetches with a sender of its own (the engine's fetch
+        # sender, the fetch paths only).
+        layer = LayerFetch(engine, self.channels, self.counters)
         self.fetcher = PeerFetcher(
             engine, identity.root_hash, self.rates, self.channels, self.counters, layer
         )
@@ -82,22 +78,16 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
             )
 
     async def close(self) -> None:
+        """The channels to peers; the engine closes its transfer sides itself (``stop``)."""
         await self.channels.close()
         await self.shipper.close()
-        if self.fetch_sender is not None:
-            await asyncio.to_thread(self.fetch_sender.close_all)
-        if self.receiver is not None:
-            await asyncio.to_thread(self.receiver.shutdown)
 
     def load(self) -> LoadFigures:
-        return LoadFigures.of_engine(self.engine.engine)
+        return LoadFigures.of_figures(self.engine.last_figures())
 
     def all_counters(self) -> dict[str, float]:
-        return {
-            **self.counters,
-            **self.engine.kv_port.prefix_stats(),
-            **self.engine.counters(),
-        }
+        """Read without waiting for the engine (the metrics thread calls this too)."""
+        return _all_counters(self.counters, self.engine.last_figures())
 
     # ------------------------------------------------------------------ Prefill
 
@@ -121,9 +111,8 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
         self, request: nodes_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> nodes_pb2.PrefillResponse:
         rid = request.request_id
-        core = self.engine.engine
         try:
-            params, prompt = checked_request(core, request)
+            params, prompt = checked_request(self.engine.info, request)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if not request.decode_address:
@@ -137,16 +126,16 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
         queue = self.engine.subscribe(rid)
         shipped = False
         try:
-            req, out = await self._compute(rid, prompt, params, salt, queue, context)
+            out, facts = await self._compute(rid, prompt, params, salt, queue, context)
             response = nodes_pb2.PrefillResponse(
                 first_token_id=out.new_token_id,
                 first_logprob=out.logprob or 0.0,
                 finish_reason=out.finish_reason or "",
-                cached_tokens=req.num_cached_tokens,
+                cached_tokens=facts.num_cached_tokens,
                 blocks_fetched=fetched,
             )
             if out.finish_reason is None:
-                await self._ship(request, req, out.new_token_id, response, context)
+                await self._ship(request, prompt, out, response, context)
                 shipped = True
             return response
         finally:
@@ -168,36 +157,53 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
         salt: str | None,
         queue: asyncio.Queue[StepOutput | BaseException],
         context: grpc.aio.ServicerContext,
-    ) -> tuple[Request, StepOutput]:
-        """Add the request to the engine and wait for its first token: (request, its output)."""
-        core = self.engine.engine
+    ) -> tuple[StepOutput, FirstFacts]:
+        """Add the request to the engine and wait for its first token: (its output, what that
+        output says of the prompt's blocks)."""
         try:
-            req = await self.engine.call(core.add_request, rid, prompt, params, salt)
+            await self.engine.add_request(rid, prompt, params, salt)
             started = time.perf_counter()
         except ValueError as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-        self.engine.notify()
         out = await queue.get()
         if isinstance(out, BaseException):
             await context.abort(failure_code(out), str(out))
         assert isinstance(out, StepOutput)
-        self.rates.prefilled(len(prompt) - req.num_cached_tokens, time.perf_counter() - started)
+        facts = out.facts
+        if facts is None or facts.block_hashes is None or facts.block_ids is None:
+            # A prefill-only engine's first output always brings them.
+            await context.abort(
+                grpc.StatusCode.INTERNAL, "the engine's first output says nothing of its blocks"
+            )
+        assert facts is not None
+        cached = facts.num_cached_tokens
+        self.rates.prefilled(len(prompt) - cached, time.perf_counter() - started)
         self.counters[names.PREFILLS] += 1
         self.counters[names.PROMPT_TOKENS] += len(prompt)
-        self.counters[names.CACHED_TOKENS] += req.num_cached_tokens
-        return req, out
+        self.counters[names.CACHED_TOKENS] += cached
+        return out, facts
 
     async def _ship(
         self,
         request: nodes_pb2.PrefillRequest,
-        req: Request,
-        first_token: int,
+        prompt: list[int],
+        out: StepOutput,
         response: nodes_pb2.PrefillResponse,
         context: grpc.aio.ServicerContext,
     ) -> None:
-        """Ship the prompt's KV into the decode node; fills the transfer figures of response."""
+        """Ship the prompt's KV (its blocks as ``out.facts`` names them) into the decode node;
+        fills the transfer figures of response."""
+        facts = out.facts
+        assert facts is not None and facts.block_hashes is not None and facts.block_ids is not None
         try:
-            shipped = await self.shipper.ship(request, req, first_token, context.time_remaining())
+            shipped = await self.shipper.ship(
+                request,
+                prompt,
+                facts.block_hashes,
+                facts.block_ids,
+                out.new_token_id,
+                context.time_remaining(),
+            )
         except ShipError as exc:
             await context.abort(exc.code(), exc.details())
         response.blocks_shipped = shipped.blocks_shipped
@@ -226,15 +232,20 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
     async def GetStats(
         self, request: nodes_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> nodes_pb2.GetStatsResponse:
-        engine = self.engine.engine
+        figures = await self.engine.figures()
         # What askers choose a fetch path from: the fetch sender's endpoint.
-        fetch = self.fetch_sender
-        endpoint = fetch.endpoint().to_bytes() if fetch is not None else b""
         return node_stats(
             "prefill",
-            engine,
-            self.identity,
-            self.load(),
-            self.all_counters(),
-            transfer_endpoint=endpoint,
+            self.engine.info,
+            figures,
+            LoadFigures.of_figures(figures),
+            _all_counters(self.counters, figures),
+            transfer_endpoint=self.engine.kv.fetch_endpoint,
         )
+
+
+def _all_counters(counters: Counter[str], figures: EngineFigures) -> dict[str, float]:
+    """A prefill node's counters: its own, and the engine's (its steps and their time, the prefix
+    cache's look-ups) but preemptions, a decode node's figure (not exported by a prefill node)."""
+    engine = {name: value for name, value in figures.counters.items() if name != names.PREEMPTIONS}
+    return {**counters, **engine}

@@ -2,9 +2,11 @@
 
 One ``TransferKV`` stream per request: the header (tokens, block hashes, model identity), the
 decode node's answer (the hashes it lacks, and a ticket when a transfer-layer path was agreed),
-then either the blocks through the transfer layer (``transfer.KVSender``, over whichever path it
-set up) or as ``BlockData`` bytes (``kvstore.codec``, ~4 MB messages), then ``TransferEnd`` and
-the decode node's confirmation. Blocks are read through the engine's KVPort only.
+then either the blocks through the transfer layer (the engine's sender, side ``TX``, over whichever
+path it set up) or as ``BlockData`` bytes (``kvstore.codec``, ~4 MB messages), then
+``TransferEnd`` and the decode node's confirmation. The engine is reached through its
+``engine.api.NodeEngine`` commands only (it may live in another process): the request's blocks
+are named by the ids its first output brought (``FirstFacts``).
 
 Over 300 lines: one transfer's sending protocol (header, agreed path or bytes, end, confirmation,
 and how each step fails) is kept in one file so it reads in order.
@@ -13,24 +15,21 @@ and how each step fails) is kept in one file so it reads in order.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import NamedTuple
 
 import grpc
 
-from splitserve.engine.kv_port import KVPort
-from splitserve.engine.loop import AsyncEngine, settle
-from splitserve.engine.scheduler import Request
+from splitserve.engine.api import TX, NodeEngine
 from splitserve.kvstore import BlockHash
 from splitserve.kvstore.codec import batch_indices, encode_blocks
 from splitserve.prefill_node.channels import Channels
 from splitserve.runtime import counter_names as names
 from splitserve.runtime.auth import call_metadata
-from splitserve.transfer import Endpoint, KVSender
+from splitserve.transfer import Endpoint
 from splitserve.transfer import TransferError as TransferLayerError
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
@@ -99,50 +98,49 @@ class _Stream:
 class KVShipper:
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: NodeEngine,
         root_hash: bytes,
         deadline_s: float,
         channels: Channels,
         counters: Counter[str],
-        sender: KVSender | None = None,
     ) -> None:
         self.engine = engine
-        self.port: KVPort = engine.kv_port
         self.root = root_hash
-        self.block_size, self.block_nbytes = self.port.block_size, self.port.block_nbytes
+        self.block_size, self.block_nbytes = engine.info.block_size, engine.info.block_nbytes
         self.deadline_s = deadline_s
         self.channels, self.counters = channels, counters
-        # KV transfer layer (transfer.KVSender): its paths to decode nodes that offer them.
-        self.sender = sender
+        # The KV transfer layer's sender (the engine's side TX, where it opened one): its paths
+        # to decode nodes that offer them; "": gRPC bytes only.
+        self.sender_id = engine.kv.tx_id if engine.kv.opened(TX) else ""
         # decode address → (transfer path or "", its receiver id, when resolved)
         self._routes: dict[str, tuple[str, str, float]] = {}
 
     async def close(self) -> None:
-        if self.sender is not None:
-            await asyncio.to_thread(self.sender.close_all)
+        """Nothing to close: the sender is the engine's (it closes its transfer sides itself)."""
 
     async def ship(
         self,
         request: nodes_pb2.PrefillRequest,
-        req: Request,
+        prompt: list[int],
+        block_hashes: Sequence[bytes],
+        block_ids: list[int],
         first_token: int,
         timeout: float | None,
     ) -> Shipped:
-        """Ship request ``req``'s prompt KV (``request``: its PrefillRequest) into the decode
-        node; ``ShipError`` says why not."""
+        """Ship the prompt's KV (``request``: its PrefillRequest; ``block_hashes``: its full
+        blocks' hashes, ``block_ids``: every block it holds, the partial tail last, as its first
+        output's ``FirstFacts`` gave them) into the decode node; ``ShipError`` says why not."""
         address = request.decode_address
-        hashes = list(req.block_hashes[: len(req.prompt_token_ids) // self.block_size])
-        # The block ids come from the engine thread while the decode node answers the header.
-        block_ids = self.engine.submit(self.port.block_ids, req.request_id)
+        hashes = list(map(BlockHash, block_hashes[: len(prompt) // self.block_size]))
         path, receiver_id = await self._transfer_path(address)
-        header = self._header(request, req, first_token, hashes, path, receiver_id)
+        header = self._header(request, prompt, first_token, hashes, path, receiver_id)
         stream = _Stream(
             nodes_pb2_grpc.DecodeNodeServiceStub(self.channels.get(address)), header, timeout
         )
         t0 = time.perf_counter()
         try:
             missing, nbytes = await self._exchange(
-                stream, address, block_ids, hashes, len(req.prompt_token_ids), path, timeout
+                stream, address, block_ids, hashes, len(prompt), path, timeout
             )
         except (grpc.aio.AioRpcError, ShipError) as exc:
             stream.abandon()
@@ -174,15 +172,15 @@ class KVShipper:
     def _header(
         self,
         request: nodes_pb2.PrefillRequest,
-        req: Request,
+        prompt: list[int],
         first_token: int,
         hashes: list[BlockHash],
         path: str,
         receiver_id: str,
     ) -> nodes_pb2.TransferHeader:
         return nodes_pb2.TransferHeader(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
+            request_id=request.request_id,
+            prompt_token_ids=prompt,
             first_token_id=first_token,
             block_hashes=hashes,
             model_root_hash=self.root,
@@ -190,7 +188,7 @@ class KVShipper:
             cache_salt=request.cache_salt,
             block_nbytes=self.block_nbytes,
             deadline_s=self.deadline_s,
-            sender_id=self.sender.node_id if self.sender is not None else "",
+            sender_id=self.sender_id,
             transfer_path=path,
             receiver_id=receiver_id,
         )
@@ -199,7 +197,7 @@ class KVShipper:
         self,
         stream: _Stream,
         address: str,
-        block_ids: asyncio.Future[list[int]],
+        ids: list[int],
         hashes: list[BlockHash],
         num_tokens: int,
         path: str,
@@ -208,7 +206,6 @@ class KVShipper:
         """The stream after the header; returns (full blocks shipped, bytes shipped)."""
         reply = await stream.read(grpc.StatusCode.UNAVAILABLE, "decode node closed the transfer")
         missing = list(reply.missing)
-        ids = await block_ids
         # The partial tail block (if any) follows the full ones in the request's blocks.
         tail = [ids[len(hashes)]] if num_tokens % self.block_size else []
         if reply.ticket:
@@ -243,7 +240,7 @@ class KVShipper:
         nbytes = 0
         for run, is_tail in runs:
             src = tail if is_tail else [ids[i] for i in run]
-            data = await self.engine.call(self.port.read, src)
+            data = await self.engine.read(src)
             meta, data = await asyncio.to_thread(encode_blocks, run, data, is_tail)
             nbytes += len(data)
             stream.send(
@@ -257,13 +254,10 @@ class KVShipper:
         self, address: str, path: str, ticket: bytes, src: list[int], timeout: float | None
     ) -> int:
         """Move the blocks with the transfer layer. The copy is never left running behind a
-        closed stream (ipc writes straight into the decode node's blocks): it is awaited to its
-        end however often the request is cancelled meanwhile."""
-        assert self.sender is not None  # a ticket comes only for a path the sender set up
-        send = functools.partial(self.sender.send, ticket, src, timeout=timeout or self.deadline_s)
-        sending = asyncio.get_running_loop().run_in_executor(None, send)
+        closed stream (ipc writes straight into the decode node's blocks): ``tx_send`` runs to
+        its end however often the request is cancelled meanwhile."""
         try:
-            nbytes = await settle(sending)
+            nbytes = await self.engine.tx_send(TX, ticket, src, timeout or self.deadline_s)
         except (TransferLayerError, ValueError) as exc:
             self._routes.pop(address, None)
             raise ShipError(grpc.StatusCode.UNAVAILABLE, f"{path} transfer failed: {exc}") from None
@@ -274,7 +268,7 @@ class KVShipper:
         """(path, receiver id) to ``decode_address`` through the transfer layer: ("", "") for
         the gRPC byte stream. Resolved once and kept ENDPOINT_TTL_S (a node restarted at the
         same address may offer more), so shipping itself only looks it up."""
-        if self.sender is None:
+        if not self.sender_id:
             return "", ""
         cached = self._routes.get(decode_address)
         if cached is not None and time.monotonic() - cached[2] < ENDPOINT_TTL_S:
@@ -288,8 +282,6 @@ class KVShipper:
     async def _resolve_route(self, decode_address: str) -> tuple[str, str] | None:
         """Look up the decode node's transfer endpoint and set up the path to it; ``None``: not
         settled yet (no answer, or the path still being set up): ship bytes, try next time."""
-        sender = self.sender
-        assert sender is not None
         try:
             stats = await nodes_pb2_grpc.NodeStatsServiceStub(
                 self.channels.get(decode_address)
@@ -302,7 +294,7 @@ class KVShipper:
             # Setting up a pair can take long (dist: a rendezvous); the request does not wait
             # for it past CONNECT_WAIT_S: it ships as gRPC bytes, the setup completes meanwhile.
             path = await asyncio.wait_for(
-                asyncio.shield(asyncio.to_thread(sender.connect, stats.transfer_endpoint)),
+                asyncio.shield(self.engine.tx_connect(TX, stats.transfer_endpoint)),
                 CONNECT_WAIT_S,
             )
         except TimeoutError:
@@ -310,6 +302,6 @@ class KVShipper:
         except Exception as exc:
             logger.warning("kv transfer to %s: %s; sending gRPC bytes", decode_address, exc)
             return "", ""
-        if path not in sender.paths:  # the byte path: BlockData on the stream
+        if path not in self.engine.kv.tx_paths:  # the byte path: BlockData on the stream
             return "", ""
         return path, Endpoint.from_bytes(stats.transfer_endpoint).node_id

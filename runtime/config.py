@@ -151,6 +151,12 @@ class NodeConfig:
         "schedule and launch step N+1 while step N computes: auto (on a GPU), on, off",
         choices=("auto", "on", "off"),
     )
+    engine_process: str = option(
+        "auto",
+        "run the engine (scheduler, model, KV cache, KV transfer sides) in a process of its own, "
+        "apart from the gRPC front: auto (on a GPU), on, off",
+        choices=("auto", "on", "off"),
+    )
 
     def __post_init__(self) -> None:
         if self.max_transfers_per_peer < 1:

@@ -22,12 +22,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from splitserve.kvstore.kv_cache_manager import SlotUsage
+
+if TYPE_CHECKING:
+    from splitserve.engine.api import EngineFigures
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +88,21 @@ class LoadFigures:
             pending_transfers=pending_transfers,
             kv_tokens_held=slots.tokens_held,
             kv_token_slots=slots.token_slots,
+        )
+
+    @classmethod
+    def of_figures(cls, figures: EngineFigures, pending_transfers: int = 0) -> LoadFigures:
+        """The figures of an engine as ``NodeEngine.figures``/``last_figures`` give them
+        (``engine.api.EngineFigures``), wherever the engine runs."""
+        return cls(
+            running=figures.running,
+            waiting=figures.waiting,
+            num_blocks=figures.num_blocks,
+            num_free_blocks=figures.num_free_blocks,
+            prefill_tokens_waiting=figures.prefill_tokens_waiting,
+            pending_transfers=pending_transfers,
+            kv_tokens_held=figures.kv_tokens_held,
+            kv_token_slots=figures.kv_token_slots,
         )
 
 

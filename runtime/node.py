@@ -24,23 +24,24 @@ from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 if TYPE_CHECKING:
     import torch
 
+    from splitserve.engine.api import EngineFigures, EngineInfo, KVSpec, NodeEngine
     from splitserve.engine.core import LLMEngine
-    from splitserve.engine.loop import AsyncEngine
+    from splitserve.engine.local import LocalEngine
     from splitserve.kvstore import ModelIdentity
     from splitserve.models.sampling_params import SamplingParams
     from splitserve.runtime.metrics import LoadFigures
-    from splitserve.transfer import KVSecurity
 
 logger = logging.getLogger(__name__)
 
 STATS_SERVICE_NAME = nodes_pb2.DESCRIPTOR.services_by_name["NodeStatsService"].full_name
 
 
-def use_device(device: str) -> torch.device:
+def use_device(device: str, make_current: bool = True) -> torch.device:
     """Check that ``device`` ("cpu", "cuda" or "cuda:N") exists here and make it the current
-    device; ``ValueError`` says what to change. NOTE: the current CUDA device must be the node's
-    before any kernel runs — Triton launches on the current device, and a node on cuda:1 with
-    cuda:0 current fails at warm-up ("Pointer argument cannot be accessed from Triton")."""
+    device (unless not ``make_current``); ``ValueError`` says what to change. NOTE: the current
+    CUDA device must be the node's before any kernel runs — Triton launches on the current
+    device, and a node on cuda:1 with cuda:0 current fails at warm-up ("Pointer argument
+    cannot be accessed from Triton")."""
     import torch
 
     try:
@@ -60,7 +61,8 @@ def use_device(device: str) -> torch.device:
             f"--device {device}: no such device, this process sees {count} CUDA device(s) "
             f"(cuda:0..cuda:{count - 1})"
         )
-    torch.cuda.set_device(index)
+    if make_current:
+        torch.cuda.set_device(index)
     return torch.device("cuda", index)
 
 
@@ -111,7 +113,7 @@ def build_engine(config: NodeConfig, prefill_only: bool) -> tuple[LLMEngine, Mod
 async def serve_node(
     config: NodeConfig,
     role: str,
-    make_service: Callable[[AsyncEngine, ModelIdentity, NodeConfig, str], NodeService],
+    make_service: Callable[[NodeEngine, ModelIdentity, NodeConfig, str], NodeService],
     add_servicer: Callable[[Any, grpc.aio.Server], None],
     service_name: str,
 ) -> None:
@@ -119,45 +121,105 @@ async def serve_node(
 
     ``make_service(engine, identity, config, address)`` builds the servicer (``address``: the
     node's advertised host:port, its id in Redis); ``add_servicer`` adds it to the gRPC server.
+    The engine runs in a process of its own (``--engine-process``, runtime.engine_process) or in
+    this one; either way the services reach it only through ``engine.api.NodeEngine``.
 
     Drain: health NOT_SERVING, the node leaves the registry and withdraws its index entries (no
     router sends it new work), new work is refused with UNAVAILABLE (the router retries
     elsewhere), in-flight requests finish (up to ``drain_timeout_s``), then the process exits 0.
     """
-    engine, identity = start_engine(config, role)
-    token, tls = use_credentials(config)
-    server = Server(
-        config.host,
-        config.port,
-        [service_name, STATS_SERVICE_NAME],
-        interceptors=[TokenCheck(token)] if token else (),
-        tls=tls,
-    )
-    address = f"{config.advertised_host()}:{server.port}"
-    service = make_service(engine, identity, config, address)
-    add_servicer(service, server.server)
-    nodes_pb2_grpc.add_NodeStatsServiceServicer_to_server(service, server.server)
-    serve_node_metrics(config, role, service)
-    publisher = index_publisher(config, role, engine, identity, address)
-    life = NodeLife(config, service, engine, publisher)
+    engine, identity = await start_engine(config, role)
+    try:
+        token, tls = use_credentials(config)
+        server = Server(
+            config.host,
+            config.port,
+            [service_name, STATS_SERVICE_NAME],
+            interceptors=[TokenCheck(token)] if token else (),
+            tls=tls,
+        )
+        address = f"{config.advertised_host()}:{server.port}"
+        await engine.open_kv(kv_spec(config, role, address))
+        service = make_service(engine, identity, config, address)
+        add_servicer(service, server.server)
+        nodes_pb2_grpc.add_NodeStatsServiceServicer_to_server(service, server.server)
+        serve_node_metrics(config, role, service)
+        publisher = index_publisher(config, role, engine, identity, address)
+        life = NodeLife(config, service, engine, publisher)
+    except BaseException:
+        await engine.stop()
+        raise
     await server.run(config.port_file, life.stop, drain=life.drain)
 
 
-def start_engine(config: NodeConfig, role: str) -> tuple[AsyncEngine, ModelIdentity]:
-    """Load the model and start its engine thread (steps run once the loop is this one)."""
-    core, identity = build_engine(config, prefill_only=role == "prefill")
-    logger.info("%s node: %s", role, identity)
-    from splitserve.engine.loop import AsyncEngine
+async def start_engine(config: NodeConfig, role: str) -> tuple[NodeEngine, ModelIdentity]:
+    """The node's engine, started: in an engine process of its own (``--engine-process``) or
+    on a thread of this one. The model identity is computed here as the router computes it and
+    checked against the engine's."""
+    from splitserve.kvstore import ModelIdentity
 
+    identity = ModelIdentity.for_checkpoint(config.model_path, config.dtype, config.block_size)
+    if uses_engine_process(config):
+        from splitserve.runtime.engine_process import spawn_engine
+
+        engine: NodeEngine = await spawn_engine(config, role)
+    else:
+        engine = local_engine(config, role)
+    if engine.info.root_hash != identity.root_hash:
+        await engine.stop()
+        raise RuntimeError(f"{identity} does not match the engine's {engine.info.identity}")
+    logger.info("%s node: %s (engine in process %d)", role, identity, engine.info.pid)
+    return engine, identity
+
+
+def uses_engine_process(config: NodeConfig) -> bool:
+    """``--engine-process``: on, off, or auto (on for a GPU node: its steps then never wait for
+    the gRPC front's Python; off on a CPU, where the forward holds the interpreter anyway and a
+    second process per node only costs start-up time)."""
+    if config.engine_process == "auto":
+        return config.device.startswith("cuda")
+    return config.engine_process == "on"
+
+
+def local_engine(config: NodeConfig, role: str, deliver=None, fail=None) -> LocalEngine:
+    """Load the model and start an engine on a thread of this process (steps run once the
+    loop is this one). ``deliver``/``fail``: an engine process's sinks (``LocalEngine``)."""
+    from splitserve.engine.local import LocalEngine
+
+    core, _ = build_engine(config, prefill_only=role == "prefill")
     set_gil_switch_interval()
     # SPLITSERVE_STEP_PROFILE=PATH: the engine thread times every step's phases and writes them
     # to PATH.<role>.<pid>.json when the node stops (engine.step_profile). For measurement runs:
     # it keeps a row (and two CUDA events) per step until then.
     profile = os.environ.get("SPLITSERVE_STEP_PROFILE")
     profile_path = f"{profile}.{role}.{os.getpid()}.json" if profile else None
-    engine = AsyncEngine(core, profile_path)
+    engine = LocalEngine(core, profile_path, deliver=deliver, fail=fail)
     engine.start()
-    return engine, identity
+    return engine
+
+
+def kv_spec(config: NodeConfig, role: str, address: str) -> KVSpec:
+    """The transfer sides the node's engine opens (``--kv-transfer``, its TLS files, the
+    cluster token's rendezvous key)."""
+    from splitserve.engine.api import KVSpec
+    from splitserve.transfer import rendezvous_key
+
+    paths = transfer_paths(config)
+    has_tls = bool(config.tls_cert and config.tls_key and config.tls_ca)
+    if has_tls and not config.trust_kv_network and "dist" in config.kv_transfer:
+        logger.info("KV transfer: dist not offered (plaintext; --tls-* without --trust-kv-network)")
+    token = read_token_file(config.auth_token_file) if config.auth_token_file else None
+    return KVSpec(
+        role=role,
+        address=address,
+        paths=paths,
+        host=config.advertised_host(),
+        tls_cert=config.tls_cert if has_tls else None,
+        tls_key=config.tls_key if has_tls else None,
+        tls_ca=config.tls_ca if has_tls else None,
+        trust_network=config.trust_kv_network,
+        rendezvous_key=rendezvous_key(token) if token else None,
+    )
 
 
 def set_gil_switch_interval() -> None:
@@ -204,51 +266,42 @@ def transfer_paths(config: NodeConfig) -> tuple[str, ...]:
     return parse_paths(config.kv_transfer, config.device)
 
 
-def kv_security(config: NodeConfig) -> KVSecurity:
-    """What guards the node's KV byte paths (``transfer.security``): mutual TLS on tcp with its
-    ``--tls-*`` files, dist between nodes only with ``--trust-kv-network`` where TLS is set, the
-    dist rendezvous behind a gate that requires its cluster token. ``ValueError`` saying what
-    to fix for files TLS cannot use."""
-    from splitserve.transfer import KVSecurity, KVTls, rendezvous_key
-
-    tls = None
+def check_kv_tls(config: NodeConfig) -> None:
+    """Build the tcp path's TLS contexts once (``ValueError`` for files TLS cannot use, e.g. a
+    key that does not fit its certificate), before the engine starts."""
     if config.tls_cert and config.tls_key and config.tls_ca:
-        tls = KVTls(config.tls_cert, config.tls_key, config.tls_ca)
-    token = read_token_file(config.auth_token_file) if config.auth_token_file else None
-    security = KVSecurity(
-        tls=tls,
-        trust_network=config.trust_kv_network,
-        rendezvous_key=rendezvous_key(token) if token else None,
-    )
-    if not security.plaintext_allowed and "dist" in config.kv_transfer:
-        logger.info("KV transfer: dist not offered (plaintext; --tls-* without --trust-kv-network)")
-    return security
+        from splitserve.transfer import KVTls
+
+        KVTls(config.tls_cert, config.tls_key, config.tls_ca)
 
 
 def checked_request(
-    core: LLMEngine, request: nodes_pb2.PrefillRequest | nodes_pb2.GenerateOnNodeRequest
+    info: EngineInfo, request: nodes_pb2.PrefillRequest | nodes_pb2.GenerateOnNodeRequest
 ) -> tuple[SamplingParams, list[int]]:
     """A request's sampling parameters and prompt (a PrefillRequest or GenerateOnNodeRequest:
     ``request_id``, ``sampling``, ``prompt_token_ids``); ``ValueError`` saying what is wrong."""
     if not request.request_id:
         raise ValueError("request_id is empty")
-    return sampling_from_proto(request.sampling), core.check_prompt(request.prompt_token_ids)
+    return sampling_from_proto(request.sampling), info.check_prompt(request.prompt_token_ids)
 
 
 def failure_code(exc: BaseException) -> grpc.StatusCode:
     """The status of a request the engine failed: a prompt that can never fit the KV cache is
-    RESOURCE_EXHAUSTED (another node may have room), anything else INTERNAL."""
+    RESOURCE_EXHAUSTED (another node may have room), an engine process that went (the node exits
+    next) UNAVAILABLE (the router retries elsewhere), anything else INTERNAL."""
     from splitserve.engine.core import RequestDoesNotFit
 
     if isinstance(exc, RequestDoesNotFit):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, ConnectionError):  # engine.protocol.EngineGone
+        return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
 
 
 def node_stats(
     role: str,
-    engine: LLMEngine,
-    identity: ModelIdentity,
+    info: EngineInfo,
+    figures: EngineFigures,
     load: LoadFigures,
     counters: Mapping[str, float],
     **extra: Any,
@@ -257,17 +310,17 @@ def node_stats(
     and counters; ``extra``: role-specific fields."""
     return nodes_pb2.GetStatsResponse(
         role=role,
-        model_root_hash=identity.root_hash,
-        model_identity=str(identity),
+        model_root_hash=info.root_hash,
+        model_identity=info.identity,
         num_blocks=load.num_blocks,
         num_free_blocks=load.num_free_blocks,
-        num_cached_blocks=engine.kv_port.stats().num_cached_blocks,
+        num_cached_blocks=figures.num_cached_blocks,
         running=load.running,
         waiting=load.waiting,
         prefill_tokens_waiting=load.prefill_tokens_waiting,
         pending_transfers=load.pending_transfers,
-        max_num_seqs=engine.max_num_seqs,
-        max_num_batched_tokens=engine.max_num_batched_tokens,
+        max_num_seqs=info.max_num_seqs,
+        max_num_batched_tokens=info.max_num_batched_tokens,
         kv_tokens_held=load.kv_tokens_held,
         kv_token_slots=load.kv_token_slots,
         counters=counters,

@@ -13,7 +13,7 @@ from splitserve.runtime.auth import read_token_file, registry_key
 from splitserve.runtime.config import NodeConfig
 
 if TYPE_CHECKING:
-    from splitserve.engine.loop import AsyncEngine
+    from splitserve.engine.api import NodeEngine
     from splitserve.kvstore import BlockHash, ModelIdentity
     from splitserve.kvstore.block_pool import KVCacheEvent
     from splitserve.kvstore.redis_index import IndexPublisher, NodeInfo
@@ -41,32 +41,29 @@ class NodeService(Protocol):
 
 
 def index_publisher(
-    config: NodeConfig, role: str, engine: AsyncEngine, identity: ModelIdentity, address: str
+    config: NodeConfig, role: str, engine: NodeEngine, identity: ModelIdentity, address: str
 ) -> IndexPublisher | None:
     """The node's publisher of its cached block hashes and heartbeat (None without Redis)."""
     if not config.redis_url:
         return None
     from splitserve.kvstore.redis_index import IndexPublisher, NodeInfo, PrefixIndex
 
-    core = engine.engine
-    port = core.kv_port
-
     async def take_events() -> list[KVCacheEvent]:
-        return await engine.call(port.take_events)
+        return await engine.take_events()
 
     async def snapshot() -> list[BlockHash]:
-        return await engine.call(port.cached_hashes)
+        return await engine.cached_hashes()
 
     async def info() -> NodeInfo:
-        pool = port.stats()  # figures, read without a job (engine.kv_port)
+        figures = await engine.figures()  # read without waiting for a step
         return NodeInfo(
             address,
             role,
             address,
-            pool.num_blocks,
-            pool.num_free_blocks,
-            len(core.running),
-            len(core.waiting) + len(core.ready),
+            figures.num_blocks,
+            figures.num_free_blocks,
+            figures.running,
+            figures.waiting,
         )
 
     return IndexPublisher(
@@ -93,7 +90,7 @@ class NodeLife:
         self,
         config: NodeConfig,
         service: NodeService,
-        engine: AsyncEngine,
+        engine: NodeEngine,
         publisher: IndexPublisher | None,
     ) -> None:
         self.drain_timeout_s = config.drain_timeout_s

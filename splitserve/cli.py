@@ -70,7 +70,12 @@ def cmd_node(args: argparse.Namespace) -> int:
         return _error(str(exc), 2)
     try:
         from splitserve.runtime.auth import read_token_file
-        from splitserve.runtime.node import kv_security, transfer_paths, use_device
+        from splitserve.runtime.node import (
+            check_kv_tls,
+            transfer_paths,
+            use_device,
+            uses_engine_process,
+        )
 
         if config.auth_token_file:
             read_token_file(config.auth_token_file)  # refuse a bad token before loading a model
@@ -78,8 +83,10 @@ def cmd_node(args: argparse.Namespace) -> int:
 
         TlsFiles.load(config.tls_cert, config.tls_key, config.tls_ca)
         transfer_paths(config)
-        kv_security(config)  # the tcp path's TLS contexts: a key that does not fit its certificate
-        use_device(config.device)  # after the GPU claim: it fixes what CUDA sees
+        check_kv_tls(config)  # the tcp path's TLS contexts: a key that does not fit its certificate
+        # After the GPU claim: it fixes what CUDA sees. With an engine process only that process
+        # makes the device current (a CUDA context here would hold GPU memory for nothing).
+        use_device(config.device, make_current=not uses_engine_process(config))
     except ValueError as exc:
         return _error(str(exc), 2)
     if args.command == "prefill":

@@ -2,7 +2,8 @@
 nodes is trusted with plaintext (dist), and the key that opens the dist rendezvous.
 
 One ``KVSecurity`` per node, built at its start from its ``--tls-*`` files, ``--trust-kv-network``
-and cluster token (``runtime.node.kv_security``), passed to ``open_receiver`` / ``open_sender``.
+and cluster token (``runtime.node.kv_spec``; built in ``engine.local``), passed to
+``open_receiver`` / ``open_sender``.
 Which paths that leaves a node is ``chooser.secured_paths``; the tcp path wraps its connections in
 ``KVTls``'s contexts; the dist path's rendezvous gate (``dist_gate``) proves ``rendezvous_key``.
 """

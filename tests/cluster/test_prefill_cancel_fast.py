@@ -22,8 +22,9 @@ import pytest
 import torch
 from support.processes import node_stats, start_node, start_router
 
+from splitserve.engine.api import KVSpec
 from splitserve.engine.core import LLMEngine
-from splitserve.engine.loop import AsyncEngine
+from splitserve.engine.local import LocalEngine
 from splitserve.kvstore import ModelIdentity
 from splitserve.models.loader import load_model
 from splitserve.models.runner import ModelRunner, RunnerConfig
@@ -80,9 +81,12 @@ def test_a_cancelled_prefill_is_not_scheduled_by_a_step_queued_before_its_abort(
     prompt = [random.Random(0).randrange(256) for _ in range(900)]  # 29 steps of 32 tokens
 
     async def main():
-        engine = AsyncEngine(core)
+        engine = LocalEngine(core)
         engine.start()
+        spec = KVSpec(role="prefill", address="127.0.0.1:1", paths=("grpc",), host="127.0.0.1")
+        await engine.open_kv(spec)
         service = PrefillService(engine, core.identity, deadline_s=5.0)
+        loop_engine = engine.loop_engine  # the engine thread (engine.loop.AsyncEngine)
         try:
             handler = asyncio.ensure_future(
                 service.Prefill(_prefill_request("long", prompt, 4), _Context())
@@ -99,7 +103,7 @@ def test_a_cancelled_prefill_is_not_scheduled_by_a_step_queued_before_its_abort(
                 holding.set()
                 gate.wait(30)
 
-            held = engine.submit(hold)
+            held = loop_engine.submit(hold)
             await asyncio.to_thread(holding.wait, 10)
             computed = req.num_computed_tokens
             assert computed < len(prompt)
@@ -128,8 +132,8 @@ def test_a_cancelled_prefill_is_not_scheduled_by_a_step_queued_before_its_abort(
             # The engine thread's time is accounted: the steps run, and the job that held the
             # thread for at least the three 20 ms cancels above.
             counters = service.all_counters()
-            assert counters["steps"] == engine.steps > 4
-            assert 0 < counters["step_seconds"] == engine.step_seconds
+            assert counters["steps"] == loop_engine.steps > 4
+            assert 0 < counters["step_seconds"] == loop_engine.step_seconds
             assert counters["engine_job_seconds"] >= 0.06
         finally:
             await service.close()

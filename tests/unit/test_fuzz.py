@@ -17,6 +17,7 @@ from support.router_helpers import MODEL
 
 from splitserve.decode_node.header import TransferRefused, check_header
 from splitserve.engine.core import LLMEngine
+from splitserve.engine.local import LocalEngine
 from splitserve.kvstore import ModelIdentity, hash_request_tokens
 from splitserve.models.loader import load_model
 from splitserve.models.runner import ModelRunner, RunnerConfig
@@ -92,11 +93,12 @@ def test_raw_bytes_never_parse_into_an_unchecked_request(data):
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def info(tmp_path_factory):
+    """The engine's figures, as a decode node checks headers with (``NodeEngine.info``)."""
     path = write_random_checkpoint(tmp_path_factory.mktemp("fuzz") / "m", seed=2)
     config, model = load_model(path)
     rc = RunnerConfig(kv_cache_bytes=32 * 16 * config.kv_bytes_per_token(torch.float32))
-    return LLMEngine(ModelRunner(config, model, rc), ModelIdentity("fuzz"))
+    return LocalEngine(LLMEngine(ModelRunner(config, model, rc), ModelIdentity("fuzz"))).info
 
 
 @FAST
@@ -111,10 +113,10 @@ def engine(tmp_path_factory):
     values=sampling,
 )
 def test_check_header_accepts_or_refuses_cleanly(
-    engine, prompt, first, corrupt_hash, deadline, salt, nbytes, good_nbytes, values
+    info, prompt, first, corrupt_hash, deadline, salt, nbytes, good_nbytes, values
 ):
     identity = ModelIdentity("fuzz")
-    block_nbytes = engine.kv_port.block_nbytes
+    block_nbytes = info.block_nbytes
     claimed_nbytes = block_nbytes if good_nbytes else nbytes
     hashes = hash_request_tokens(prompt, 16, identity.root_hash, salt or None)
     if corrupt_hash and hashes:
@@ -128,9 +130,9 @@ def test_check_header_accepts_or_refuses_cleanly(
     except (ValueError, TypeError):
         return
     try:
-        params, checked = check_header(header, engine, identity, block_nbytes, lambda _: False)
+        params, checked = check_header(header, info, identity, lambda _: False)
     except TransferRefused:
         return
-    vocab = engine.runner.config.vocab_size
+    vocab = info.vocab_size
     assert checked == prompt and all(t < vocab for t in checked) and first < vocab
     assert params.max_tokens >= 1

@@ -2,19 +2,30 @@
 the header names the request's full-block hashes; only the blocks the decode node says it lacks
 are sent as BlockData (and the partial tail block), then TransferEnd; what was shipped and
 reused is counted; a decode node that closes the stream or does not confirm is a ShipError the
-router can retry elsewhere. Shipping between real nodes: tests/cluster/test_decode_transfer.py."""
+router can retry elsewhere; with a real engine (``LocalEngine``), the blocks shipped are those
+the prompt's first output names (``FirstFacts``). Shipping between real nodes:
+tests/cluster/test_decode_transfer.py."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 from collections import Counter
 from types import SimpleNamespace
 
 import grpc
 import msgpack
 import pytest
+import torch
 
+from splitserve.engine.api import TX, KVSides, KVSpec
+from splitserve.engine.core import LLMEngine
+from splitserve.engine.local import LocalEngine
 from splitserve.kvstore import ModelIdentity, hash_request_tokens
+from splitserve.models.loader import load_model
+from splitserve.models.runner import ModelRunner, RunnerConfig
+from splitserve.models.sampling_params import SamplingParams
+from splitserve.models.tiny import write_random_checkpoint
 from splitserve.prefill_node import shipper as shipper_module
 from splitserve.prefill_node.shipper import KVShipper, ShipError
 from splitserve.runtime import counter_names as names
@@ -53,24 +64,18 @@ class FakeCall:
 
 
 class FakeEngine:
-    def __init__(self, ids: list[int]) -> None:
-        self.kv_port = SimpleNamespace(
-            block_size=BS,
-            block_nbytes=NBYTES,
-            block_ids=lambda rid: ids,
-            read=lambda src: b"".join(bytes([i]) * NBYTES for i in src),
-        )
+    """What KVShipper uses of a ``NodeEngine``: its figures, no transfer sides, and ``read``
+    (block ``i`` reads as NBYTES bytes of value ``i``)."""
 
-    def submit(self, fn, *args):
-        future = asyncio.get_running_loop().create_future()
-        future.set_result(fn(*args))
-        return future
+    info = SimpleNamespace(block_size=BS, block_nbytes=NBYTES)
+    kv = KVSides()
 
-    async def call(self, fn, *args):
-        return fn(*args)
+    async def read(self, block_ids: list[int]) -> bytes:
+        return b"".join(bytes([i]) * NBYTES for i in block_ids)
 
 
-def ship(prompt: list[int], ids: list[int], monkeypatch, **call_options):
+def fake_decode_node(monkeypatch, **call_options) -> list[FakeCall]:
+    """The TransferKV calls the shipper makes from now on, each answered by a FakeCall."""
     calls: list[FakeCall] = []
 
     class Stub:
@@ -82,13 +87,17 @@ def ship(prompt: list[int], ids: list[int], monkeypatch, **call_options):
             return calls[-1]
 
     monkeypatch.setattr(shipper_module.nodes_pb2_grpc, "DecodeNodeServiceStub", Stub)
-    shipper = KVShipper(FakeEngine(ids), ROOT, 30.0, SimpleNamespace(get=lambda a: None), Counter())
+    return calls
+
+
+def ship(prompt: list[int], ids: list[int], monkeypatch, **call_options):
+    calls = fake_decode_node(monkeypatch, **call_options)
+    shipper = KVShipper(FakeEngine(), ROOT, 30.0, SimpleNamespace(get=lambda a: None), Counter())
     hashes = hash_request_tokens(prompt, BS, ROOT)
-    req = SimpleNamespace(request_id="r1", prompt_token_ids=prompt, block_hashes=hashes)
-    request = nodes_pb2.PrefillRequest(decode_address="d:1", cache_salt="")
+    request = nodes_pb2.PrefillRequest(request_id="r1", decode_address="d:1", cache_salt="")
 
     async def main():
-        return await shipper.ship(request, req, first_token=7, timeout=5.0)
+        return await shipper.ship(request, prompt, hashes, ids, first_token=7, timeout=5.0)
 
     try:
         return asyncio.run(main()), shipper, calls[0]
@@ -134,3 +143,62 @@ def test_a_decode_node_that_breaks_off_is_a_ship_error(monkeypatch, options, cod
     assert isinstance(error, ShipError) and error.code() == code
     assert "decode node d:1" in error.details()
     assert call.cancelled and shipper.counters[names.TRANSFERS_FAILED] == 1
+
+
+# ------------------------------------------------------------------ a real engine
+
+
+def test_the_blocks_shipped_are_those_the_first_output_names(tmp_path, monkeypatch):
+    """A prompt prefilled by a real engine (a LocalEngine without transfer paths: gRPC bytes):
+    its first output names its full blocks' hashes and every block it holds; the shipper sends
+    those the decode node lacks and the tail, with the engine's bytes of them."""
+    config, model = load_model(write_random_checkpoint(tmp_path / "m", seed=3))
+    rc = RunnerConfig(
+        block_size=BS, kv_cache_bytes=32 * BS * config.kv_bytes_per_token(torch.float32)
+    )
+    identity = ModelIdentity("m", block_size=BS)
+    core = LLMEngine(ModelRunner(config, model, rc), identity, prefill_only=True)
+    prompt = [random.randrange(config.vocab_size) for _ in range(3 * BS + 5)]
+    calls = fake_decode_node(monkeypatch, missing=[1, 2])
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    async def main():
+        engine = LocalEngine(core)
+        engine.start()
+        try:
+            spec = KVSpec(role="prefill", address="p:1", paths=("grpc",), host="127.0.0.1")
+            assert not (await engine.open_kv(spec)).opened(TX)  # no sender: bytes
+            queue = engine.subscribe("r1")
+            await engine.add_request("r1", prompt, params, None)
+            out = await queue.get()
+            facts = out.facts
+            assert facts is not None and facts.num_cached_tokens == 0
+            assert facts.block_hashes == hash_request_tokens(prompt, BS, identity.root_hash)
+            assert facts.block_ids is not None and len(facts.block_ids) == 4  # 3 full, the tail
+            shipper = KVShipper(
+                engine, identity.root_hash, 30.0, SimpleNamespace(get=lambda a: None), Counter()
+            )
+            request = nodes_pb2.PrefillRequest(request_id="r1", decode_address="d:1")
+            shipped = await shipper.ship(
+                request, prompt, facts.block_hashes, facts.block_ids, out.new_token_id, 5.0
+            )
+            ids = facts.block_ids
+            return shipped, await engine.read(ids[1:3]), await engine.read(ids[3:])
+        finally:
+            await engine.abort("r1")
+            await engine.stop()
+
+    shipped, full, tail = asyncio.run(main())
+    nbytes = core.kv_port.block_nbytes
+    assert shipped == (2, 1, 3 * nbytes)
+    (call,) = calls
+    header = call.received[0].header
+    assert header.request_id == "r1" and list(header.prompt_token_ids) == prompt
+    assert list(header.block_hashes) == hash_request_tokens(prompt, BS, identity.root_hash)
+    assert header.sender_id == "" and header.block_nbytes == nbytes
+    blocks = [m.blocks for m in call.received[1:] if m.HasField("blocks")]
+    metas = [msgpack.unpackb(b.meta) for b in blocks]
+    assert [(m["indices"], m["tail"]) for m in metas] == [([1, 2], False), ([-1], True)]
+    assert [b.data for b in blocks] == [full, tail]
+    assert len(full) == 2 * nbytes and any(full)  # the prompt's KV, not an empty block
+    assert not core.held and core.pool.num_free_blocks == core.kv_port.num_usable_blocks

@@ -21,6 +21,7 @@ from support.metrics import ROLES, assert_no_name_shared, families_of
 import splitserve.decode_node
 import splitserve.prefill_node
 from splitserve.decode_node.service import DecodeService
+from splitserve.engine.api import EngineFigures
 from splitserve.engine.kv_port import KVPort
 from splitserve.engine.loop import AsyncEngine
 from splitserve.prefill_node.service import PrefillService
@@ -41,10 +42,15 @@ def _node_counters(role: str) -> dict[str, float]:
     kv = SimpleNamespace(stats=SimpleNamespace(requests=1, queried_tokens=1, hit_tokens=1))
     port = SimpleNamespace(prefix_stats=lambda: KVPort.prefix_stats(SimpleNamespace(_kv=kv)))
     loop = SimpleNamespace(steps=1, step_seconds=0.1, job_seconds=0.1)
+    # A NodeEngine's figures carry the same counters (as engine.local.LocalEngine joins them).
+    figures = EngineFigures(
+        counters={"preemptions": 1, **port.prefix_stats(), **AsyncEngine.counters(loop)}
+    )
     engine = SimpleNamespace(
         kv_port=port,
         counters=lambda: AsyncEngine.counters(loop),
         engine=SimpleNamespace(num_preemptions=1),
+        last_figures=lambda: figures,
     )
     if role == "prefill":
         service = SimpleNamespace(counters=_counter_names(role), engine=engine)

@@ -20,16 +20,16 @@ ROOT = ModelIdentity("m").root_hash
 
 
 class FakeEngine:
+    """What PeerFetcher uses of a ``NodeEngine`` here: its figures and ``count_cached`` (the
+    first ``cached`` blocks of any prompt are cached)."""
+
+    info = SimpleNamespace(block_size=BS, block_nbytes=1024)
+
     def __init__(self, cached: int = 0) -> None:
         self.cached = cached
-        self.kv_port = SimpleNamespace(
-            block_size=BS,
-            block_nbytes=1024,
-            count_cached=lambda hashes: min(self.cached, len(hashes)),
-        )
 
-    async def call(self, fn, *args):
-        return fn(*args)
+    async def count_cached(self, block_hashes) -> int:
+        return min(self.cached, len(block_hashes))
 
 
 class FakeLayer:

@@ -1,5 +1,6 @@
 """decode_node.relay: tokens that queued up while the event loop was busy go out in one message,
-in order, the finish reason on the last; a failure queued behind tokens still sends them first."""
+in order, the finish reason on the last; a failure queued behind tokens still sends them first;
+the first token's facts give its message ``cached_tokens``."""
 
 import asyncio
 from collections import Counter
@@ -8,7 +9,7 @@ import grpc
 import pytest
 
 from splitserve.decode_node.relay import relay_tokens
-from splitserve.engine.core import StepOutput
+from splitserve.engine.core import FirstFacts, StepOutput
 
 
 class Aborted(Exception):
@@ -86,3 +87,28 @@ def test_a_failure_behind_tokens_sends_the_tokens_then_ends_the_call():
     assert [list(m.token_ids) for m in messages] == [[10, 11, 12]]
     assert status[0] == grpc.StatusCode.INTERNAL and "decoding failed" in status[1]
     assert counters["requests_finished"] == 0
+
+
+def test_the_first_tokens_message_carries_its_cached_tokens():
+    """Generate's first message says how much of the prompt was cached (the facts of a
+    request's first token sampled on this engine); the messages after it say nothing."""
+    first, *rest = outputs(4)
+    items = [first._replace(facts=FirstFacts(num_cached_tokens=32)), *rest]
+    messages, _, _ = asyncio.run(relay(items, first_alone=True))
+    assert [(list(m.token_ids), m.cached_tokens) for m in messages] == [
+        ([10], 32),
+        ([11, 12, 13], 0),
+    ]
+    messages, _, _ = asyncio.run(relay(outputs(3)))  # a transferred request's: no facts here
+    assert [m.cached_tokens for m in messages] == [0]
+
+
+def test_an_engine_that_is_gone_ends_the_stream_unavailable():
+    """An engine process that died fails every stream with a ConnectionError: UNAVAILABLE, the
+    status the router resumes a stream on elsewhere (any other failure stays INTERNAL)."""
+    items = [*outputs(2, finish=None), ConnectionError("the engine process is gone")]
+    messages, status, _ = asyncio.run(relay(items))
+    assert [list(m.token_ids) for m in messages] == [[10, 11]]
+    assert status[0] == grpc.StatusCode.UNAVAILABLE and "the engine process is gone" in status[1]
+    _, status, _ = asyncio.run(relay([ConnectionError("gone")]))
+    assert status[0] == grpc.StatusCode.UNAVAILABLE

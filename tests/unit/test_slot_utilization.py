@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.decode_node.service import DecodeService
 from splitserve.engine.core import LLMEngine
+from splitserve.engine.local import LocalEngine
 from splitserve.kvstore import BlockPool, KVCacheManager, ModelIdentity, hash_request_tokens
 from splitserve.kvstore.kv_cache_manager import SlotUsage
 from splitserve.models.loader import load_model
@@ -236,16 +236,14 @@ def test_getstats_carries_the_figures_and_the_router_re_exports_them(model):
     engine = _engine(model)
     tokens = _tokens(20)
     engine.kv_port.reserve("t", hash_request_tokens(tokens, BS, engine.root_hash), len(tokens))
-    service = SimpleNamespace(
-        engine=SimpleNamespace(engine=engine),
-        identity=engine.identity,
-        load=lambda: LoadFigures.of_engine(engine),
-        all_counters=dict,
-        inbox=SimpleNamespace(endpoint=b""),
-    )
-    stats = asyncio.run(DecodeService.GetStats(service, None, None))
+    # The real service over the engine's commands (figures read without a step: not started).
+    service = DecodeService(LocalEngine(engine), engine.identity, 30.0)
+    stats = asyncio.run(service.GetStats(None, None))
     assert stats.HasField("kv_tokens_held") and stats.HasField("kv_token_slots")
     assert (stats.kv_tokens_held, stats.kv_token_slots) == (20, 32)
+    assert LoadFigures.of_figures(LocalEngine(engine).last_figures()) == LoadFigures.of_engine(
+        engine
+    )
 
     router = RouterMetrics()
     known = LoadFigures(1, 0, 31, 29, 0, 0, stats.kv_tokens_held, stats.kv_token_slots)

@@ -1,0 +1,331 @@
+"""LocalEngine: the ``NodeEngine`` commands run on an engine in this process.
+
+Every command that touches the engine or its KV runs on the engine thread (``AsyncEngine``),
+between steps; figures are read from the event loop without a job (the reads ``engine.kv_port``
+allows there). The node's transfer sides live here too, beside the pool they read and write:
+reservations and pins stay in tables keyed by the ids the commands answer with.
+
+This is what an engine process serves (``engine.server``), and what a node runs in its own
+process when it has no engine process (``--engine-process off``: tests, a CPU node).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import os
+import uuid
+from typing import Any
+
+from splitserve.engine.api import (
+    FETCH_TX,
+    RX,
+    TX,
+    EngineFigures,
+    EngineInfo,
+    KVSides,
+    KVSpec,
+    NodeEngine,
+    Pinned,
+    ResInfo,
+)
+from splitserve.engine.core import LLMEngine, StepOutput
+from splitserve.engine.kv_port import Reserved
+from splitserve.engine.loop import AsyncEngine, settle
+from splitserve.kvstore import BlockHash
+from splitserve.kvstore.block_pool import KVCacheEvent
+from splitserve.models.sampling_params import SamplingParams
+
+FETCH_RECEIVER_MARK = "#fetch-"  # in the id of every prefill node's fetch receiver
+
+
+class LocalEngine(NodeEngine):
+    def __init__(
+        self,
+        core: LLMEngine,
+        profile_path: str | None = None,
+        deliver: Any = None,
+        fail: Any = None,
+    ) -> None:
+        """``deliver``/``fail``: where step outputs go, on the engine thread (an engine
+        process); default: this node's ``subscribe`` queues, on its event loop."""
+        super().__init__()
+        self.core = core
+        self.port = core.kv_port
+        on_thread = deliver is not None
+        self.loop_engine = AsyncEngine(
+            core,
+            profile_path,
+            deliver=deliver or self._deliver,
+            fail=fail or self._fail,
+            on_thread=on_thread,
+        )
+        runner = core.runner
+        self.info = EngineInfo(
+            root_hash=core.identity.root_hash,
+            identity=str(core.identity),
+            device=str(runner.device),
+            max_num_seqs=core.max_num_seqs,
+            max_num_batched_tokens=core.max_num_batched_tokens,
+            max_model_len=runner.config.max_model_len,
+            vocab_size=runner.config.vocab_size,
+            block_size=self.port.block_size,
+            block_nbytes=self.port.block_nbytes,
+            num_usable_blocks=self.port.num_usable_blocks,
+            num_params=sum(p.numel() for p in runner.model.parameters()),
+            pid=os.getpid(),
+        )
+        self._sides: dict[str, Any] = {}  # RX/TX/FETCH_TX → transfer.KVReceiver / KVSender
+        self._reservations: dict[int, Any] = {}  # res id → transfer.Reservation
+        self._pins: dict[int, list] = {}  # pin id → pinned KVCacheBlocks
+        self._ids = itertools.count(1)
+        self._stopped = False
+
+    def start(self) -> None:
+        """Start stepping (outputs go to this event loop)."""
+        self.loop_engine.start()
+
+    async def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        for side in (RX, TX, FETCH_TX):
+            part = self._sides.pop(side, None)
+            if part is not None:
+                await asyncio.to_thread(part.shutdown if side == RX else part.close_all)
+        await self.loop_engine.stop()
+
+    # ------------------------------------------------------------------ requests
+
+    async def add_request(
+        self, request_id: str, prompt: list[int], params: SamplingParams, salt: str | None
+    ) -> None:
+        await self.loop_engine.call(self.core.add_request, request_id, prompt, params, salt)
+        self.loop_engine.notify()
+
+    async def add_transferred(
+        self,
+        request_id: str,
+        prompt: list[int],
+        first_token: int,
+        params: SamplingParams,
+        salt: str | None,
+    ) -> None:
+        await self.loop_engine.call(
+            self.core.add_transferred, request_id, prompt, first_token, params, salt
+        )
+        self.loop_engine.notify()
+
+    async def abort(self, request_id: str) -> None:
+        await self.loop_engine.abort(request_id)
+
+    async def end_request(self, request_id: str) -> bool:
+        self.core.abort_soon(request_id)
+        return await self.loop_engine.call_to_end(_end_request, self.core, request_id)
+
+    # ------------------------------------------------------------------ KV blocks
+
+    async def reserve(
+        self, request_id: str, block_hashes: list[BlockHash], prompt_len: int
+    ) -> Reserved | None:
+        return await self.loop_engine.call_to_end(
+            self.port.reserve, request_id, block_hashes, prompt_len
+        )
+
+    async def register(self, request_id: str, block_hashes: list[BlockHash]) -> None:
+        await self.loop_engine.call_to_end(self.port.register, request_id, block_hashes)
+
+    async def free(self, request_id: str) -> None:
+        await self.loop_engine.call_to_end(self.port.free, request_id)
+
+    async def holds(self, request_id: str) -> bool:
+        return await self.loop_engine.call(self.port.holds, request_id)
+
+    async def count_cached(self, block_hashes: list[BlockHash]) -> int:
+        return await self.loop_engine.call(self.port.count_cached, block_hashes)
+
+    async def adopt(self, block_hashes: list[BlockHash], blocks_data: list[bytes]) -> int:
+        return await self.loop_engine.call(self.port.adopt, block_hashes, blocks_data)
+
+    async def pin(self, block_hashes: list[BlockHash]) -> Pinned:
+        blocks = await self.loop_engine.acquire(self.port.pin, self.port.unpin, block_hashes)
+        pin_id = next(self._ids)
+        self._pins[pin_id] = blocks
+        return Pinned(pin_id, [b.block_id for b in blocks])
+
+    async def unpin(self, pin_id: int) -> None:
+        blocks = self._pins.pop(pin_id, None)
+        if blocks is not None:
+            await self.loop_engine.call_to_end(self.port.unpin, blocks)
+
+    async def read(self, block_ids: list[int]) -> bytes:
+        return await self.loop_engine.call(self.port.read, block_ids)
+
+    async def block_ids(self, request_id: str) -> list[int]:
+        return await self.loop_engine.call(self.port.block_ids, request_id)
+
+    async def take_events(self) -> list[KVCacheEvent]:
+        return await self.loop_engine.call(self.port.take_events)
+
+    async def cached_hashes(self) -> list[BlockHash]:
+        return await self.loop_engine.call(self.port.cached_hashes)
+
+    # ------------------------------------------------------------------ figures
+
+    async def figures(self) -> EngineFigures:
+        return self.last_figures()
+
+    def last_figures(self) -> EngineFigures:
+        core, port = self.core, self.port
+        pool = port.stats()  # figures, read without a job (engine.kv_port)
+        slots = port.slot_usage()
+        return EngineFigures(
+            running=len(core.running),
+            waiting=len(core.waiting) + len(core.ready),
+            num_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free_blocks,
+            num_cached_blocks=pool.num_cached_blocks,
+            prefill_tokens_waiting=core.pending_prefill_tokens,
+            kv_tokens_held=slots.tokens_held,
+            kv_token_slots=slots.token_slots,
+            num_requests=len(core.requests),
+            counters={
+                "preemptions": core.num_preemptions,
+                **port.prefix_stats(),
+                **self.loop_engine.counters(),
+            },
+        )
+
+    # ------------------------------------------------------------------ transfer sides
+
+    async def open_kv(self, spec: KVSpec) -> KVSides:
+        if self._sides:
+            raise RuntimeError("the transfer sides are open already")
+        self.kv = await asyncio.to_thread(self._open_kv, spec)
+        return self.kv
+
+    def _open_kv(self, spec: KVSpec) -> KVSides:
+        from splitserve.transfer import (
+            KVSecurity,
+            KVTls,
+            fetch_paths,
+            open_receiver,
+            open_sender,
+        )
+
+        tls = None
+        if spec.tls_cert and spec.tls_key and spec.tls_ca:
+            tls = KVTls(spec.tls_cert, spec.tls_key, spec.tls_ca)
+        security = KVSecurity(
+            tls=tls, trust_network=spec.trust_network, rendezvous_key=spec.rendezvous_key
+        )
+        pool = self.port.kv_pool
+        life = uuid.uuid4().hex[:8]  # a new id per process life (see the node servers)
+        if spec.role == "decode":
+            # Always a receiver: gRPC bytes go through its reservations too.
+            rx = open_receiver(
+                pool, f"{spec.address}#{life}", paths=spec.paths, host=spec.host, security=security
+            )
+            self._sides[RX] = rx
+            endpoint = rx.endpoint().to_bytes() if rx.paths else b""
+            return KVSides(rx_id=rx.node_id, rx_paths=rx.paths, rx_endpoint=endpoint)
+        sides: dict[str, Any] = {}
+        if len(spec.paths) > 1:  # a path besides gRPC bytes
+            tx = open_sender(pool, spec.address, paths=spec.paths, security=security)
+            self._sides[TX] = tx
+            sides.update(tx_id=tx.node_id, tx_paths=tx.paths)
+        fetch = fetch_paths(spec.paths)
+        if fetch:
+            # Serving peers' fetches: a sender of its own over the fetch paths only (the asker
+            # names the receiver); their blocks come in through the receiver.
+            fetch_tx = open_sender(pool, spec.address, paths=fetch, security=security)
+            rx = open_receiver(
+                pool,
+                f"{spec.address}{FETCH_RECEIVER_MARK}{life}",
+                paths=fetch,
+                host=spec.host,
+                security=security,
+            )
+            self._sides[FETCH_TX], self._sides[RX] = fetch_tx, rx
+            sides.update(
+                fetch_paths=fetch_tx.paths,
+                fetch_endpoint=fetch_tx.endpoint().to_bytes(),
+                rx_id=rx.node_id,
+                rx_paths=rx.paths,
+                rx_endpoint=rx.endpoint().to_bytes(),
+            )
+        return KVSides(**sides)
+
+    def _side(self, side: str) -> Any:
+        part = self._sides.get(side)
+        if part is None:
+            raise ValueError(f"this engine has no {side} transfer side open")
+        return part
+
+    def _reservation(self, res_id: int) -> Any:
+        res = self._reservations.get(res_id)
+        if res is None:
+            raise ValueError(f"no transfer reservation {res_id} here")
+        return res
+
+    async def rx_reserve(self, side: str, peer_id: str, block_ids: list[int], path: str) -> ResInfo:
+        res = self._side(side).reserve(peer_id, block_ids, path)
+        res_id = next(self._ids)
+        self._reservations[res_id] = res
+        return ResInfo(
+            res_id=res_id,
+            path=res.path,
+            caller_writes=res.caller_writes,
+            receive_first=res.receive_first,
+            ticket=b"" if res.caller_writes else res.ticket.to_bytes(),
+            nbytes=res.nbytes,
+            num_blocks=len(res.block_ids),
+        )
+
+    async def rx_write(self, side: str, res_id: int, block_ids: list[int], data: bytes) -> None:
+        # On the engine thread, between steps, like every other write into the pool.
+        rx, res = self._side(side), self._reservation(res_id)
+        await self.loop_engine.call(rx.write, res, block_ids, data)
+
+    async def rx_receive(self, side: str, res_id: int, timeout: float) -> None:
+        rx, res = self._side(side), self._reservation(res_id)
+        await asyncio.to_thread(rx.receive, res, timeout)
+
+    async def rx_finish(self, side: str, res_id: int, count: int | None = None) -> None:
+        rx, res = self._side(side), self._reservation(res_id)
+        rx.finish(res, count)
+        self._reservations.pop(res_id, None)
+
+    async def rx_cancel(self, side: str, res_id: int) -> float:
+        res = self._reservations.pop(res_id, None)
+        if res is None or side not in self._sides:
+            return 0.0
+        return self._sides[side].cancel(res)
+
+    async def tx_connect(self, side: str, endpoint: bytes) -> str:
+        tx = self._side(side)
+        return await asyncio.to_thread(tx.connect, endpoint)
+
+    async def tx_close(self, side: str, peer_id: str) -> None:
+        tx = self._side(side)
+        await asyncio.to_thread(tx.close, peer_id)
+
+    async def tx_send(
+        self, side: str, ticket: bytes, src_block_ids: list[int], timeout: float
+    ) -> int:
+        tx = self._side(side)
+        send = functools.partial(tx.send, ticket, src_block_ids, timeout=timeout)
+        return await settle(asyncio.get_running_loop().run_in_executor(None, send))
+
+
+def _end_request(core: LLMEngine, request_id: str) -> bool:
+    """Engine thread. ``abort`` frees a running request's blocks; a request whose
+    ``add_transferred`` never ran still holds its adopted blocks under its id: free those too."""
+    running = request_id in core.requests
+    core.abort(request_id)
+    core.kv_port.free(request_id)
+    return running
+
+
+__all__ = ["FETCH_RECEIVER_MARK", "LocalEngine", "StepOutput"]
