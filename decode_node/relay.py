@@ -30,26 +30,35 @@ async def relay_tokens(
     doing: str,
     counters: Counter[str],
     first_alone: bool = False,
+    interval: int = 1,
 ) -> AsyncIterator[nodes_pb2.DecodeResponse]:
     """The request's tokens from the engine until it finishes (counted in ``counters``); an
     engine failure ends the call with its status. Tokens that queued up while the event loop was
     busy go out in one message (``first_alone``: not the first token, which the router reads
     alone), so a node with hundreds of streams sends fewer, fuller messages instead of falling
     further behind. The message with the request's first token sampled on this engine carries
-    its ``cached_tokens`` (the prompt tokens found in the prefix cache: ``StepOutput.facts``)."""
+    its ``cached_tokens`` (the prompt tokens found in the prefix cache: ``StepOutput.facts``).
+    ``interval`` (``--stream-interval``): after the first message, one message per ``interval``
+    tokens at most (the last one at once): the router relays per message."""
     alone = first_alone
+    first = True
     while True:
         out = await queue.get()
         if isinstance(out, BaseException):
             await context.abort(stream_failure_code(out), f"{doing} failed: {out}")
         batch, failed = [out], None
-        while not alone and batch[-1].finish_reason is None and not queue.empty():
-            more = queue.get_nowait()
+        while not alone and batch[-1].finish_reason is None:
+            if queue.empty():
+                if first or len(batch) >= interval:
+                    break
+                more = await queue.get()  # --stream-interval: wait for the batch to fill
+            else:
+                more = queue.get_nowait()
             if isinstance(more, BaseException):
                 failed = more  # sent after the tokens before it
                 break
             batch.append(more)
-        alone = False
+        alone = first = False
         finish = batch[-1].finish_reason
         facts = next((o.facts for o in batch if o.facts is not None), None)
         yield nodes_pb2.DecodeResponse(

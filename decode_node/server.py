@@ -24,7 +24,9 @@ def make_service(
         config.max_kv_share_per_peer,
         engine.info.num_usable_blocks,
     )
-    return DecodeService(engine, identity, config.transfer_deadline_s, limits)
+    return DecodeService(
+        engine, identity, config.transfer_deadline_s, limits, config.stream_interval
+    )
 
 
 def serve(config: NodeConfig) -> None:

@@ -53,8 +53,10 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
         identity: ModelIdentity,
         deadline_s: float,
         peer_limits: PeerLimits | None = None,
+        stream_interval: int = 1,
     ) -> None:
         self.engine = engine
+        self.stream_interval = stream_interval  # tokens per message to the router, at most
         self.identity = identity
         self.deadline_s = deadline_s
         self.pending = PendingTable()
@@ -268,7 +270,9 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
             except ConnectionError as exc:
                 await _engine_gone(context, exc)
-            async for reply in relay_tokens(queue, context, "decoding", self.counters):
+            async for reply in relay_tokens(
+                queue, context, "decoding", self.counters, interval=self.stream_interval
+            ):
                 finished = bool(reply.finish_reason)
                 yield reply
         finally:
@@ -343,7 +347,12 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             self.counters[names.DIRECT_REQUESTS] += 1
             first = True
             async for reply in relay_tokens(
-                queue, context, "generating", self.counters, first_alone=True
+                queue,
+                context,
+                "generating",
+                self.counters,
+                first_alone=True,
+                interval=self.stream_interval,
             ):
                 if first:  # cached_tokens: from the first token's facts (relay_tokens)
                     first = False

@@ -125,6 +125,11 @@ class NodeConfig:
     transfer_deadline_s: float = option(
         30.0, "decode: free a transferred request not claimed by then (seconds)"
     )
+    stream_interval: int = option(
+        1,
+        "decode: send a request's tokens to the router every N tokens (the first and the last at "
+        "once): N times fewer messages for the router to relay, tokens in bursts of N",
+    )
     # Above the 384 requests one router lets a decode node hold with the defaults (max_num_seqs
     # 256 x --decode-overcommit 1.5): a single prefill node feeding this one never meets it.
     max_transfers_per_peer: int = option(
@@ -159,6 +164,8 @@ class NodeConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval: >= 1, got {self.stream_interval}")
         if self.max_transfers_per_peer < 1:
             raise ValueError(f"--max-transfers-per-peer: >= 1, got {self.max_transfers_per_peer}")
         if not 0.0 < self.max_kv_share_per_peer <= 1.0:

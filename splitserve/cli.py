@@ -42,6 +42,8 @@ UP_NODE_OPTIONS = (
     "max_num_batched_tokens",
     "load_format",
     "async_scheduling",
+    "engine_process",
+    "stream_interval",
     "trust_kv_network",
 )
 ENV_EPILOG = (

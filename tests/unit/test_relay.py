@@ -112,3 +112,55 @@ def test_an_engine_that_is_gone_ends_the_stream_unavailable():
     assert status[0] == grpc.StatusCode.UNAVAILABLE and "the engine process is gone" in status[1]
     _, status, _ = asyncio.run(relay([ConnectionError("gone")]))
     assert status[0] == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_stream_interval_sends_the_first_token_at_once_then_every_n():
+    async def main(interval: int, n: int):
+        queue: asyncio.Queue = asyncio.Queue()
+        got = []
+
+        async def consume():
+            async for message in relay_tokens(
+                queue, Context(), "decoding", Counter(), interval=interval
+            ):
+                got.append((list(message.token_ids), message.finish_reason))
+
+        task = asyncio.ensure_future(consume())
+        for out in outputs(n):  # one step's token at a time
+            queue.put_nowait(out)
+            await asyncio.sleep(0.01)
+        await task
+        return got
+
+    # The first alone; then 3 at a time; the last (finished) one at once, however few.
+    assert asyncio.run(main(3, 9)) == [
+        ([10], ""),
+        ([11, 12, 13], ""),
+        ([14, 15, 16], ""),
+        ([17, 18], "length"),
+    ]
+    assert asyncio.run(main(1, 3)) == [([10], ""), ([11], ""), ([12], "length")]
+
+
+def test_a_stream_interval_still_ends_on_a_failure_after_its_tokens():
+    async def main():
+        queue: asyncio.Queue = asyncio.Queue()
+        context, got = Context(), []
+
+        async def consume():
+            with pytest.raises(Aborted):
+                async for message in relay_tokens(
+                    queue, context, "decoding", Counter(), interval=4
+                ):
+                    got.append(list(message.token_ids))
+
+        task = asyncio.ensure_future(consume())
+        for item in [*outputs(3, finish=None), RuntimeError("step failed")]:
+            queue.put_nowait(item)
+            await asyncio.sleep(0.01)
+        await task
+        return got, context.status
+
+    got, status = asyncio.run(main())
+    assert got == [[10], [11, 12]]
+    assert status[0] == grpc.StatusCode.INTERNAL and "step failed" in status[1]
