@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import subprocess
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,7 @@ from splitserve.engine.protocol import (
     CALL,
     FAILED,
     HELLO,
+    MAX_FRAME,
     OUTPUTS,
     REPLY,
     START,
@@ -55,11 +57,22 @@ logger = logging.getLogger(__name__)
 
 FIGURES_EVERY_S = 0.5  # how often last_figures is refreshed (the metrics thread's read)
 STOP_TIMEOUT_S = 30.0
+ADOPT_BYTES = 64 << 20  # the most block bytes one adopt command carries
 
 
 async def _read(reader: asyncio.StreamReader) -> Any:
     n = frame_length(await reader.readexactly(4))
     return unpackb(await reader.readexactly(n))
+
+
+def reap(process: subprocess.Popen, timeout: float) -> None:
+    """Wait for the engine process to exit; kill it after ``timeout`` seconds."""
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        logger.warning("the engine process %d did not stop: killed", process.pid)
+        process.kill()
+        process.wait()
 
 
 class EngineClient(NodeEngine):
@@ -78,6 +91,7 @@ class EngineClient(NodeEngine):
         self._tasks: list[asyncio.Task] = []
         self._figures = EngineFigures()
         self.gone: str | None = None  # why the engine process went (None: it is there)
+        self.process: subprocess.Popen | None = None  # the engine process, reaped by stop
         self._stopping = False
         self.steps_received = 0  # OUTPUTS frames
 
@@ -125,8 +139,8 @@ class EngineClient(NodeEngine):
                     future.set_exception(error_of(value))
         except (asyncio.IncompleteReadError, ConnectionError):
             self._lost("its connection closed")
-        except ValueError as exc:
-            self._lost(f"a bad frame on its connection: {exc}")
+        except Exception as exc:  # a frame that does not decode: nothing after it can be trusted
+            self._lost(f"a bad frame on its connection: {exc!r}")
 
     async def _read_outputs(self) -> None:
         try:
@@ -143,8 +157,8 @@ class EngineClient(NodeEngine):
                     raise ValueError(f"not an output frame: {message!r:.200}")
         except (asyncio.IncompleteReadError, ConnectionError):
             self._lost("its outputs connection closed")
-        except (ValueError, TypeError) as exc:
-            self._lost(f"a bad outputs frame: {exc}")
+        except Exception as exc:
+            self._lost(f"a bad outputs frame: {exc!r}")
 
     async def _refresh_figures(self) -> None:
         while self.gone is None:
@@ -171,9 +185,12 @@ class EngineClient(NodeEngine):
         if self.gone is not None:
             raise EngineGone(f"the engine process is gone ({self.gone})")
         seq = next(self._seq)
+        data = frame([CALL, seq, name, args])  # TypeError for a value the protocol cannot carry
+        if len(data) - 4 > MAX_FRAME:
+            raise ValueError(f"a {name} command of {len(data)} bytes (max {MAX_FRAME})")
         future = asyncio.get_running_loop().create_future()
         self._pending[seq] = future
-        self._writer.write(frame([CALL, seq, name, args]))
+        self._writer.write(data)
         return future
 
     async def _call(self, name: str, *args: Any) -> Any:
@@ -185,15 +202,23 @@ class EngineClient(NodeEngine):
     # ------------------------------------------------------------------ life
 
     async def stop(self) -> None:
+        """Stop the engine process: it answers the commands still running (cancelled ones with
+        EngineGone) and closes; what is left unanswered then fails here, later commands raise
+        EngineGone, and the process is waited for (killed after ``STOP_TIMEOUT_S``)."""
         if self._stopping:
             return
         self._stopping = True
         if self.gone is None:
             with contextlib.suppress(EngineGone, TimeoutError, ConnectionError):
                 await asyncio.wait_for(self._send("stop", []), STOP_TIMEOUT_S)
+            if self._tasks:  # the replies to the end of the connection (bounded)
+                await asyncio.wait({self._tasks[0]}, timeout=STOP_TIMEOUT_S)
+        self._lost("stopped")  # anything still unanswered fails now, not never
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.process is not None:
+            await asyncio.to_thread(reap, self.process, STOP_TIMEOUT_S)
         for writer in (self._writer, self._outputs_writer):
             writer.close()
             with contextlib.suppress(ConnectionError, OSError):
@@ -242,7 +267,20 @@ class EngineClient(NodeEngine):
         return await self._call("count_cached", block_hashes)
 
     async def adopt(self, block_hashes: list[BlockHash], blocks_data: list[bytes]) -> int:
-        return await self._call("adopt", block_hashes, blocks_data)
+        # In commands of at most ADOPT_BYTES (a long prefix of a large model is GBs), in order:
+        # each run is cached before the next, and a run the pool cannot take ends the adoption.
+        adopted, i = 0, 0
+        while i < len(block_hashes):
+            j, size = i, 0
+            while j < len(block_hashes) and (j == i or size + len(blocks_data[j]) <= ADOPT_BYTES):
+                size += len(blocks_data[j])
+                j += 1
+            n = await self._call("adopt", block_hashes[i:j], blocks_data[i:j])
+            adopted += n
+            if n < j - i:
+                break
+            i = j
+        return adopted
 
     async def pin(self, block_hashes: list[BlockHash]) -> Pinned:
         future = self._send("pin", [block_hashes])

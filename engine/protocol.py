@@ -46,7 +46,9 @@ from splitserve.transfer.errors import (
 )
 
 VERSION = 1
-MAX_FRAME = 1 << 30  # a read of many blocks is the largest frame; 1 GiB bounds a bad length
+# Bounds a bad length; the largest frames are block bytes (reads and writes of ~4 MiB runs,
+# adopts of at most engine.client.ADOPT_BYTES).
+MAX_FRAME = 1 << 30
 HEADER = struct.Struct("<I")
 
 START, HELLO, CALL, REPLY, OUTPUTS, FAILED = range(6)
@@ -193,11 +195,15 @@ def frame_length(header: bytes) -> int:
 
 
 def error_value(exc: BaseException) -> list[str]:
-    """An exception as it travels: [kind, message]; unknown kinds as RuntimeError."""
-    kind = type(exc).__name__
-    if kind not in ERRORS:
-        return ["RemoteError", f"{kind}: {exc}"]
-    return [kind, str(exc)]
+    """An exception as it travels: [kind, message], the kind its nearest class in ``ERRORS``
+    (a subclass, e.g. msgpack's ValueErrors, travels as its base, named in the message);
+    RemoteError for one with none."""
+    name = type(exc).__name__
+    for cls in type(exc).__mro__:
+        if ERRORS.get(cls.__name__) is cls:
+            message = str(exc) if cls is type(exc) else f"{name}: {exc}"
+            return [cls.__name__, message]
+    return ["RemoteError", f"{name}: {exc}"]
 
 
 def error_of(value: Any, request_id: str = "") -> BaseException:

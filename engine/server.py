@@ -45,7 +45,13 @@ class OutputWriter:
         self.frames = 0
 
     def deliver(self, outputs: list[StepOutput]) -> None:
-        self._send(frame(outputs_value(outputs)))
+        try:
+            data = frame(outputs_value(outputs))
+        except (TypeError, ValueError) as exc:  # a value the protocol cannot carry: a bug
+            logger.exception("a step's outputs do not encode: their requests fail")
+            self.fail(sorted({o.request_id for o in outputs}), RuntimeError(str(exc)))
+            return
+        self._send(data)
 
     def fail(self, request_ids: list[str], exc: BaseException) -> None:
         kind, message = error_value(exc)
@@ -119,10 +125,11 @@ async def serve_commands(
                 or len(message) != 4
                 or message[0] != CALL
                 or not isinstance(message[1], int)
-                or message[2] not in COMMANDS
-                or not isinstance(message[3], list)
             ):
-                logger.error("engine process: a malformed command %r: ignored", message)
+                logger.error("engine process: a malformed command %.200r: ignored", message)
+                continue
+            if message[2] not in COMMANDS or not isinstance(message[3], list):
+                reply(message[1], False, ["ValueError", f"no command {message[2]!r:.100}"])
                 continue
             _, seq, name, args = message
             task = asyncio.create_task(run(seq, name, args))

@@ -102,6 +102,9 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
         self._idle.clear()
         try:
             return await self._prefill(request, context)
+        except ConnectionError as exc:  # engine.protocol.EngineGone: the node exits next
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill node's engine: {exc}")
+            raise  # (abort raised already)
         finally:
             self._active -= 1
             if self._active == 0:
@@ -147,7 +150,9 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
             # (only the step already running computes it), whatever engine calls are queued.
             # The abort is submitted before anything can interrupt it: a handler cancelled
             # again while it waits would otherwise drop it, and the blocks would stay held.
-            await self.engine.abort(rid)
+            # (An engine that is gone took the blocks with it: the call's status stands.)
+            with contextlib.suppress(ConnectionError):
+                await self.engine.abort(rid)
 
     async def _compute(
         self,

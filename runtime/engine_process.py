@@ -38,14 +38,18 @@ GONE_GRACE_S = 0.5  # the node's calls get their error out before it exits
 async def spawn_engine(config: NodeConfig, role: str) -> Any:
     """Start the engine process for this node, wait until its model is loaded, and return its
     ``EngineClient``. ``RuntimeError`` with the engine process's reason if it could not start."""
-    from splitserve.engine.client import EngineClient
+    from splitserve.engine.client import EngineClient, reap
 
     cmd_front, cmd_engine = socket.socketpair()
     out_front, out_engine = socket.socketpair()
     fds = (cmd_engine.fileno(), out_engine.fileno())
+    from splitserve.runtime import gpus
+
     proc = subprocess.Popen(
         [sys.executable, "-m", "splitserve.runtime.engine_process", *map(str, fds)],
-        pass_fds=fds,
+        # The node's GPU lock goes with it: held while either process lives (a node restarted
+        # by its supervisor cannot claim a GPU an engine process still holds memory on).
+        pass_fds=(*fds, *gpus.held_locks()),
     )
     cmd_engine.close()
     out_engine.close()
@@ -71,19 +75,11 @@ async def spawn_engine(config: NodeConfig, role: str) -> Any:
         await client.connect(role, dataclasses.asdict(config))
     except BaseException:
         writer.close()
-        await asyncio.to_thread(_reap, proc)
+        await asyncio.to_thread(reap, proc, 10.0)
         raise
-    client.process = proc  # pyright: ignore[reportAttributeAccessIssue] (for tests and logs)
+    client.process = proc
     logger.info("%s node: engine process %d ready", role, proc.pid)
     return client
-
-
-def _reap(proc: subprocess.Popen, timeout: float = 10.0) -> None:
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 async def _serve(cmd_fd: int, out_fd: int) -> int:

@@ -32,6 +32,11 @@ DEV = Path("/dev")
 _held: list[int] = []  # descriptors of the locks this process holds (open until it exits)
 
 
+def held_locks() -> tuple[int, ...]:
+    """The lock descriptors this process holds (its engine process inherits them)."""
+    return tuple(_held)
+
+
 class GpuClaimError(RuntimeError):
     """No GPU could be claimed (none visible, all held by other nodes, lock dir unusable)."""
 

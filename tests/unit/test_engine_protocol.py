@@ -96,3 +96,13 @@ def test_errors_keep_their_kind_and_message():
     unknown = error_of(error_value(KeyError("k")))
     assert isinstance(unknown, RemoteError) and "KeyError" in str(unknown)
     assert isinstance(error_of("garbage"), RemoteError)
+
+
+def test_a_subclass_travels_as_its_nearest_known_base():
+    class FormatProblem(ValueError):
+        pass
+
+    back = error_of(error_value(FormatProblem("bad ticket")))
+    assert type(back) is ValueError and "FormatProblem" in str(back) and "bad ticket" in str(back)
+    gone = error_of(error_value(ConnectionRefusedError("refused")))
+    assert isinstance(gone, RemoteError)  # no known base short of Exception: said as it is
