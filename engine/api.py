@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from splitserve.engine.core import StepOutput
+from splitserve.engine.core import StepOutput, check_prompt
 from splitserve.engine.kv_port import Reserved
 from splitserve.kvstore import BlockHash
 from splitserve.kvstore.block_pool import KVCacheEvent
@@ -60,20 +60,8 @@ class EngineInfo:
 
     def check_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
         """The prompt as a list, or ``ValueError`` saying what is wrong with it (the engine's
-        own check, ``LLMEngine.check_prompt``, made from these figures)."""
-        prompt = list(prompt_token_ids)
-        vocab, max_len = self.vocab_size, self.max_model_len
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            bad = next(t for t in prompt if not 0 <= t < vocab)
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
-        if len(prompt) >= max_len:
-            raise ValueError(
-                f"prompt of {len(prompt)} tokens leaves no room to generate within "
-                f"max_model_len {max_len}"
-            )
-        return prompt
+        own check, made from these figures)."""
+        return check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
 
 
 @dataclass(frozen=True, slots=True)

@@ -85,6 +85,23 @@ class StepOutput(NamedTuple):
     facts: FirstFacts | None = None  # on a request's first token sampled here
 
 
+def check_prompt(prompt_token_ids: Sequence[int], vocab: int, max_len: int) -> list[int]:
+    """The prompt as a list, or ``ValueError`` saying what is wrong with it: empty, a token id
+    outside the vocabulary, or no room left to generate within ``max_len``."""
+    prompt = list(prompt_token_ids)
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    if min(prompt) < 0 or max(prompt) >= vocab:
+        bad = next(t for t in prompt if not 0 <= t < vocab)
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+    if len(prompt) >= max_len:
+        raise ValueError(
+            f"prompt of {len(prompt)} tokens leaves no room to generate within "
+            f"max_model_len {max_len}"
+        )
+    return prompt
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -170,19 +187,8 @@ class LLMEngine:
 
     def check_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
         """The prompt as a list, or ``ValueError`` saying what is wrong with it."""
-        prompt = list(prompt_token_ids)
-        vocab, max_len = self.runner.config.vocab_size, self.runner.config.max_model_len
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            bad = next(t for t in prompt if not 0 <= t < vocab)
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
-        if len(prompt) >= max_len:
-            raise ValueError(
-                f"prompt of {len(prompt)} tokens leaves no room to generate within "
-                f"max_model_len {max_len}"
-            )
-        return prompt
+        config = self.runner.config
+        return check_prompt(prompt_token_ids, config.vocab_size, config.max_model_len)
 
     def add_request(
         self,
