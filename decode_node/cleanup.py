@@ -1,22 +1,10 @@
-"""Ending a decode node's request to the end, whatever interrupts it (``NodeEngine.end_request``
-completes even when its caller is cancelled), and the signal that blocks were freed.
-"""
+"""The signal that a decode node freed blocks (a request ended: ``NodeEngine.end_request``,
+which completes even when its caller is cancelled; a transfer released)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from splitserve.engine.api import NodeEngine
-
-
-async def end_request(engine: NodeEngine, request_id: str) -> bool:
-    """Drop a decoding (or never started, or still prefilling) request and free every block held
-    under its id, to the end; True if it was still running. The engine drops it before its next
-    step schedules, even while other engine work is queued ahead of the command."""
-    return await engine.end_request(request_id)
 
 
 class Signal:

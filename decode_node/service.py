@@ -21,7 +21,6 @@ from typing import NoReturn
 
 import grpc
 
-from splitserve.decode_node.cleanup import end_request
 from splitserve.decode_node.header import TransferRefused
 from splitserve.decode_node.peer_caps import PeerCaps, PeerLimits
 from splitserve.decode_node.pending import DRAIN_HOLD_S, Pending, PendingTable
@@ -369,7 +368,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
         and every block held under its id freed, to the end; then it leaves the live set."""
         self.engine.unsubscribe(rid)
         try:
-            if not finished and await end_request(self.engine, rid):
+            if not finished and await self.engine.end_request(rid):
                 self.counters[names.REQUESTS_ABORTED] += 1
         except ConnectionError as exc:  # the engine is gone, the request and its blocks with it
             logger.warning("request %s not ended: %s", rid, exc)

@@ -177,25 +177,7 @@ class LocalEngine(NodeEngine):
         return self.last_figures()
 
     def last_figures(self) -> EngineFigures:
-        core, port = self.core, self.port
-        pool = port.stats()  # figures, read without a job (engine.kv_port)
-        slots = port.slot_usage()
-        return EngineFigures(
-            running=len(core.running),
-            waiting=len(core.waiting) + len(core.ready),
-            num_blocks=pool.num_blocks,
-            num_free_blocks=pool.num_free_blocks,
-            num_cached_blocks=pool.num_cached_blocks,
-            prefill_tokens_waiting=core.pending_prefill_tokens,
-            kv_tokens_held=slots.tokens_held,
-            kv_token_slots=slots.token_slots,
-            num_requests=len(core.requests),
-            counters={
-                "preemptions": core.num_preemptions,
-                **port.prefix_stats(),
-                **self.loop_engine.counters(),
-            },
-        )
+        return engine_figures(self.core, self.loop_engine.counters())
 
     # ------------------------------------------------------------------ transfer sides
 
@@ -319,6 +301,27 @@ class LocalEngine(NodeEngine):
         return await settle(asyncio.get_running_loop().run_in_executor(None, send))
 
 
+def engine_figures(core: LLMEngine, counters: dict[str, float] | None = None) -> EngineFigures:
+    """The figures of a live engine, read without an engine job from the event loop or the
+    metrics thread (the reads ``engine.kv_port`` allows there); ``counters``: the engine
+    thread's (``AsyncEngine.counters``)."""
+    port = core.kv_port
+    pool = port.stats()
+    slots = port.slot_usage()
+    return EngineFigures(
+        running=len(core.running),
+        waiting=len(core.waiting) + len(core.ready),
+        num_blocks=pool.num_blocks,
+        num_free_blocks=pool.num_free_blocks,
+        num_cached_blocks=pool.num_cached_blocks,
+        prefill_tokens_waiting=core.pending_prefill_tokens,
+        kv_tokens_held=slots.tokens_held,
+        kv_token_slots=slots.token_slots,
+        num_requests=len(core.requests),
+        counters={"preemptions": core.num_preemptions, **port.prefix_stats(), **(counters or {})},
+    )
+
+
 def _end_request(core: LLMEngine, request_id: str) -> bool:
     """Engine thread. ``abort`` frees a running request's blocks; a request whose
     ``add_transferred`` never ran still holds its adopted blocks under its id: free those too."""
@@ -328,4 +331,4 @@ def _end_request(core: LLMEngine, request_id: str) -> bool:
     return running
 
 
-__all__ = ["FETCH_RECEIVER_MARK", "LocalEngine", "StepOutput"]
+__all__ = ["FETCH_RECEIVER_MARK", "LocalEngine", "StepOutput", "engine_figures"]

@@ -138,7 +138,7 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
                 blocks_fetched=fetched,
             )
             if out.finish_reason is None:
-                await self._ship(request, prompt, out, response, context)
+                await self._ship(request, prompt, out.new_token_id, facts, response, context)
                 shipped = True
             return response
         finally:
@@ -192,21 +192,21 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
         self,
         request: nodes_pb2.PrefillRequest,
         prompt: list[int],
-        out: StepOutput,
+        first_token: int,
+        facts: FirstFacts,
         response: nodes_pb2.PrefillResponse,
         context: grpc.aio.ServicerContext,
     ) -> None:
-        """Ship the prompt's KV (its blocks as ``out.facts`` names them) into the decode node;
-        fills the transfer figures of response."""
-        facts = out.facts
-        assert facts is not None and facts.block_hashes is not None and facts.block_ids is not None
+        """Ship the prompt's KV (its blocks as ``facts`` names them, checked by ``_compute``)
+        into the decode node; fills the transfer figures of response."""
+        assert facts.block_hashes is not None and facts.block_ids is not None
         try:
             shipped = await self.shipper.ship(
                 request,
                 prompt,
                 facts.block_hashes,
                 facts.block_ids,
-                out.new_token_id,
+                first_token,
                 context.time_remaining(),
             )
         except ShipError as exc:

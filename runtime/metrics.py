@@ -74,23 +74,6 @@ class LoadFigures:
         return SlotUsage(self.kv_tokens_held, self.kv_token_slots).utilization
 
     @classmethod
-    def of_engine(cls, engine, pending_transfers: int = 0) -> LoadFigures:
-        """The figures of a live ``engine.core.LLMEngine``, read without an engine job from the
-        event loop or the metrics thread (the figures ``engine.kv_port`` allows there)."""
-        pool = engine.kv_port.stats()
-        slots = engine.kv_port.slot_usage()
-        return cls(
-            running=len(engine.running),
-            waiting=len(engine.waiting) + len(engine.ready),
-            num_blocks=pool.num_blocks,
-            num_free_blocks=pool.num_free_blocks,
-            prefill_tokens_waiting=engine.pending_prefill_tokens,
-            pending_transfers=pending_transfers,
-            kv_tokens_held=slots.tokens_held,
-            kv_token_slots=slots.token_slots,
-        )
-
-    @classmethod
     def of_figures(cls, figures: EngineFigures, pending_transfers: int = 0) -> LoadFigures:
         """The figures of an engine as ``NodeEngine.figures``/``last_figures`` give them
         (``engine.api.EngineFigures``), wherever the engine runs."""

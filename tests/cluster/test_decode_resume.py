@@ -11,8 +11,8 @@ import random
 import pytest
 from support.processes import node_stats, start_node, start_router
 from support.reference import hf_greedy
+from support.streams import stream_through
 
-from splitserve.client import AsyncClient
 from splitserve.models.tiny import write_random_checkpoint
 
 MAX_TOKENS = 160
@@ -27,34 +27,8 @@ def test_streams_on_a_killed_decode_node_resume_elsewhere(tmp_path):
     rng = random.Random(5)
     prompts = [[rng.randrange(250) for _ in range(rng.randrange(8, 48))] for _ in range(8)]
     try:
-
-        async def run() -> list[list[int]]:
-            async with AsyncClient(router.address) as client:
-                seen = [0] * len(prompts)
-                started = asyncio.Event()
-
-                async def one(i: int) -> list[int]:
-                    tokens: list[int] = []
-                    async for chunk in client.stream(
-                        prompt_token_ids=prompts[i],
-                        max_tokens=MAX_TOKENS,
-                        temperature=0.0,
-                        ignore_eos=True,
-                        timeout=120,
-                    ):
-                        tokens.extend(chunk.token_ids)
-                        seen[i] = len(tokens)
-                        if all(seen):
-                            started.set()
-                    return tokens
-
-                tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
-                await asyncio.wait_for(started.wait(), 60)
-                decode[0].popen.kill()  # mid-answer: every stream has had tokens, none all
-                assert not all(t.done() for t in tasks)
-                return await asyncio.gather(*tasks)
-
-        outputs = asyncio.run(run())
+        kill = decode[0].popen.kill  # mid-answer
+        outputs = asyncio.run(stream_through(router.address, prompts, MAX_TOKENS, kill))
         for prompt, tokens in zip(prompts, outputs, strict=True):
             assert tokens == hf_greedy(model, prompt, MAX_TOKENS)
         survivor = node_stats(decode[1])

@@ -7,6 +7,7 @@ streams on another decode node; a node killed outright leaves no engine process 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
 import signal
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 from support.processes import node_stats, start_node, start_router
 from support.reference import hf_greedy
+from support.streams import stream_through
 
 from splitserve.client import AsyncClient
 from splitserve.models.tiny import write_random_checkpoint
@@ -108,33 +110,8 @@ def test_an_engine_process_killed_mid_answer_takes_its_node_down_and_streams_res
     max_tokens = 160
     victim = _engine_pid(decode[0].popen.pid)
     try:
-
-        async def run() -> list[list[int]]:
-            async with AsyncClient(router.address) as client:
-                seen = [0] * len(prompts)
-                started = asyncio.Event()
-
-                async def one(i: int) -> list[int]:
-                    tokens: list[int] = []
-                    async for chunk in client.stream(
-                        prompt_token_ids=prompts[i],
-                        max_tokens=max_tokens,
-                        temperature=0.0,
-                        ignore_eos=True,
-                        timeout=120,
-                    ):
-                        tokens.extend(chunk.token_ids)
-                        seen[i] = len(tokens)
-                        if all(seen):
-                            started.set()
-                    return tokens
-
-                tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
-                await asyncio.wait_for(started.wait(), 60)
-                os.kill(victim, signal.SIGKILL)  # mid-step, mid-answer
-                return await asyncio.gather(*tasks)
-
-        outputs = asyncio.run(run())
+        kill = functools.partial(os.kill, victim, signal.SIGKILL)  # mid-step, mid-answer
+        outputs = asyncio.run(stream_through(router.address, prompts, max_tokens, kill))
         for prompt, tokens in zip(prompts, outputs, strict=True):
             assert tokens == hf_greedy(model, prompt, max_tokens)
         assert decode[0].popen.wait(30) == GONE_EXIT_CODE
