@@ -26,7 +26,6 @@ import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
-from splitserve.kernels.layout import read_blocks_bytes, write_blocks_bytes
 from splitserve.kvstore import BlockHash, KVCacheBlock
 from splitserve.kvstore.kv_cache_manager import SlotUsage
 
@@ -58,9 +57,12 @@ class KVPort:
     def __init__(self, engine: LLMEngine) -> None:
         self._kv = engine.kv
         self._pool = engine.pool
-        self.kv_pool = engine.runner.kv_pool  # the transfer layer maps/sends this tensor
+        self._runner = engine.runner
+        # The transfer layer maps/sends this tensor (rank 0's heads under tensor parallelism,
+        # where only the byte path moves blocks: ``read``/``write`` take every rank's heads).
+        self.kv_pool = engine.runner.kv_pool
         self.block_size = engine.block_size
-        self.block_nbytes = self.kv_pool[0].numel() * self.kv_pool.element_size()
+        self.block_nbytes = engine.runner.transfer_block_bytes  # a whole-heads block
         self.num_usable_blocks = self._pool.num_blocks - 1
 
     # ------------------------------------------------------------------ blocks from elsewhere
@@ -86,8 +88,9 @@ class KVPort:
         return Reserved(missing, has_tail, dest)
 
     def write(self, block_ids: Sequence[int], data: bytes) -> None:
-        """Write whole blocks' bytes (over all layers, block-major) into ``block_ids``."""
-        write_blocks_bytes(self.kv_pool, list(block_ids), data)
+        """Write whole blocks' bytes (over all layers and KV heads, block-major) into
+        ``block_ids``."""
+        self._runner.write_blocks(block_ids, data)
 
     def register(self, request_id: str, block_hashes: Sequence[BlockHash]) -> None:
         """The request's full blocks now hold their data: make them findable by hash."""
@@ -112,8 +115,8 @@ class KVPort:
     # ------------------------------------------------------------------ blocks held here
 
     def read(self, block_ids: Sequence[int]) -> bytes:
-        """The blocks' bytes, over all layers, in order."""
-        return read_blocks_bytes(self.kv_pool, list(block_ids))
+        """The blocks' bytes, over all layers and KV heads, in order."""
+        return self._runner.read_blocks(block_ids)
 
     def block_ids(self, request_id: str) -> list[int]:
         """The request's blocks in order (empty when it holds none)."""

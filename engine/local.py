@@ -12,8 +12,10 @@ process when it has no engine process (``--engine-process off``: tests, a CPU no
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
+import logging
 import os
 import uuid
 from typing import Any
@@ -36,6 +38,9 @@ from splitserve.engine.loop import AsyncEngine, settle
 from splitserve.kvstore import BlockHash
 from splitserve.kvstore.block_pool import KVCacheEvent
 from splitserve.models.sampling_params import SamplingParams
+from splitserve.transfer.endpoint import GRPC
+
+logger = logging.getLogger(__name__)
 
 FETCH_RECEIVER_MARK = "#fetch-"  # in the id of every prefill node's fetch receiver
 
@@ -95,6 +100,8 @@ class LocalEngine(NodeEngine):
             if part is not None:
                 await asyncio.to_thread(part.shutdown if side == RX else part.close_all)
         await self.loop_engine.stop()
+        # The steps are over: a tensor-parallel engine's other ranks may go.
+        await asyncio.to_thread(self.core.runner.close)
 
     # ------------------------------------------------------------------ requests
 
@@ -203,6 +210,16 @@ class LocalEngine(NodeEngine):
             tls=tls, trust_network=spec.trust_network, rendezvous_key=spec.rendezvous_key
         )
         pool = self.port.kv_pool
+        if self.core.runner.tp.size > 1 and tuple(spec.paths) != (GRPC,):
+            # NOTE: the ipc, dist and tcp paths move the bytes of one pool tensor; a block of a
+            # tensor-parallel engine spans every rank's pool, so only the byte path (whose
+            # reads and writes go through the runner, in whole heads) serves it.
+            logger.info(
+                "KV transfer: gRPC bytes only at tensor parallel size %d (not %s)",
+                self.core.runner.tp.size,
+                ",".join(p for p in spec.paths if p != GRPC),
+            )
+            spec = dataclasses.replace(spec, paths=(GRPC,))
         life = uuid.uuid4().hex[:8]  # a new id per process life (see the node servers)
         if spec.role == "decode":
             # Always a receiver: gRPC bytes go through its reservations too.
@@ -268,7 +285,9 @@ class LocalEngine(NodeEngine):
     async def rx_write(self, side: str, res_id: int, block_ids: list[int], data: bytes) -> None:
         # On the engine thread, between steps, like every other write into the pool.
         rx, res = self._side(side), self._reservation(res_id)
-        await self.loop_engine.call(rx.write, res, block_ids, data)
+        # Under tensor parallelism a block spans every rank's pool: the runner writes it.
+        writer = self.port.write if self.core.runner.tp.size > 1 else None
+        await self.loop_engine.call(rx.write, res, block_ids, data, writer)
 
     async def rx_receive(self, side: str, res_id: int, timeout: float) -> None:
         rx, res = self._side(side), self._reservation(res_id)

@@ -89,6 +89,11 @@ def _check_block_ids(kv_pool: torch.Tensor, block_ids: torch.Tensor, what: str) 
     return block_ids
 
 
+def check_block_ids(kv_pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """``block_ids`` as int64 on the pool's device, or ``ValueError`` if any is outside it."""
+    return _check_block_ids(kv_pool, block_ids, "block ids")
+
+
 def gather_blocks(
     kv_pool: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:

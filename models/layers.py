@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from splitserve.kernels import ops
+from splitserve.models.parallel import SINGLE, RowParallelLinear, Shards, TPGroup
 
 if TYPE_CHECKING:
     from splitserve.models.config import ModelConfig
@@ -89,19 +90,30 @@ class RotaryEmbedding(nn.Module):
 
 
 class PagedAttention(nn.Module):
-    """Self-attention whose K/V live only in the paged pool (fused q/k/v projection)."""
+    """Self-attention whose K/V live only in the paged pool (fused q/k/v projection).
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    Under tensor parallelism (``tp``, models/parallel.py) this rank computes its query heads and
+    KV heads only (``shards``): qkv_proj holds their rows, o_proj their columns."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        shards: Shards | None = None,
+        tp: TPGroup = SINGLE,
+    ) -> None:
         super().__init__()
+        shards = shards or Shards.of(config, tp)
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.num_heads, self.num_kv_heads = len(shards.heads), len(shards.kv_heads)
         self.head_dim = config.head_dim
-        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, config.o_bias, tp)
 
     def forward(
         self,
@@ -171,13 +183,16 @@ class PagedAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one projection."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one projection.
+    ``intermediate_size``: this rank's share under tensor parallelism (down_proj row-parallel)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool, tp: TPGroup = SINGLE
+    ) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))

@@ -14,15 +14,24 @@ from splitserve.models.layers import (
     RMSNorm,
     RotaryEmbedding,
 )
+from splitserve.models.parallel import (
+    SINGLE,
+    Shards,
+    TPGroup,
+    VocabParallelEmbedding,
+    gather_logits,
+)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, shards: Shards, tp: TPGroup = SINGLE
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = PagedAttention(config, layer_idx)
+        self.self_attn = PagedAttention(config, layer_idx, shards, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        self.mlp = GatedMLP(config.hidden_size, len(shards.intermediate), config.mlp_bias, tp)
 
     def forward(
         self,
@@ -50,17 +59,25 @@ class LlamaForCausalLM(nn.Module):
 
     ``forward(input_ids [T], positions [T], kv_pool, meta)`` returns the final hidden states
     ``[T, hidden]``; ``compute_logits`` turns selected rows into float32 logits.
+
+    ``tp``: this rank's tensor-parallel group (models/parallel.py); the model then holds only
+    this rank's shards (``shards``) and its forward takes part in the group's collectives, so
+    every rank must run the same forwards in the same order (the runner sees to it).
     """
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.tp = tp
+        self.shards = shards = Shards.of(config, tp)
+        self.embed_tokens = VocabParallelEmbedding(shards, config.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, shards, tp) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = nn.Linear(config.hidden_size, len(shards.vocab), bias=False)
         self.rotary = RotaryEmbedding(
             config.hf_config, config.head_dim, config.max_model_len, dtype
         )
@@ -81,4 +98,5 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden, weight).float()
+        logits = nn.functional.linear(hidden, weight)
+        return gather_logits(logits, self.tp, self.config.vocab_size).float()

@@ -7,11 +7,13 @@ import logging
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 
 from splitserve.models.config import ModelConfig, parse_dtype
 from splitserve.models.llama import LlamaForCausalLM
+from splitserve.models.parallel import SINGLE, TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +37,16 @@ def load_model(
     device: str | torch.device = "cpu",
     load_format: str = "auto",
     seed: int = 0,
+    tp: TPGroup = SINGLE,
 ) -> tuple[ModelConfig, LlamaForCausalLM]:
     """Read ``config.json`` and the weights of a checkpoint folder into a model on ``device``.
 
     dtype: the checkpoint's own (``config.json``'s ``dtype``) when None. load_format ``dummy``
     draws random weights from ``seed`` (for benchmarks: no weight files needed); ``auto`` is
-    ``safetensors``. Raises ``ValueError`` naming any missing, unexpected or misshapen tensor.
+    ``safetensors``. ``tp``: this rank's tensor-parallel group; the model then holds this rank's
+    shards, each read from the files alone (no rank reads a whole tensor it splits). Raises
+    ``ValueError`` naming any missing, unexpected or misshapen tensor, or a parallel size that
+    cannot split this model.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; use one of {LOAD_FORMATS}")
@@ -51,7 +57,7 @@ def load_model(
     torch.set_default_dtype(dtype)  # build the parameters in their final dtype, not fp32 first
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(config, dtype)
+            model = LlamaForCausalLM(config, dtype, tp)
     finally:
         torch.set_default_dtype(previous)
     if load_format == "dummy":
@@ -60,11 +66,12 @@ def load_model(
         _load_safetensors(model, Path(path), device)
     model.eval().requires_grad_(False)
     logger.info(
-        "loaded %s (%s, %d layers, %.2f GB) on %s as %s",
+        "loaded %s (%s, %d layers, %.2f GB%s) on %s as %s",
         path,
         config.architecture,
         config.num_layers,
         sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9,
+        f", tensor parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "",
         device,
         dtype,
     )
@@ -88,13 +95,14 @@ def _weight_files(path: Path) -> list[Path]:
     )
 
 
-def _iter_checkpoint(files: list[Path], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_checkpoint(files: list[Path], device: torch.device) -> Iterator[tuple[str, Any]]:
+    """Each tensor of the files as a lazy slice: a rank reads only its shard of it."""
     from safetensors import safe_open
 
     for file in files:
         with safe_open(file, framework="pt", device=str(device)) as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name)
 
 
 def _target(model: LlamaForCausalLM, name: str) -> tuple[str, int | None] | None:
@@ -115,6 +123,55 @@ def _target(model: LlamaForCausalLM, name: str) -> tuple[str, int | None] | None
     return f"layers.{layer}.{module}.{kind}", None
 
 
+class _Place(NamedTuple):
+    """Where a checkpoint tensor goes on this rank: rows ``[dest_start, dest_start + length)``
+    of the parameter take ``[start, start + length)`` of the tensor along ``dim`` (of ``total``
+    there); ``dim`` None: the whole tensor, the whole parameter."""
+
+    dim: int | None
+    total: int = 0
+    start: int = 0
+    length: int = 0
+    dest_start: int = 0
+
+
+def _place(model: LlamaForCausalLM, pname: str, shard: int | None) -> _Place:
+    """This rank's part of the checkpoint tensor of ``pname`` (``shard``: of a fused one),
+    per models/parallel.py's layout. At tensor parallel size 1 the part is the whole tensor."""
+    cfg, sh, hd = model.config, model.shards, model.config.head_dim
+    if pname.endswith("qkv_proj.weight") or pname.endswith("qkv_proj.bias"):
+        nq, nkv = len(sh.heads) * hd, len(sh.kv_heads) * hd
+        if shard == 0:
+            return _Place(0, cfg.q_size, sh.heads.start * hd, nq, 0)
+        return _Place(0, cfg.kv_size, sh.kv_heads.start * hd, nkv, nq + ((shard or 1) - 1) * nkv)
+    if "gate_up_proj." in pname:
+        n = len(sh.intermediate)
+        return _Place(0, cfg.intermediate_size, sh.intermediate.start, n, (shard or 0) * n)
+    if pname.endswith("o_proj.weight"):
+        return _Place(1, cfg.q_size, sh.heads.start * hd, len(sh.heads) * hd)
+    if pname.endswith("down_proj.weight"):
+        n = len(sh.intermediate)
+        return _Place(1, cfg.intermediate_size, sh.intermediate.start, n)
+    if pname in ("embed_tokens.weight", "lm_head.weight"):
+        rows = sh.vocab_rows
+        return _Place(0, cfg.vocab_size, rows.start, len(rows))
+    return _Place(None)
+
+
+def _shape(tensor: Any) -> tuple[int, ...]:
+    return tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tuple(tensor.get_shape())
+
+
+def _read(tensor: Any, place: _Place) -> torch.Tensor:
+    """The part ``place`` of a tensor or of a safetensors slice (which reads only that part)."""
+    if place.dim is None:
+        return tensor if isinstance(tensor, torch.Tensor) else tensor[:]
+    if isinstance(tensor, torch.Tensor):
+        return tensor.narrow(place.dim, place.start, place.length)
+    end = place.start + place.length
+    return tensor[place.start : end] if place.dim == 0 else tensor[:, place.start : end]
+
+
 def _load_safetensors(model: LlamaForCausalLM, path: Path, device: torch.device) -> None:
     load_weights(model, _iter_checkpoint(_weight_files(path), device), source=str(path))
 
@@ -122,18 +179,17 @@ def _load_safetensors(model: LlamaForCausalLM, path: Path, device: torch.device)
 @torch.no_grad()
 def load_weights(
     model: LlamaForCausalLM,
-    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    named_tensors: Iterable[tuple[str, Any]],
     source: str = "checkpoint",
 ) -> None:
     """Copy tensors named as in a Hugging Face checkpoint (``model.layers.0.self_attn.q_proj.
     weight`` ...) into ``model``, fusing q/k/v and gate/up, converting to the model's dtype.
-    Every parameter must be filled exactly once; raises ``ValueError`` naming what is wrong."""
+    Under tensor parallelism each takes only this rank's part (models/parallel.py); a value may
+    be a tensor or a safetensors slice (then only that part is read). Every parameter must be
+    filled exactly once; raises ``ValueError`` naming what is wrong."""
     params = dict(model.named_parameters())
     cfg = model.config
-    shard_sizes = {
-        "self_attn.qkv_proj": [cfg.q_size, cfg.kv_size, cfg.kv_size],
-        "mlp.gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size],
-    }
+    fused_parts = {"self_attn.qkv_proj": 3, "mlp.gate_up_proj": 2}
     loaded: set[tuple[str, int | None]] = set()
     unexpected = []
     for name, tensor in named_tensors:
@@ -145,16 +201,22 @@ def load_weights(
                 unexpected.append(name)
             continue
         pname, shard = target
-        dest = params[pname].data
-        if shard is not None:
-            sizes = shard_sizes[next(k for k in shard_sizes if k in pname)]
-            dest = dest.narrow(0, sum(sizes[:shard]), sizes[shard])
-        if tuple(tensor.shape) != tuple(dest.shape):
+        param = params[pname].data
+        place = _place(model, pname, shard)
+        dest, full = param, list(param.shape)
+        if place.dim is not None:
+            if place.dim == 0:
+                dest = param.narrow(0, place.dest_start, place.length)
+            full = list(dest.shape)
+            full[place.dim] = place.total
+        shape = _shape(tensor)
+        if shape != tuple(full):
             raise ValueError(
-                f"{source}: tensor {name} has shape {tuple(tensor.shape)}, the config implies "
-                f"{tuple(dest.shape)}"
+                f"{source}: tensor {name} has shape {shape}, the config implies {tuple(full)}"
             )
-        dest.copy_(tensor)
+        dest.copy_(_read(tensor, place))
+        if pname in ("embed_tokens.weight", "lm_head.weight") and dest.shape != param.shape:
+            param[dest.shape[0] :].zero_()  # the padding rows of the last vocabulary shard
         loaded.add((pname, shard))
     if unexpected:
         raise ValueError(
@@ -162,8 +224,8 @@ def load_weights(
         )
     missing = []
     for pname in params:
-        fused = next((k for k in shard_sizes if k in pname), None)
-        shards = range(len(shard_sizes[fused])) if fused else [None]
+        fused = next((k for k in fused_parts if k in pname), None)
+        shards = range(fused_parts[fused]) if fused else [None]
         missing += [
             f"{pname}[{s}]" if s is not None else pname for s in shards if (pname, s) not in loaded
         ]

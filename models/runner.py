@@ -10,17 +10,27 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from splitserve.kernels.layout import allocate_kv_pool
+from splitserve.kernels.layout import (
+    allocate_kv_pool,
+    check_block_ids,
+    gather_blocks,
+    read_blocks_bytes,
+    scatter_blocks,
+    write_blocks_bytes,
+)
 from splitserve.kvstore.hashing import DEFAULT_BLOCK_SIZE
+from splitserve.kvstore.tp_shards import kv_heads_of
 from splitserve.models.config import ModelConfig
 from splitserve.models.layers import AttentionMetadata
 from splitserve.models.llama import LlamaForCausalLM
+from splitserve.models.rank_channel import READ, STEP, STOP, WRITE, RankChannel
 
 logger = logging.getLogger(__name__)
 
@@ -64,22 +74,40 @@ class RunnerConfig:
 
 
 class ModelRunner:
+    """Runs the forwards of one model (of one rank's shards under tensor parallelism).
+
+    Tensor parallelism (``model.tp``, models/parallel.py): every rank builds its runner alike —
+    the pool holds the rank's KV heads, the number of blocks is the least any rank can hold, the
+    warm-up and the CUDA graphs run in step — then rank 0 is the engine's runner and the others
+    call ``follow``: rank 0's ``execute``, ``read_blocks`` and ``write_blocks`` send each
+    operation to them first (models/rank_channel.py), and ``close`` lets them go. Blocks read
+    or written through the runner are whole-heads blocks at any parallel size (what a node at
+    another size holds for the same hash): rank 0 assembles and splits them.
+    """
+
     def __init__(
         self, config: ModelConfig, model: LlamaForCausalLM, runner_config: RunnerConfig
     ) -> None:
         self.config = config
         self.model = model
+        self.tp = model.tp
         self.rc = runner_config
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
         self.block_size = runner_config.block_size
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
+        self.num_kv_heads = len(model.shards.kv_heads)  # this rank's
+        self.channel = RankChannel(self.tp, self.device) if self.tp.size > 1 else None
+        self.closers: list[Callable[[], None]] = []  # run by ``close`` (the ranks' processes)
+        # Rank 0: called with the error when an operation of the group fails (a rank went; the
+        # group cannot compute any more), before the error propagates.
+        self.on_group_error: Callable[[BaseException], None] | None = None
         self.num_blocks = self._count_kv_blocks()
         self.kv_pool = allocate_kv_pool(
             self.num_blocks,
             config.num_layers,
             self.block_size,
-            config.num_kv_heads,
+            self.num_kv_heads,
             config.head_dim,
             self.dtype,
             self.device,
@@ -104,6 +132,16 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
+        """One block of this rank's pool (its KV heads), over all layers."""
+        return (
+            self.block_size
+            * self.config.kv_bytes_per_token(self.dtype)
+            // (self.config.num_kv_heads // self.num_kv_heads)
+        )
+
+    @property
+    def transfer_block_bytes(self) -> int:
+        """One whole-heads block, as ``read_blocks`` returns it (= ``block_bytes`` at TP 1)."""
         return self.block_size * self.config.kv_bytes_per_token(self.dtype)
 
     def _count_kv_blocks(self) -> int:
@@ -113,6 +151,9 @@ class ModelRunner:
                 raise ValueError("on CPU the KV cache size must be given (kv_cache_bytes)")
             budget = self._measure_gpu_kv_budget()
         num_blocks = int(budget // self.block_bytes)
+        if self.tp.size > 1:  # every rank holds the same block ids: the least any can hold
+            agreed = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
+            num_blocks = int(self.tp.all_reduce(agreed, op="min").item())
         if num_blocks < 2:
             raise ValueError(
                 f"KV cache budget {budget / 1e9:.3f} GB holds fewer than 2 blocks of "
@@ -130,7 +171,7 @@ class ModelRunner:
             2,
             self.config.num_layers,
             self.block_size,
-            self.config.num_kv_heads,
+            self.num_kv_heads,
             self.config.head_dim,
             self.dtype,
             self.device,
@@ -342,11 +383,136 @@ class ModelRunner:
         """Run one forward; returns float32 logits ``[len(seqs), vocab]`` of each sequence's last
         new token (for a prompt chunk that is not the last, the caller ignores them). ``feed``:
         see ``prepare``."""
-        input_ids, positions, meta, is_decode = self.prepare(seqs, feed)
-        if is_decode and self.graphs is not None and self.graphs.can_run(len(seqs)):
+        if self.tp.size > 1 and self.channel is None:
+            raise RuntimeError("this runner's parallel group was closed")
+        input_ids, positions, meta, _ = self.prepare(seqs, feed)
+        if self.channel is None:
+            return self.forward(input_ids, positions, meta, len(seqs))
+        channel = self.channel
+
+        def step() -> torch.Tensor:
+            channel.send_step(input_ids, positions, meta)  # the other ranks run it too
+            return self.forward(input_ids, positions, meta, len(seqs))
+
+        return self._in_group(step)
+
+    def _in_group(self, op: Callable[[], Any]) -> Any:
+        """Run an operation of the whole group (its inputs already checked, so it fails only
+        when the group does); ``on_group_error`` hears of a failure."""
+        try:
+            return op()
+        except Exception as exc:
+            if self.on_group_error is not None:
+                self.on_group_error(exc)
+            raise
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        num_seqs: int,
+    ) -> torch.Tensor:
+        """The forward of prepared inputs (``prepare``): logits of each sequence's last row."""
+        if meta.is_decode and self.graphs is not None and self.graphs.can_run(num_seqs):
             return self.graphs.run(input_ids, positions, meta)
         hidden = self.model(input_ids, positions, self.kv_pool, meta)
         last = meta.last_rows
         if last is None:  # the sequences kept their order
             last = meta.cu_seqlens_q[1:].long() - 1
         return self.model.compute_logits(hidden[last])
+
+    # ------------------------------------------------------------------ blocks, whole heads
+
+    def read_blocks(self, block_ids: Sequence[int]) -> bytes:
+        """The blocks' bytes over all layers and every KV head, in order (what a node of any
+        tensor parallel size reads and writes for these hashes)."""
+        if self.channel is None:
+            return read_blocks_bytes(self.kv_pool, list(block_ids))
+        ids = check_block_ids(self.kv_pool, torch.tensor(list(block_ids), dtype=torch.int64))
+        channel = self.channel
+
+        def read() -> torch.Tensor | None:
+            channel.send_read(ids)
+            return self._gather_heads(ids)
+
+        whole = self._in_group(read)
+        assert whole is not None  # rank 0 assembles
+        return whole.view(torch.uint8).cpu().numpy().tobytes()
+
+    def write_blocks(self, block_ids: Sequence[int], data: bytes) -> None:
+        """Write whole-heads blocks (as ``read_blocks`` returns them) into ``block_ids``."""
+        if self.channel is None:
+            write_blocks_bytes(self.kv_pool, list(block_ids), data)
+            return
+        ids = check_block_ids(self.kv_pool, torch.tensor(list(block_ids), dtype=torch.int64))
+        n, shape = ids.numel(), self._whole_block_shape()
+        if len(data) != n * self.transfer_block_bytes:
+            raise ValueError(
+                f"got {len(data)} bytes for {n} blocks of {self.transfer_block_bytes} bytes"
+            )
+        if not n:
+            return
+        if bool((ids == 0).any()) or torch.unique(ids).numel() != n:
+            raise ValueError("block ids must be distinct and never the null block 0")
+        whole = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        whole = whole.view(self.dtype).view(n, *shape).to(self.device)
+        channel = self.channel
+
+        def write() -> None:
+            channel.send_write(ids, whole)
+            self._scatter_heads(ids, whole)
+
+        self._in_group(write)
+
+    def _whole_block_shape(self) -> tuple[int, ...]:
+        c = self.config
+        return (c.num_layers, 2, self.block_size, c.num_kv_heads, c.head_dim)
+
+    def _gather_heads(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's heads of blocks ``ids``, assembled on rank 0 (None elsewhere)."""
+        parts = self.tp.all_gather(gather_blocks(self.kv_pool, ids.to(self.device)))
+        if self.tp.rank != 0:
+            return None
+        whole = torch.empty(
+            (ids.numel(), *self._whole_block_shape()), dtype=self.dtype, device=self.device
+        )
+        for rank, part in enumerate(parts):
+            heads = kv_heads_of(self.config.num_kv_heads, self.tp.size, rank)
+            whole[..., heads.start : heads.stop, :] = part
+        return whole
+
+    def _scatter_heads(self, ids: torch.Tensor, whole: torch.Tensor) -> None:
+        heads = self.model.shards.kv_heads
+        mine = whole[..., heads.start : heads.stop, :].contiguous()
+        scatter_blocks(self.kv_pool, ids.to(self.device), mine)
+
+    # ------------------------------------------------------------------ the other ranks
+
+    def follow(self) -> None:
+        """On a rank other than 0: run what rank 0 sends until it says stop."""
+        if self.channel is None or self.tp.rank == 0:
+            raise RuntimeError("follow() is for the ranks other than 0 of a parallel group")
+        shape = self._whole_block_shape()
+        with torch.inference_mode():
+            while True:
+                msg = self.channel.receive(shape, self.dtype)
+                if msg.op == STOP:
+                    self.channel.leave()
+                    return
+                if msg.op == STEP and msg.step is not None:
+                    self.forward(*msg.step)
+                elif msg.op == READ and msg.block_ids is not None:
+                    self._gather_heads(msg.block_ids)
+                elif msg.op == WRITE and msg.block_ids is not None and msg.data is not None:
+                    self._scatter_heads(msg.block_ids, msg.data)
+
+    def close(self) -> None:
+        """On rank 0 of a parallel group: let the other ranks go (idempotent)."""
+        if self.channel is not None and self.tp.rank == 0:
+            channel, self.channel = self.channel, None
+            try:
+                channel.send_stop()
+            finally:
+                for close in self.closers:
+                    close()

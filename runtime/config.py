@@ -99,6 +99,12 @@ class NodeConfig:
     tls_key: str | None = option(None, _TLS_HELP + "its private key")
     tls_ca: str | None = option(None, _TLS_HELP + "the CA that signs every component's certificate")
     device: str = option("cpu", "cpu or cuda[:N]")
+    tensor_parallel_size: int = option(
+        1,
+        "split the model's heads, MLP and vocabulary over N ranks, one process each (on GPUs: "
+        "the N consecutive ones from --device's); the KV of a node at N > 1 moves over gRPC "
+        "bytes, to nodes of any size",
+    )
     kv_transfer: str = option(
         "ipc,dist,tcp",
         "KV transfer paths besides gRPC bytes (always available), comma-separated, taken in this "
@@ -166,6 +172,8 @@ class NodeConfig:
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
             raise ValueError(f"--stream-interval: >= 1, got {self.stream_interval}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size: >= 1, got {self.tensor_parallel_size}")
         if self.max_transfers_per_peer < 1:
             raise ValueError(f"--max-transfers-per-peer: >= 1, got {self.max_transfers_per_peer}")
         if not 0.0 < self.max_kv_share_per_peer <= 1.0:

@@ -128,7 +128,10 @@ def claim_gpu(lock_dir: str | Path, gpus: list[str]) -> tuple[str, int]:
 
 
 def claim_for_node(
-    device: str, lock_dir: str | None, environ: MutableMapping[str, str] | None = None
+    device: str,
+    lock_dir: str | None,
+    environ: MutableMapping[str, str] | None = None,
+    count: int = 1,
 ) -> str | None:
     """With a lock directory and ``device == "cuda"``: claim a GPU of its own for this process and
     return the device to compute on, ``cuda:I``. Every GPU stays visible — a prefill node maps a
@@ -140,6 +143,8 @@ def claim_for_node(
         return None
     env = os.environ if environ is None else environ
     gpus = visible_gpus(env)
+    if count > 1:
+        return _claim_several(lock_dir, gpus, count, env)
     gpu, fd = claim_gpu(lock_dir, gpus)
     _held.append(fd)
     env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
@@ -147,3 +152,27 @@ def claim_for_node(
     logger.info("claimed GPU %s (lock in %s): computing on cuda:%d of %s", gpu, lock_dir, index,
                 env["CUDA_VISIBLE_DEVICES"])  # fmt: skip
     return f"cuda:{index}"
+
+
+def _claim_several(
+    lock_dir: str, gpus: list[str], count: int, env: MutableMapping[str, str]
+) -> str:
+    """A tensor-parallel node's ``count`` GPUs: claimed one by one (all or none), then put first
+    in ``CUDA_VISIBLE_DEVICES`` so its ranks compute on cuda:0..count-1 (the rest stay visible,
+    after them, for ipc peers)."""
+    claimed: list[tuple[str, int]] = []
+    try:
+        for _ in range(count):
+            left = [g for g in gpus if g not in {c for c, _ in claimed}]
+            claimed.append(claim_gpu(lock_dir, left))
+    except GpuClaimError as exc:
+        for _, fd in claimed:
+            os.close(fd)
+        raise GpuClaimError(
+            f"a node at tensor parallel size {count} needs {count} GPUs of its own: {exc}"
+        ) from None
+    _held.extend(fd for _, fd in claimed)
+    mine = [g for g, _ in claimed]
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(mine + [g for g in gpus if g not in mine])
+    logger.info("claimed GPUs %s (locks in %s): ranks on cuda:0..%d", mine, lock_dir, count - 1)
+    return "cuda:0"

@@ -73,29 +73,39 @@ def build_engine(config: NodeConfig, prefill_only: bool) -> tuple[LLMEngine, Mod
     from splitserve.engine.core import LLMEngine
     from splitserve.kvstore import ModelIdentity
     from splitserve.models.loader import load_model
+    from splitserve.models.parallel import SINGLE
     from splitserve.models.runner import ModelRunner, RunnerConfig
 
     device = use_device(config.device)  # cuda → cuda:I, the current device
     if config.device == "cpu":
         # Several node processes share the machine's cores; one thread each avoids thrashing.
         torch.set_num_threads(1)
-    model_config, model = load_model(
-        config.model_path,
-        dtype=config.dtype,
-        device=device,
-        load_format=config.load_format,
+    runner_config = RunnerConfig(
+        block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        kv_cache_bytes=None if config.device.startswith("cuda") else config.kv_cache_mb << 20,
     )
-    runner = ModelRunner(
-        model_config,
-        model,
-        RunnerConfig(
-            block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            kv_cache_bytes=None if config.device.startswith("cuda") else config.kv_cache_mb << 20,
-        ),
-    )
+    tp, ranks = SINGLE, None
+    if config.tensor_parallel_size > 1:
+        tp, ranks = start_tensor_parallel(config, str(device), runner_config)
+    try:
+        model_config, model = load_model(
+            config.model_path,
+            dtype=config.dtype,
+            device=device,
+            load_format=config.load_format,
+            tp=tp,
+        )
+        runner = ModelRunner(model_config, model, runner_config)
+    except BaseException:
+        if ranks is not None:
+            ranks.stop(timeout=5.0)
+        raise
+    if ranks is not None:
+        runner.closers.append(ranks.stop)
+        runner.on_group_error = ranks.group_failed
     identity = ModelIdentity.for_checkpoint(config.model_path, config.dtype, config.block_size)
     if identity.dtype != str(runner.dtype).removeprefix("torch."):  # the router computes the same
         raise RuntimeError(f"{identity} does not match the loaded dtype {runner.dtype}")
@@ -108,6 +118,24 @@ def build_engine(config: NodeConfig, prefill_only: bool) -> tuple[LLMEngine, Mod
         async_scheduling={"auto": None, "on": True, "off": False}[config.async_scheduling],
     )
     return engine, identity
+
+
+def start_tensor_parallel(config: NodeConfig, device: str, runner_config: Any) -> tuple[Any, Any]:
+    """Start the node's other tensor-parallel ranks (engine.ranks) and join their group as
+    rank 0: (``TPGroup``, ``Ranks``)."""
+    import dataclasses
+
+    from splitserve.engine.ranks import RankSpec, rank_devices, start_ranks
+    from splitserve.runtime import gpus
+
+    spec = RankSpec(
+        model_path=config.model_path,
+        dtype=config.dtype,
+        load_format=config.load_format,
+        devices=rank_devices(device, config.tensor_parallel_size),
+        runner=dataclasses.asdict(runner_config),
+    )
+    return start_ranks(spec, pass_fds=gpus.held_locks())
 
 
 async def serve_node(

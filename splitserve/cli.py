@@ -62,7 +62,9 @@ def cmd_node(args: argparse.Namespace) -> int:
     from splitserve.runtime.gpus import GpuClaimError, claim_for_node
 
     try:  # before anything starts CUDA: it fixes the order CUDA numbers the GPUs in
-        claimed = claim_for_node(args.device, args.gpu_lock_dir)
+        claimed = claim_for_node(
+            args.device, args.gpu_lock_dir, count=max(args.tensor_parallel_size or 1, 1)
+        )
     except GpuClaimError as exc:
         return _error(str(exc), 1)
     try:
@@ -245,6 +247,9 @@ def _autoscale_policy(args: argparse.Namespace, spec: ClusterSpec):
 
     if not spec.prefix_index:
         raise ValueError("--autoscale needs the Redis registry: new nodes join through it")
+    if spec.tp_of("prefill") > 1 or spec.tp_of("decode") > 1:
+        # NOTE: the planner places one GPU per node; a node of several ranks needs a run of them.
+        raise ValueError("--autoscale places one GPU per node: use it at tensor parallel size 1")
     if spec.num_routers > 1:
         # NOTE: the planner reads one router's /metrics: with several it would see 1/N of the load.
         raise ValueError("--autoscale reads one router's pressure: use it with --num-routers 1")

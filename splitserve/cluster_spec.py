@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import socket
 from collections.abc import Mapping
@@ -70,6 +71,17 @@ class ClusterSpec:
     gpu_memory_utilization: float | None = option(
         None, "per node (default on CUDA: 0.9 / number of nodes)"
     )
+    tensor_parallel_size: int = option(
+        1,
+        "every node's tensor parallel size (its ranks on that many consecutive GPUs; "
+        "docs/deploy.md, Models larger than one GPU)",
+    )
+    prefill_tp: int | None = option(
+        None, "the prefill nodes' tensor parallel size (default: --tensor-parallel-size)"
+    )
+    decode_tp: int | None = option(
+        None, "the decode nodes' tensor parallel size (default: --tensor-parallel-size)"
+    )
     node_args: tuple[str, ...] = ()  # further flags for every node, e.g. ("--kv-cache-mb", "512")
     startup_timeout_s: float = option(600.0, "seconds", flag="--startup-timeout")
     node_hostnames: bool = option(
@@ -108,6 +120,18 @@ class ClusterSpec:
         if self.metrics_port is not None and not 0 <= self.metrics_port <= last:
             raise ValueError(f"--metrics-port {self.metrics_port}: give 0..{last}")
         Slo.parse(self.slo)  # a bad --slo fails here, not in the router started later
+        for name, value in (
+            ("--tensor-parallel-size", self.tensor_parallel_size),
+            ("--prefill-tp", self.prefill_tp),
+            ("--decode-tp", self.decode_tp),
+        ):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
+    def tp_of(self, role: str) -> int:
+        """The tensor parallel size of the ``role`` pool's nodes."""
+        given = self.prefill_tp if role == "prefill" else self.decode_tp
+        return given or self.tensor_parallel_size
 
     def metrics_ports(self) -> list[int] | None:
         """The /metrics port of the first router, then of each node (prefill nodes first), then
@@ -124,16 +148,46 @@ class ClusterSpec:
         """(device, memory share) of each node, prefill nodes first. ``--device cuda`` spreads the
         nodes round robin over ``--gpus`` (default: the ``num_gpus`` visible), as a compose
         deployment has one node per GPU; nodes that share a GPU split its memory evenly."""
-        nodes = self.num_prefill + self.num_decode
+        sizes = [self.tp_of("prefill")] * self.num_prefill + [self.tp_of("decode")] * (
+            self.num_decode
+        )
         if self.device == "cuda":
             gpus = parse_gpus(self.gpus) if self.gpus else list(range(max(num_gpus, 1)))
-            devices = [f"cuda:{gpus[i % len(gpus)]}" for i in range(nodes)]
+            groups = gpu_groups(gpus, sizes)
         else:
-            devices = [self.device] * nodes
+            groups = [[self.device] * n for n in sizes]
+            if self.device.startswith("cuda:"):
+                first = int(self.device[5:])
+                groups = [[f"cuda:{first + r}" for r in range(n)] for n in sizes]
+        devices = [g[0] for g in groups]
         if self.gpu_memory_utilization is not None or not self.device.startswith("cuda"):
             return [(d, self.gpu_memory_utilization) for d in devices]
-        # NOTE: each node sizes its KV pool from its share of its GPU.
-        return [(d, round(DEFAULT_GPU_SHARE / devices.count(d), 4)) for d in devices]
+        # NOTE: each node (each of its ranks) sizes its KV pool from its share of its GPU(s).
+        load = collections.Counter(d for g in groups for d in g)
+        return [(g[0], round(DEFAULT_GPU_SHARE / max(load[d] for d in g), 4)) for g in groups]
+
+
+def gpu_groups(gpus: list[int], sizes: list[int]) -> list[list[str]]:
+    """The GPUs of each node, given each node's tensor parallel size: a node of size n takes
+    the next n consecutive GPUs of ``gpus`` (round robin; a node's ranks run on consecutive
+    device numbers, from its ``--device``). ``ValueError`` when no such run exists."""
+    out, cursor = [], 0
+    for n in sizes:
+        if n > len(gpus):
+            raise ValueError(
+                f"a node at tensor parallel size {n} needs {n} GPUs; --gpus gives {len(gpus)}"
+            )
+        if cursor + n > len(gpus):
+            cursor = 0
+        run = gpus[cursor : cursor + n]
+        if run != list(range(run[0], run[0] + n)):
+            raise ValueError(
+                f"a node at tensor parallel size {n} needs {n} consecutive GPUs; --gpus gives "
+                f"{gpus[cursor:cursor + n]}"
+            )
+        out.append([f"cuda:{g}" for g in run])
+        cursor = (cursor + n) % len(gpus)
+    return out
 
 
 def parse_gpus(text: str) -> list[int]:

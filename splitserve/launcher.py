@@ -170,6 +170,8 @@ class LocalCluster:
             if metrics:
                 flags += ["--metrics-port", str(metrics[1 + i])]
             index = i if role == "prefill" else i - spec.num_prefill
+            if spec.tp_of(role) > 1:
+                flags += ["--tensor-parallel-size", str(spec.tp_of(role))]
             procs.append(self._component(role, index, [*flags, *spec.node_args]))
             procs[-1].device = device
         prefill, decode = procs[: spec.num_prefill], procs[spec.num_prefill :]

@@ -27,6 +27,7 @@ import torch
 
 from splitserve.transfer.base import (
     BlockIds,
+    BlockWriter,
     KVReceiver,
     KVSender,
     PathOptions,
@@ -134,8 +135,14 @@ class NodeReceiver(KVReceiver):
             raise ValueError(f"{res!r} is not a reservation of this receiver")
         return part
 
-    def write(self, res: Reservation, block_ids: BlockIds, data: bytes | torch.Tensor) -> None:
-        self._part(res).write(res, block_ids, data)
+    def write(
+        self,
+        res: Reservation,
+        block_ids: BlockIds,
+        data: bytes | torch.Tensor,
+        writer: BlockWriter | None = None,
+    ) -> None:
+        self._part(res).write(res, block_ids, data, writer)
 
     def receive(self, res: Reservation, timeout: float) -> None:
         self._part(res).receive(res, timeout)

@@ -42,6 +42,8 @@ from splitserve.transfer.reservation import Reservation, Ticket
 from splitserve.transfer.security import KVSecurity
 
 BlockIds = Sequence[int] | torch.Tensor
+# Writes raw whole-heads block bytes into block ids (``Reservation.write``'s ``writer``).
+BlockWriter = Callable[[list[int], bytes], None]
 
 
 class KVReceiver(ABC):
@@ -75,9 +77,16 @@ class KVReceiver(ABC):
         if this side cannot take ``path`` from that peer (the caller may reserve for the byte
         path instead). A reservation of no blocks is done at once."""
 
-    def write(self, res: Reservation, block_ids: BlockIds, data: bytes | torch.Tensor) -> None:
+    def write(
+        self,
+        res: Reservation,
+        block_ids: BlockIds,
+        data: bytes | torch.Tensor,
+        writer: BlockWriter | None = None,
+    ) -> None:
         """``res.caller_writes``: write blocks that came in the caller's stream into reserved
-        ids (``ValueError`` and no write for an id outside the reservation)."""
+        ids (``ValueError`` and no write for an id outside the reservation). ``writer``: see
+        ``Reservation.write``."""
         raise ValueError(f"a {res.path} reservation takes no written blocks: its sender moves them")
 
     def receive(self, res: Reservation, timeout: float) -> None:

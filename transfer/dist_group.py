@@ -60,6 +60,13 @@ def make_pair_group(
     ``PrefixStore``); rank 0 is the receiver. Gloo connects both ranks here (blocks until the
     other side constructs its group or ``timeout_s`` passes); NCCL connects at the first op.
     ``host``: the local address gloo binds and advertises (default: the hostname's)."""
+    return make_group(store, rank, 2, backend, timeout_s, host)
+
+
+def make_group(
+    store: Any, rank: int, size: int, backend: str, timeout_s: float, host: str | None = None
+) -> Any:
+    """A ``size``-rank torch.distributed backend on ``store`` (see ``make_pair_group``)."""
     timeout = timedelta(seconds=timeout_s)
     if backend == "gloo":
         from torch.distributed import ProcessGroupGloo
@@ -72,14 +79,14 @@ def make_pair_group(
             else ProcessGroupGloo.create_default_device()
         )
         opts._devices = [device]
-        return ProcessGroupGloo(store, rank, 2, opts)
+        return ProcessGroupGloo(store, rank, size, opts)
     if backend == "nccl":
         from torch.distributed import ProcessGroupNCCL
 
         prepare_backend("nccl")
         opts = ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        return ProcessGroupNCCL(store, rank, 2, opts)
+        return ProcessGroupNCCL(store, rank, size, opts)
     raise ValueError(f"unsupported backend {backend!r}")
 
 

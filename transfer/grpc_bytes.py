@@ -13,6 +13,7 @@ import torch
 
 from splitserve.transfer.base import (
     BlockIds,
+    BlockWriter,
     KVReceiver,
     KVSender,
     PathOptions,
@@ -61,11 +62,17 @@ class GrpcReceiver(KVReceiver):
             res.end_done()
         return res
 
-    def write(self, res: Reservation, block_ids: BlockIds, data: bytes | torch.Tensor) -> None:
+    def write(
+        self,
+        res: Reservation,
+        block_ids: BlockIds,
+        data: bytes | torch.Tensor,
+        writer: BlockWriter | None = None,
+    ) -> None:
         if not isinstance(res, BytesReservation):
             super().write(res, block_ids, data)  # raises
             return
-        res.written.update(res.write(block_ids, data))
+        res.written.update(res.write(block_ids, data, writer))
 
     def finish(self, res: Reservation, count: int | None = None) -> None:
         n = check_count(res, count)

@@ -18,7 +18,7 @@ which also drops what the path keeps for it.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -227,15 +227,28 @@ class Reservation:
     # ---------------------------------------------------------------- the paths' side
 
     def write(
-        self, block_ids: Sequence[int] | torch.Tensor, data: bytes | torch.Tensor
+        self,
+        block_ids: Sequence[int] | torch.Tensor,
+        data: bytes | torch.Tensor,
+        writer: Callable[[list[int], bytes], None] | None = None,
     ) -> list[int]:
         """Write blocks into reserved ids (a subset, in any order); ``ValueError`` and no write
         if any id is not reserved; returns the ids written. ``data`` is raw block bytes (the gRPC
-        codec's payload) or a ``(n, *block_shape)`` tensor on any device."""
+        codec's payload) or a ``(n, *block_shape)`` tensor on any device. ``writer(ids, data)``:
+        writes raw bytes in place of the copy into the pool tensor (a tensor-parallel engine's,
+        whose blocks span every rank's pool)."""
         ids = check_block_ids(block_ids, self._pool.shape[0])
         stray = sorted(set(ids) - set(self.block_ids))
         if stray:
             raise ValueError(f"block ids {stray[:8]} are not in the reservation")
+        if writer is not None:
+            if not isinstance(data, bytes | bytearray | memoryview):
+                raise ValueError("a writer takes raw block bytes")
+            with self._mu:
+                if self._state != RESERVED:
+                    raise TransferError(f"{self!r} already ended")
+                writer(ids, bytes(data))
+            return ids
         if isinstance(data, bytes | bytearray | memoryview):
             data = buffer_from_bytes(self._pool, len(ids), bytes(data))
         with self._mu:

@@ -84,3 +84,24 @@ def test_claim_for_node(tmp_path, release_held):
     assert env == {"CUDA_VISIBLE_DEVICES": "3,4"}  # every GPU stays visible, in the order tried
     env = {"CUDA_VISIBLE_DEVICES": "3,4"}
     assert claim_for_node("cuda", str(tmp_path), env) == "cuda:1"  # "3" is held: GPU "4"
+
+
+def test_a_tensor_parallel_node_claims_its_gpus_all_or_none_and_computes_on_the_first(
+    tmp_path, release_held
+):
+    locks = tmp_path / "locks"
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(UUIDS)}
+    # another node holds GPU 1: a TP 2 node takes 0 and 2, listed first (its ranks: cuda:0, 1)
+    other, fd = claim_gpu(locks, [UUIDS[1]])
+    try:
+        assert claim_for_node("cuda", str(locks), env, count=2) == "cuda:0"
+        assert env["CUDA_VISIBLE_DEVICES"].split(",") == [UUIDS[0], UUIDS[2], UUIDS[1], UUIDS[3]]
+        # one GPU left: a second TP 2 node claims none (its partial claim is given back)
+        env2 = {"CUDA_VISIBLE_DEVICES": ",".join(UUIDS)}
+        with pytest.raises(GpuClaimError, match="tensor parallel size 2 needs 2 GPUs"):
+            claim_for_node("cuda", str(locks), env2, count=2)
+        last, fd3 = claim_gpu(locks, UUIDS)
+        assert last == UUIDS[3]
+        os.close(fd3)
+    finally:
+        os.close(fd)

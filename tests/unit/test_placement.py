@@ -38,3 +38,25 @@ def test_gpus_chooses_which_and_an_explicit_device_or_share_is_kept():
 def test_bad_gpu_lists_are_refused(bad):
     with pytest.raises(ValueError, match="--gpus"):
         parse_gpus(bad)
+
+
+def test_tensor_parallel_nodes_take_runs_of_consecutive_gpus():
+    tp = ClusterSpec(model_path="m", device="cuda", num_prefill=1, num_decode=2, prefill_tp=4,
+                     decode_tp=2)  # fmt: skip
+    assert tp.placement(8) == [("cuda:0", 0.9), ("cuda:4", 0.9), ("cuda:6", 0.9)]
+    # a pool's size defaults to --tensor-parallel-size
+    both = ClusterSpec(model_path="m", device="cuda", num_prefill=1, tensor_parallel_size=2)
+    assert [d for d, _ in both.placement(4)] == ["cuda:0", "cuda:2"]
+    # more ranks than GPUs: nodes share the runs and split their memory
+    shared = ClusterSpec(model_path="m", device="cuda", num_prefill=1, tensor_parallel_size=2)
+    assert shared.placement(2) == [("cuda:0", 0.45), ("cuda:0", 0.45)]
+    with pytest.raises(ValueError, match="needs 2 consecutive GPUs"):
+        ClusterSpec(
+            model_path="m", device="cuda", gpus="0,3", decode_tp=2, num_prefill=0
+        ).placement(4)
+    with pytest.raises(ValueError, match="needs 4 GPUs"):
+        ClusterSpec(
+            model_path="m", device="cuda", gpus="0,1", decode_tp=4, num_prefill=0
+        ).placement(4)
+    with pytest.raises(ValueError, match="--decode-tp must be >= 1"):
+        ClusterSpec(model_path="m", decode_tp=0)
