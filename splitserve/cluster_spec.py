@@ -183,7 +183,7 @@ def gpu_groups(gpus: list[int], sizes: list[int]) -> list[list[str]]:
         if run != list(range(run[0], run[0] + n)):
             raise ValueError(
                 f"a node at tensor parallel size {n} needs {n} consecutive GPUs; --gpus gives "
-                f"{gpus[cursor:cursor + n]}"
+                f"{gpus[cursor : cursor + n]}"
             )
         out.append([f"cuda:{g}" for g in run])
         cursor = (cursor + n) % len(gpus)

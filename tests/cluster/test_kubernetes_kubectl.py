@@ -19,7 +19,7 @@ def _key(d: dict) -> tuple[str, str]:
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
-@pytest.mark.parametrize("layout", ["base", "overlays/cpu", "overlays/gpu"])
+@pytest.mark.parametrize("layout", ["base", "overlays/cpu", "overlays/gpu", "overlays/gpu-tp"])
 def test_the_renderer_agrees_with_kubectl_kustomize(layout):
     out = subprocess.run(
         ["kubectl", "kustomize", str(ROOT / layout)], capture_output=True, text=True, check=True

@@ -77,7 +77,9 @@ def test_components_share_the_image_and_the_read_only_model(service):
     spec = SERVICES[service]
     assert spec["image"] == SERVICES["router"]["image"] == "splitserve:latest"
     assert spec["build"] == "."
-    assert spec["command"] == [COMPONENTS[service]]
+    assert spec["command"][0] == COMPONENTS[service]
+    if service in ("prefill", "decode"):  # each pool's tensor parallel size, 1 unless set
+        assert spec["command"][1:] == ["--tensor-parallel-size", "1"]
     assert ("./checkpoint", "/models", "ro") in _volumes(service)
     assert "${SPLITSERVE_MODEL_DIR:-./checkpoint}:/models:ro" in COMPOSE_TEXT
     env = _env(service)

@@ -92,7 +92,8 @@ def test_a_tensor_parallel_node_claims_its_gpus_all_or_none_and_computes_on_the_
     locks = tmp_path / "locks"
     env = {"CUDA_VISIBLE_DEVICES": ",".join(UUIDS)}
     # another node holds GPU 1: a TP 2 node takes 0 and 2, listed first (its ranks: cuda:0, 1)
-    other, fd = claim_gpu(locks, [UUIDS[1]])
+    held, fd = claim_gpu(locks, [UUIDS[1]])
+    assert held == UUIDS[1]
     try:
         assert claim_for_node("cuda", str(locks), env, count=2) == "cuda:0"
         assert env["CUDA_VISIBLE_DEVICES"].split(",") == [UUIDS[0], UUIDS[2], UUIDS[1], UUIDS[3]]

@@ -19,7 +19,7 @@ from support.kustomize import containers, load_all, render
 kubernetes = pytest.importorskip("kubernetes")
 
 ROOT = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
-LAYOUTS = ["base", "overlays/cpu", "overlays/gpu"]
+LAYOUTS = ["base", "overlays/cpu", "overlays/gpu", "overlays/gpu-tp"]
 MODELS = {"HorizontalPodAutoscaler": "V2HorizontalPodAutoscaler"}
 NODE_ROLES = ("prefill", "decode")
 
@@ -88,8 +88,10 @@ def test_every_command_line_parses(rendered, monkeypatch):
                 assert args.metrics_port == 9100
             if args.command in NODE_ROLES:
                 assert args.advertise_host == "10.1.2.3"
-                expected_device = "cuda" if layout.endswith("gpu") else "cpu"
+                expected_device = "cuda" if "gpu" in layout else "cpu"
                 assert args.device == expected_device
+                tp = {"overlays/gpu-tp": {"prefill": 4, "decode": 2}}.get(layout, {})
+                assert args.tensor_parallel_size == tp.get(args.command, 1)
     assert seen == {"router", "prefill", "decode", "planner"}
 
 
@@ -140,7 +142,7 @@ def test_nodes_probe_drain_and_budget(rendered):
         labels = docs["Deployment", f"splitserve-{role}"]["spec"]["selector"]["matchLabels"]
         assert pdb["selector"]["matchLabels"] == labels and pdb["maxUnavailable"] == 1
         gpus = c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
-        assert gpus == ("1" if layout.endswith("gpu") else None)
+        assert (gpus is not None) == ("gpu" in layout)  # how many: the test below
         assert c["image"] == ("splitserve:cpu" if layout.endswith("cpu") else "splitserve:latest")
     router = docs["Service", "splitserve-router"]["spec"]["ports"]
     assert {p["name"]: p["port"] for p in router} == {"grpc": 8000, "http": 8080, "metrics": 9100}
@@ -187,3 +189,17 @@ def test_the_autoscaler_examples_name_real_objects_and_metrics():
             names = set(re.findall(r"splitserve_\w+", t["metadata"]["query"]))
             assert names and names <= exported, names - exported
             float(t["metadata"]["threshold"])
+
+
+def test_a_node_pod_holds_exactly_its_ranks_gpus(rendered):
+    """A node at tensor parallel size N runs a rank on each of N GPUs: its pod must get N."""
+    for doc in rendered[1].values():
+        for c in containers(doc):
+            if c["name"] not in NODE_ROLES:
+                continue
+            gpus = c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
+            tp = _env(c).get("SPLITSERVE_TENSOR_PARALLEL_SIZE", "1")
+            if gpus is not None:
+                assert gpus == tp, f"{c['name']}: {gpus} GPUs for tensor parallel size {tp}"
+            else:
+                assert tp == "1", f"{c['name']}: tensor parallel size {tp} without GPUs"
