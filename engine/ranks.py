@@ -216,6 +216,9 @@ def run_rank(spec: RankSpec, rank: int) -> None:
         runner_config["graph_batch_sizes"] = tuple(runner_config["graph_batch_sizes"])
     runner = ModelRunner(config, model, RunnerConfig(**runner_config))
     runner.follow()
+    # Stopped: stay until rank 0 closes stdin (``Ranks.stop``, after its own last collective),
+    # so no rank leaves while another may still be reading from it.
+    threading.Event().wait()
 
 
 def main(argv: list[str]) -> int:

@@ -513,6 +513,8 @@ class ModelRunner:
             channel, self.channel = self.channel, None
             try:
                 channel.send_stop()
+            except Exception as exc:  # a rank went already: stop what is left all the same
+                logger.warning("tensor-parallel ranks did not all take the stop: %s", exc)
             finally:
                 for close in self.closers:
                     close()

@@ -1,10 +1,11 @@
 """Tensor parallelism (models/parallel.py, engine/ranks.py) on the CPU: gloo groups of real rank
 processes, random checkpoints saved with save_pretrained.
 
-- engines at TP 2 and 4 answer token-exact with transformers (fp32) and with TP 1 — fresh, from
-  the prefix cache and in chunks — on models whose shapes exercise every split: GQA heads split,
+- engines at TP 2 and 4 answer token-exact with transformers (fp32) and with TP 1 — fresh and
+  from the prefix cache — on models whose shapes exercise every split: GQA heads split,
   KV heads replicated past their number (TP 4 over 2 KV heads), a vocabulary TP does not divide,
   q/k/v, o_proj and MLP biases, tied embeddings; and their whole-heads block reads equal TP 1's;
+  the embedded model (SmolLM2-135M) at TP 3;
 - nodes: prefill at TP 2 → decode at TP 1, TP 1 → TP 2 and TP 4 → TP 2, token-exact end to end;
 - a rank killed mid-answer takes its node down (exit status 70, a clear log line), the router
   resumes the streams on another decode node, and the node's other rank processes go with it.
@@ -32,6 +33,7 @@ from splitserve.engine.core import LLMEngine
 from splitserve.engine.ranks import LOST_EXIT_CODE, RankSpec, start_ranks
 from splitserve.kvstore import ModelIdentity
 from splitserve.kvstore.hashing import hash_request_tokens
+from splitserve.models.embedded import default_model_file, resolve_model_path
 from splitserve.models.loader import load_model
 from splitserve.models.parallel import SINGLE
 from splitserve.models.runner import ModelRunner, RunnerConfig
@@ -79,7 +81,7 @@ def _children(pid: int) -> list[int]:
 
 
 def _engine(path: Path, tp_size: int, lost: list, **kw) -> LLMEngine:
-    rc = RunnerConfig(kv_cache_bytes=1 << 20, **kw)
+    rc = RunnerConfig(kv_cache_bytes=8 << 20, **kw)
     tp, ranks = SINGLE, None
     if tp_size > 1:
         spec = RankSpec(str(path), "float32", "auto", ["cpu"] * tp_size, dataclasses.asdict(rc))
@@ -138,6 +140,26 @@ def test_tp_engines_match_transformers_and_tp1(tmp_path, shape, tp_size):
     assert not lost
     assert all(p.returncode == 0 for p in ranks.procs)
     engine.runner.close()  # idempotent
+
+
+@pytest.mark.slow
+def test_the_embedded_model_at_tp3_matches_transformers(tmp_path):
+    """SmolLM2-135M (9 heads over 3 KV heads, a 49,152-token vocabulary): TP 3 is its one split."""
+    try:
+        default_model_file()
+    except ValueError as exc:
+        pytest.skip(f"the embedded model is not installed here: {exc}")
+    path = Path(resolve_model_path(None))
+    rng = random.Random(2)
+    prompts = [[rng.randrange(49152) for _ in range(n)] for n in (7, 18)]
+    lost: list = []
+    engine = _engine(path, 3, lost, max_num_seqs=8)
+    try:
+        got = [r.output_token_ids for r in engine.generate(prompts, GREEDY)]
+    finally:
+        engine.runner.close()
+    assert got == [hf_greedy(path, p, MAX_NEW) for p in prompts]
+    assert not lost
 
 
 def _hashes(engine: LLMEngine, prompt: list[int]) -> list:
