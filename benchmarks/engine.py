@@ -137,6 +137,13 @@ def parse_args() -> argparse.Namespace:
     src.add_argument("--model", help="a checkpoint folder")
     src.add_argument("--make-8b", metavar="DIR", help="write the Llama-3-8B shape here (dummy)")
     src.add_argument("--tiny", action="store_true", help="the embedded random test model")
+    src.add_argument("--make-70b", metavar="DIR", help="write the Llama-3-70B shape here (dummy)")
+    ap.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks of the engine (GPUs from --device's on; gloo ranks on the CPU)",
+    )
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--prompt-range", type=int, nargs=2, default=[128, 1024])
     ap.add_argument("--gen", type=int, default=128)
@@ -162,6 +169,16 @@ def main() -> None:
 
         model = make_8b(Path(args.make_8b))
         load_format = "dummy"
+    elif args.make_70b:
+        from shapes import llama3_70b_config
+
+        from splitserve.models.tiny import build_byte_tokenizer
+
+        model = Path(args.make_70b)
+        model.mkdir(parents=True, exist_ok=True)
+        llama3_70b_config(bos_token_id=256, eos_token_id=257).save_pretrained(model)
+        build_byte_tokenizer().save_pretrained(model)
+        load_format = "dummy"
     elif args.tiny:
         from splitserve.models.tiny import write_random_checkpoint
 
@@ -169,7 +186,11 @@ def main() -> None:
     else:
         model = Path(args.model)
     config = NodeConfig(
-        model_path=str(model), device=args.device, load_format=load_format, kv_transfer="none"
+        model_path=str(model),
+        device=args.device,
+        load_format=load_format,
+        kv_transfer="none",
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     engine, _ = build_engine(config, prefill_only=False)
     lo, hi = args.prompt_range
@@ -231,6 +252,7 @@ def main() -> None:
             )
         for kind, ph in kernels.phases.items():
             print(f"{kind}: CUDA runtime calls (ms, count): {ph['runtime_calls_ms']}")
+    engine.runner.close()  # a tensor-parallel engine's other ranks stop
 
 
 if __name__ == "__main__":

@@ -22,3 +22,12 @@ def llama3_8b_config(num_layers: int = 32, **overrides):
         eos_token_id=128001,
     )
     return LlamaConfig(**{**fields, **overrides})
+
+
+def llama3_70b_config(num_layers: int = 80, **overrides):
+    """Llama-3-70B's shape (140 GB of bf16 weights: more than one H200 holds with room for KV;
+    run it at --tensor-parallel-size 2 or more)."""
+    fields = dict(
+        hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8
+    )
+    return llama3_8b_config(num_layers, **{**fields, **overrides})
