@@ -57,6 +57,7 @@ class EngineInfo:
     num_usable_blocks: int
     num_params: int  # the model's parameter count (priors of the prefill rate)
     pid: int  # the process the engine runs in
+    tensor_parallel_size: int = 1  # ranks the model is split over (engine.ranks)
 
     def check_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
         """The prompt as a list, or ``ValueError`` saying what is wrong with it (the engine's

@@ -80,6 +80,7 @@ class LocalEngine(NodeEngine):
             num_usable_blocks=self.port.num_usable_blocks,
             num_params=sum(p.numel() for p in runner.model.parameters()),
             pid=os.getpid(),
+            tensor_parallel_size=runner.tp.size,
         )
         self._sides: dict[str, Any] = {}  # RX/TX/FETCH_TX → transfer.KVReceiver / KVSender
         self._reservations: dict[int, Any] = {}  # res id → transfer.Reservation
@@ -278,7 +279,8 @@ class LocalEngine(NodeEngine):
             caller_writes=res.caller_writes,
             receive_first=res.receive_first,
             ticket=b"" if res.caller_writes else res.ticket.to_bytes(),
-            nbytes=res.nbytes,
+            # (whole-heads blocks: at tensor parallel size > 1 more than this rank's pool holds)
+            nbytes=len(res.block_ids) * self.port.block_nbytes,
             num_blocks=len(res.block_ids),
         )
 

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -229,11 +230,14 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s rank {rank} %(name)s %(levelname)s %(message)s"
     )
+    # Ctrl-C reaches the whole process group: a rank leaves when rank 0 lets it (stdin), not on
+    # the signal meant for its node (which drains first).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, name="parent", daemon=True).start()
     code = 0
     try:
         run_rank(spec, rank)
-    except Exception:
+    except BaseException:
         logger.exception("tensor-parallel rank %d failed", rank)
         code = 1
     # NOTE: not a normal interpreter exit: the thread watching stdin holds its reader's lock,

@@ -70,6 +70,31 @@ class TPGroup:
         self.backend.allgather([out], [x.contiguous()]).wait()
         return out
 
+    def gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's ``x`` (same shape and dtype) on rank 0, in rank order; None elsewhere."""
+        if self.size == 1:
+            return [x]
+        from torch.distributed import GatherOptions
+
+        opts = GatherOptions()
+        opts.rootRank = 0
+        out = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else []
+        self.backend.gather([out] if out else [], [x.contiguous()], opts).wait()
+        return out or None
+
+    def scatter(self, parts: list[torch.Tensor] | None, out: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``parts[r]`` into rank r's ``out`` (``parts``: rank 0's, one per rank)."""
+        if self.size == 1:
+            assert parts is not None
+            return out.copy_(parts[0])
+        from torch.distributed import ScatterOptions
+
+        opts = ScatterOptions()
+        opts.rootRank = 0
+        given = [[p.contiguous() for p in parts]] if self.rank == 0 and parts is not None else []
+        self.backend.scatter([out], given, opts).wait()
+        return out
+
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``x`` into every rank's ``x`` (contiguous, same shape), in place."""
         if self.size > 1:

@@ -10,7 +10,7 @@ same order. The operations:
   rank 0's device), positions, slot mapping, block table, lengths, offsets, and the reordering
   and prompt-part tables a mixed step has (``AttentionMetadata``);
 - ``READ``: block ids whose KV the ranks gather to rank 0 (each holds its heads);
-- ``WRITE``: block ids and their whole-heads KV, each rank keeping its heads;
+- ``WRITE``: block ids; rank 0 then scatters each rank its heads of them;
 - ``STOP``: the ranks leave their loop (after one last all-reduce, so none exits before all
   have it).
 
@@ -43,7 +43,6 @@ class Message(NamedTuple):
     op: int
     step: Step | None = None
     block_ids: torch.Tensor | None = None
-    data: torch.Tensor | None = None  # WRITE: (n, *whole-heads block shape)
 
 
 class RankChannel:
@@ -56,7 +55,9 @@ class RankChannel:
     def _header(self, *values: int) -> None:
         header = torch.zeros(HEADER, dtype=torch.int64)
         header[: len(values)] = torch.tensor(values, dtype=torch.int64)
-        self.tp.broadcast(header.to(self.device))
+        if self.device.type == "cuda":  # from pinned memory: no wait for the stream's work
+            header = header.pin_memory().to(self.device, non_blocking=True)
+        self.tp.broadcast(header)
 
     def _send(self, *tensors: torch.Tensor) -> None:
         for t in tensors:
@@ -93,9 +94,10 @@ class RankChannel:
         self._header(READ, block_ids.numel())
         self._send(block_ids.to(self.device, torch.int64))
 
-    def send_write(self, block_ids: torch.Tensor, data: torch.Tensor) -> None:
+    def send_write(self, block_ids: torch.Tensor) -> None:
+        """(each rank's heads follow, scattered by the runner)"""
         self._header(WRITE, block_ids.numel())
-        self._send(block_ids.to(self.device, torch.int64), data.to(self.device))
+        self._send(block_ids.to(self.device, torch.int64))
 
     def send_stop(self) -> None:
         self._header(STOP)
@@ -103,22 +105,19 @@ class RankChannel:
 
     def leave(self) -> None:
         """Every rank's last collective (after STOP): none exits before all have the STOP."""
-        self.tp.all_reduce(torch.zeros(1, device=self.device))
+        done = self.tp.all_reduce(torch.zeros(1, device=self.device))
+        done.item()  # NOTE: an NCCL wait only orders the stream; this waits for the collective
 
     # ------------------------------------------------------------------ the other ranks
 
-    def receive(self, block_shape: tuple[int, ...], dtype: torch.dtype) -> Message:
-        """The next message from rank 0 (``block_shape``/``dtype``: one whole-heads block's)."""
+    def receive(self) -> Message:
+        """The next message from rank 0."""
         header = self._recv((HEADER,), torch.int64).tolist()
         op = header[0]
         if op == STEP:
             return Message(STEP, step=self._receive_step(header))
         if op in (READ, WRITE):
-            ids = self._recv((header[1],), torch.int64)
-            data = None
-            if op == WRITE:
-                data = self._recv((header[1], *block_shape), dtype)
-            return Message(op, block_ids=ids, data=data)
+            return Message(op, block_ids=self._recv((header[1],), torch.int64))
         if op == STOP:
             return Message(STOP)
         raise RuntimeError(f"unknown tensor-parallel operation {op} from rank 0")

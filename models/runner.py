@@ -383,8 +383,7 @@ class ModelRunner:
         """Run one forward; returns float32 logits ``[len(seqs), vocab]`` of each sequence's last
         new token (for a prompt chunk that is not the last, the caller ignores them). ``feed``:
         see ``prepare``."""
-        if self.tp.size > 1 and self.channel is None:
-            raise RuntimeError("this runner's parallel group was closed")
+        self._check_open()
         input_ids, positions, meta, _ = self.prepare(seqs, feed)
         if self.channel is None:
             return self.forward(input_ids, positions, meta, len(seqs))
@@ -395,6 +394,10 @@ class ModelRunner:
             return self.forward(input_ids, positions, meta, len(seqs))
 
         return self._in_group(step)
+
+    def _check_open(self) -> None:
+        if self.tp.size > 1 and self.channel is None and self.tp.rank == 0:
+            raise RuntimeError("this runner's tensor-parallel group was closed")
 
     def _in_group(self, op: Callable[[], Any]) -> Any:
         """Run an operation of the whole group (its inputs already checked, so it fails only
@@ -427,52 +430,60 @@ class ModelRunner:
     def read_blocks(self, block_ids: Sequence[int]) -> bytes:
         """The blocks' bytes over all layers and every KV head, in order (what a node of any
         tensor parallel size reads and writes for these hashes)."""
+        self._check_open()
         if self.channel is None:
             return read_blocks_bytes(self.kv_pool, list(block_ids))
         ids = check_block_ids(self.kv_pool, torch.tensor(list(block_ids), dtype=torch.int64))
-        channel = self.channel
+        channel, out = self.channel, []
+        for chunk in ids.split(self._group_chunk()):
 
-        def read() -> torch.Tensor | None:
-            channel.send_read(ids)
-            return self._gather_heads(ids)
+            def read(chunk: torch.Tensor = chunk) -> torch.Tensor | None:
+                channel.send_read(chunk)
+                return self._gather_heads(chunk)
 
-        whole = self._in_group(read)
-        assert whole is not None  # rank 0 assembles
-        return whole.view(torch.uint8).cpu().numpy().tobytes()
+            whole = self._in_group(read)
+            assert whole is not None  # rank 0 assembles
+            out.append(whole.view(torch.uint8).cpu().numpy().tobytes())
+        return b"".join(out)
 
     def write_blocks(self, block_ids: Sequence[int], data: bytes) -> None:
         """Write whole-heads blocks (as ``read_blocks`` returns them) into ``block_ids``."""
+        self._check_open()
         if self.channel is None:
             write_blocks_bytes(self.kv_pool, list(block_ids), data)
             return
         ids = check_block_ids(self.kv_pool, torch.tensor(list(block_ids), dtype=torch.int64))
-        n, shape = ids.numel(), self._whole_block_shape()
-        if len(data) != n * self.transfer_block_bytes:
-            raise ValueError(
-                f"got {len(data)} bytes for {n} blocks of {self.transfer_block_bytes} bytes"
-            )
+        n, size = ids.numel(), self.transfer_block_bytes
+        if len(data) != n * size:
+            raise ValueError(f"got {len(data)} bytes for {n} blocks of {size} bytes")
         if not n:
             return
         if bool((ids == 0).any()) or torch.unique(ids).numel() != n:
             raise ValueError("block ids must be distinct and never the null block 0")
-        whole = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        whole = whole.view(self.dtype).view(n, *shape).to(self.device)
-        channel = self.channel
+        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype)
+        whole = flat.view(n, *self._whole_block_shape())
+        channel, step = self.channel, self._group_chunk()
+        for first in range(0, n, step):
+            chunk, part = ids[first : first + step], whole[first : first + step]
 
-        def write() -> None:
-            channel.send_write(ids, whole)
-            self._scatter_heads(ids, whole)
+            def write(chunk: torch.Tensor = chunk, part: torch.Tensor = part) -> None:
+                channel.send_write(chunk)
+                self._scatter_heads(chunk, part.to(self.device))
 
-        self._in_group(write)
+            self._in_group(write)
 
     def _whole_block_shape(self) -> tuple[int, ...]:
         c = self.config
         return (c.num_layers, 2, self.block_size, c.num_kv_heads, c.head_dim)
 
+    def _group_chunk(self) -> int:
+        """Blocks per group read or write: whole heads of at most ~64 MiB on rank 0 at once."""
+        return max(1, (64 << 20) // self.transfer_block_bytes)
+
     def _gather_heads(self, ids: torch.Tensor) -> torch.Tensor | None:
         """Every rank's heads of blocks ``ids``, assembled on rank 0 (None elsewhere)."""
-        parts = self.tp.all_gather(gather_blocks(self.kv_pool, ids.to(self.device)))
-        if self.tp.rank != 0:
+        parts = self.tp.gather(gather_blocks(self.kv_pool, ids.to(self.device)))
+        if parts is None:
             return None
         whole = torch.empty(
             (ids.numel(), *self._whole_block_shape()), dtype=self.dtype, device=self.device
@@ -482,9 +493,22 @@ class ModelRunner:
             whole[..., heads.start : heads.stop, :] = part
         return whole
 
-    def _scatter_heads(self, ids: torch.Tensor, whole: torch.Tensor) -> None:
-        heads = self.model.shards.kv_heads
-        mine = whole[..., heads.start : heads.stop, :].contiguous()
+    def _scatter_heads(self, ids: torch.Tensor, whole: torch.Tensor | None) -> None:
+        """Rank 0 hands every rank its heads of ``whole`` (rank 0's: None elsewhere), and each
+        writes them into blocks ``ids``."""
+        parts = None
+        if whole is not None:
+            parts = [
+                whole[..., h.start : h.stop, :]
+                for h in (
+                    kv_heads_of(self.config.num_kv_heads, self.tp.size, r)
+                    for r in range(self.tp.size)
+                )
+            ]
+        mine = torch.empty(
+            (ids.numel(), *self.kv_pool.shape[1:]), dtype=self.dtype, device=self.device
+        )
+        self.tp.scatter(parts, mine)
         scatter_blocks(self.kv_pool, ids.to(self.device), mine)
 
     # ------------------------------------------------------------------ the other ranks
@@ -493,10 +517,9 @@ class ModelRunner:
         """On a rank other than 0: run what rank 0 sends until it says stop."""
         if self.channel is None or self.tp.rank == 0:
             raise RuntimeError("follow() is for the ranks other than 0 of a parallel group")
-        shape = self._whole_block_shape()
         with torch.inference_mode():
             while True:
-                msg = self.channel.receive(shape, self.dtype)
+                msg = self.channel.receive()
                 if msg.op == STOP:
                     self.channel.leave()
                     return
@@ -504,8 +527,8 @@ class ModelRunner:
                     self.forward(*msg.step)
                 elif msg.op == READ and msg.block_ids is not None:
                     self._gather_heads(msg.block_ids)
-                elif msg.op == WRITE and msg.block_ids is not None and msg.data is not None:
-                    self._scatter_heads(msg.block_ids, msg.data)
+                elif msg.op == WRITE and msg.block_ids is not None:
+                    self._scatter_heads(msg.block_ids, None)
 
     def close(self) -> None:
         """On rank 0 of a parallel group: let the other ranks go (idempotent)."""

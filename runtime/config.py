@@ -162,6 +162,11 @@ class NodeConfig:
         "schedule and launch step N+1 while step N computes: auto (on a GPU), on, off",
         choices=("auto", "on", "off"),
     )
+    enforce_eager: bool = option(
+        False,
+        "no CUDA graphs: every decode step launches its kernels one by one (slower at small "
+        "batches; to rule the graphs out, or where capture fails)",
+    )
     engine_process: str = option(
         "auto",
         "run the engine (scheduler, model, KV cache, KV transfer sides) in a process of its own, "

@@ -136,16 +136,22 @@ class NodeCollector(Collector):
         role: str,
         load: Callable[[], LoadFigures],
         counters: Callable[[], Mapping[str, float]],
+        fixed: Mapping[str, tuple[str, float]] | None = None,
     ) -> None:
         self.role = role
         self._load = load
         self._counters = counters
+        self._fixed = dict(fixed or {})  # name → (help, value): figures of the node's make-up
 
     def collect(self) -> Iterable[Metric]:
         prefix = node_metric_prefix(self.role)
         families = _load_metrics(prefix, ("role",))
         _add_load(families, [self.role], self._load())
         yield from families.values()
+        for name, (text, value) in sorted(self._fixed.items()):
+            gauge = GaugeMetricFamily(f"{prefix}_{name}", text, labels=("role",))
+            gauge.add_metric([self.role], float(value))
+            yield gauge
         for name, value in sorted(self._counters().items()):
             family = CounterMetricFamily(
                 f"{prefix}_{name}", f"{self.role} node counter {name}", labels=("role",)

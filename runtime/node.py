@@ -86,6 +86,7 @@ def build_engine(config: NodeConfig, prefill_only: bool) -> tuple[LLMEngine, Mod
         max_num_batched_tokens=config.max_num_batched_tokens,
         gpu_memory_utilization=config.gpu_memory_utilization,
         kv_cache_bytes=None if config.device.startswith("cuda") else config.kv_cache_mb << 20,
+        use_cuda_graph=not config.enforce_eager,
     )
     tp, ranks = SINGLE, None
     if config.tensor_parallel_size > 1:
@@ -128,11 +129,21 @@ def start_tensor_parallel(config: NodeConfig, device: str, runner_config: Any) -
     from splitserve.engine.ranks import RankSpec, rank_devices, start_ranks
     from splitserve.runtime import gpus
 
+    devices = rank_devices(device, config.tensor_parallel_size)
+    if device.startswith("cuda"):
+        import torch
+
+        count = torch.cuda.device_count()
+        if int(devices[-1].partition(":")[2]) >= count:
+            raise ValueError(
+                f"--tensor-parallel-size {config.tensor_parallel_size} from {device} needs "
+                f"{devices[0]}..{devices[-1]}; this process sees {count} CUDA device(s)"
+            )
     spec = RankSpec(
         model_path=config.model_path,
         dtype=config.dtype,
         load_format=config.load_format,
-        devices=rank_devices(device, config.tensor_parallel_size),
+        devices=devices,
         runner=dataclasses.asdict(runner_config),
     )
     return start_ranks(spec, pass_fds=gpus.held_locks())
@@ -171,7 +182,7 @@ async def serve_node(
         service = make_service(engine, identity, config, address)
         add_servicer(service, server.server)
         nodes_pb2_grpc.add_NodeStatsServiceServicer_to_server(service, server.server)
-        serve_node_metrics(config, role, service)
+        serve_node_metrics(config, role, service, engine.info.tensor_parallel_size)
         publisher = index_publisher(config, role, engine, identity, address)
         life = NodeLife(config, service, engine, publisher)
     except BaseException:
@@ -274,7 +285,9 @@ def use_credentials(config: NodeConfig) -> tuple[str | None, TlsFiles | None]:
     return token, tls
 
 
-def serve_node_metrics(config: NodeConfig, role: str, service: NodeService) -> None:
+def serve_node_metrics(
+    config: NodeConfig, role: str, service: NodeService, tensor_parallel_size: int = 1
+) -> None:
     """Serve the node's load figures and counters at ``--metrics-port`` (if given)."""
     if config.metrics_port is None:
         return
@@ -283,7 +296,9 @@ def serve_node_metrics(config: NodeConfig, role: str, service: NodeService) -> N
     from splitserve.runtime.metrics import NodeCollector, serve_metrics
 
     registry = CollectorRegistry()
-    registry.register(NodeCollector(role, service.load, service.all_counters))
+    text = "Ranks (GPUs) the node's model is split over"
+    fixed = {"tensor_parallel_size": (text, tensor_parallel_size)}
+    registry.register(NodeCollector(role, service.load, service.all_counters, fixed))
     serve_metrics(config.metrics_port, registry, config.host)
 
 

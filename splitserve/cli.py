@@ -44,6 +44,7 @@ UP_NODE_OPTIONS = (
     "async_scheduling",
     "engine_process",
     "stream_interval",
+    "enforce_eager",
     "trust_kv_network",
 )
 ENV_EPILOG = (

@@ -74,7 +74,8 @@ def exported_names() -> dict[str, set[str]]:
     for role in ROLES:
         counters = _node_counters(role)
         registry = CollectorRegistry()
-        registry.register(NodeCollector(role, lambda: load, lambda c=counters: c))
+        fixed = {"tensor_parallel_size": ("ranks", 2)}
+        registry.register(NodeCollector(role, lambda: load, lambda c=counters: c, fixed))
         exported[role] = _scrape(registry)
     return exported
 
@@ -87,6 +88,7 @@ def test_no_metric_name_is_exported_by_two_kinds_of_process():
         "prefill"
     ]
     assert {"splitserve_decode_transfers_failed", "splitserve_decode_running"} <= exported["decode"]
+    assert "splitserve_decode_tensor_parallel_size" in exported["decode"]
     assert {"splitserve_cached_tokens", "splitserve_node_running"} <= exported["router"]
 
 
