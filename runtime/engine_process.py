@@ -31,6 +31,7 @@ from splitserve.runtime.config import NodeConfig
 
 logger = logging.getLogger(__name__)
 
+LOCK_FDS = "SPLITSERVE_GPU_LOCK_FDS"  # the inherited GPU lock descriptors (internal)
 GONE_EXIT_CODE = 70  # the node's exit status when its engine process went (EX_SOFTWARE)
 GONE_GRACE_S = 0.5  # the node's calls get their error out before it exits
 
@@ -45,11 +46,14 @@ async def spawn_engine(config: NodeConfig, role: str) -> Any:
     fds = (cmd_engine.fileno(), out_engine.fileno())
     from splitserve.runtime import gpus
 
+    locks = gpus.held_locks()
     proc = subprocess.Popen(
         [sys.executable, "-m", "splitserve.runtime.engine_process", *map(str, fds)],
-        # The node's GPU lock goes with it: held while either process lives (a node restarted
-        # by its supervisor cannot claim a GPU an engine process still holds memory on).
-        pass_fds=(*fds, *gpus.held_locks()),
+        # The node's GPU locks go with it: held while either process lives (a node restarted
+        # by its supervisor cannot claim a GPU an engine process still holds memory on); it
+        # hands them on to its tensor-parallel ranks (engine.ranks) in turn.
+        pass_fds=(*fds, *locks),
+        env={**os.environ, LOCK_FDS: ",".join(map(str, locks))},
     )
     cmd_engine.close()
     out_engine.close()
@@ -121,6 +125,9 @@ def main(argv: list[str]) -> int:
     # Ctrl-C in a terminal reaches the whole process group: the node drains and then stops this
     # process itself; a SIGTERM sent here alone still ends it (and the node with it).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from splitserve.runtime import gpus
+
+    gpus.inherit_locks(os.environ.pop(LOCK_FDS, ""))
     if len(argv) != 2:
         print("usage: python -m splitserve.runtime.engine_process CMD_FD OUT_FD", file=sys.stderr)
         return 2

@@ -37,6 +37,19 @@ def held_locks() -> tuple[int, ...]:
     return tuple(_held)
 
 
+def inherit_locks(fds: str) -> None:
+    """Count the lock descriptors a parent passed down (``3,4``) as this process's own, so its
+    children (tensor-parallel ranks) inherit them in turn; ones not open here are skipped."""
+    for text in fds.split(","):
+        if text.strip().isdigit():
+            fd = int(text)
+            try:
+                os.fstat(fd)
+            except OSError:
+                continue
+            _held.append(fd)
+
+
 class GpuClaimError(RuntimeError):
     """No GPU could be claimed (none visible, all held by other nodes, lock dir unusable)."""
 

@@ -106,3 +106,9 @@ def test_a_tensor_parallel_node_claims_its_gpus_all_or_none_and_computes_on_the_
         os.close(fd3)
     finally:
         os.close(fd)
+
+
+def test_a_child_counts_the_locks_its_parent_passed_as_its_own(tmp_path, release_held):
+    _, fd = claim_gpu(tmp_path / "locks", UUIDS[:1])
+    gpus.inherit_locks(f"{fd},999999,x")  # a closed descriptor and garbage are skipped
+    assert gpus.held_locks() == (fd,)
