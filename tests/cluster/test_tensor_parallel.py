@@ -188,7 +188,8 @@ def test_pools_of_different_tp_answer_token_exact(tmp_path):
     model = write_random_checkpoint(tmp_path / "m", arch, seed=41, with_tokenizer=True, **overrides)
     nodes = {
         "p1": start_node("prefill", model, tmp_path),
-        "p2": start_node("prefill", model, tmp_path, *_tp(2)),
+        # (the engine process, a GPU node's default, starts the ranks)
+        "p2": start_node("prefill", model, tmp_path, *_tp(2), "--engine-process", "on"),
         "p4": start_node("prefill", model, tmp_path, *_tp(4)),
         "d1": start_node("decode", model, tmp_path),
         "d2": start_node("decode", model, tmp_path, *_tp(2)),
