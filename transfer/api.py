@@ -233,7 +233,7 @@ class NodeSender(KVSender):
                 peer.node_id,
                 peer.hostname,
                 path,
-                f"; not ipc: {why}" if why else "",
+                f"; {why}" if why else "",
             )
         with self._mu:
             self._paths[peer.node_id] = path

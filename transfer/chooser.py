@@ -16,13 +16,14 @@ from typing import TypeVar
 
 import torch
 
-from splitserve.transfer import dist, grpc_bytes, ipc, tcp
+from splitserve.transfer import dist, grpc_bytes, ipc, nixl, tcp
 from splitserve.transfer.base import KVReceiver, KVSender, PathOptions, TransferPath
-from splitserve.transfer.endpoint import DIST, GRPC, IPC, TCP, Endpoint
+from splitserve.transfer.endpoint import DIST, GRPC, IPC, NIXL, TCP, Endpoint
 from splitserve.transfer.security import KVSecurity
 
 PREFERENCE: tuple[TransferPath, ...] = (
     ipc.PATH,  # same host, CUDA: the sender copies into the receiver's mapped pool
+    nixl.PATH,  # NIXL one-sided WRITEs (UCX: RDMA, shared memory, TCP), when installed
     dist.PATH,  # torch.distributed in a two-rank group per pair (NCCL on GPUs, gloo on CPU)
     tcp.PATH,  # raw sockets from pinned memory
     grpc_bytes.PATH,  # the byte path, in the services' own stream: reaches every peer, last
@@ -53,9 +54,20 @@ def choose_path(local: Endpoint, peer: Endpoint, allowed: Collection[str] = PATH
 
 
 def why_not_preferred(local: Endpoint, peer: Endpoint, chosen: str) -> str | None:
-    """Why the pair does not take the most preferred path (None: it does, or no reason is
-    known); for the log line a sender writes once per peer."""
-    return None if chosen == IPC else ipc.why_not_ipc(local, peer)
+    """Why the pair does not take the more preferred paths (None: it takes the first); for
+    the log line a sender writes once per peer."""
+    if chosen == IPC:
+        return None
+    reasons = [f"not ipc: {ipc.why_not_ipc(local, peer) or 'not among the paths allowed here'}"]
+    if chosen != NIXL:
+        if peer.offered(NIXL) is None:
+            reasons.append(
+                "not nixl: the receiver offers none (NIXL not installed there, or a cluster "
+                "token or TLS without --trust-kv-network)"
+            )
+        elif local.device != peer.device:
+            reasons.append("not nixl: the pools are on different kinds of device")
+    return "; ".join(reasons)
 
 
 def rate_prior(path: str) -> float:
@@ -94,9 +106,16 @@ def secured_paths(paths: Iterable[str], security: KVSecurity) -> tuple[str, ...]
     """Of a node's ``paths``, those its ``security`` lets KV take. dist is plaintext between
     nodes and cannot be wrapped in TLS: with TLS configured it is kept only where the cluster
     trusts its KV network (``--trust-kv-network``), so an untrusted pair takes tcp (inside TLS)
-    instead. ipc never leaves the host and the byte path rides the node's (m)TLS gRPC stream;
-    tcp runs TLS itself when the node has it."""
-    return tuple(p for p in paths if p != DIST or security.plaintext_allowed)
+    instead. nixl (UCX: neither encryption nor a check of who writes) is kept only without TLS
+    and without a cluster token, or under ``--trust-kv-network``. ipc never leaves the host and
+    the byte path rides the node's (m)TLS gRPC stream; tcp runs TLS itself when the node has
+    it."""
+    return tuple(
+        p
+        for p in paths
+        if (p != DIST or security.plaintext_allowed)
+        and (p != NIXL or security.unauthenticated_allowed)
+    )
 
 
 def fetch_paths(paths: Iterable[str]) -> tuple[str, ...]:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 IPC = "ipc"
 DIST = "dist"
 TCP = "tcp"
+NIXL = "nixl"
 GRPC = "grpc"
 
 BACKEND_FOR_DEVICE = {"cuda": "nccl", "cpu": "gloo"}

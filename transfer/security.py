@@ -73,6 +73,14 @@ class KVSecurity:
         encrypted then), or where the cluster says its KV network is trusted."""
         return self.tls is None or self.trust_network
 
+    @property
+    def unauthenticated_allowed(self) -> bool:
+        """Whether a path whose peers are not authenticated at all may carry KV (nixl: UCX
+        accepts a write from any agent that learned the receiver's metadata): only where the
+        cluster has no token to check (no ``--auth-token-file``) and no TLS, or where it says
+        its KV network is trusted."""
+        return self.trust_network or (self.tls is None and self.rendezvous_key is None)
+
 
 class RefusalLog:
     """Logs refused connections at most once per ``every_s`` seconds, with how many were refused

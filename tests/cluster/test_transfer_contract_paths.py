@@ -1,8 +1,9 @@
 """The transfer interface's contract (tests/support/transfer_contract.py) on the CPU paths that
-need sockets: tcp (this process's listener) and dist (gloo, a pair group between two threads of
-this process, its store on loopback), each as a node's receiver/sender and as the path's own
-sides. No process is started. The byte path and a path added behind the interface:
-tests/unit/test_transfer_contract.py."""
+need sockets: tcp (this process's listener), dist (gloo, a pair group between two threads of
+this process, its store on loopback) and nixl (two NIXL agents of this process over UCX; skipped,
+saying so, where NIXL is not installed: `pip install 'splitserve[nixl]'`), each as a node's
+receiver/sender and as the path's own sides. No process is started. The byte path and a path
+added behind the interface: tests/unit/test_transfer_contract.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from support.transfer_common import RECEIVER_SEED, SENDER_SEED, SPEC
 from support.transfer_contract import *  # noqa: F403 (the contract's tests)
 from support.transfer_contract import RECEIVER_ID, SENDER_ID, Rig
 
-from splitserve.transfer import DIST, TCP, PathOptions, open_receiver, open_sender
+from splitserve.transfer import DIST, NIXL, TCP, PathOptions, nixl, open_receiver, open_sender
 from splitserve.transfer.dist import DistReceiver, DistSender
 from splitserve.transfer.reservation import block_nbytes
 from splitserve.transfer.tcp import TcpReceiver, TcpSender
@@ -30,16 +31,26 @@ def _rig(path: str, node: bool) -> Rig:
         tx = open_sender(source, SENDER_ID, paths=(path,), connect_timeout=15.0, tcp_options=tcp)
     else:
         options = PathOptions(host=HOST, connect_timeout=15.0, tcp_options=tcp)
-        receiver, sender = (DistReceiver, DistSender) if path == DIST else (TcpReceiver, TcpSender)
+        receiver, sender = {
+            DIST: (DistReceiver, DistSender),
+            TCP: (TcpReceiver, TcpSender),
+            NIXL: (nixl.NixlReceiver, nixl.NixlSender),
+        }[path]
         rx, tx = receiver.open(pool, RECEIVER_ID, options), sender.open(source, SENDER_ID, options)
         assert rx is not None and tx is not None
-    return Rig(path, rx, tx, pool, source, prefix=path != DIST)
+    # nixl: the sender writes into this pool itself; only it can tell when the blocks are in.
+    return Rig(path, rx, tx, pool, source, prefix=path != DIST, waits=path != NIXL)
 
 
-@pytest.fixture(scope="module", params=["tcp-node", "tcp-sides", "dist-node", "dist-sides"])
+@pytest.fixture(
+    scope="module",
+    params=["tcp-node", "tcp-sides", "dist-node", "dist-sides", "nixl-node", "nixl-sides"],
+)
 def rig(request):
     path, kind = request.param.split("-")
-    rig = _rig(TCP if path == "tcp" else DIST, kind == "node")
+    if path == NIXL and not nixl.available():
+        pytest.skip("NIXL is not installed here (pip install 'splitserve[nixl]')")
+    rig = _rig(path, kind == "node")
     try:
         rig.connect()
         yield rig

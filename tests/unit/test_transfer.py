@@ -5,6 +5,7 @@ test_transfer_dist.py."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import cast
 
 import msgpack
@@ -16,6 +17,7 @@ from splitserve.transfer import (
     DIST,
     GRPC,
     IPC,
+    NIXL,
     TCP,
     DistAddress,
     Endpoint,
@@ -30,6 +32,7 @@ from splitserve.transfer import (
     rendezvous_key,
     secured_paths,
 )
+from splitserve.transfer.chooser import why_not_preferred
 
 LAYOUT = (32, 2, 16, 8, 128)
 
@@ -167,6 +170,30 @@ def test_choose_path_respects_allowed():
 SOME_TLS = cast(KVTls, object())
 
 
+def test_nixl_is_offered_only_where_an_unchecked_writer_is_acceptable():
+    every = (IPC, NIXL, DIST, TCP, GRPC)
+    assert secured_paths(every, KVSecurity()) == every  # no token, no TLS: an open cluster
+    token = KVSecurity(rendezvous_key=b"k" * 32)  # dist's store checks the token; UCX cannot
+    assert secured_paths(every, token) == (IPC, DIST, TCP, GRPC)
+    assert secured_paths(every, KVSecurity(tls=SOME_TLS)) == (IPC, TCP, GRPC)
+    trusted = KVSecurity(tls=SOME_TLS, rendezvous_key=b"k" * 32, trust_network=True)
+    assert secured_paths(every, trusted) == every
+    # A receiver that offers nixl is preferred over dist and tcp; one that does not is not.
+    local = endpoint(device="cpu", dist_backends=("gloo",), boot_id="boot-a")
+    peer = receiver_endpoint(
+        device="cpu",
+        boot_id="boot-b",
+        ipc_handle=None,
+        dist=DistAddress("10.0.0.2", 29500, "gloo"),
+        offers=((NIXL, b"offer"),),
+    )
+    assert choose_path(local, peer) == NIXL
+    assert choose_path(local, dataclasses.replace(peer, offers=())) == DIST
+    assert "not nixl" in (
+        why_not_preferred(local, dataclasses.replace(peer, offers=()), DIST) or ""
+    )
+
+
 def test_with_tls_dist_is_taken_only_where_the_kv_network_is_trusted():
     every = (IPC, DIST, TCP, GRPC)
     assert secured_paths(every, KVSecurity()) == every  # no TLS: as before, dist offered
@@ -277,3 +304,24 @@ def test_refused_connections_are_logged_once_per_interval_with_a_count(caplog):
     assert caplog.records[-1].getMessage() == (
         "a listener: refused peer (bad token); 4 more refused since the last line"
     )
+
+
+def test_without_nixl_or_with_a_failing_agent_the_node_offers_the_other_paths(monkeypatch):
+    from splitserve.transfer import nixl, open_receiver, open_sender
+
+    pool = make_pool(**SPEC)
+    monkeypatch.setattr(nixl, "nixl_api", lambda: None)  # not installed
+    rx = open_receiver(pool, "decode-x", paths=(NIXL, GRPC))
+    assert NIXL not in rx.paths and rx.endpoint().offered(NIXL) is None
+    assert NIXL not in open_sender(pool, "prefill-x", paths=(NIXL, GRPC)).paths
+
+    class Broken:  # installed, but its agent cannot start (no UCX transport, say)
+        def nixl_agent_config(self, **kw):
+            return None
+
+        def nixl_agent(self, *args):
+            raise RuntimeError("no transport")
+
+    monkeypatch.setattr(nixl, "nixl_api", lambda: Broken())
+    rx = open_receiver(pool, "decode-y", paths=(NIXL, GRPC))
+    assert NIXL not in rx.paths
