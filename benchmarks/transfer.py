@@ -1,6 +1,7 @@
 """KV block transfer between two processes, per path of the transfer layer (transfer/).
 
-    python benchmarks/transfer.py --device cuda [--paths ipc dist tcp grpc] [--blocks 1 16 256 4096]
+    python benchmarks/transfer.py --device cuda [--paths ipc nixl dist tcp grpc]
+        [--blocks 1 16 256 4096]
     python benchmarks/transfer.py --device cpu --blocks 1 16 --small     # a quick check on CPU
     python benchmarks/transfer.py --device cuda --paths tcp --tls --blocks 16 256 4096  # TLS cost
 
@@ -13,6 +14,10 @@ destination blocks against the source (per-block checksums across the processes)
 
 - ``ipc`` (CUDA, both processes on one GPU): the sender's ``KVSender.send`` (gather, copy into
   the mapped pool, synchronize), timed in the sender.
+- ``nixl`` (CPU or CUDA, both processes on one GPU; needs the nixl extra): one WRITE request of
+  the sender's NIXL agent into the receiver's registered pool, timed in the sender until NIXL
+  says it is done. UCX picks the transport (on one GPU: cuda_ipc); ``UCX_TLS=tcp,cuda_copy,self``
+  in the environment forces TCP (the row to set against ``tcp``).
 - ``dist`` (gloo on CPU; NCCL on CUDA, which needs two GPUs: receiver cuda:0, sender cuda:1):
   from the command to the sender until ``KVReceiver.receive`` returned (blocks in the pool).
 - ``tcp`` (CPU or CUDA, both processes on one GPU): the raw-socket path, from the command
@@ -43,7 +48,7 @@ import torch
 from transfer_cases import RECEIVER_SEED, SENDER_SEED, Case, pick_ids, verify
 from transfer_grpc import run_grpc
 
-from splitserve.transfer import DIST, GRPC, IPC, TCP, open_receiver
+from splitserve.transfer import DIST, GRPC, IPC, NIXL, TCP, open_receiver
 from splitserve.transfer.reservation import block_nbytes
 from tests.support.kv_pools import (
     SenderProcess,
@@ -121,7 +126,7 @@ def run_layer_path(
                 res = rx.reserve(sender.node_id, dst, path)
                 t0 = time.perf_counter()
                 sender.request("send", res.ticket.to_bytes(), src, 300.0)
-                if path == IPC:  # only the sender knows when its copy is in: timed there
+                if path in (IPC, NIXL):  # only the sender knows when its write is in: timed there
                     _, elapsed = sender.reply(timeout=300)
                 else:  # dist receives the blocks, tcp's receive waits for its chunks
                     rx.receive(res, 300.0)
@@ -147,12 +152,12 @@ def fits(path: str, device: str, n: int, nbytes: int, small_cpu_default: bool) -
         return "GPU-only by default (pass --blocks explicitly)"
     if device == "cuda":
         # ipc: both pools and the sender's gather buffer on one GPU; dist: pool + buffer per GPU.
-        need = 3 * size if path == IPC else 2 * size
+        need = 3 * size if path in (IPC, NIXL) else 2 * size
         if need > 0.85 * gpu_available_bytes(0):
             return f"needs {need / (1 << 30):.1f} GiB on the GPU"
         host_need = {GRPC: 6 * size, TCP: 2 * size}.get(path, 0)
     else:
-        host_need = {IPC: 0, DIST: 4 * size, TCP: 4 * size, GRPC: 7 * size}[path]
+        host_need = {IPC: 0, NIXL: 2 * size, DIST: 4 * size, TCP: 4 * size, GRPC: 7 * size}[path]
     if host_need > 0.8 * host_available_bytes():
         return f"needs {host_need / (1 << 30):.1f} GiB of host memory"
     return None
@@ -177,7 +182,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
     ap.add_argument("--device", choices=["cpu", "cuda"], default=default_device)
-    paths = [IPC, DIST, TCP, GRPC]
+    paths = [IPC, NIXL, DIST, TCP, GRPC]
     ap.add_argument("--paths", nargs="+", choices=paths, default=paths)
     ap.add_argument("--blocks", nargs="+", type=int, default=None, help="default: 1 16 256 4096")
     ap.add_argument("--repeats", type=int, default=5)
@@ -208,6 +213,12 @@ def main() -> None:
         if path == IPC and args.device != "cuda":
             notes.append("ipc: needs CUDA (--device cuda)")
             continue
+        if path == NIXL:
+            from splitserve.transfer import nixl
+
+            if not nixl.available():
+                notes.append("nixl: NIXL is not installed (pip install 'splitserve[nixl]')")
+                continue
         if path == DIST and args.device == "cuda" and torch.cuda.device_count() < 2:
             notes.append("dist: NCCL cannot pair two processes on one GPU; needs two GPUs")
             continue
