@@ -60,13 +60,7 @@ def why_not_preferred(local: Endpoint, peer: Endpoint, chosen: str) -> str | Non
         return None
     reasons = [f"not ipc: {ipc.why_not_ipc(local, peer) or 'not among the paths allowed here'}"]
     if chosen != NIXL:
-        if peer.offered(NIXL) is None:
-            reasons.append(
-                "not nixl: the receiver offers none (NIXL not installed there, or a cluster "
-                "token or TLS without --trust-kv-network)"
-            )
-        elif local.device != peer.device:
-            reasons.append("not nixl: the pools are on different kinds of device")
+        reasons.append(f"not nixl: {nixl.why_not_nixl(local, peer) or 'it did not connect'}")
     return "; ".join(reasons)
 
 

@@ -20,6 +20,7 @@ UCX settings (``UCX_TLS``, ``UCX_NET_DEVICES``) choose its transports: docs/tran
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -27,6 +28,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -93,11 +95,12 @@ class NixlOffer:
     mem: str  # DRAM or VRAM
     device: int
     dtype: str
+    rdma: bool = False  # the receiver's host has an RDMA device (has_rdma)
 
     def to_bytes(self) -> bytes:
         packed = msgpack.packb(
             [1, self.agent, self.metadata, self.base, self.num_blocks, self.block_bytes,
-             self.mem, self.device, self.dtype],
+             self.mem, self.device, self.dtype, self.rdma],
             use_bin_type=True,
         )  # fmt: skip
         assert packed is not None
@@ -106,11 +109,11 @@ class NixlOffer:
     @classmethod
     def from_bytes(cls, data: bytes) -> NixlOffer:
         try:
-            version, agent, meta, base, n, size, mem, device, dtype = msgpack.unpackb(data)
+            version, agent, meta, base, n, size, mem, device, dtype, rdma = msgpack.unpackb(data)
             if version != 1 or mem not in ("DRAM", "VRAM"):
                 raise ValueError(f"unsupported nixl offer version {version!r} / memory {mem!r}")
             return cls(str(agent), bytes(meta), int(base), int(n), int(size), mem, int(device),
-                       str(dtype))  # fmt: skip
+                       str(dtype), bool(rdma))  # fmt: skip
         except (ValueError, TypeError, msgpack.UnpackException) as exc:
             raise ValueError(f"malformed nixl offer: {exc}") from None
 
@@ -164,6 +167,7 @@ class NixlReceiver(KVReceiver):
             mem=self._agent.mem,
             device=self._agent.device,
             dtype=dtype_name(kv_pool.dtype),
+            rdma=has_rdma(),
         ).to_bytes()
 
     @classmethod
@@ -334,10 +338,41 @@ def joint_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+@functools.cache
+def has_rdma() -> bool:
+    """Whether this host has an RDMA device (InfiniBand or RoCE: ``/sys/class/infiniband``)."""
+    try:
+        return any(Path("/sys/class/infiniband").iterdir())
+    except OSError:
+        return False
+
+
+def why_not_nixl(sender: Endpoint, receiver: Endpoint) -> str | None:
+    """Why the pair does not take nixl (None: it does): the receiver offers it, the pools are of
+    one device kind, and either both are on one host (UCX's shared memory or cuda_ipc) or both
+    hosts have RDMA devices. Between hosts without RDMA UCX falls back to TCP, measured at a
+    ninth of the tcp path's rate (docs/benchmarks.md): the tcp and dist paths go first there."""
+    raw = receiver.offered(NIXL)
+    if not isinstance(raw, bytes | bytearray):
+        return (
+            "the receiver offers none (NIXL not installed there, or a cluster token or TLS "
+            "without --trust-kv-network)"
+        )
+    if sender.device != receiver.device:
+        return "the pools are on different kinds of device"
+    if sender.same_host(receiver):
+        return None
+    try:
+        offer = NixlOffer.from_bytes(bytes(raw))
+    except ValueError as exc:
+        return str(exc)
+    if not (offer.rdma and has_rdma()):
+        return "another host, and not both with RDMA (UCX would fall back to TCP)"
+    return None
+
+
 def reaches(sender: Endpoint, receiver: Endpoint) -> bool:
-    """The receiver offers nixl and the pools are of one device kind (DRAM to DRAM, VRAM to
-    VRAM: UCX moves both; the sender opened nixl, or the chooser is not asked)."""
-    return receiver.offered(NIXL) is not None and sender.device == receiver.device
+    return why_not_nixl(sender, receiver) is None
 
 
 PATH = TransferPath(

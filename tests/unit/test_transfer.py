@@ -33,6 +33,7 @@ from splitserve.transfer import (
     secured_paths,
 )
 from splitserve.transfer.chooser import why_not_preferred
+from splitserve.transfer.nixl import NixlOffer, has_rdma
 
 LAYOUT = (32, 2, 16, 8, 128)
 
@@ -178,20 +179,27 @@ def test_nixl_is_offered_only_where_an_unchecked_writer_is_acceptable():
     assert secured_paths(every, KVSecurity(tls=SOME_TLS)) == (IPC, TCP, GRPC)
     trusted = KVSecurity(tls=SOME_TLS, rendezvous_key=b"k" * 32, trust_network=True)
     assert secured_paths(every, trusted) == every
-    # A receiver that offers nixl is preferred over dist and tcp; one that does not is not.
+    # A receiver that offers nixl is preferred over dist and tcp on one host, and between hosts
+    # where both have RDMA (without, UCX falls back to TCP: slower than the tcp path).
     local = endpoint(device="cpu", dist_backends=("gloo",), boot_id="boot-a")
+    offer = NixlOffer("a", b"meta", 4096, 100, 1024, "DRAM", 0, "bfloat16", rdma=True)
     peer = receiver_endpoint(
         device="cpu",
-        boot_id="boot-b",
+        boot_id="boot-a",
         ipc_handle=None,
         dist=DistAddress("10.0.0.2", 29500, "gloo"),
-        offers=((NIXL, b"offer"),),
+        offers=((NIXL, offer.to_bytes()),),
     )
     assert choose_path(local, peer) == NIXL
-    assert choose_path(local, dataclasses.replace(peer, offers=())) == DIST
-    assert "not nixl" in (
-        why_not_preferred(local, dataclasses.replace(peer, offers=()), DIST) or ""
-    )
+    without = dataclasses.replace(peer, offers=())
+    assert choose_path(local, without) == DIST
+    assert "not nixl: the receiver offers none" in (why_not_preferred(local, without, DIST) or "")
+    remote = dataclasses.replace(peer, boot_id="boot-b")
+    assert choose_path(local, remote) == (NIXL if has_rdma() else DIST)
+    plain = dataclasses.replace(offer, rdma=False)
+    no_rdma = dataclasses.replace(remote, offers=((NIXL, plain.to_bytes()),))
+    assert choose_path(local, no_rdma) == DIST
+    assert "not both with RDMA" in (why_not_preferred(local, no_rdma, DIST) or "")
 
 
 def test_with_tls_dist_is_taken_only_where_the_kv_network_is_trusted():
