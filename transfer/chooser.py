@@ -60,7 +60,8 @@ def why_not_preferred(local: Endpoint, peer: Endpoint, chosen: str) -> str | Non
         return None
     reasons = [f"not ipc: {ipc.why_not_ipc(local, peer) or 'not among the paths allowed here'}"]
     if chosen != NIXL:
-        reasons.append(f"not nixl: {nixl.why_not_nixl(local, peer) or 'it did not connect'}")
+        why = nixl.why_not_nixl(local, peer) or "this node opened no nixl sender, or it failed"
+        reasons.append(f"not nixl: {why}")
     return "; ".join(reasons)
 
 

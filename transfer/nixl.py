@@ -11,10 +11,11 @@ NIXL says the request is done; only then may the sender tell the receiver it fin
 receiver takes its word (``finish``), as on the ipc path. The writer is the sender's agent, so a
 reservation cancelled before the sender finished is freed only after ``NIXL_FREE_GRACE_S``.
 
-NIXL is optional (``pip install 'splitserve[nixl]'``: the ``nixl-cu12`` wheel, which bundles
-UCX): without it, or when its agent cannot start, the path is not offered and pairs take the
-others (the node logs why). UCX has no encryption: like dist, nixl carries plaintext KV and is
-offered with ``--tls-*`` only under ``--trust-kv-network`` (``security.secured_paths``).
+NIXL is optional (``pip install 'splitserve[nixl]'``: the ``nixl-cu13`` wheel, which bundles
+UCX; ``nixl-cu12`` works too): without it, or when its agent cannot start, the path is not
+offered and pairs take the others (the node logs why). UCX neither encrypts nor checks who
+writes: nixl is offered only without TLS and without a cluster token, or under
+``--trust-kv-network`` (``chooser.secured_paths``).
 UCX settings (``UCX_TLS``, ``UCX_NET_DEVICES``) choose its transports: docs/transfer.md.
 """
 
@@ -58,7 +59,10 @@ from splitserve.transfer.reservation import (
 
 logger = logging.getLogger(__name__)
 
-NIXL_FREE_GRACE_S = 10.0  # a cancelled reservation's blocks may still be a queued WRITE's target
+# A cancelled reservation's blocks may still be a queued WRITE's target: freed after this, longer
+# than a sender ever waits for a WRITE (NIXL_SEND_LIMIT_S), after which it drops the peer's agent.
+NIXL_FREE_GRACE_S = 40.0
+NIXL_SEND_LIMIT_S = 30.0
 POLL_S = 0.0002  # between two looks at a transfer request's state
 _MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")  # the meta package, then a backend
 
@@ -110,12 +114,16 @@ class NixlOffer:
     def from_bytes(cls, data: bytes) -> NixlOffer:
         try:
             version, agent, meta, base, n, size, mem, device, dtype, rdma = msgpack.unpackb(data)
-            if version != 1 or mem not in ("DRAM", "VRAM"):
-                raise ValueError(f"unsupported nixl offer version {version!r} / memory {mem!r}")
-            return cls(str(agent), bytes(meta), int(base), int(n), int(size), mem, int(device),
-                       str(dtype), bool(rdma))  # fmt: skip
-        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as exc:
             raise ValueError(f"malformed nixl offer: {exc}") from None
+        if version != 1 or mem not in ("DRAM", "VRAM"):
+            raise ValueError(f"unsupported nixl offer version {version!r} / memory {mem!r}")
+        if not (isinstance(agent, str) and isinstance(meta, bytes) and isinstance(dtype, str)):
+            raise ValueError("malformed nixl offer: agent, metadata or dtype of the wrong type")
+        ints = (base, n, size, device)
+        if not all(type(v) is int and 0 <= v < 1 << 63 for v in ints) or n < 2 or size < 1:
+            raise ValueError("malformed nixl offer: an address, count or size out of range")
+        return cls(agent, meta, base, n, size, mem, device, dtype, bool(rdma))
 
 
 class _Agent:
@@ -135,16 +143,22 @@ class _Agent:
         region = [(self.base, pool.numel() * pool.element_size(), self.device, "")]
         self.registered = self.agent.register_memory(region, self.mem)
         self._closed = False
+        # NOTE: without NIXL's listen thread the agent is made with no locking of its own
+        # (NIXL_THREAD_SYNC_NONE), and sends run on several threads: every call to it holds this.
+        self.mu = threading.Lock()
 
     def descs(self, base: int, runs: list[tuple[int, int]], device: int, mem: str) -> Any:
         """Transfer descriptors of runs ``(first block, count)`` of a pool at ``base``."""
         size = self.block_bytes
-        return self.agent.get_xfer_descs(
-            [(base + first * size, count * size, device) for first, count in runs], mem
-        )
+        with self.mu:
+            return self.agent.get_xfer_descs(
+                [(base + first * size, count * size, device) for first, count in runs], mem
+            )
 
     def close(self) -> None:
-        if not self._closed:
+        with self.mu:
+            if self._closed:
+                return
             self._closed = True
             try:
                 self.agent.deregister_memory(self.registered)
@@ -215,7 +229,7 @@ class NixlSender(KVSender):
         self.kv_pool, self.node_id = kv_pool, node_id
         self._agent = _Agent(kv_pool, "tx")
         self._peers: dict[str, tuple[str, NixlOffer]] = {}  # node id → (agent name, offer)
-        self._mu = threading.Lock()
+        self._mu = self._agent.mu  # one lock: the peer table and the agent change together
 
     @classmethod
     def open(cls, kv_pool: torch.Tensor, node_id: str, options: PathOptions) -> NixlSender | None:
@@ -249,12 +263,13 @@ class NixlSender(KVSender):
             known = self._peers.get(peer.node_id)
             if known is not None and known[1] == offer:
                 return NIXL
-        try:
-            name = self._agent.agent.add_remote_agent(offer.metadata)
-        except Exception as exc:
-            raise NotConnected(f"nixl: adding {peer.node_id!r}'s agent failed: {exc}") from exc
-        name = name.decode() if isinstance(name, bytes) else str(name)
-        with self._mu:
+            if known is not None:  # the peer restarted: its old agent is gone
+                self._remove(peer.node_id)
+            try:
+                name = self._agent.agent.add_remote_agent(offer.metadata)
+            except Exception as exc:
+                raise NotConnected(f"nixl: adding {peer.node_id!r}'s agent failed: {exc}") from exc
+            name = name.decode() if isinstance(name, bytes) else str(name)
             self._peers[peer.node_id] = (name, offer)
         return NIXL
 
@@ -263,7 +278,11 @@ class NixlSender(KVSender):
 
     def close(self, peer_id: str) -> None:
         with self._mu:
-            known = self._peers.pop(peer_id, None)
+            self._remove(peer_id)
+
+    def _remove(self, peer_id: str) -> None:
+        """(under ``_mu``) Forget the peer and drop its agent (closes its UCX endpoints)."""
+        known = self._peers.pop(peer_id, None)
         if known is not None:
             try:
                 self._agent.agent.remove_remote_agent(known[0])
@@ -271,9 +290,10 @@ class NixlSender(KVSender):
                 logger.debug("nixl: removing %s's agent failed: %s", peer_id, exc)
 
     def close_all(self) -> None:
-        for peer_id in list(self._peers):
-            self.close(peer_id)
-        self._agent.close()
+        """Drop every peer (the agent and its registration last as long as this process)."""
+        with self._mu:
+            for peer_id in list(self._peers):
+                self._remove(peer_id)
 
     def send(self, ticket: Ticket | bytes, src_block_ids: BlockIds, *, timeout: float) -> int:
         """WRITE our blocks into the peer's reserved ones; returns the bytes moved once NIXL says
@@ -298,17 +318,24 @@ class NixlSender(KVSender):
         local = agent.descs(agent.base, [(s, n) for s, _, n in runs], agent.device, agent.mem)
         remote = agent.descs(offer.base, [(d, n) for _, d, n in runs], offer.device, offer.mem)
         handle = None
+        # Below the receiver's grace for an unfinished reservation, so a WRITE given up on here
+        # never lands in blocks the receiver has handed to another request.
+        limit = min(timeout, NIXL_SEND_LIMIT_S)
         try:
-            handle = agent.agent.initialize_xfer("WRITE", local, remote, name)
-            state = agent.agent.transfer(handle)
-            deadline = time.monotonic() + timeout
+            with agent.mu:
+                handle = agent.agent.initialize_xfer("WRITE", local, remote, name)
+                state = agent.agent.transfer(handle)
+            deadline = time.monotonic() + limit
             while state == "PROC":
                 if time.monotonic() > deadline:
+                    with self._mu:  # closes the peer's endpoints: nothing queued goes out
+                        self._remove(ticket.receiver_id)
                     raise TransferTimeout(
-                        f"nixl: the WRITE to {ticket.receiver_id} took > {timeout}s"
+                        f"nixl: the WRITE to {ticket.receiver_id} took over {limit} s"
                     )
                 time.sleep(POLL_S)
-                state = agent.agent.check_xfer_state(handle)
+                with agent.mu:
+                    state = agent.agent.check_xfer_state(handle)
             if state != "DONE":
                 raise PeerLost(f"nixl: the WRITE to {ticket.receiver_id} ended {state}")
         except TransferError:
@@ -318,9 +345,10 @@ class NixlSender(KVSender):
         finally:
             if handle is not None:
                 try:
-                    agent.agent.release_xfer_handle(handle)
+                    with agent.mu:
+                        agent.agent.release_xfer_handle(handle)
                 except Exception as exc:
-                    logger.debug("nixl: releasing a transfer request failed: %s", exc)
+                    logger.warning("nixl: releasing a transfer request failed: %s", exc)
         return len(src) * size
 
 
@@ -342,9 +370,11 @@ def joint_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
 def has_rdma() -> bool:
     """Whether this host has an RDMA device (InfiniBand or RoCE: ``/sys/class/infiniband``)."""
     try:
-        return any(Path("/sys/class/infiniband").iterdir())
+        devices = any(Path("/sys/class/infiniband").iterdir())
     except OSError:
         return False
+    # (a container sees the host's /sys/class without being given /dev/infiniband)
+    return devices and any(Path("/dev/infiniband").glob("uverbs*"))
 
 
 def why_not_nixl(sender: Endpoint, receiver: Endpoint) -> str | None:

@@ -29,7 +29,9 @@ from splitserve.v1 import common_pb2, nodes_pb2, nodes_pb2_grpc
 BS = 16
 # A transfer whose request was cancelled between its prefill and its Decode call is freed at
 # this deadline; short, so that the pools settle within the test.
-NODE_FLAGS = ("--transfer-deadline-s", "3")
+# dist: a receiver-driven path, whose cancel frees at once (a sender-writes path, ipc or nixl,
+# holds cancelled blocks for a grace: tests/support/transfer_contract.py covers that).
+NODE_FLAGS = ("--transfer-deadline-s", "3", "--kv-transfer", "dist")
 
 
 @pytest.fixture(scope="module")
