@@ -106,11 +106,11 @@ class NodeConfig:
         "bytes, to nodes of any size",
     )
     kv_transfer: str = option(
-        "ipc,nixl,dist,tcp",
+        "ipc,dist,tcp",
         "KV transfer paths besides gRPC bytes (always available), comma-separated, taken in this "
-        "order where they work: ipc (same kernel, CUDA), nixl (NIXL/UCX one-sided writes, where "
-        "the nixl extra is installed), dist (torch.distributed: NCCL on GPUs, gloo on CPU), tcp "
-        "(raw sockets); or none",
+        "order where they work: ipc (same kernel, CUDA), nixl (NIXL/UCX one-sided writes; needs "
+        "the nixl extra; not in the default: docs/transfer.md), dist (torch.distributed: NCCL on "
+        "GPUs, gloo on CPU), tcp (raw sockets); or none",
     )
     trust_kv_network: bool = option(
         False,

@@ -36,6 +36,7 @@ from splitserve.transfer.base import (
     own_ticket,
 )
 from splitserve.transfer.chooser import (
+    DEFAULT_PATHS,
     PATHS,
     choose_path,
     open_receivers,
@@ -54,7 +55,7 @@ def open_receiver(
     kv_pool: torch.Tensor,
     node_id: str,
     *,
-    paths: Collection[str] = PATHS,
+    paths: Collection[str] = DEFAULT_PATHS,
     host: str | None = None,
     dist_port: int = 0,
     connect_timeout: float = 30.0,
@@ -79,7 +80,7 @@ def open_sender(
     kv_pool: torch.Tensor,
     node_id: str,
     *,
-    paths: Collection[str] = PATHS,
+    paths: Collection[str] = DEFAULT_PATHS,
     connect_timeout: float = 30.0,
     retry_after: float = 60.0,
     tcp_options: Mapping | None = None,

@@ -29,6 +29,9 @@ PREFERENCE: tuple[TransferPath, ...] = (
     grpc_bytes.PATH,  # the byte path, in the services' own stream: reaches every peer, last
 )
 PATHS = tuple(path.name for path in PREFERENCE)
+# What a node, or a caller that names no paths, opens: nixl only when asked for (docs/transfer.md
+# says why it is not a default yet).
+DEFAULT_PATHS = tuple(p for p in PATHS if p != NIXL)
 _Part = TypeVar("_Part", KVReceiver, KVSender)
 
 # Peer prefix fetches (a prefill node asking a peer): paths that can fill the first n blocks of a

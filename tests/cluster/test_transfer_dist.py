@@ -17,6 +17,7 @@ from support.transfer_common import RECEIVER_SEED, SENDER_SEED, SPEC, u8
 from splitserve.transfer import (
     DIST,
     GRPC,
+    TCP,
     ChannelClosed,
     DistAddress,
     NotConnected,
@@ -38,7 +39,8 @@ SOURCE = fill_pool(make_pool(**SPEC), SENDER_SEED)  # what every sender process 
 def cluster():
     """One receiver in this process; three sender processes, started together."""
     pool = fill_pool(make_pool(**SPEC), RECEIVER_SEED)
-    rx = open_receiver(pool, "decode-0", host="127.0.0.1", connect_timeout=15.0)
+    # (dist and tcp: as a node by default; nixl, when installed, would be taken first)
+    rx = open_receiver(pool, "decode-0", paths=(DIST, TCP), host="127.0.0.1", connect_timeout=15.0)
     senders = {
         name: SenderProcess(name, SPEC, SENDER_SEED, connect_timeout=15.0)
         for name in ("prefill-0", "prefill-doomed", "prefill-stalled")
@@ -143,7 +145,9 @@ def test_sender_follows_a_restarted_receiver(cluster):
     rx, pool, senders = cluster
     sender = senders["prefill-0"]
     pool2 = fill_pool(make_pool(**SPEC), RECEIVER_SEED + 1)
-    rx2 = open_receiver(pool2, "decode-0", host="127.0.0.1", connect_timeout=15.0)
+    rx2 = open_receiver(
+        pool2, "decode-0", paths=(DIST, TCP), host="127.0.0.1", connect_timeout=15.0
+    )
     try:
         assert sender.call("connect", rx2.endpoint().to_bytes()) == DIST
         ship(rx2, sender, [2, 3], [7, 8])

@@ -1,6 +1,6 @@
 """The nixl path inside the services, on CPU (two NIXL agents in two node processes, UCX over
-loopback): with the default --kv-transfer a prefill and a decode node move KV by nixl WRITEs into
-the decode node's registered pool, token-exact with transformers, and count them
+loopback): with `--kv-transfer nixl,dist,tcp` a prefill and a decode node move KV by nixl WRITEs
+into the decode node's registered pool, token-exact with transformers, and count them
 (``transfers_nixl``); the prefill node's log says which path the pair took. (When nixl is not
 offered: tests/unit/test_transfer.py.)"""
 
@@ -27,10 +27,11 @@ def _counters(address: str) -> dict[str, float]:
         return dict(stub.GetStats(nodes_pb2.GetStatsRequest()).counters)
 
 
-def test_the_default_paths_take_nixl_and_answer_token_exact(tmp_path):
+def test_nixl_is_taken_before_dist_and_tcp_and_answers_token_exact(tmp_path):
     model = write_random_checkpoint(tmp_path / "m", seed=23, with_tokenizer=True)
-    prefill = start_node("prefill", model, tmp_path)
-    decode = start_node("decode", model, tmp_path)
+    paths = ("--kv-transfer", "nixl,dist,tcp")
+    prefill = start_node("prefill", model, tmp_path, *paths)
+    decode = start_node("decode", model, tmp_path, *paths)
     router = start_router(model, tmp_path, [prefill.address], [decode.address])
     try:
         rng = random.Random(4)
