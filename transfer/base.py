@@ -38,7 +38,7 @@ import torch
 
 from splitserve.transfer.endpoint import Endpoint, local_endpoint
 from splitserve.transfer.errors import NotConnected
-from splitserve.transfer.reservation import Reservation, Ticket
+from splitserve.transfer.reservation import DONE, Reservation, Ticket
 from splitserve.transfer.security import KVSecurity
 
 BlockIds = Sequence[int] | torch.Tensor
@@ -126,6 +126,31 @@ class KVReceiver(ABC):
     def shutdown(self) -> None:
         """Stop serving (listeners, stores); outstanding reservations fail."""
         return None  # a path that serves nothing of its own
+
+
+class SenderWritesReceiver(KVReceiver):
+    """A receiver whose sender writes the reserved blocks into this pool itself (ipc, nixl): it
+    takes the sender's word that they are in (``finish``), and a reservation cancelled before
+    that waits ``free_grace_s`` before its blocks are freed (a write may still be queued)."""
+
+    path_name: str
+    free_grace_s: float
+
+    def reserve(self, peer_id: str, block_ids: BlockIds, path: str = "") -> Reservation:
+        check_path(path or self.path_name, self.path_name)
+        res = Reservation(self.kv_pool, self.node_id, peer_id, self.path_name, block_ids)
+        if not res.block_ids:
+            res.end_done()
+        return res
+
+    def finish(self, res: Reservation, count: int | None = None) -> None:
+        check_count(res, count)
+        res.end_done()  # the sender's write was complete before it said it finished
+
+    def cancel(self, res: Reservation) -> float:
+        finished = res.state == DONE
+        res.end_cancelled()
+        return 0.0 if finished else self.free_grace_s
 
 
 class KVSender(ABC):

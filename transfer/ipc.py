@@ -19,21 +19,17 @@ import torch
 
 from splitserve.transfer.base import (
     BlockIds,
-    KVReceiver,
     KVSender,
     PathOptions,
+    SenderWritesReceiver,
     TransferPath,
     as_endpoint,
-    check_count,
-    check_path,
     own_ticket,
 )
 from splitserve.transfer.endpoint import IPC, Endpoint
 from splitserve.transfer.errors import NotConnected
 from splitserve.transfer.ipc_handle import IpcHandle, export_pool, open_pool
 from splitserve.transfer.reservation import (
-    DONE,
-    Reservation,
     Ticket,
     block_nbytes,
     check_block_ids,
@@ -64,8 +60,11 @@ def why_not_ipc(local: Endpoint, peer: Endpoint) -> str | None:
     return next((why for ok, why in checks if not ok), None)
 
 
-class IpcReceiver(KVReceiver):
+class IpcReceiver(SenderWritesReceiver):
     """Exports the pool; the sender writes the reserved blocks itself."""
+
+    path_name = IPC
+    free_grace_s = IPC_FREE_GRACE_S
 
     def __init__(self, kv_pool: torch.Tensor, node_id: str) -> None:
         self.kv_pool, self.node_id = kv_pool, node_id
@@ -87,22 +86,6 @@ class IpcReceiver(KVReceiver):
 
     def offer(self) -> dict[str, object]:
         return {IPC: self._handle}
-
-    def reserve(self, peer_id: str, block_ids: BlockIds, path: str = IPC) -> Reservation:
-        check_path(path, IPC)
-        res = Reservation(self.kv_pool, self.node_id, peer_id, IPC, block_ids)
-        if not res.block_ids:
-            res.end_done()
-        return res
-
-    def finish(self, res: Reservation, count: int | None = None) -> None:
-        check_count(res, count)
-        res.end_done()  # the sender's copy was synchronized before it said it finished
-
-    def cancel(self, res: Reservation) -> float:
-        finished = res.state == DONE
-        res.end_cancelled()
-        return 0.0 if finished else IPC_FREE_GRACE_S
 
 
 class IpcSender(KVSender):

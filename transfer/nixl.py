@@ -37,20 +37,16 @@ import torch
 
 from splitserve.transfer.base import (
     BlockIds,
-    KVReceiver,
     KVSender,
     PathOptions,
+    SenderWritesReceiver,
     TransferPath,
     as_endpoint,
-    check_count,
-    check_path,
     own_ticket,
 )
 from splitserve.transfer.endpoint import NIXL, Endpoint, dtype_name
 from splitserve.transfer.errors import NotConnected, PeerLost, TransferError, TransferTimeout
 from splitserve.transfer.reservation import (
-    DONE,
-    Reservation,
     Ticket,
     block_nbytes,
     check_block_ids,
@@ -166,8 +162,11 @@ class _Agent:
                 logger.debug("nixl: deregistering the pool failed: %s", exc)
 
 
-class NixlReceiver(KVReceiver):
+class NixlReceiver(SenderWritesReceiver):
     """Registers the pool; the sender writes the reserved blocks itself."""
+
+    path_name = NIXL
+    free_grace_s = NIXL_FREE_GRACE_S
 
     def __init__(self, kv_pool: torch.Tensor, node_id: str) -> None:
         self.kv_pool, self.node_id = kv_pool, node_id
@@ -201,22 +200,6 @@ class NixlReceiver(KVReceiver):
 
     def offer(self) -> dict[str, object]:
         return {NIXL: self._offer}
-
-    def reserve(self, peer_id: str, block_ids: BlockIds, path: str = NIXL) -> Reservation:
-        check_path(path, NIXL)
-        res = Reservation(self.kv_pool, self.node_id, peer_id, NIXL, block_ids)
-        if not res.block_ids:
-            res.end_done()
-        return res
-
-    def finish(self, res: Reservation, count: int | None = None) -> None:
-        check_count(res, count)
-        res.end_done()  # the sender's WRITE was complete before it said it finished
-
-    def cancel(self, res: Reservation) -> float:
-        finished = res.state == DONE
-        res.end_cancelled()
-        return 0.0 if finished else NIXL_FREE_GRACE_S
 
     def shutdown(self) -> None:
         self._agent.close()
