@@ -50,7 +50,11 @@ def test_a_restarted_decode_node_is_used_within_seconds_of_ready(tmp_path):
                     assert time.monotonic() - ready < 10, "the restarted node is not used"
                     time.sleep(0.2)
             used_after = time.monotonic() - ready
-        assert node_stats(decode).counters["transfers"] >= 1
+        # Used either way the router may send it: a transfer from the prefill node, or direct
+        # (the decode node prefills it) when the router's probe of a busy prefill node timed out
+        # and marked it down for a moment.
+        counters = node_stats(decode).counters
+        assert counters["transfers"] + counters["direct_requests"] >= 1, dict(counters)
         print(f"restarted node used {used_after:.2f} s after it was ready")
         assert used_after < 5, f"used {used_after:.1f} s after it was ready"
     finally:
