@@ -2,13 +2,17 @@
 
     python benchmarks/ttft_transfer.py --device cuda --make-8b /tmp/llama8b [--prompt-len 4096]
     python benchmarks/ttft_transfer.py --paths none dist --prompt-len 512     # CPU, tiny model
+    python benchmarks/ttft_transfer.py --device cuda --make-8b /tmp/llama8b --paths tcp tcp:stream
 
-Per path (``--kv-transfer`` of both nodes: ``none`` = gRPC bytes, ``ipc``, ``dist``, ``tcp``), a
-fresh local cluster of one prefill and one decode node; ``--requests`` prompts of unique random
-tokens (nothing cached anywhere) are sent one at a time, ``--gen`` output tokens each, after one
-warm-up request. Reported: mean and median time to first token as the client sees it (prefill,
-shipping the whole prompt's KV into the decode node, the first token back), and the decode
-node's transfer counters (which path the blocks took).
+Per path (``--kv-transfer`` of both nodes: ``none`` = gRPC bytes, ``ipc``, ``dist``, ``tcp``; a
+``:stream`` suffix: the prefill node ships the KV layer by layer while it computes it,
+``--kv-stream-min-tokens 1``; without it the whole prompt's KV leaves after the prefill,
+``--kv-stream-min-tokens 0``), a fresh local cluster of one prefill and one decode node;
+``--requests`` prompts of unique random tokens (nothing cached anywhere) are sent one at a time,
+``--gen`` output tokens each, after one warm-up request. Reported: mean and median time to first
+token as the client sees it (prefill, shipping the prompt's KV into the decode node, the first
+token back), the decode node's transfer counters (which path the blocks took) and how many
+transfers the prefill node streamed.
 """
 
 from __future__ import annotations
@@ -78,20 +82,23 @@ def main() -> None:
         [rng.randrange(250) for _ in range(args.prompt_len)] for _ in range(args.requests + 1)
     ]
     rows = {}
-    for path in paths:
+    for name in paths:
+        path, _, mode = name.partition(":")
+        stream = ("--kv-stream-min-tokens", "1" if mode == "stream" else "0")
         spec = ClusterSpec(
             model_path=str(model),
             num_prefill=1,
             num_decode=1,
             port=free_port(),
             device=args.device,
-            node_args=(*node_args, "--kv-transfer", path),
+            node_args=(*node_args, "--kv-transfer", path, *stream),
             prefix_index=False,
         )
         with LocalCluster(spec) as cluster:
             times = asyncio.run(workload(cluster.addresses.router, prompts, args.gen))
             counters = decode_counters(cluster.addresses.decode[0])
-        rows[path] = dict(
+            streamed = decode_counters(cluster.addresses.prefill[0]).get("transfers_streamed", 0)
+        rows[name] = dict(
             ttft_mean_s=statistics.mean(times),
             ttft_median_s=statistics.median(times),
             transfers=counters.get("transfers", 0),
@@ -100,21 +107,23 @@ def main() -> None:
                 for k, v in counters.items()
                 if k in ("transfers_ipc", "transfers_dist", "transfers_tcp")
             ),
+            streamed=streamed,
             gb_received=counters.get("bytes_received", 0) / 1e9,
         )
-        print(json.dumps({"path": path, **rows[path]}), flush=True)
+        print(json.dumps({"path": name, **rows[name]}), flush=True)
     print(
         f"\n{args.prompt_len}-token prompts, {args.requests} requests one at a time, "
         f"device {args.device}\n"
     )
     print(
-        "| --kv-transfer | TTFT mean s | TTFT median s | transfers (of them via the layer) | GB |"
+        "| --kv-transfer | TTFT mean s | TTFT median s | transfers (via the layer, streamed) | GB |"
     )
     print("|---|---|---|---|---|")
-    for path, r in rows.items():
+    for name, r in rows.items():
         print(
-            f"| {path} | {r['ttft_mean_s']:.3f} | {r['ttft_median_s']:.3f} | "
-            f"{r['transfers']:.0f} ({r['via_layer']:.0f}) | {r['gb_received']:.2f} |"
+            f"| {name} | {r['ttft_mean_s']:.3f} | {r['ttft_median_s']:.3f} | "
+            f"{r['transfers']:.0f} ({r['via_layer']:.0f}, {r['streamed']:.0f}) | "
+            f"{r['gb_received']:.2f} |"
         )
 
 

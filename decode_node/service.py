@@ -152,9 +152,10 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             transfer = self.inbox.begin(first.header, _peer_of(first.header, context))
             await transfer.reserve(context.time_remaining())
             yield nodes_pb2.TransferKVResponse(missing=transfer.missing, ticket=transfer.ticket)
-            await self._receive(transfer, request_iterator, context)
+            end = await self._receive(transfer, request_iterator, context)
+            token = self._first_token(first.header, end)
             await transfer.commit()
-            self._adopted(transfer)
+            self._adopted(transfer, token)
             reused = len(transfer.hashes) - len(transfer.missing)
             yield nodes_pb2.TransferKVResponse(done=True, blocks_reused=reused)
         except TransferRefused as exc:
@@ -182,11 +183,11 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
         transfer: Transfer,
         request_iterator: AsyncIterator[nodes_pb2.TransferKVRequest],
         context: grpc.aio.ServicerContext,
-    ) -> None:
+    ) -> nodes_pb2.TransferEnd:
         """The sender's messages after our reply: BlockData until TransferEnd when the blocks
         come on the stream (gRPC bytes); through the layer only TransferEnd, once the sender has
         moved the blocks (where the layer receives them itself, after they are in the pool;
-        ``commit`` has the layer check that they all arrived)."""
+        ``commit`` has the layer check that they all arrived). Returns the TransferEnd."""
         if not transfer.on_stream:
             await transfer.receive(context.time_remaining() or self.deadline_s)
             # The sender moves the blocks first (seconds even for GBs): a generous bound.
@@ -194,11 +195,11 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             if end is None or end.WhichOneof("kind") != "end":
                 path = transfer.path
                 raise TransferRefused(BAD, f"expected TransferEnd after the {path} transfer")
-            return
+            return end.end
         while (msg := await self._next(request_iterator, self.deadline_s)) is not None:
             kind = msg.WhichOneof("kind")
             if kind == "end":
-                return
+                return msg.end
             if kind != "blocks":
                 raise TransferRefused(BAD, f"unexpected {kind} message in a transfer")
             await transfer.write(msg.blocks.meta, msg.blocks.data)
@@ -217,14 +218,26 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
                 f"the sender sent nothing for {idle_s:.0f} s: transfer given up",
             ) from None
 
-    def _adopted(self, transfer: Transfer) -> None:
-        """The transfer's blocks are registered: the request waits for its Decode call."""
+    def _first_token(
+        self, header: nodes_pb2.TransferHeader, end: nodes_pb2.TransferEnd
+    ) -> int | None:
+        """The first token TransferEnd brings, checked (None: the header had it)."""
+        if not header.first_token_at_end:
+            return None
+        vocab = self.engine.info.vocab_size
+        if end.first_token_id >= vocab:
+            raise TransferRefused(BAD, f"first_token_id {end.first_token_id} >= vocab {vocab}")
+        return end.first_token_id
+
+    def _adopted(self, transfer: Transfer, first_token: int | None) -> None:
+        """The transfer's blocks are registered: the request waits for its Decode call.
+        ``first_token``: the one TransferEnd brought (None: the header's)."""
         header = transfer.header
         self.pending.add(
             transfer.rid,
             Pending(
                 transfer.prompt,
-                header.first_token_id,
+                header.first_token_id if first_token is None else first_token,
                 transfer.params,
                 header.cache_salt or None,
                 # Never held past this node's own --transfer-deadline-s, whatever the sender asks.

@@ -79,6 +79,7 @@ class KVSpec:
     tls_ca: str | None = None
     trust_network: bool = False
     rendezvous_key: bytes | None = None
+    stream_layers: bool = True  # a prefill node ships KV layer by layer where its path can
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +92,7 @@ class KVSides:
     rx_endpoint: bytes = b""
     tx_id: str = ""
     tx_paths: tuple[str, ...] = ()
+    tx_layered: tuple[str, ...] = ()  # the tx paths that stream layer by layer (tx_stream)
     fetch_paths: tuple[str, ...] = ()
     fetch_endpoint: bytes = b""  # the fetch sender's: askers choose a fetch path from it
 
@@ -308,3 +310,13 @@ class NodeEngine(ABC):
     ) -> int:
         """Fill a receiver's reservation from our blocks; bytes moved. To the end: a copy into
         another node's blocks is never left running behind a cancelled caller."""
+
+    @abstractmethod
+    async def tx_stream(
+        self, side: str, ticket: bytes, request_id: str, block_index: list[int], timeout: float
+    ) -> int:
+        """Fill a receiver's reservation (on a ``tx_layered`` path) with the request's blocks
+        ``block_index`` (indices into its blocks, one per reserved position) layer by layer as
+        its prefill writes them (``engine.layer_stream``); bytes moved, once all are in. Call it
+        any time after ``add_request``: blocks already complete go at once. To the end, like
+        ``tx_send``; it fails (``StreamFailed``) when the request ends without its prefill."""

@@ -360,3 +360,8 @@ class EngineClient(NodeEngine):
         self, side: str, ticket: bytes, src_block_ids: list[int], timeout: float
     ) -> int:
         return await self._call_to_end("tx_send", side, ticket, src_block_ids, timeout)
+
+    async def tx_stream(
+        self, side: str, ticket: bytes, request_id: str, block_index: list[int], timeout: float
+    ) -> int:
+        return await self._call_to_end("tx_stream", side, ticket, request_id, block_index, timeout)

@@ -16,11 +16,13 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import NamedTuple
 
 import torch
 
 from splitserve.engine.kv_port import KVPort
+from splitserve.engine.layer_stream import LayerStreams, StepRow
 from splitserve.engine.scheduler import Request, ScheduledRequest, Scheduler
 from splitserve.kvstore import BlockPool, KVCacheManager, ModelIdentity
 from splitserve.models.runner import ModelRunner, SequenceInput
@@ -143,6 +145,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.prefill_only = prefill_only
         self.held: dict[str, Request] = {}  # prefill_only: finished, blocks not yet released
+        # A prefill node's layer-wise KV streams (engine.layer_stream; set with its sender).
+        self.layer_streams: LayerStreams | None = None
         self.last_num_scheduled = 0
         if async_scheduling is None:
             async_scheduling = runner.device.type == "cuda"
@@ -239,6 +243,37 @@ class LLMEngine:
         if self.held.pop(request_id, None) is not None:
             self.kv.free(request_id)
 
+    def open_stream(
+        self, request_id: str, ticket: bytes, index: Sequence[int], timeout: float
+    ) -> Future:
+        """Stream the request's blocks ``index`` (per reserved position of ``ticket``) into a
+        decode node's reservation as its prefill writes them (``engine.layer_stream``); the
+        future holds the bytes sent. Engine thread, between steps."""
+        streams = self.layer_streams
+        if streams is None:
+            raise ValueError("this engine streams no KV (no layer-wise transfer path is open)")
+        req = self.requests.get(request_id)
+        held = self.held.get(request_id)
+        prompt_len = len((req or held).prompt_token_ids) if (req or held) else 0
+        if req is not None:
+            return streams.open(
+                request_id,
+                ticket,
+                index,
+                timeout,
+                req.epoch,
+                self.kv.get_block_ids(request_id),
+                req.num_computed_tokens,
+                prompt_len,
+                req.num_computed_tokens >= prompt_len,
+            )
+        if held is not None:
+            ids = self.kv.get_block_ids(request_id)
+            return streams.open(
+                request_id, ticket, index, timeout, held.epoch, ids, prompt_len, prompt_len, True
+            )
+        return streams.open(request_id, ticket, index, timeout, 0, None, 0, 0, True)
+
     def abort_soon(self, request_id: str) -> None:
         """Mark a request to be aborted at the top of the next step, before it schedules (safe
         from any thread, e.g. the event loop while a step runs): a cancelled request is not
@@ -263,6 +298,8 @@ class LLMEngine:
             with self._abort_lock:
                 self._abort_soon.discard(request_id)
         self.release(request_id)
+        if self.layer_streams is not None:
+            self.layer_streams.drop(request_id, "aborted before its prefill ended")
         req = self.requests.pop(request_id, None)
         if req is None:
             return
@@ -335,6 +372,8 @@ class LLMEngine:
         if req is None:
             return
         self.requests.pop(req.request_id, None)
+        if self.layer_streams is not None:
+            self.layer_streams.drop(req.request_id, "it does not fit in the KV cache")
         raise RequestDoesNotFit(
             req.request_id,
             f"request {req.request_id} ({len(req.token_ids)} tokens) does not fit in the "
@@ -357,7 +396,31 @@ class LLMEngine:
                 SequenceInput(tokens, start, self.kv.get_block_ids(req.request_id), feed_row)
             )
         feed = inflight.sample.token_ids if inflight is not None else None
-        logits = self.runner.execute(seqs, feed)
+        hook = None
+        if self.layer_streams:
+            rows = [
+                StepRow(
+                    req.request_id,
+                    req.epoch,
+                    seq.start_pos,
+                    len(seq.token_ids),
+                    len(req.prompt_token_ids),
+                    seq.block_ids,
+                )
+                for (req, _), seq in zip(scheduled, seqs, strict=True)
+            ]
+            hook = self.layer_streams.before_step(rows)
+        try:
+            if hook is None:
+                logits = self.runner.execute(seqs, feed)
+            else:
+                logits = self.runner.execute(seqs, feed, hook.layer_done)
+        except BaseException as exc:
+            if hook is not None:
+                hook.finish(exc)
+            raise
+        if hook is not None:
+            hook.finish()
         ready = self.scheduler.advance(scheduled)
         reqs = [scheduled[i].request for i in ready]
         if len(ready) < len(scheduled):

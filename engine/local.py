@@ -34,6 +34,7 @@ from splitserve.engine.api import (
 )
 from splitserve.engine.core import LLMEngine, StepOutput
 from splitserve.engine.kv_port import Reserved
+from splitserve.engine.layer_stream import LayerStreams
 from splitserve.engine.loop import AsyncEngine, settle
 from splitserve.kvstore import BlockHash
 from splitserve.kvstore.block_pool import KVCacheEvent
@@ -96,6 +97,8 @@ class LocalEngine(NodeEngine):
         if self._stopped:
             return
         self._stopped = True
+        if self.core.layer_streams is not None:
+            self.core.layer_streams.close()
         for side in (RX, TX, FETCH_TX):
             part = self._sides.pop(side, None)
             if part is not None:
@@ -234,7 +237,12 @@ class LocalEngine(NodeEngine):
         if len(spec.paths) > 1:  # a path besides gRPC bytes
             tx = open_sender(pool, spec.address, paths=spec.paths, security=security)
             self._sides[TX] = tx
-            sides.update(tx_id=tx.node_id, tx_paths=tx.paths)
+            layered = tx.layered_paths if spec.stream_layers else ()
+            sides.update(tx_id=tx.node_id, tx_paths=tx.paths, tx_layered=layered)
+            if layered:
+                self.core.layer_streams = LayerStreams(
+                    tx, pool.shape[1], self.port.block_size, pool.device.type == "cuda"
+                )
         fetch = fetch_paths(spec.paths)
         if fetch:
             # Serving peers' fetches: a sender of its own over the fetch paths only (the asker
@@ -320,6 +328,16 @@ class LocalEngine(NodeEngine):
         tx = self._side(side)
         send = functools.partial(tx.send, ticket, src_block_ids, timeout=timeout)
         return await settle(asyncio.get_running_loop().run_in_executor(None, send))
+
+    async def tx_stream(
+        self, side: str, ticket: bytes, request_id: str, block_index: list[int], timeout: float
+    ) -> int:
+        if side != TX or self.core.layer_streams is None:
+            raise ValueError(f"this engine streams no KV on its {side} side")
+        opened = await self.loop_engine.call(
+            self.core.open_stream, request_id, ticket, block_index, timeout
+        )
+        return await settle(asyncio.wrap_future(opened))
 
 
 def engine_figures(core: LLMEngine, counters: dict[str, float] | None = None) -> EngineFigures:

@@ -41,6 +41,7 @@ from splitserve.transfer.errors import (
     Incomplete,
     NotConnected,
     PeerLost,
+    StreamFailed,
     TransferError,
     TransferTimeout,
 )
@@ -82,6 +83,7 @@ COMMANDS = frozenset(
         "tx_connect",
         "tx_close",
         "tx_send",
+        "tx_stream",
         "stop",
     }
 )
@@ -125,6 +127,7 @@ ERRORS: dict[str, type[BaseException]] = {
         ChannelClosed,
         NotConnected,
         Incomplete,
+        StreamFailed,
         EngineGone,
     )
 }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -81,6 +83,9 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             config.hf_config, config.head_dim, config.max_model_len, dtype
         )
+        # Called with each layer's index once its forward is queued (its KV written): a prefill
+        # node's layer-wise KV stream (engine.layer_stream). Eager forwards only.
+        self.layer_done: Callable[[int], None] | None = None
 
     def forward(
         self,
@@ -90,10 +95,13 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
+        layer_done = self.layer_done
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(
                 hidden, residual, positions, self.rotary, layer_kv_views(kv_pool, i), meta
             )
+            if layer_done is not None:
+                layer_done(i)
         return self.norm(hidden, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

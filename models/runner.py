@@ -378,15 +378,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, seqs: Sequence[SequenceInput], feed: torch.Tensor | None = None
+        self,
+        seqs: Sequence[SequenceInput],
+        feed: torch.Tensor | None = None,
+        layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Run one forward; returns float32 logits ``[len(seqs), vocab]`` of each sequence's last
         new token (for a prompt chunk that is not the last, the caller ignores them). ``feed``:
-        see ``prepare``."""
+        see ``prepare``. ``layer_done(i)``: called once each layer's forward is queued, in an
+        eager forward on one rank (a layer-wise KV stream's cue; a CUDA graph replay or a
+        tensor-parallel step calls it for none)."""
         self._check_open()
         input_ids, positions, meta, _ = self.prepare(seqs, feed)
         if self.channel is None:
-            return self.forward(input_ids, positions, meta, len(seqs))
+            self.model.layer_done = layer_done
+            try:
+                return self.forward(input_ids, positions, meta, len(seqs))
+            finally:
+                self.model.layer_done = None
         channel = self.channel
 
         def step() -> torch.Tensor:

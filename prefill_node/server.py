@@ -20,7 +20,7 @@ def make_service(
 ) -> PrefillService:
     # The transfer sides (a sender shipping to decode nodes, a sender serving peers' fetches
     # and a receiver of fetched blocks: engine.local) are open where the engine runs.
-    return PrefillService(engine, identity, config.transfer_deadline_s)
+    return PrefillService(engine, identity, config.transfer_deadline_s, config.kv_stream_min_tokens)
 
 
 def serve(config: NodeConfig) -> None:

@@ -25,7 +25,7 @@ from splitserve.prefill_node.channels import Channels
 from splitserve.prefill_node.peer_fetch import PeerFetcher
 from splitserve.prefill_node.peer_layer import LayerFetch
 from splitserve.prefill_node.rates import Rates
-from splitserve.prefill_node.shipper import KVShipper, ShipError
+from splitserve.prefill_node.shipper import KVShipper, ShipError, Shipped
 from splitserve.runtime import counter_names as names
 from splitserve.runtime.metrics import LoadFigures
 from splitserve.runtime.node import checked_request, failure_code, node_stats
@@ -40,8 +40,10 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
         engine: NodeEngine,
         identity: ModelIdentity,
         deadline_s: float,
+        stream_min_tokens: int = 0,
     ) -> None:
-        """``engine``: started, its transfer sides opened (``open_kv``) if it has any."""
+        """``engine``: started, its transfer sides opened (``open_kv``) if it has any;
+        ``stream_min_tokens``: prompts this long ship their KV while it is computed (0: never)."""
         self.engine = engine
         self.identity = identity
         self.counters: Counter[str] = Counter()
@@ -49,7 +51,7 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
         # Fetch or compute a peer's prefix: by measured rates (priors until measured).
         self.rates = Rates.for_engine(engine.info)
         self.shipper = KVShipper(
-            engine, identity.root_hash, deadline_s, self.channels, self.counters
+            engine, identity.root_hash, deadline_s, self.channels, self.counters, stream_min_tokens
         )
         # Peer prefix fetches through the transfer layer: this node receives (the engine's
         # receiver), and serves its peers' fetches with a sender of its own (the engine's fetch
@@ -128,8 +130,17 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
             )
         queue = self.engine.subscribe(rid)
         shipped = False
+        streaming: asyncio.Task[Shipped | None] | None = None
+        first: asyncio.Future[tuple[int, list[int]] | None]
+        first = asyncio.get_running_loop().create_future()
         try:
-            out, facts = await self._compute(rid, prompt, params, salt, queue, context)
+            started = await self._add(rid, prompt, params, salt, context)
+            if self.shipper.may_stream(len(prompt)):
+                # The KV leaves as the forward writes it: the transfer runs under the prefill.
+                streaming = asyncio.create_task(
+                    self.shipper.ship_streamed(request, prompt, first, context.time_remaining())
+                )
+            out, facts = await self._first(prompt, started, queue, context)
             response = nodes_pb2.PrefillResponse(
                 first_token_id=out.new_token_id,
                 first_logprob=out.logprob or 0.0,
@@ -137,11 +148,21 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
                 cached_tokens=facts.num_cached_tokens,
                 blocks_fetched=fetched,
             )
-            if out.finish_reason is None:
+            if streaming is not None:
+                assert facts.block_ids is not None  # (checked by _first)
+                ended = out.finish_reason is not None
+                first.set_result(None if ended else (out.new_token_id, facts.block_ids))
+                shipped = self._shipped(await self._streamed(streaming, context), response)
+            elif out.finish_reason is None:
                 await self._ship(request, prompt, out.new_token_id, facts, response, context)
                 shipped = True
             return response
         finally:
+            if streaming is not None and not streaming.done():
+                # Failed or cancelled before its first token: the stream ends once the request
+                # is aborted below (the engine fails it), and its reservation is let go.
+                first.cancel()
+                streaming.cancel()
             self.engine.unsubscribe(rid)
             if not shipped:
                 self.counters[names.PREFILLS_NOT_SHIPPED] += 1
@@ -153,23 +174,54 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
             # (An engine that is gone took the blocks with it: the call's status stands.)
             with contextlib.suppress(ConnectionError):
                 await self.engine.abort(rid)
+            if streaming is not None and not streaming.done():
+                with contextlib.suppress(BaseException):
+                    await streaming  # (settles once the engine dropped the stream)
 
-    async def _compute(
+    async def _streamed(
+        self, streaming: asyncio.Task[Shipped | None], context: grpc.aio.ServicerContext
+    ) -> Shipped | None:
+        """The streamed shipment's end (None: nothing to ship); its failure ends the call."""
+        try:
+            return await streaming
+        except ShipError as exc:
+            await context.abort(exc.code(), exc.details())
+            raise  # (abort raised already)
+
+    @staticmethod
+    def _shipped(shipped: Shipped | None, response: nodes_pb2.PrefillResponse) -> bool:
+        """Fill the transfer figures of ``response``; whether anything was shipped."""
+        if shipped is None:
+            return False
+        response.blocks_shipped = shipped.blocks_shipped
+        response.blocks_reused = shipped.blocks_reused
+        response.bytes_shipped = shipped.bytes_shipped
+        return True
+
+    async def _add(
         self,
         rid: str,
         prompt: list[int],
         params: SamplingParams,
         salt: str | None,
+        context: grpc.aio.ServicerContext,
+    ) -> float:
+        """Add the request to the engine; when it was added (``perf_counter``)."""
+        try:
+            await self.engine.add_request(rid, prompt, params, salt)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        return time.perf_counter()
+
+    async def _first(
+        self,
+        prompt: list[int],
+        started: float,
         queue: asyncio.Queue[StepOutput | BaseException],
         context: grpc.aio.ServicerContext,
     ) -> tuple[StepOutput, FirstFacts]:
-        """Add the request to the engine and wait for its first token: (its output, what that
-        output says of the prompt's blocks)."""
-        try:
-            await self.engine.add_request(rid, prompt, params, salt)
-            started = time.perf_counter()
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        """Wait for the request's first token: (its output, what that output says of the
+        prompt's blocks)."""
         out = await queue.get()
         if isinstance(out, BaseException):
             await context.abort(failure_code(out), str(out))
@@ -197,7 +249,7 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
         response: nodes_pb2.PrefillResponse,
         context: grpc.aio.ServicerContext,
     ) -> None:
-        """Ship the prompt's KV (its blocks as ``facts`` names them, checked by ``_compute``)
+        """Ship the prompt's KV (its blocks as ``facts`` names them, checked by ``_first``)
         into the decode node; fills the transfer figures of response."""
         assert facts.block_hashes is not None and facts.block_ids is not None
         try:

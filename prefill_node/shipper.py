@@ -24,12 +24,12 @@ from typing import NamedTuple
 import grpc
 
 from splitserve.engine.api import TX, NodeEngine
-from splitserve.kvstore import BlockHash
+from splitserve.kvstore import BlockHash, hash_request_tokens
 from splitserve.kvstore.codec import batch_indices, encode_blocks
 from splitserve.prefill_node.channels import Channels
 from splitserve.runtime import counter_names as names
 from splitserve.runtime.auth import call_metadata
-from splitserve.transfer import Endpoint
+from splitserve.transfer import Endpoint, StreamFailed
 from splitserve.transfer import TransferError as TransferLayerError
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
@@ -103,8 +103,12 @@ class KVShipper:
         deadline_s: float,
         channels: Channels,
         counters: Counter[str],
+        stream_min_tokens: int = 0,
     ) -> None:
         self.engine = engine
+        # Prompts of at least this many tokens ship layer by layer while they are computed,
+        # where the path to their decode node can (0: never).
+        self.stream_min_tokens = stream_min_tokens
         self.root = root_hash
         self.block_size, self.block_nbytes = engine.info.block_size, engine.info.block_nbytes
         self.deadline_s = deadline_s
@@ -144,30 +148,134 @@ class KVShipper:
             )
         except (grpc.aio.AioRpcError, ShipError) as exc:
             stream.abandon()
-            self.counters[names.TRANSFERS_FAILED] += 1
-            code = exc.code()
-            if code == grpc.StatusCode.INTERNAL and exc.details() == TRANSPORT_BROKE:
-                code = grpc.StatusCode.UNAVAILABLE  # the stream broke, not the transfer
-            # CANCELLED: the decode node's server stopped the call (shutting down); the stream
-            # is ours, so a cancel of our own would have raised asyncio.CancelledError instead.
-            if code in (
-                grpc.StatusCode.UNAVAILABLE,
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                grpc.StatusCode.CANCELLED,
-            ):
-                raise ShipError(
-                    code, f"decode node {address} unreachable: {exc.details()}"
-                ) from None
-            raise ShipError(code, f"decode node {address}: {exc.details()}") from None
+            raise self._failed(address, exc) from None
         except BaseException:
             stream.abandon()
             raise
-        reused = len(hashes) - missing
+        return self._shipped(len(hashes), missing, nbytes, t0)
+
+    def _shipped(self, num_hashes: int, missing: int, nbytes: int, t0: float) -> Shipped:
+        reused = num_hashes - missing
         self.counters[names.BLOCKS_SHIPPED] += missing
         self.counters[names.BLOCKS_REUSED_ON_DECODE] += reused
         self.counters[names.BYTES_SHIPPED] += nbytes
         self.counters[names.TRANSFER_SECONDS] += time.perf_counter() - t0  # pyright: ignore[reportArgumentType] (seconds: a float)
         return Shipped(missing, reused, nbytes)
+
+    def _failed(self, address: str, exc: grpc.aio.AioRpcError | ShipError) -> ShipError:
+        """The ShipError a failed transfer's call answers with."""
+        self.counters[names.TRANSFERS_FAILED] += 1
+        code = exc.code()
+        if code == grpc.StatusCode.INTERNAL and exc.details() == TRANSPORT_BROKE:
+            code = grpc.StatusCode.UNAVAILABLE  # the stream broke, not the transfer
+        # CANCELLED: the decode node's server stopped the call (shutting down); the stream
+        # is ours, so a cancel of our own would have raised asyncio.CancelledError instead.
+        if code in (
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            grpc.StatusCode.CANCELLED,
+        ):
+            return ShipError(code, f"decode node {address} unreachable: {exc.details()}")
+        return ShipError(code, f"decode node {address}: {exc.details()}")
+
+    # ------------------------------------------------------------------ layer-wise streams
+
+    def may_stream(self, prompt_len: int) -> bool:
+        """Whether a prompt this long may ship while it is computed (``ship_streamed``)."""
+        return (
+            0 < self.stream_min_tokens <= prompt_len
+            and bool(self.sender_id)
+            and bool(self.engine.kv.tx_layered)
+        )
+
+    async def ship_streamed(
+        self,
+        request: nodes_pb2.PrefillRequest,
+        prompt: list[int],
+        first: asyncio.Future[tuple[int, list[int]] | None],
+        timeout: float | None,
+    ) -> Shipped | None:
+        """Ship the prompt's KV into the decode node while the prefill computes it: started
+        right after ``add_request``, on a layered path the blocks go layer by layer as the
+        forward writes them (``NodeEngine.tx_stream``); the first token follows in TransferEnd.
+        ``first``: set by the caller to (first token, the request's block ids) at its first
+        output, to None when the request ended there (nothing to ship: returns None), cancelled
+        when the prefill failed. Where the pair's path cannot stream (or the decode node
+        declines it) the blocks go after the prefill, as ``ship`` sends them."""
+        address = request.decode_address
+        path, receiver_id = await self._transfer_path(address)
+        salt = request.cache_salt or None
+        hashes = list(
+            map(
+                BlockHash,
+                await asyncio.to_thread(
+                    hash_request_tokens, prompt, self.block_size, self.root, salt
+                ),
+            )
+        )
+        if path not in self.engine.kv.tx_layered:
+            got = await first
+            if got is None:
+                return None
+            token, ids = got
+            return await self.ship(request, prompt, hashes, ids, token, timeout)
+        header = self._header(request, prompt, 0, hashes, path, receiver_id)
+        header.first_token_at_end = True
+        stream = _Stream(
+            nodes_pb2_grpc.DecodeNodeServiceStub(self.channels.get(address)), header, timeout
+        )
+        t0 = time.perf_counter()
+        try:
+            reply = await stream.read(
+                grpc.StatusCode.UNAVAILABLE, "decode node closed the transfer"
+            )
+            missing = list(reply.missing)
+            tail = [len(hashes)] if len(prompt) % self.block_size else []
+            if reply.ticket:
+                index = missing + tail
+                nbytes = await self._stream_through_layer(
+                    address, path, reply.ticket, request.request_id, index, timeout
+                )
+                got = await first
+            else:  # declined (it restarted?): bytes once the prefill is done
+                self._routes.pop(address, None)
+                got = await first
+                if got is not None:
+                    ids = got[1]
+                    end = [ids[len(hashes)]] if tail else []
+                    nbytes = await self._send_bytes(stream, missing, ids, end)
+            if got is None:  # it ended at its first token: the reservation is let go
+                stream.abandon()
+                return None
+            await self._conclude(stream, got[0])
+        except (grpc.aio.AioRpcError, ShipError) as exc:
+            stream.abandon()
+            raise self._failed(address, exc) from None
+        except BaseException:
+            stream.abandon()
+            raise
+        self.counters[names.TRANSFERS_STREAMED] += 1
+        return self._shipped(len(hashes), len(missing), nbytes, t0)
+
+    async def _stream_through_layer(
+        self,
+        address: str,
+        path: str,
+        ticket: bytes,
+        request_id: str,
+        index: list[int],
+        timeout: float | None,
+    ) -> int:
+        try:
+            nbytes = await self.engine.tx_stream(
+                TX, ticket, request_id, index, timeout or self.deadline_s
+            )
+        except (TransferLayerError, ValueError) as exc:
+            if not isinstance(exc, StreamFailed):  # (the request's fault, not the path's)
+                self._routes.pop(address, None)
+            raise ShipError(grpc.StatusCode.UNAVAILABLE, f"{path} stream failed: {exc}") from None
+        self.counters[names.transfers_via(path)] += 1
+        return nbytes
 
     def _header(
         self,
@@ -215,7 +323,14 @@ class KVShipper:
             if path:  # the decode node declined (it restarted?): look it up afresh next time
                 self._routes.pop(address, None)
             nbytes = await self._send_bytes(stream, missing, ids, tail)
-        stream.send(nodes_pb2.TransferKVRequest(end=nodes_pb2.TransferEnd()))
+        await self._conclude(stream, None)
+        return len(missing), nbytes
+
+    async def _conclude(self, stream: _Stream, first_token: int | None) -> None:
+        """TransferEnd (with the first token when the header said it comes there), then the
+        decode node's confirmation."""
+        end = nodes_pb2.TransferEnd(first_token_id=first_token or 0)
+        stream.send(nodes_pb2.TransferKVRequest(end=end))
         stream.send(None)
         reply = await stream.read(
             grpc.StatusCode.INTERNAL, "decode node did not confirm the transfer"
@@ -227,7 +342,6 @@ class KVShipper:
                 grpc.aio.Metadata(),
                 "decode node did not confirm the transfer",
             )
-        return len(missing), nbytes
 
     async def _send_bytes(
         self, stream: _Stream, missing: list[int], ids: list[int], tail: list[int]

@@ -112,6 +112,12 @@ class NodeConfig:
         "the nixl extra; not in the default: docs/transfer.md), dist (torch.distributed: NCCL on "
         "GPUs, gloo on CPU), tcp (raw sockets); or none",
     )
+    kv_stream_min_tokens: int = option(
+        512,
+        "prefill: a prompt of at least N tokens ships its KV to the decode node while it is "
+        "computed, each layer as soon as the forward wrote it, where the pair's path can (tcp); "
+        "its decode blocks are reserved from then on; 0: always after the prefill",
+    )
     trust_kv_network: bool = option(
         False,
         "with --tls-*: still offer and take the dist path between nodes, whose KV bytes are "
@@ -184,6 +190,8 @@ class NodeConfig:
             raise ValueError(f"--tensor-parallel-size: >= 1, got {self.tensor_parallel_size}")
         if self.max_transfers_per_peer < 1:
             raise ValueError(f"--max-transfers-per-peer: >= 1, got {self.max_transfers_per_peer}")
+        if self.kv_stream_min_tokens < 0:
+            raise ValueError(f"--kv-stream-min-tokens: >= 0, got {self.kv_stream_min_tokens}")
         if not 0.0 < self.max_kv_share_per_peer <= 1.0:
             raise ValueError(
                 f"--max-kv-share-per-peer: in (0, 1], got {self.max_kv_share_per_peer}"

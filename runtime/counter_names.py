@@ -33,6 +33,7 @@ PREFILLS_NOT_SHIPPED = "prefills_not_shipped"
 BLOCKS_SHIPPED = "blocks_shipped"
 BLOCKS_REUSED_ON_DECODE = "blocks_reused_on_decode"
 BYTES_SHIPPED = "bytes_shipped"
+TRANSFERS_STREAMED = "transfers_streamed"  # shipped while the prefill ran (layer by layer)
 TRANSFER_SECONDS = "transfer_seconds"
 PREFIX_BLOCKS_FETCHED = "prefix_blocks_fetched"
 PREFIX_FETCH_FAILED = "prefix_fetch_failed"
@@ -86,6 +87,7 @@ _PREFILL = (
     PREFIX_FETCH_FAILED,
     PREFIX_FETCH_SKIPPED_SLOWER,
     BLOCKS_SERVED_TO_PEERS,
+    TRANSFERS_STREAMED,
 )
 _PREFILL_PER_PATH = (transfers_via, prefix_fetches_via, blocks_served_to_peers_via)
 _DECODE = (

@@ -258,6 +258,7 @@ def kv_spec(config: NodeConfig, role: str, address: str) -> KVSpec:
         tls_ca=config.tls_ca if has_tls else None,
         trust_network=config.trust_kv_network,
         rendezvous_key=rendezvous_key(token) if token else None,
+        stream_layers=config.kv_stream_min_tokens > 0,
     )
 
 

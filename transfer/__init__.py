@@ -42,6 +42,7 @@ from splitserve.transfer.errors import (
     Incomplete,
     NotConnected,
     PeerLost,
+    StreamFailed,
     TransferError,
     TransferTimeout,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "PathOptions",
     "PeerLost",
     "Reservation",
+    "StreamFailed",
     "TcpAddress",
     "Ticket",
     "TransferError",

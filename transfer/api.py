@@ -22,6 +22,7 @@ import math
 import threading
 import time
 from collections.abc import Collection, Mapping
+from typing import Any
 
 import torch
 
@@ -253,6 +254,26 @@ class NodeSender(KVSender):
                 raise NotConnected(f"this node may not use the {ticket.path} path")
             raise ValueError(f"path {ticket.path!r} is not sent through this layer")
         return part.send(ticket, src_block_ids, timeout=timeout)
+
+    @property
+    def layered_paths(self) -> tuple[str, ...]:
+        return tuple(p for part in self._parts.values() for p in part.layered_paths)
+
+    def send_part(
+        self,
+        ticket: Ticket | bytes,
+        first: int,
+        src_block_ids: BlockIds,
+        layers: tuple[int, int],
+        *,
+        timeout: float,
+        after: Any = None,
+    ) -> int:
+        ticket = own_ticket(ticket, self.node_id)
+        part = self._parts.get(ticket.path)
+        if part is None or ticket.path not in part.layered_paths:
+            raise ValueError(f"the {ticket.path} path does not stream layer by layer here")
+        return part.send_part(ticket, first, src_block_ids, layers, timeout=timeout, after=after)
 
     def close(self, peer_id: str) -> None:
         """The receiver ``peer_id`` left: drop its mapping / pair group / connections."""

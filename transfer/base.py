@@ -189,6 +189,28 @@ class KVSender(ABC):
         receiver the transfer is done. ``ValueError`` (nothing moved) on bad ids or a ticket
         that is not this sender's; ``TransferError``s on failure (``NotConnected``: connect)."""
 
+    @property
+    def layered_paths(self) -> tuple[str, ...]:
+        """The paths whose ``send_part`` moves a layer range of blocks (a layer-wise stream)."""
+        return ()
+
+    def send_part(
+        self,
+        ticket: Ticket | bytes,
+        first: int,
+        src_block_ids: BlockIds,
+        layers: tuple[int, int],
+        *,
+        timeout: float,
+        after: Any = None,
+    ) -> int:
+        """Layers ``[lo, hi)`` of our blocks ``src_block_ids`` into the reservation's positions
+        ``first, first + 1, ...`` (one piece of a layer-wise stream: every (block, layer) of the
+        reservation is sent exactly once; the receiver completes it when all are in). ``after``:
+        a CUDA event the data is ready at (None: everything queued on the current stream).
+        Returns the bytes moved, as ``send`` does. Only on ``layered_paths``."""
+        raise NotImplementedError(f"{type(self).__name__} sends whole blocks only")
+
     @abstractmethod
     def close(self, peer_id: str) -> None:
         """The receiver ``peer_id`` left: drop what this side keeps for it."""

@@ -26,3 +26,8 @@ class NotConnected(TransferError):
 class Incomplete(TransferError):
     """The sender said it finished, but not every block it was to fill has arrived (a sender that
     broke the protocol: the services answer INVALID_ARGUMENT)."""
+
+
+class StreamFailed(TransferError):
+    """A layer-wise stream cannot complete: its request ended without its prefill (aborted,
+    preempted, did not fit), or a piece failed to send."""

@@ -80,9 +80,18 @@ def block_nbytes(kv_pool: torch.Tensor) -> int:
     return kv_pool[0].numel() * kv_pool.element_size()
 
 
-def scatter(kv_pool: torch.Tensor, block_ids: list[int], buffer: torch.Tensor) -> None:
+def scatter(
+    kv_pool: torch.Tensor,
+    block_ids: list[int],
+    buffer: torch.Tensor,
+    layers: tuple[int, int] | None = None,
+) -> None:
     """``kv_pool[block_ids[i]] = buffer[i]`` in one ``index_copy_``; returns once the copy is done
-    (CUDA: synchronizes the stream it ran on). Ids must have been checked."""
+    (CUDA: synchronizes the stream it ran on). Ids must have been checked. ``layers``: only
+    layers ``[lo, hi)`` of each block (``buffer`` then holds those layers only)."""
+    if layers is not None:
+        lo, hi = check_layers(kv_pool, layers)
+        kv_pool = kv_pool.narrow(1, lo, hi - lo)
     shape = (len(block_ids), *kv_pool.shape[1:])
     if tuple(buffer.shape) != shape or buffer.dtype != kv_pool.dtype:
         raise ValueError(
@@ -95,6 +104,14 @@ def scatter(kv_pool: torch.Tensor, block_ids: list[int], buffer: torch.Tensor) -
     kv_pool.index_copy_(0, index, buffer.to(kv_pool.device))
     if kv_pool.device.type == "cuda":
         torch.cuda.current_stream(kv_pool.device).synchronize()
+
+
+def check_layers(kv_pool: torch.Tensor, layers: tuple[int, int]) -> tuple[int, int]:
+    """``layers`` as ``(lo, hi)``, a non-empty range of the pool's layers (``ValueError``)."""
+    lo, hi = layers
+    if not 0 <= lo < hi <= kv_pool.shape[1]:
+        raise ValueError(f"layers {lo}..{hi} are not a range of the pool's {kv_pool.shape[1]}")
+    return lo, hi
 
 
 def buffer_from_bytes(kv_pool: torch.Tensor, num_blocks: int, data: bytes) -> torch.Tensor:
@@ -231,17 +248,21 @@ class Reservation:
         block_ids: Sequence[int] | torch.Tensor,
         data: bytes | torch.Tensor,
         writer: Callable[[list[int], bytes], None] | None = None,
+        layers: tuple[int, int] | None = None,
     ) -> list[int]:
         """Write blocks into reserved ids (a subset, in any order); ``ValueError`` and no write
         if any id is not reserved; returns the ids written. ``data`` is raw block bytes (the gRPC
         codec's payload) or a ``(n, *block_shape)`` tensor on any device. ``writer(ids, data)``:
         writes raw bytes in place of the copy into the pool tensor (a tensor-parallel engine's,
-        whose blocks span every rank's pool)."""
+        whose blocks span every rank's pool). ``layers``: ``data`` holds only layers
+        ``[lo, hi)`` of each block (a tensor; a layer-wise stream's piece)."""
         ids = check_block_ids(block_ids, self._pool.shape[0])
         stray = sorted(set(ids) - set(self.block_ids))
         if stray:
             raise ValueError(f"block ids {stray[:8]} are not in the reservation")
         if writer is not None:
+            if layers is not None:
+                raise ValueError("a writer takes whole blocks, not a layer range")
             if not isinstance(data, bytes | bytearray | memoryview):
                 raise ValueError("a writer takes raw block bytes")
             with self._mu:
@@ -250,11 +271,13 @@ class Reservation:
                 writer(ids, bytes(data))
             return ids
         if isinstance(data, bytes | bytearray | memoryview):
+            if layers is not None:
+                raise ValueError("a layer range is written from a tensor")
             data = buffer_from_bytes(self._pool, len(ids), bytes(data))
         with self._mu:
             if self._state != RESERVED:
                 raise TransferError(f"{self!r} already ended")
-            scatter(self._pool, ids, data)
+            scatter(self._pool, ids, data, layers)
         return ids
 
     def fill(self, buffer: torch.Tensor) -> bool:

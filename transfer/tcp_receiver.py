@@ -1,6 +1,7 @@
 """The tcp path's receiver (decode node) side: a listener; every connection is served by its own
 thread, which takes chunks (``transfer.tcp_wire``) straight into a (pinned) buffer, checks them
-and writes them into their reservation's blocks in one scatter each.
+and writes them into their reservation's blocks in one scatter each (whole blocks, or a layer range
+of them: a layer-wise stream's chunk).
 
 Bounded by construction: at most ``max_connections`` connections (more are closed at once), a
 chunk is at most its reservation's size, a socket that stays silent ``io_timeout`` seconds
@@ -36,6 +37,7 @@ from splitserve.transfer.errors import Incomplete, TransferError, TransferTimeou
 from splitserve.transfer.reservation import RESERVED, Reservation, block_nbytes
 from splitserve.transfer.security import KVTls, RefusalLog, listen
 from splitserve.transfer.tcp_wire import (
+    ALL_LAYERS,
     CHUNK,
     OK,
     REFUSED,
@@ -54,36 +56,50 @@ HANDSHAKE_TIMEOUT_S = 10.0  # a TLS handshake that takes longer is dropped (the 
 
 
 class _Inbound:
-    """A tcp reservation's progress: which of its blocks a chunk has claimed, which are in."""
+    """A tcp reservation's progress: which (block, layer) pieces a chunk has claimed, which are
+    in (whole-block chunks claim every layer of their blocks; a layer-wise stream's, some)."""
 
-    def __init__(self, res: Reservation) -> None:
+    def __init__(self, res: Reservation, num_layers: int) -> None:
         self.res = res
-        self.claimed = bytearray(len(res.block_ids))
-        self.landed = bytearray(len(res.block_ids))
-        self.left = len(res.block_ids)
+        self.layers = num_layers
+        n = len(res.block_ids) * num_layers
+        self.claimed = bytearray(n)
+        self.landed = bytearray(n)
+        self.left = n
         self.mu = threading.Lock()
 
-    def claim(self, first: int, count: int) -> str | None:
-        """Take blocks ``[first, first + count)`` for one chunk; why not (None: taken)."""
-        n = len(self.claimed)
+    def _pieces(self, first: int, count: int, lo: int, hi: int) -> list[slice]:
+        return [
+            slice(b * self.layers + lo, b * self.layers + hi) for b in range(first, first + count)
+        ]
+
+    def claim(self, first: int, count: int, lo: int, hi: int) -> str | None:
+        """Take layers ``[lo, hi)`` of blocks ``[first, first + count)`` for one chunk; why not
+        (None: taken)."""
+        n = len(self.res.block_ids)
         if count == 0 or first >= n or count > n - first:
             return f"blocks {first}..{first + count} are outside the reservation of {n}"
+        if not 0 <= lo < hi <= self.layers:
+            return f"layers {lo}..{hi} are outside the pool's {self.layers}"
+        pieces = self._pieces(first, count, lo, hi)
         with self.mu:
-            if any(self.claimed[first : first + count]):
+            if any(any(self.claimed[p]) for p in pieces):
                 return "blocks sent twice"
-            self.claimed[first : first + count] = b"\1" * count
+            for p in pieces:
+                self.claimed[p] = b"\1" * (hi - lo)
             return None
 
-    def landed_run(self, first: int, count: int) -> bool:
-        """A claimed run is in the pool; True once every block is."""
+    def landed_run(self, first: int, count: int, lo: int, hi: int) -> bool:
+        """A claimed piece is in the pool; True once every (block, layer) is."""
         with self.mu:
-            self.landed[first : first + count] = b"\1" * count
-            self.left -= count
+            for p in self._pieces(first, count, lo, hi):
+                self.landed[p] = b"\1" * (hi - lo)
+            self.left -= count * (hi - lo)
             return self.left == 0
 
     def has_prefix(self, n: int) -> bool:
         with self.mu:
-            return all(self.landed[:n])
+            return all(self.landed[: n * self.layers])
 
 
 class TcpReceiver(KVReceiver):
@@ -139,7 +155,7 @@ class TcpReceiver(KVReceiver):
             res.end_done()
             return res
         with self._mu:
-            self._inbound[res.ticket.token] = _Inbound(res)
+            self._inbound[res.ticket.token] = _Inbound(res, self.kv_pool.shape[1])
         return res
 
     def receive(self, res: Reservation, timeout: float) -> None:
@@ -268,19 +284,23 @@ class TcpReceiver(KVReceiver):
 
     def _chunk(self, conn: socket.socket, header: bytes) -> str | None:
         """Take one chunk into its reservation; why it was refused (None: written)."""
-        token, first, count, crc = unpack_chunk(header)
+        token, first, count, lo, hi, crc = unpack_chunk(header)
+        num_layers = self.kv_pool.shape[1]
+        hi = num_layers if hi == ALL_LAYERS else hi
         with self._mu:
             entry = self._inbound.get(token) if len(token) == TOKEN_LEN else None
         if entry is None:
             return "no open reservation with this token (ended, cancelled or never made)"
-        if count * self.block_nbytes > max(MAX_CHUNK_BYTES, self.block_nbytes):
+        layer_nbytes = self.block_nbytes // num_layers
+        nbytes = count * max(hi - lo, 0) * layer_nbytes
+        if nbytes > max(MAX_CHUNK_BYTES, self.block_nbytes):
             return f"a chunk of {count} blocks is over the {MAX_CHUNK_BYTES >> 20} MiB limit"
-        why = entry.claim(first, count)
+        why = entry.claim(first, count, lo, hi)
         if why is not None:
             entry.res.end_failed(TransferError(f"tcp transfer: {why}"))
             return why
-        block_shape = tuple(self.kv_pool.shape[1:])
-        buf = self._buffer(count * self.block_nbytes)
+        block_shape = (hi - lo, *self.kv_pool.shape[2:])
+        buf = self._buffer(nbytes)
         view = memoryview(buf.numpy())  # pyright: ignore[reportArgumentType] (ndarray is a buffer)
         if not recv_exact(conn, view):
             raise WireError("connection closed before the chunk's data")
@@ -291,10 +311,10 @@ class TcpReceiver(KVReceiver):
         ids = entry.res.block_ids[first : first + count]
         try:
             with self._on_side_stream():
-                entry.res.write(ids, blocks)
+                entry.res.write(ids, blocks, layers=(lo, hi))
         except TransferError:
             return "the reservation ended (cancelled or failed)"
-        if entry.landed_run(first, count):
+        if entry.landed_run(first, count, lo, hi):
             with contextlib.suppress(TransferError):
                 entry.res.end_done()
         return None

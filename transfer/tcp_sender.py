@@ -47,6 +47,8 @@ _T = TypeVar("_T")
 class _Chunk(NamedTuple):
     first: int  # position in the reservation
     ids: list[int]  # its source blocks
+    lo: int  # its layers: [lo, hi)
+    hi: int
 
     @property
     def num_blocks(self) -> int:
@@ -84,6 +86,10 @@ class TcpSender(KVSender):
 
     @property
     def paths(self) -> tuple[str, ...]:
+        return (TCP,)
+
+    @property
+    def layered_paths(self) -> tuple[str, ...]:
         return (TCP,)
 
     # ---------------------------------------------------------------- peers
@@ -129,21 +135,62 @@ class TcpSender(KVSender):
         reserved id, in its order); returns the bytes sent once the receiver acknowledged every
         chunk (then they are in its pool)."""
         ticket = own_ticket(ticket, self.node_id, TCP)
+        src = check_source_ids(src_block_ids, self.kv_pool.shape[0])
+        if len(src) != len(ticket.block_ids):
+            raise ValueError(f"{len(src)} source blocks for {len(ticket.block_ids)} reserved")
+        return self._send(ticket, 0, src, (0, self.kv_pool.shape[1]), timeout, None)
+
+    def send_part(
+        self,
+        ticket: Ticket | bytes,
+        first: int,
+        src_block_ids: BlockIds,
+        layers: tuple[int, int],
+        *,
+        timeout: float,
+        after: Any = None,
+    ) -> int:
+        """Layers ``[lo, hi)`` of our blocks ``src_block_ids`` into the reservation's positions
+        ``first, first + 1, ...``: one piece of a layer-wise stream (every (block, layer) of the
+        reservation is sent exactly once, in any order; the receiver completes it when all are
+        in). ``after``: a CUDA event the pieces' data is ready at (default: everything queued on
+        the engine's stream so far). Returns the bytes sent once acknowledged."""
+        ticket = own_ticket(ticket, self.node_id, TCP)
+        src = check_source_ids(src_block_ids, self.kv_pool.shape[0])
+        if first < 0 or first + len(src) > len(ticket.block_ids):
+            raise ValueError(
+                f"positions {first}..{first + len(src)} are outside the reservation of "
+                f"{len(ticket.block_ids)}"
+            )
+        lo, hi = layers
+        if not 0 <= lo < hi <= self.kv_pool.shape[1]:
+            raise ValueError(f"layers {lo}..{hi} are not a range of the pool's layers")
+        return self._send(ticket, first, src, (lo, hi), timeout, after)
+
+    def _send(
+        self,
+        ticket: Ticket,
+        first: int,
+        src: list[int],
+        layers: tuple[int, int],
+        timeout: float,
+        after: Any,
+    ) -> int:
         peer_id = ticket.receiver_id
         with self._mu:
             address = self._peers.get(peer_id)
         if address is None:
             raise NotConnected(f"no tcp connection to {peer_id!r}: connect first")
-        src = check_source_ids(src_block_ids, self.kv_pool.shape[0])
-        if len(src) != len(ticket.block_ids):
-            raise ValueError(f"{len(src)} source blocks for {len(ticket.block_ids)} reserved")
         if not src:
             return 0
         deadline = time.monotonic() + timeout
         if self._stream is not None:  # the blocks' KV is written (the engine's stream)
             with torch.cuda.device(self.kv_pool.device):
-                self._stream.wait_stream(torch.cuda.current_stream(self.kv_pool.device))
-        chunks = self._chunks(src)
+                if after is not None:
+                    self._stream.wait_event(after)
+                else:
+                    self._stream.wait_stream(torch.cuda.current_stream(self.kv_pool.device))
+        chunks = self._chunks(first, src, *layers)
         lanes = [chunks[i :: self.streams] for i in range(min(self.streams, len(chunks)))]
         futures = [
             self._workers.submit(self._send_lane, peer_id, address, ticket.token, lane, deadline)
@@ -152,11 +199,16 @@ class TcpSender(KVSender):
         wait(futures)
         for future in futures:
             future.result()  # raises the first lane's failure
-        return len(src) * self.block_nbytes
+        lo, hi = layers
+        return len(src) * (hi - lo) * self.layer_nbytes
 
-    def _chunks(self, src: list[int]) -> list[_Chunk]:
-        per = self.blocks_per_chunk
-        return [_Chunk(first, src[first : first + per]) for first in range(0, len(src), per)]
+    @property
+    def layer_nbytes(self) -> int:
+        return self.block_nbytes // self.kv_pool.shape[1]
+
+    def _chunks(self, first: int, src: list[int], lo: int, hi: int) -> list[_Chunk]:
+        per = max(1, self.blocks_per_chunk * self.kv_pool.shape[1] // (hi - lo))
+        return [_Chunk(first + at, src[at : at + per], lo, hi) for at in range(0, len(src), per)]
 
     def _scratch(self) -> torch.Tensor:
         """A lane's host buffer for one chunk (pinned on CUDA; torch caches and reuses it)."""
@@ -165,9 +217,11 @@ class TcpSender(KVSender):
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
 
     def _fill(self, chunk: _Chunk, scratch: torch.Tensor) -> torch.Tensor:
-        """Gather ``chunk``'s blocks into ``scratch``; returns its bytes."""
+        """Gather ``chunk``'s blocks (its layers) into ``scratch``; returns its bytes."""
         pool = self.kv_pool
-        data = scratch[: chunk.num_blocks * self.block_nbytes]
+        if (chunk.lo, chunk.hi) != (0, pool.shape[1]):
+            pool = pool.narrow(1, chunk.lo, chunk.hi - chunk.lo)
+        data = scratch[: chunk.num_blocks * (chunk.hi - chunk.lo) * self.layer_nbytes]
         index = torch.tensor(chunk.ids, dtype=torch.int64)
         if self._stream is None:
             torch.index_select(pool, 0, index, out=_blocks_of(data, pool))
@@ -192,7 +246,7 @@ class TcpSender(KVSender):
                 view = memoryview(data.numpy())  # pyright: ignore[reportArgumentType] (a buffer)
                 # NOTE: inside TLS every record's AEAD tag checks the data: no CRC (0).
                 crc = 0 if self._tls is not None else checksum(view)
-                header = pack_chunk(token, chunk.first, chunk.num_blocks, crc)
+                header = pack_chunk(token, chunk.first, chunk.num_blocks, crc, chunk.lo, chunk.hi)
                 _io(sock, deadline, sock.sendall, header)
                 _io(sock, deadline, sock.sendall, view)
             for _ in lane:

@@ -13,12 +13,17 @@ import asyncio
 import contextlib
 import json
 import random
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from support.processes import node_stats, start_node, start_router
+from support.processes import (
+    assert_settled,
+    idle_free_blocks,
+    node_stats,
+    start_node,
+    start_router,
+)
 
 from splitserve.client import AsyncClient, Client
 from splitserve.kvstore import hash_request_tokens
@@ -56,30 +61,6 @@ def cluster(tmp_path_factory):
     finally:
         for proc in reversed(procs):
             proc.stop()
-
-
-def settled(nodes, idle: list[int], timeout: float) -> list[tuple[int, int, int]]:
-    """Each node's (free blocks, running, pending transfers), polled until it is (idle, 0, 0)
-    everywhere or ``timeout`` passed."""
-    want = [(free, 0, 0) for free in idle]
-    deadline = time.monotonic() + timeout
-    while True:
-        now = [(s.num_free_blocks, s.running, s.pending_transfers) for s in map(node_stats, nodes)]
-        if now == want or time.monotonic() > deadline:
-            return now
-        time.sleep(0.2)
-
-
-def assert_settled(nodes, idle: list[int], timeout: float = 10) -> None:
-    after = settled(nodes, idle, timeout)
-    report = [(n.address, now) for n, now in zip(nodes, after, strict=True)]
-    assert after == [(free, 0, 0) for free in idle], (idle, report)
-
-
-def idle_free_blocks(nodes) -> list[int]:
-    return [
-        free for free, _, _ in settled(nodes, [node_stats(n).num_free_blocks for n in nodes], 5)
-    ]
 
 
 class Sender:

@@ -1,6 +1,7 @@
 """The tcp path between this process (the receiver) and spawned sender processes: byte-exact
-transfers over several connections and chunks, chunks that are forged, out of range, repeated or
-corrupted, a sender killed half-way through a chunk, and the listener's connection bound
+transfers over several connections and chunks, a reservation filled layer range by layer range
+(a layer-wise stream's pieces), chunks that are forged, out of range, repeated or corrupted, a
+sender killed half-way through a chunk, and the listener's connection bound
 (transfer/tcp_*.py)."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from splitserve.transfer.reservation import block_nbytes
 from splitserve.transfer.tcp_receiver import TcpReceiver
 from splitserve.transfer.tcp_wire import (
     ACK,
+    ALL_LAYERS,
     OK,
     REFUSED,
     WireError,
@@ -72,10 +74,60 @@ def test_tcp_ships_blocks_byte_exact_in_chunks(cluster):
     assert torch.equal(u8(pool[[6, 7]]), u8(SOURCE[[2, 3]]))
 
 
-def raw_chunk(rx, token, first, count, data: bytes, crc=None):
+def test_a_reservation_filled_by_layer_ranges_completes_when_every_layer_is_in(cluster):
+    rx, pool, senders = cluster
+    sender = senders["prefill-0"]
+    layers = SPEC["num_layers"]
+    assert layers >= 2
+    src, dst = [3, 9, 14, 2], [21, 17, 13, 18]
+    before = pool.clone()
+    res = rx.reserve("prefill-0", dst, TCP)
+    ticket = res.ticket.to_bytes()
+    # Layer 0 of every block, then the rest of blocks 2..3, then of blocks 0..1.
+    assert sender.call("send_part", ticket, 0, src, (0, 1), 10.0) == len(src) * NBYTES // layers
+    assert res.state == "reserved"
+    with pytest.raises(TransferError, match="before every tcp chunk"):
+        rx.finish(res)  # a sender that stops half way: Incomplete
+    res = rx.reserve("prefill-0", dst, TCP)
+    ticket = res.ticket.to_bytes()
+    sender.call("send_part", ticket, 0, src, (0, 1), 10.0)
+    sender.call("send_part", ticket, 2, src[2:], (1, layers), 10.0)
+    assert res.state == "reserved"
+    assert torch.equal(u8(pool[dst[2:]]), u8(SOURCE[src[2:]]))
+    sender.call("send_part", ticket, 0, src[:2], (1, layers), 10.0)
+    rx.finish(res)
+    assert res.state == "done" and torch.equal(u8(pool[dst]), u8(SOURCE[src]))
+    rest = [i for i in range(SPEC["num_blocks"]) if i not in dst]
+    assert torch.equal(u8(pool[rest]), u8(before[rest]))
+    # A layer sent twice fails the reservation; a range outside the pool's is refused.
+    res = rx.reserve("prefill-0", dst[:1], TCP)
+    ticket = res.ticket.to_bytes()
+    sender.call("send_part", ticket, 0, src[:1], (0, 1), 10.0)
+    with pytest.raises(RuntimeError, match="sent twice"):
+        sender.call("send_part", ticket, 0, src[:1], (0, layers), 10.0)
+    assert res.state == "failed"
+    with pytest.raises(RuntimeError, match="not a range"):
+        sender.call("send_part", ticket, 0, src[:1], (1, layers + 1), 10.0)
+    # The sender still ships whole blocks afterwards.
+    res, _ = ship(rx, sender, [5, 6], [6, 7])
+    assert torch.equal(u8(pool[[6, 7]]), u8(SOURCE[[5, 6]]))
+
+
+def test_a_forged_layer_range_is_refused(cluster):
+    rx, _, _ = cluster
+    layers = SPEC["num_layers"]
+    res = rx.reserve("someone", [5, 6], TCP)
+    block = bytes(u8(SOURCE[3]).reshape(-1).numpy())
+    with pytest.raises(WireError, match="outside the pool"):
+        raw_chunk(rx, res.ticket.token, 0, 1, block, lo=layers, hi=layers + 1)
+    assert res.state == "failed"
+
+
+def raw_chunk(rx, token, first, count, data: bytes, crc=None, lo=0, hi=ALL_LAYERS):
     """Send one chunk by hand; the receiver's ack (WireError if refused)."""
+    crc = checksum(data) if crc is None else crc
     with socket.create_connection(("127.0.0.1", rx.endpoint().tcp.port), timeout=5) as sock:
-        sock.sendall(pack_chunk(token, first, count, checksum(data) if crc is None else crc))
+        sock.sendall(pack_chunk(token, first, count, crc, lo, hi))
         sock.sendall(data)
         read_ack(sock)
 

@@ -128,6 +128,8 @@ def sender_main(
                 t0 = time.perf_counter()
                 nbytes = tx.send(args[0], args[1], timeout=args[2])
                 result = (nbytes, time.perf_counter() - t0)
+            elif cmd == "send_part":  # (ticket, first, src, (lo, hi), timeout)
+                result = tx.send_part(args[0], args[1], args[2], tuple(args[3]), timeout=args[4])
             elif cmd == "send_header_then":
                 ticket = Ticket.from_bytes(args[0])
                 dist_sender = parts[DIST]

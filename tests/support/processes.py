@@ -245,3 +245,27 @@ def scrape_metrics(port: int) -> dict[str, float]:
             name, _, value = line.rpartition(" ")
             samples[name] = float(value)
     return samples
+
+
+def settled(nodes, idle: list[int], timeout: float) -> list[tuple[int, int, int]]:
+    """Each node's (free blocks, running, pending transfers), polled until it is (idle, 0, 0)
+    everywhere or ``timeout`` passed."""
+    want = [(free, 0, 0) for free in idle]
+    deadline = time.monotonic() + timeout
+    while True:
+        now = [(s.num_free_blocks, s.running, s.pending_transfers) for s in map(node_stats, nodes)]
+        if now == want or time.monotonic() > deadline:
+            return now
+        time.sleep(0.2)
+
+
+def assert_settled(nodes, idle: list[int], timeout: float = 10) -> None:
+    after = settled(nodes, idle, timeout)
+    report = [(n.address, now) for n, now in zip(nodes, after, strict=True)]
+    assert after == [(free, 0, 0) for free in idle], (idle, report)
+
+
+def idle_free_blocks(nodes) -> list[int]:
+    return [
+        free for free, _, _ in settled(nodes, [node_stats(n).num_free_blocks for n in nodes], 5)
+    ]

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from splitserve.v1 import common_pb2 as splitserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19splitserve/v1/nodes.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\"\xc6\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x05 \x01(\t\x12\x14\n\x0cpeer_address\x18\x06 \x01(\t\x12\x13\n\x0bpeer_blocks\x18\x07 \x01(\r\"\xcc\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x15\n\rfirst_logprob\x18\x02 \x01(\x02\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x16\n\x0e\x62locks_shipped\x18\x05 \x01(\r\x12\x15\n\rblocks_reused\x18\x06 \x01(\r\x12\x15\n\rbytes_shipped\x18\x07 \x01(\x04\x12\x16\n\x0e\x62locks_fetched\x18\x08 \x01(\r\"\xc7\x01\n\x12\x46\x65tchBlocksRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x17\n\x0fmodel_root_hash\x18\x02 \x01(\x0c\x12\x14\n\x0c\x62lock_nbytes\x18\x03 \x01(\r\x12\x19\n\x11receiver_endpoint\x18\x04 \x01(\x0c\x12\x0e\n\x06ticket\x18\x05 \x01(\x0c\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\r\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\x08 \x01(\r\"\xa3\x01\n\x11TransferKVRequest\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1d.splitserve.v1.TransferHeaderH\x00\x12*\n\x06\x62locks\x18\x02 \x01(\x0b\x32\x18.splitserve.v1.BlockDataH\x00\x12)\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x1a.splitserve.v1.TransferEndH\x00\x42\x06\n\x04kind\"\xb3\x02\n\x0eTransferHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x17\n\x0fmodel_root_hash\x18\x05 \x01(\x0c\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x14\n\x0c\x62lock_nbytes\x18\x08 \x01(\r\x12\x12\n\ndeadline_s\x18\t \x01(\x01\x12\x11\n\tsender_id\x18\n \x01(\t\x12\x15\n\rtransfer_path\x18\x0b \x01(\t\x12\x13\n\x0breceiver_id\x18\x0c \x01(\t\"\'\n\tBlockData\x12\x0c\n\x04meta\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\r\n\x0bTransferEnd\"]\n\x13\x46\x65tchBlocksResponse\x12\x0c\n\x04meta\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x13\n\x0b\x62locks_sent\x18\x03 \x01(\r\x12\x15\n\rtransfer_path\x18\x04 \x01(\t\"Z\n\x12TransferKVResponse\x12\x0f\n\x07missing\x18\x01 \x03(\r\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x12\x15\n\rblocks_reused\x18\x03 \x01(\r\x12\x0e\n\x06ticket\x18\x04 \x01(\x0c\"#\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x8a\x01\n\x15GenerateOnNodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"c\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"\x11\n\x0fGetStatsRequest\"\x99\x04\n\x10GetStatsResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x04 \x01(\r\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\x19\n\x11pending_transfers\x18\x07 \x01(\r\x12?\n\x08\x63ounters\x18\x08 \x03(\x0b\x32-.splitserve.v1.GetStatsResponse.CountersEntry\x12\x17\n\x0fmodel_root_hash\x18\t \x01(\x0c\x12\x16\n\x0emodel_identity\x18\n \x01(\t\x12\x1e\n\x16prefill_tokens_waiting\x18\x0b \x01(\x04\x12\x19\n\x11transfer_endpoint\x18\x0c \x01(\x0c\x12\x14\n\x0cmax_num_seqs\x18\r \x01(\r\x12\x1b\n\x0ekv_tokens_held\x18\x0e \x01(\x04H\x00\x88\x01\x01\x12\x1b\n\x0ekv_token_slots\x18\x0f \x01(\x04H\x01\x88\x01\x01\x12\x1e\n\x16max_num_batched_tokens\x18\x10 \x01(\r\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x11\n\x0f_kv_tokens_heldB\x11\n\x0f_kv_token_slots2\xb6\x01\n\x12PrefillNodeService\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12V\n\x0b\x46\x65tchBlocks\x12!.splitserve.v1.FetchBlocksRequest\x1a\".splitserve.v1.FetchBlocksResponse0\x01\x32\xd0\x02\n\x11\x44\x65\x63odeNodeService\x12U\n\nTransferKV\x12 .splitserve.v1.TransferKVRequest\x1a!.splitserve.v1.TransferKVResponse(\x01\x30\x01\x12G\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x1d.splitserve.v1.DecodeResponse0\x01\x12Q\n\x08Generate\x12$.splitserve.v1.GenerateOnNodeRequest\x1a\x1d.splitserve.v1.DecodeResponse0\x01\x12H\n\x07Release\x12\x1d.splitserve.v1.ReleaseRequest\x1a\x1e.splitserve.v1.ReleaseResponse2_\n\x10NodeStatsService\x12K\n\x08GetStats\x12\x1e.splitserve.v1.GetStatsRequest\x1a\x1f.splitserve.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19splitserve/v1/nodes.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\"\xc6\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x05 \x01(\t\x12\x14\n\x0cpeer_address\x18\x06 \x01(\t\x12\x13\n\x0bpeer_blocks\x18\x07 \x01(\r\"\xcc\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x15\n\rfirst_logprob\x18\x02 \x01(\x02\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x16\n\x0e\x62locks_shipped\x18\x05 \x01(\r\x12\x15\n\rblocks_reused\x18\x06 \x01(\r\x12\x15\n\rbytes_shipped\x18\x07 \x01(\x04\x12\x16\n\x0e\x62locks_fetched\x18\x08 \x01(\r\"\xc7\x01\n\x12\x46\x65tchBlocksRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x17\n\x0fmodel_root_hash\x18\x02 \x01(\x0c\x12\x14\n\x0c\x62lock_nbytes\x18\x03 \x01(\r\x12\x19\n\x11receiver_endpoint\x18\x04 \x01(\x0c\x12\x0e\n\x06ticket\x18\x05 \x01(\x0c\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\r\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\x08 \x01(\r\"\xa3\x01\n\x11TransferKVRequest\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1d.splitserve.v1.TransferHeaderH\x00\x12*\n\x06\x62locks\x18\x02 \x01(\x0b\x32\x18.splitserve.v1.BlockDataH\x00\x12)\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x1a.splitserve.v1.TransferEndH\x00\x42\x06\n\x04kind\"\xcf\x02\n\x0eTransferHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x17\n\x0fmodel_root_hash\x18\x05 \x01(\x0c\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x14\n\x0c\x62lock_nbytes\x18\x08 \x01(\r\x12\x12\n\ndeadline_s\x18\t \x01(\x01\x12\x11\n\tsender_id\x18\n \x01(\t\x12\x15\n\rtransfer_path\x18\x0b \x01(\t\x12\x13\n\x0breceiver_id\x18\x0c \x01(\t\x12\x1a\n\x12\x66irst_token_at_end\x18\r \x01(\x08\"\'\n\tBlockData\x12\x0c\n\x04meta\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"%\n\x0bTransferEnd\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\"]\n\x13\x46\x65tchBlocksResponse\x12\x0c\n\x04meta\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x13\n\x0b\x62locks_sent\x18\x03 \x01(\r\x12\x15\n\rtransfer_path\x18\x04 \x01(\t\"Z\n\x12TransferKVResponse\x12\x0f\n\x07missing\x18\x01 \x03(\r\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x12\x15\n\rblocks_reused\x18\x03 \x01(\r\x12\x0e\n\x06ticket\x18\x04 \x01(\x0c\"#\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x8a\x01\n\x15GenerateOnNodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"c\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"\x11\n\x0fGetStatsRequest\"\x99\x04\n\x10GetStatsResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x04 \x01(\r\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\x19\n\x11pending_transfers\x18\x07 \x01(\r\x12?\n\x08\x63ounters\x18\x08 \x03(\x0b\x32-.splitserve.v1.GetStatsResponse.CountersEntry\x12\x17\n\x0fmodel_root_hash\x18\t \x01(\x0c\x12\x16\n\x0emodel_identity\x18\n \x01(\t\x12\x1e\n\x16prefill_tokens_waiting\x18\x0b \x01(\x04\x12\x19\n\x11transfer_endpoint\x18\x0c \x01(\x0c\x12\x14\n\x0cmax_num_seqs\x18\r \x01(\r\x12\x1b\n\x0ekv_tokens_held\x18\x0e \x01(\x04H\x00\x88\x01\x01\x12\x1b\n\x0ekv_token_slots\x18\x0f \x01(\x04H\x01\x88\x01\x01\x12\x1e\n\x16max_num_batched_tokens\x18\x10 \x01(\r\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x11\n\x0f_kv_tokens_heldB\x11\n\x0f_kv_token_slots2\xb6\x01\n\x12PrefillNodeService\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12V\n\x0b\x46\x65tchBlocks\x12!.splitserve.v1.FetchBlocksRequest\x1a\".splitserve.v1.FetchBlocksResponse0\x01\x32\xd0\x02\n\x11\x44\x65\x63odeNodeService\x12U\n\nTransferKV\x12 .splitserve.v1.TransferKVRequest\x1a!.splitserve.v1.TransferKVResponse(\x01\x30\x01\x12G\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x1d.splitserve.v1.DecodeResponse0\x01\x12Q\n\x08Generate\x12$.splitserve.v1.GenerateOnNodeRequest\x1a\x1d.splitserve.v1.DecodeResponse0\x01\x12H\n\x07Release\x12\x1d.splitserve.v1.ReleaseRequest\x1a\x1e.splitserve.v1.ReleaseResponse2_\n\x10NodeStatsService\x12K\n\x08GetStats\x12\x1e.splitserve.v1.GetStatsRequest\x1a\x1f.splitserve.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,35 +43,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRANSFERKVREQUEST']._serialized_start=683
   _globals['_TRANSFERKVREQUEST']._serialized_end=846
   _globals['_TRANSFERHEADER']._serialized_start=849
-  _globals['_TRANSFERHEADER']._serialized_end=1156
-  _globals['_BLOCKDATA']._serialized_start=1158
-  _globals['_BLOCKDATA']._serialized_end=1197
-  _globals['_TRANSFEREND']._serialized_start=1199
-  _globals['_TRANSFEREND']._serialized_end=1212
-  _globals['_FETCHBLOCKSRESPONSE']._serialized_start=1214
-  _globals['_FETCHBLOCKSRESPONSE']._serialized_end=1307
-  _globals['_TRANSFERKVRESPONSE']._serialized_start=1309
-  _globals['_TRANSFERKVRESPONSE']._serialized_end=1399
-  _globals['_DECODEREQUEST']._serialized_start=1401
-  _globals['_DECODEREQUEST']._serialized_end=1436
-  _globals['_GENERATEONNODEREQUEST']._serialized_start=1439
-  _globals['_GENERATEONNODEREQUEST']._serialized_end=1577
-  _globals['_RELEASEREQUEST']._serialized_start=1579
-  _globals['_RELEASEREQUEST']._serialized_end=1615
-  _globals['_RELEASERESPONSE']._serialized_start=1617
-  _globals['_RELEASERESPONSE']._serialized_end=1652
-  _globals['_DECODERESPONSE']._serialized_start=1654
-  _globals['_DECODERESPONSE']._serialized_end=1753
-  _globals['_GETSTATSREQUEST']._serialized_start=1755
-  _globals['_GETSTATSREQUEST']._serialized_end=1772
-  _globals['_GETSTATSRESPONSE']._serialized_start=1775
-  _globals['_GETSTATSRESPONSE']._serialized_end=2312
-  _globals['_GETSTATSRESPONSE_COUNTERSENTRY']._serialized_start=2227
-  _globals['_GETSTATSRESPONSE_COUNTERSENTRY']._serialized_end=2274
-  _globals['_PREFILLNODESERVICE']._serialized_start=2315
-  _globals['_PREFILLNODESERVICE']._serialized_end=2497
-  _globals['_DECODENODESERVICE']._serialized_start=2500
-  _globals['_DECODENODESERVICE']._serialized_end=2836
-  _globals['_NODESTATSSERVICE']._serialized_start=2838
-  _globals['_NODESTATSSERVICE']._serialized_end=2933
+  _globals['_TRANSFERHEADER']._serialized_end=1184
+  _globals['_BLOCKDATA']._serialized_start=1186
+  _globals['_BLOCKDATA']._serialized_end=1225
+  _globals['_TRANSFEREND']._serialized_start=1227
+  _globals['_TRANSFEREND']._serialized_end=1264
+  _globals['_FETCHBLOCKSRESPONSE']._serialized_start=1266
+  _globals['_FETCHBLOCKSRESPONSE']._serialized_end=1359
+  _globals['_TRANSFERKVRESPONSE']._serialized_start=1361
+  _globals['_TRANSFERKVRESPONSE']._serialized_end=1451
+  _globals['_DECODEREQUEST']._serialized_start=1453
+  _globals['_DECODEREQUEST']._serialized_end=1488
+  _globals['_GENERATEONNODEREQUEST']._serialized_start=1491
+  _globals['_GENERATEONNODEREQUEST']._serialized_end=1629
+  _globals['_RELEASEREQUEST']._serialized_start=1631
+  _globals['_RELEASEREQUEST']._serialized_end=1667
+  _globals['_RELEASERESPONSE']._serialized_start=1669
+  _globals['_RELEASERESPONSE']._serialized_end=1704
+  _globals['_DECODERESPONSE']._serialized_start=1706
+  _globals['_DECODERESPONSE']._serialized_end=1805
+  _globals['_GETSTATSREQUEST']._serialized_start=1807
+  _globals['_GETSTATSREQUEST']._serialized_end=1824
+  _globals['_GETSTATSRESPONSE']._serialized_start=1827
+  _globals['_GETSTATSRESPONSE']._serialized_end=2364
+  _globals['_GETSTATSRESPONSE_COUNTERSENTRY']._serialized_start=2279
+  _globals['_GETSTATSRESPONSE_COUNTERSENTRY']._serialized_end=2326
+  _globals['_PREFILLNODESERVICE']._serialized_start=2367
+  _globals['_PREFILLNODESERVICE']._serialized_end=2549
+  _globals['_DECODENODESERVICE']._serialized_start=2552
+  _globals['_DECODENODESERVICE']._serialized_end=2888
+  _globals['_NODESTATSSERVICE']._serialized_start=2890
+  _globals['_NODESTATSSERVICE']._serialized_end=2985
 # @@protoc_insertion_point(module_scope)

@@ -76,7 +76,7 @@ class TransferKVRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[TransferHeader, _Mapping]] = ..., blocks: _Optional[_Union[BlockData, _Mapping]] = ..., end: _Optional[_Union[TransferEnd, _Mapping]] = ...) -> None: ...
 
 class TransferHeader(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "block_hashes", "model_root_hash", "sampling", "cache_salt", "block_nbytes", "deadline_s", "sender_id", "transfer_path", "receiver_id")
+    __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "block_hashes", "model_root_hash", "sampling", "cache_salt", "block_nbytes", "deadline_s", "sender_id", "transfer_path", "receiver_id", "first_token_at_end")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class TransferHeader(_message.Message):
     SENDER_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_PATH_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_AT_END_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token_id: int
@@ -101,7 +102,8 @@ class TransferHeader(_message.Message):
     sender_id: str
     transfer_path: str
     receiver_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., model_root_hash: _Optional[bytes] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., block_nbytes: _Optional[int] = ..., deadline_s: _Optional[float] = ..., sender_id: _Optional[str] = ..., transfer_path: _Optional[str] = ..., receiver_id: _Optional[str] = ...) -> None: ...
+    first_token_at_end: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., model_root_hash: _Optional[bytes] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., block_nbytes: _Optional[int] = ..., deadline_s: _Optional[float] = ..., sender_id: _Optional[str] = ..., transfer_path: _Optional[str] = ..., receiver_id: _Optional[str] = ..., first_token_at_end: _Optional[bool] = ...) -> None: ...
 
 class BlockData(_message.Message):
     __slots__ = ("meta", "data")
@@ -112,8 +114,10 @@ class BlockData(_message.Message):
     def __init__(self, meta: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class TransferEnd(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("first_token_id",)
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    first_token_id: int
+    def __init__(self, first_token_id: _Optional[int] = ...) -> None: ...
 
 class FetchBlocksResponse(_message.Message):
     __slots__ = ("meta", "data", "blocks_sent", "transfer_path")
