@@ -85,19 +85,26 @@ def main() -> None:
     for name in paths:
         path, _, mode = name.partition(":")
         stream = ("--kv-stream-min-tokens", "1" if mode == "stream" else "0")
-        spec = ClusterSpec(
-            model_path=str(model),
-            num_prefill=1,
-            num_decode=1,
-            port=free_port(),
-            device=args.device,
-            node_args=(*node_args, "--kv-transfer", path, *stream),
-            prefix_index=False,
-        )
-        with LocalCluster(spec) as cluster:
-            times = asyncio.run(workload(cluster.addresses.router, prompts, args.gen))
-            counters = decode_counters(cluster.addresses.decode[0])
-            streamed = decode_counters(cluster.addresses.prefill[0]).get("transfers_streamed", 0)
+        for attempt in (1, 2):  # (a node may take the router's port, chosen before they start)
+            spec = ClusterSpec(
+                model_path=str(model),
+                num_prefill=1,
+                num_decode=1,
+                port=free_port(),
+                device=args.device,
+                node_args=(*node_args, "--kv-transfer", path, *stream),
+                prefix_index=False,
+            )
+            try:
+                with LocalCluster(spec) as cluster:
+                    times = asyncio.run(workload(cluster.addresses.router, prompts, args.gen))
+                    counters = decode_counters(cluster.addresses.decode[0])
+                    prefill = decode_counters(cluster.addresses.prefill[0])
+                break
+            except RuntimeError as exc:
+                if attempt == 2 or "while starting" not in str(exc):
+                    raise
+        streamed = prefill.get("transfers_streamed", 0)
         rows[name] = dict(
             ttft_mean_s=statistics.mean(times),
             ttft_median_s=statistics.median(times),

@@ -312,11 +312,17 @@ class NodeEngine(ABC):
         another node's blocks is never left running behind a cancelled caller."""
 
     @abstractmethod
-    async def tx_stream(
+    async def tx_stream_open(
         self, side: str, ticket: bytes, request_id: str, block_index: list[int], timeout: float
-    ) -> int:
-        """Fill a receiver's reservation (on a ``tx_layered`` path) with the request's blocks
-        ``block_index`` (indices into its blocks, one per reserved position) layer by layer as
-        its prefill writes them (``engine.layer_stream``); bytes moved, once all are in. Call it
-        any time after ``add_request``: blocks already complete go at once. To the end, like
-        ``tx_send``; it fails (``StreamFailed``) when the request ends without its prefill."""
+    ) -> None:
+        """Have the engine fill a receiver's reservation (on a ``tx_layered`` path) with the
+        request's blocks ``block_index`` (indices into its blocks, one per reserved position),
+        layer by layer as its prefill writes them (``engine.layer_stream``). Call it before
+        ``add_request`` (after, blocks already complete go at once, but a prompt of one step may
+        be computed before the stream is there); ``abort`` ends a stream whose request never
+        came. ``ValueError``: no stream on this side, or the request has one."""
+
+    @abstractmethod
+    async def tx_stream_wait(self, side: str, request_id: str) -> int:
+        """The end of the request's stream: bytes moved, once all are in. To the end, like
+        ``tx_send``; ``StreamFailed`` when the request ended without its prefill."""

@@ -361,7 +361,10 @@ class EngineClient(NodeEngine):
     ) -> int:
         return await self._call_to_end("tx_send", side, ticket, src_block_ids, timeout)
 
-    async def tx_stream(
+    async def tx_stream_open(
         self, side: str, ticket: bytes, request_id: str, block_index: list[int], timeout: float
-    ) -> int:
-        return await self._call_to_end("tx_stream", side, ticket, request_id, block_index, timeout)
+    ) -> None:
+        await self._call("tx_stream_open", side, ticket, request_id, block_index, timeout)
+
+    async def tx_stream_wait(self, side: str, request_id: str) -> int:
+        return await self._call_to_end("tx_stream_wait", side, request_id)

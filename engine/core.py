@@ -209,6 +209,8 @@ class LLMEngine:
         req = Request(request_id, prompt, params, cache_salt, generator, token_ids=list(prompt))
         self.requests[request_id] = req
         self.scheduler.add_waiting(req)
+        if self.layer_streams is not None:  # a stream opened for it before: from its first step
+            self.layer_streams.attach(request_id, req.epoch, [], 0, len(prompt), False)
         return req
 
     def add_transferred(
@@ -248,31 +250,24 @@ class LLMEngine:
     ) -> Future:
         """Stream the request's blocks ``index`` (per reserved position of ``ticket``) into a
         decode node's reservation as its prefill writes them (``engine.layer_stream``); the
-        future holds the bytes sent. Engine thread, between steps."""
+        future holds the bytes sent. Engine thread, between steps; best before ``add_request``
+        (the stream then sees every step of the prefill). A request never added fails it when
+        aborted."""
         streams = self.layer_streams
         if streams is None:
             raise ValueError("this engine streams no KV (no layer-wise transfer path is open)")
+        future = streams.open(request_id, ticket, index, timeout)
         req = self.requests.get(request_id)
-        held = self.held.get(request_id)
-        prompt_len = len((req or held).prompt_token_ids) if (req or held) else 0
         if req is not None:
-            return streams.open(
-                request_id,
-                ticket,
-                index,
-                timeout,
-                req.epoch,
-                self.kv.get_block_ids(request_id),
-                req.num_computed_tokens,
-                prompt_len,
-                req.num_computed_tokens >= prompt_len,
-            )
-        if held is not None:
+            computed = req.num_computed_tokens
+            prompt_len = len(req.prompt_token_ids)
             ids = self.kv.get_block_ids(request_id)
-            return streams.open(
-                request_id, ticket, index, timeout, held.epoch, ids, prompt_len, prompt_len, True
-            )
-        return streams.open(request_id, ticket, index, timeout, 0, None, 0, 0, True)
+            streams.attach(request_id, req.epoch, ids, computed, prompt_len, computed >= prompt_len)
+        elif (held := self.held.get(request_id)) is not None:
+            prompt_len = len(held.prompt_token_ids)
+            ids = self.kv.get_block_ids(request_id)
+            streams.attach(request_id, held.epoch, ids, prompt_len, prompt_len, True)
+        return future
 
     def abort_soon(self, request_id: str) -> None:
         """Mark a request to be aborted at the top of the next step, before it schedules (safe

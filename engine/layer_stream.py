@@ -4,8 +4,10 @@ after it.
 
 A stream is one request's reservation on a decode node (its ticket) and, per reserved position,
 the index of the request's block that fills it. It is opened on the engine thread, between steps
-(``LLMEngine.open_stream``): the blocks already complete then (a cached prefix, the chunks
-computed before) are queued whole at once. Each later step that completes some of its blocks
+(``LLMEngine.open_stream``), best before the request is added (a prompt that fits one step would
+otherwise be computed before its stream is there): it is attached when the request joins the
+engine; the blocks already complete then (a cached prefix, chunks computed before) are queued
+whole at once. Each later step that completes some of its blocks
 (the chunk's full blocks; the tail with the prompt's last chunk) has the model call back after
 every layer (``StepHook.layer_done``): the step's pieces of that layer are queued behind a CUDA
 event recorded there (on a CPU the layer is written when the callback runs). One sender thread per
@@ -86,42 +88,52 @@ class LayerStreams:
         self.block_size = block_size
         self.cuda = cuda
         self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._pending: dict[str, _Stream] = {}  # opened before their request was added
         self._queue: queue.SimpleQueue[_Piece | _End | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kv-layer-stream", daemon=True)
         self._thread.start()
 
     def __bool__(self) -> bool:
-        return bool(self._streams)
+        return bool(self._streams or self._pending)
 
     # ------------------------------------------------------------------ engine thread
 
-    def open(
+    def open(self, request_id: str, ticket: bytes, index: Sequence[int], timeout: float) -> Future:
+        """Register a stream for the request (engine thread), before it is added (the engine
+        then ``attach``es it in ``add_request``, before any step can compute it) or after
+        (``attach`` at once). ``ValueError``: the request has a stream already."""
+        if request_id in self._streams or request_id in self._pending:
+            raise ValueError(f"request {request_id} already has a stream")
+        index = list(index)
+        if len(set(index)) != len(index) or any(b < 0 for b in index):
+            raise ValueError("the block indices are repeated or negative")
+        stream = _Stream(request_id, ticket, index, time.monotonic() + timeout, 0)
+        self._pending[request_id] = stream
+        return stream.future
+
+    def attach(
         self,
         request_id: str,
-        ticket: bytes,
-        index: Sequence[int],
-        timeout: float,
         epoch: int,
-        block_ids: Sequence[int] | None,
+        block_ids: Sequence[int],
         complete_tokens: int,
         prompt_len: int,
         prefill_done: bool,
-    ) -> Future:
-        """Start a stream (engine thread). ``block_ids``: the request's blocks now (None: it is
-        not in the engine: the stream fails); ``complete_tokens``: its prompt tokens whose KV is
-        written or queued on the device; ``prefill_done``: no step of its prefill is left."""
-        if request_id in self._streams:
-            raise ValueError(f"request {request_id} already has a stream")
-        stream = _Stream(request_id, ticket, list(index), time.monotonic() + timeout, epoch)
-        if block_ids is None:
-            stream.future.set_exception(
-                StreamFailed(f"request {request_id} is not in the engine (ended or never added)")
-            )
-            return stream.future
+    ) -> None:
+        """The request of a registered stream is in the engine (engine thread; nothing if it
+        has no stream waiting): ``block_ids`` its blocks now, ``complete_tokens`` its prompt
+        tokens whose KV is written or queued on the device, ``prefill_done``: no step of its
+        prefill is left. The blocks complete now are queued whole."""
+        stream = self._pending.pop(request_id, None)
+        if stream is None:
+            return
         num_blocks = -(-prompt_len // self.block_size)
-        bad = [b for b in stream.index if not 0 <= b < num_blocks]
-        if bad or len(set(stream.index)) != len(stream.index):
-            raise ValueError(f"block indices {bad[:8] or 'repeated'} are not the prompt's")
+        bad = [b for b in stream.index if b >= num_blocks]
+        if bad:
+            why = f"block indices {bad[:8]} are not the prompt's ({num_blocks} blocks)"
+            stream.future.set_exception(StreamFailed(f"request {request_id}: {why}"))
+            return
+        stream.epoch = epoch
         stream.todo = set(range(len(stream.index)))
         self._streams[request_id] = stream
         ready = self._completed(stream, complete_tokens, prompt_len)
@@ -131,7 +143,6 @@ class LayerStreams:
             )
         if prefill_done:
             self._end(stream)
-        return stream.future
 
     def before_step(self, rows: Sequence[StepRow]) -> StepHook | None:
         """A step is about to be launched (engine thread): its hook (None: no stream has a piece
@@ -160,12 +171,12 @@ class LayerStreams:
 
     def drop(self, request_id: str, why: str) -> None:
         """The request ended without its prefill (engine thread): its stream fails."""
-        stream = self._streams.pop(request_id, None)
+        stream = self._streams.pop(request_id, None) or self._pending.pop(request_id, None)
         if stream is not None:
             self._queue.put(_End(stream, StreamFailed(f"request {request_id}: {why}")))
 
     def close(self) -> None:
-        for request_id in list(self._streams):
+        for request_id in [*self._streams, *self._pending]:
             self.drop(request_id, "the engine stopped")
         self._queue.put(None)
 

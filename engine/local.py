@@ -12,6 +12,7 @@ process when it has no engine process (``--engine-process off``: tests, a CPU no
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
@@ -86,6 +87,8 @@ class LocalEngine(NodeEngine):
         self._sides: dict[str, Any] = {}  # RX/TX/FETCH_TX → transfer.KVReceiver / KVSender
         self._reservations: dict[int, Any] = {}  # res id → transfer.Reservation
         self._pins: dict[int, list] = {}  # pin id → pinned KVCacheBlocks
+        # request id → its layer-wise stream's future (tx_stream_open; dropped by its end)
+        self._streams: dict[str, concurrent.futures.Future] = {}
         self._ids = itertools.count(1)
         self._stopped = False
 
@@ -130,6 +133,9 @@ class LocalEngine(NodeEngine):
 
     async def abort(self, request_id: str) -> None:
         await self.loop_engine.abort(request_id)
+        stream = self._streams.get(request_id)
+        if stream is not None and stream.done():  # (its end was never asked for)
+            self._streams.pop(request_id, None)
 
     async def end_request(self, request_id: str) -> bool:
         self.core.abort_soon(request_id)
@@ -329,15 +335,24 @@ class LocalEngine(NodeEngine):
         send = functools.partial(tx.send, ticket, src_block_ids, timeout=timeout)
         return await settle(asyncio.get_running_loop().run_in_executor(None, send))
 
-    async def tx_stream(
+    async def tx_stream_open(
         self, side: str, ticket: bytes, request_id: str, block_index: list[int], timeout: float
-    ) -> int:
+    ) -> None:
         if side != TX or self.core.layer_streams is None:
             raise ValueError(f"this engine streams no KV on its {side} side")
-        opened = await self.loop_engine.call(
+        self._streams[request_id] = await self.loop_engine.call(
             self.core.open_stream, request_id, ticket, block_index, timeout
         )
-        return await settle(asyncio.wrap_future(opened))
+
+    async def tx_stream_wait(self, side: str, request_id: str) -> int:
+        future = self._streams.get(request_id) if side == TX else None
+        if future is None:
+            raise ValueError(f"no KV stream of request {request_id} on the {side} side")
+        try:
+            return await settle(asyncio.wrap_future(future))
+        finally:
+            if future.done():
+                self._streams.pop(request_id, None)
 
 
 def engine_figures(core: LLMEngine, counters: dict[str, float] | None = None) -> EngineFigures:

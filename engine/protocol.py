@@ -83,7 +83,8 @@ COMMANDS = frozenset(
         "tx_connect",
         "tx_close",
         "tx_send",
-        "tx_stream",
+        "tx_stream_open",
+        "tx_stream_wait",
         "stop",
     }
 )

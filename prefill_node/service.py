@@ -134,12 +134,12 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
         first: asyncio.Future[tuple[int, list[int]] | None]
         first = asyncio.get_running_loop().create_future()
         try:
-            started = await self._add(rid, prompt, params, salt, context)
             if self.shipper.may_stream(len(prompt)):
                 # The KV leaves as the forward writes it: the transfer runs under the prefill.
-                streaming = asyncio.create_task(
-                    self.shipper.ship_streamed(request, prompt, first, context.time_remaining())
-                )
+                # The decode node's reservation and the engine's stream come first, so the
+                # stream sees every step of the prefill.
+                streaming = await self._open_stream(request, prompt, first, context)
+            started = await self._add(rid, prompt, params, salt, context)
             out, facts = await self._first(prompt, started, queue, context)
             response = nodes_pb2.PrefillResponse(
                 first_token_id=out.new_token_id,
@@ -177,6 +177,24 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
             if streaming is not None and not streaming.done():
                 with contextlib.suppress(BaseException):
                     await streaming  # (settles once the engine dropped the stream)
+
+    async def _open_stream(
+        self,
+        request: nodes_pb2.PrefillRequest,
+        prompt: list[int],
+        first: asyncio.Future[tuple[int, list[int]] | None],
+        context: grpc.aio.ServicerContext,
+    ) -> asyncio.Task[Shipped | None] | None:
+        """The task that ends a stream opened for the request (None: it ships after its
+        prefill); a decode node that cannot take it ends the call before anything is computed."""
+        try:
+            opened = await self.shipper.open_stream(request, prompt, context.time_remaining())
+        except ShipError as exc:
+            await context.abort(exc.code(), exc.details())
+            raise  # (abort raised already)
+        if opened is None:
+            return None
+        return asyncio.create_task(self.shipper.finish_stream(opened, request.request_id, first))
 
     async def _streamed(
         self, streaming: asyncio.Task[Shipped | None], context: grpc.aio.ServicerContext

@@ -95,6 +95,17 @@ class _Stream:
         self.call.cancel()
 
 
+class OpenStream(NamedTuple):
+    """A shipment opened before its prefill (``KVShipper.open_stream``)."""
+
+    stream: _Stream
+    address: str
+    path: str
+    num_hashes: int
+    missing: int
+    t0: float
+
+
 class KVShipper:
     def __init__(
         self,
@@ -181,44 +192,30 @@ class KVShipper:
     # ------------------------------------------------------------------ layer-wise streams
 
     def may_stream(self, prompt_len: int) -> bool:
-        """Whether a prompt this long may ship while it is computed (``ship_streamed``)."""
+        """Whether a prompt this long may ship while it is computed (``open_stream``)."""
         return (
             0 < self.stream_min_tokens <= prompt_len
             and bool(self.sender_id)
             and bool(self.engine.kv.tx_layered)
         )
 
-    async def ship_streamed(
-        self,
-        request: nodes_pb2.PrefillRequest,
-        prompt: list[int],
-        first: asyncio.Future[tuple[int, list[int]] | None],
-        timeout: float | None,
-    ) -> Shipped | None:
-        """Ship the prompt's KV into the decode node while the prefill computes it: started
-        right after ``add_request``, on a layered path the blocks go layer by layer as the
-        forward writes them (``NodeEngine.tx_stream``); the first token follows in TransferEnd.
-        ``first``: set by the caller to (first token, the request's block ids) at its first
-        output, to None when the request ended there (nothing to ship: returns None), cancelled
-        when the prefill failed. Where the pair's path cannot stream (or the decode node
-        declines it) the blocks go after the prefill, as ``ship`` sends them."""
+    async def open_stream(
+        self, request: nodes_pb2.PrefillRequest, prompt: list[int], timeout: float | None
+    ) -> OpenStream | None:
+        """Before the request is added to the engine: the decode node's reservation and the
+        engine's stream of its blocks into it (``NodeEngine.tx_stream_open``), so the blocks
+        leave layer by layer as the prefill writes them; ``finish_stream`` ends it. None: the
+        pair's path cannot stream, or the decode node declined it (the request ships after its
+        prefill, ``ship``); ``ShipError``: the decode node cannot take it (nothing computed)."""
         address = request.decode_address
         path, receiver_id = await self._transfer_path(address)
-        salt = request.cache_salt or None
-        hashes = list(
-            map(
-                BlockHash,
-                await asyncio.to_thread(
-                    hash_request_tokens, prompt, self.block_size, self.root, salt
-                ),
-            )
-        )
         if path not in self.engine.kv.tx_layered:
-            got = await first
-            if got is None:
-                return None
-            token, ids = got
-            return await self.ship(request, prompt, hashes, ids, token, timeout)
+            return None
+        salt = request.cache_salt or None
+        chain = await asyncio.to_thread(
+            hash_request_tokens, prompt, self.block_size, self.root, salt
+        )
+        hashes = list(map(BlockHash, chain))
         header = self._header(request, prompt, 0, hashes, path, receiver_id)
         header.first_token_at_end = True
         stream = _Stream(
@@ -229,22 +226,51 @@ class KVShipper:
             reply = await stream.read(
                 grpc.StatusCode.UNAVAILABLE, "decode node closed the transfer"
             )
+            if not reply.ticket:  # declined (it restarted?): bytes after the prefill instead
+                stream.abandon()
+                self._routes.pop(address, None)
+                return None
             missing = list(reply.missing)
             tail = [len(hashes)] if len(prompt) % self.block_size else []
-            if reply.ticket:
-                index = missing + tail
-                nbytes = await self._stream_through_layer(
-                    address, path, reply.ticket, request.request_id, index, timeout
-                )
-                got = await first
-            else:  # declined (it restarted?): bytes once the prefill is done
-                self._routes.pop(address, None)
-                got = await first
-                if got is not None:
-                    ids = got[1]
-                    end = [ids[len(hashes)]] if tail else []
-                    nbytes = await self._send_bytes(stream, missing, ids, end)
-            if got is None:  # it ended at its first token: the reservation is let go
+            await self.engine.tx_stream_open(
+                TX, reply.ticket, request.request_id, missing + tail, timeout or self.deadline_s
+            )
+        except (grpc.aio.AioRpcError, ShipError) as exc:
+            stream.abandon()
+            raise self._failed(address, exc) from None
+        except (TransferLayerError, ValueError) as exc:
+            stream.abandon()
+            self.counters[names.TRANSFERS_FAILED] += 1
+            raise ShipError(grpc.StatusCode.UNAVAILABLE, f"{path} stream failed: {exc}") from None
+        except BaseException:
+            stream.abandon()
+            raise
+        return OpenStream(stream, address, path, len(hashes), len(missing), t0)
+
+    async def finish_stream(
+        self,
+        opened: OpenStream,
+        request_id: str,
+        first: asyncio.Future[tuple[int, list[int]] | None],
+    ) -> Shipped | None:
+        """The end of an ``open_stream`` shipment: the blocks are all in (``tx_stream_wait``),
+        then the first token in TransferEnd and the decode node's confirmation. ``first``: set
+        by the caller to (first token, the request's block ids) at its first output, to None
+        when the request ended there (the reservation is let go: returns None), cancelled when
+        the prefill failed."""
+        stream, address, path = opened.stream, opened.address, opened.path
+        try:
+            try:
+                nbytes = await self.engine.tx_stream_wait(TX, request_id)
+            except (TransferLayerError, ValueError) as exc:
+                if not isinstance(exc, StreamFailed):  # (the request's fault, not the path's)
+                    self._routes.pop(address, None)
+                raise ShipError(
+                    grpc.StatusCode.UNAVAILABLE, f"{path} stream failed: {exc}"
+                ) from None
+            self.counters[names.transfers_via(path)] += 1
+            got = await first
+            if got is None:  # it ended at its first token: nothing to decode
                 stream.abandon()
                 return None
             await self._conclude(stream, got[0])
@@ -255,27 +281,7 @@ class KVShipper:
             stream.abandon()
             raise
         self.counters[names.TRANSFERS_STREAMED] += 1
-        return self._shipped(len(hashes), len(missing), nbytes, t0)
-
-    async def _stream_through_layer(
-        self,
-        address: str,
-        path: str,
-        ticket: bytes,
-        request_id: str,
-        index: list[int],
-        timeout: float | None,
-    ) -> int:
-        try:
-            nbytes = await self.engine.tx_stream(
-                TX, ticket, request_id, index, timeout or self.deadline_s
-            )
-        except (TransferLayerError, ValueError) as exc:
-            if not isinstance(exc, StreamFailed):  # (the request's fault, not the path's)
-                self._routes.pop(address, None)
-            raise ShipError(grpc.StatusCode.UNAVAILABLE, f"{path} stream failed: {exc}") from None
-        self.counters[names.transfers_via(path)] += 1
-        return nbytes
+        return self._shipped(opened.num_hashes, opened.missing, nbytes, opened.t0)
 
     def _header(
         self,

@@ -180,19 +180,36 @@ def test_a_failed_piece_fails_the_stream_and_nothing_more_is_sent(model):
     assert recorder.pieces == []
 
 
-def test_bad_streams_are_refused(model):
+def test_a_stream_opened_before_its_request_sees_a_one_step_prefill_layer_by_layer(model):
+    engine = _engine(model, chunk=128)  # the whole prompt in one step
+    recorder = _attach(engine, 5)
+    spy = engine.layer_streams._queue = Spy(engine.layer_streams._queue)
+    future = engine.open_stream("r", b"ticket", [0, 1, 2, 3, 4], timeout=30)
+    engine.add_request("r", PROMPT, PARAMS)
+    _run(engine)
+    layers = engine.runner.kv_pool.shape[1]
+    assert future.result(timeout=30) == 5 * layers
+    queued = [(w.lo, w.hi) for w in spy.items if isinstance(w, _Piece)]
+    assert queued == [(i, i + 1) for i in range(layers)], queued
+    ids = engine.kv.get_block_ids("r")
+    assert torch.equal(u8(recorder.got), u8(engine.runner.kv_pool[ids]))
+
+
+def test_bad_streams_are_refused_or_fail(model):
     engine = _engine(model)
     _attach(engine, 5)
-    with pytest.raises(StreamFailed, match="not in the engine"):
-        engine.open_stream("nobody", b"ticket", [0], timeout=30).result(timeout=30)
-    engine.add_request("r", PROMPT, PARAMS)
-    with pytest.raises(ValueError, match="not the prompt's"):
-        engine.open_stream("r", b"ticket", [0, 5], timeout=30)  # 70 tokens: blocks 0..4
+    never = engine.open_stream("nobody", b"ticket", [0], timeout=30)
+    engine.abort("nobody")  # its request never came: the node aborts it
+    with pytest.raises(StreamFailed, match="aborted"):
+        never.result(timeout=30)
     with pytest.raises(ValueError, match="repeated"):
         engine.open_stream("r", b"ticket", [1, 1], timeout=30)
-    engine.open_stream("r", b"ticket", [0], timeout=30)
+    engine.add_request("r", PROMPT, PARAMS)
+    with pytest.raises(StreamFailed, match="not the prompt's"):  # 70 tokens: blocks 0..4
+        engine.open_stream("r", b"ticket", [0, 5], timeout=30).result(timeout=30)
+    engine.open_stream("r2", b"ticket", [0], timeout=30)
     with pytest.raises(ValueError, match="already has a stream"):
-        engine.open_stream("r", b"ticket", [1], timeout=30)
+        engine.open_stream("r2", b"ticket", [1], timeout=30)
     plain = _engine(model)
     plain.add_request("r", PROMPT, PARAMS)
     with pytest.raises(ValueError, match="streams no KV"):
