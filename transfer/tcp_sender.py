@@ -207,7 +207,11 @@ class TcpSender(KVSender):
         return self.block_nbytes // self.kv_pool.shape[1]
 
     def _chunks(self, first: int, src: list[int], lo: int, hi: int) -> list[_Chunk]:
+        """At most a chunk's bytes each, and at least one chunk per connection where there
+        are blocks enough (a layer range of many blocks fits one chunk: one connection would
+        carry it alone)."""
         per = max(1, self.blocks_per_chunk * self.kv_pool.shape[1] // (hi - lo))
+        per = max(1, min(per, -(-len(src) // self.streams)))
         return [_Chunk(first + at, src[at : at + per], lo, hi) for at in range(0, len(src), per)]
 
     def _scratch(self) -> torch.Tensor:
