@@ -25,9 +25,9 @@ destination blocks against the source (per-block checksums across the processes)
   memory, 16 MiB CRC-32 checked chunks over 4 loopback connections, one scatter per chunk.
   ``--tls``: each tcp case again inside mutual TLS 1.3 (rows ``tcp+tls``: both processes present
   a certificate of a CA made here with the openssl CLI, as nodes started with ``--tls-*`` do).
-- ``grpc``: the services' byte path over a loopback gRPC stream (``kvstore.codec`` messages of
-  ~4 MB, CRC-32 checked, staged, then one ``write_blocks_bytes``), from the first message until
-  the receiver answered.
+- ``grpc``: the services' byte path over a loopback gRPC stream (``transfer.grpc_bytes.codec``
+  messages of ~4 MB, CRC-32 checked, staged, then one ``write_blocks_bytes``), from the first
+  message until the receiver answered.
 
 Cases that do not fit in memory (host or GPU) are skipped; on CPU the default leaves out 4096
 blocks (8 GiB).

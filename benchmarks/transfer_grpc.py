@@ -1,5 +1,6 @@
-"""The grpc row of benchmarks/transfer.py: the services' byte path (``kvstore.codec`` messages
-over a loopback gRPC stream) from this process's pool into a spawned receiver process's pool."""
+"""The grpc row of benchmarks/transfer.py: the services' byte path
+(``transfer.grpc_bytes.codec`` messages over a loopback gRPC stream) from this process's pool
+into a spawned receiver process's pool."""
 
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ async def _grpc_serve(conn, pool: torch.Tensor) -> None:
     import grpc
 
     from splitserve.kernels.layout import write_blocks_bytes
-    from splitserve.kvstore.codec import decode_blocks
     from splitserve.runtime.server import SERVER_OPTIONS
+    from splitserve.transfer.grpc_bytes.codec import decode_blocks
     from splitserve.v1 import nodes_pb2
 
     nbytes = block_nbytes(pool)
@@ -86,7 +87,7 @@ async def _grpc_serve(conn, pool: torch.Tensor) -> None:
 
 async def grpc_ship(channel, pool: torch.Tensor, src: list[int], dst: list[int]) -> None:
     from splitserve.kernels.layout import read_blocks_bytes
-    from splitserve.kvstore.codec import batch_indices, encode_blocks
+    from splitserve.transfer.grpc_bytes.codec import batch_indices, encode_blocks
     from splitserve.v1 import nodes_pb2
 
     nbytes = block_nbytes(pool)

@@ -7,12 +7,12 @@ engine: ``engine.api.NodeEngine``'s ``rx_*`` commands), of the blocks the engine
 
 Which path a transfer takes is the sender's choice (the header names it) and the layer's
 business: this module only acts on what the reservation says of itself. Blocks that come on the
-stream (``caller_writes``: gRPC bytes) are checked message by message (``kvstore.codec``) and
-written through the reservation; otherwise the sender moves them, and where the layer receives
-them itself (``receive_first``) ``receive`` waits for that. Hashes are registered only
-in ``commit``, once the layer says every block has arrived, so a failed transfer leaves nothing
-findable: its blocks are freed (after the grace the layer asks for when the sender may still have
-a write into them queued).
+stream (``caller_writes``: gRPC bytes) are checked message by message (the byte path's codec,
+``transfer.decode_blocks``) and written through the reservation; otherwise the sender moves
+them, and where the layer receives them itself (``receive_first``) ``receive`` waits for that.
+Hashes are registered only in ``commit``, once the layer says every block has arrived, so a
+failed transfer leaves nothing findable: its blocks are freed (after the grace the layer asks for
+when the sender may still have a write into them queued).
 
 Over 300 lines: one transfer's receiving side (reserve, write or wait, commit or free) with its
 failure paths, kept together so every release is visible beside what it releases.
@@ -36,9 +36,8 @@ from splitserve.decode_node.pending import PendingTable
 from splitserve.engine.api import RX, NodeEngine, Reserved, ResInfo
 from splitserve.engine.loop import settle
 from splitserve.kvstore import BlockHash, ModelIdentity
-from splitserve.kvstore.codec import decode_blocks
 from splitserve.runtime import counter_names as names
-from splitserve.transfer import Incomplete
+from splitserve.transfer import Incomplete, decode_blocks
 from splitserve.transfer import TransferError as TransferLayerError
 
 if TYPE_CHECKING:

@@ -311,7 +311,7 @@ def _merged(batch: list[_Piece | _End]) -> list[_Piece | _End]:
             and last.hi == work.lo
             and (work.event is None or work.event.query())
         ):
-            last.hi, last.event = work.hi, work.event
+            out[-1] = _Piece(last.stream, last.runs, last.lo, work.hi, work.event)
             continue
         out.append(work)
     return out

@@ -40,7 +40,7 @@ from splitserve.engine.loop import AsyncEngine, settle
 from splitserve.kvstore import BlockHash
 from splitserve.kvstore.block_pool import KVCacheEvent
 from splitserve.models.sampling_params import SamplingParams
-from splitserve.transfer.endpoint import GRPC
+from splitserve.transfer import BYTES_ONLY
 
 logger = logging.getLogger(__name__)
 
@@ -220,16 +220,16 @@ class LocalEngine(NodeEngine):
             tls=tls, trust_network=spec.trust_network, rendezvous_key=spec.rendezvous_key
         )
         pool = self.port.kv_pool
-        if self.core.runner.tp.size > 1 and tuple(spec.paths) != (GRPC,):
+        if self.core.runner.tp.size > 1 and tuple(spec.paths) != BYTES_ONLY:
             # NOTE: the ipc, dist and tcp paths move the bytes of one pool tensor; a block of a
             # tensor-parallel engine spans every rank's pool, so only the byte path (whose
             # reads and writes go through the runner, in whole heads) serves it.
             logger.info(
                 "KV transfer: gRPC bytes only at tensor parallel size %d (not %s)",
                 self.core.runner.tp.size,
-                ",".join(p for p in spec.paths if p != GRPC),
+                ",".join(p for p in spec.paths if p not in BYTES_ONLY),
             )
-            spec = dataclasses.replace(spec, paths=(GRPC,))
+            spec = dataclasses.replace(spec, paths=BYTES_ONLY)
         life = uuid.uuid4().hex[:8]  # a new id per process life (see the node servers)
         if spec.role == "decode":
             # Always a receiver: gRPC bytes go through its reservations too.

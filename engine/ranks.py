@@ -151,7 +151,7 @@ def start_ranks(
     gloo; NCCL connects at the first collective). ``pass_fds``: descriptors the ranks inherit
     (the node's GPU locks). ``on_lost(rank, status)``: what to do when a rank goes (default:
     log and exit this process)."""
-    from splitserve.transfer.dist_group import loopback_store, make_group
+    from splitserve.transfer import loopback_store, make_group
 
     store, port = loopback_store(GROUP_TIMEOUT_S)
     spec = dataclasses.replace(spec, store_port=port)
@@ -192,7 +192,7 @@ def run_rank(spec: RankSpec, rank: int) -> None:
 
     from splitserve.models.loader import load_model
     from splitserve.models.runner import ModelRunner, RunnerConfig
-    from splitserve.transfer.dist_group import make_group
+    from splitserve.transfer import make_group
 
     device = torch.device(spec.devices[rank])
     if device.type == "cuda":

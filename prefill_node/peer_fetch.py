@@ -19,12 +19,12 @@ import grpc
 
 from splitserve.engine.api import NodeEngine
 from splitserve.kvstore import BlockHash, hash_request_tokens
-from splitserve.kvstore.codec import batch_indices, decode_blocks, encode_blocks
 from splitserve.prefill_node.channels import Channels
 from splitserve.prefill_node.peer_layer import LayerFetch
 from splitserve.prefill_node.rates import MIN_FETCH_BLOCKS, Rates
 from splitserve.runtime import counter_names as names
 from splitserve.runtime.auth import call_metadata
+from splitserve.transfer import batch_indices, decode_blocks, encode_blocks
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 logger = logging.getLogger(__name__)

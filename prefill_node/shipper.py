@@ -3,7 +3,7 @@
 One ``TransferKV`` stream per request: the header (tokens, block hashes, model identity), the
 decode node's answer (the hashes it lacks, and a ticket when a transfer-layer path was agreed),
 then either the blocks through the transfer layer (the engine's sender, side ``TX``, over whichever
-path it set up) or as ``BlockData`` bytes (``kvstore.codec``, ~4 MB messages), then
+path it set up) or as ``BlockData`` bytes (``transfer.grpc_bytes.codec``, ~4 MB messages), then
 ``TransferEnd`` and the decode node's confirmation. The engine is reached through its
 ``engine.api.NodeEngine`` commands only (it may live in another process): the request's blocks
 are named by the ids its first output brought (``FirstFacts``).
@@ -25,11 +25,10 @@ import grpc
 
 from splitserve.engine.api import TX, NodeEngine
 from splitserve.kvstore import BlockHash, hash_request_tokens
-from splitserve.kvstore.codec import batch_indices, encode_blocks
 from splitserve.prefill_node.channels import Channels
 from splitserve.runtime import counter_names as names
 from splitserve.runtime.auth import call_metadata
-from splitserve.transfer import Endpoint, StreamFailed
+from splitserve.transfer import Endpoint, StreamFailed, batch_indices, encode_blocks
 from splitserve.transfer import TransferError as TransferLayerError
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 

@@ -1,19 +1,22 @@
 """KV block transfer between a prefill node (sender) and a decode node (receiver).
 
-One interface (``KVSender`` / ``KVReceiver``, ``base.py``) that every path implements, four paths
-chosen per pair at handshake (``chooser.py``, the only place a path is picked): ``ipc`` (same
-host, CUDA: the sender writes into the receiver's pool mapped through a CUDA IPC handle),
-``dist`` (torch.distributed point-to-point in a two-rank group per pair: NCCL on CUDA, gloo on
-CPU), ``tcp`` (raw sockets from pinned memory, several connections, CRC-checked chunks) and
-``grpc`` (the byte path: the services' gRPC byte stream, ``kvstore.codec``). A node holds one
-receiver and one sender over all of them (``open_receiver`` / ``open_sender``), guarded by its
-``KVSecurity`` (``security.py``: TLS on tcp, dist between nodes, the rendezvous key).
-See docs/transfer.md and docs/security.md.
+One interface (``KVSender`` / ``KVReceiver``, ``base.py``) that every path implements, five paths,
+each a sub-package, chosen per pair at handshake (``chooser.py``, the only place a path is
+picked): ``ipc`` (same host, CUDA: the sender writes into the receiver's pool mapped through a
+CUDA IPC handle), ``nixl`` (NIXL/UCX one-sided writes, when named), ``dist`` (torch.distributed
+point-to-point in a two-rank group per pair: NCCL on CUDA, gloo on CPU), ``tcp`` (raw sockets
+from pinned memory, several connections, CRC-checked chunks, layer ranges for a layer-wise
+stream) and ``grpc_bytes`` (the byte path: the services' own gRPC stream, whose message codec
+this package hands out: ``encode_blocks``, ``decode_blocks``, ``batch_indices``). A node holds
+one receiver and one sender over all of them (``open_receiver`` / ``open_sender``), guarded by
+its ``KVSecurity`` (``security.py``: TLS on tcp, dist between nodes, the rendezvous key). Code
+outside this package names no path module. See docs/transfer.md and docs/security.md.
 """
 
 from splitserve.transfer.api import NodeReceiver, NodeSender, open_receiver, open_sender
 from splitserve.transfer.base import KVReceiver, KVSender, PathOptions, TransferPath
 from splitserve.transfer.chooser import (
+    BYTES_ONLY,
     FETCH_PATHS,
     PATHS,
     PREFERENCE,
@@ -24,6 +27,7 @@ from splitserve.transfer.chooser import (
     secured_paths,
 )
 from splitserve.transfer.dist import make_pair_group, prepare_backend
+from splitserve.transfer.dist.group import loopback_store, make_group
 from splitserve.transfer.endpoint import (
     DIST,
     GRPC,
@@ -46,11 +50,13 @@ from splitserve.transfer.errors import (
     TransferError,
     TransferTimeout,
 )
-from splitserve.transfer.ipc_handle import IpcHandle, export_pool, open_pool
+from splitserve.transfer.grpc_bytes.codec import batch_indices, decode_blocks, encode_blocks
+from splitserve.transfer.ipc.handle import IpcHandle, export_pool, open_pool
 from splitserve.transfer.reservation import Reservation, Ticket, check_block_ids
 from splitserve.transfer.security import KVSecurity, KVTls, rendezvous_key
 
 __all__ = [
+    "BYTES_ONLY",
     "DIST",
     "FETCH_PATHS",
     "GRPC",
@@ -81,12 +87,17 @@ __all__ = [
     "TransferPath",
     "TransferTimeout",
     "available_backends",
+    "batch_indices",
     "boot_id",
     "check_block_ids",
     "choose_path",
+    "decode_blocks",
+    "encode_blocks",
     "export_pool",
     "fetch_paths",
     "local_endpoint",
+    "loopback_store",
+    "make_group",
     "make_pair_group",
     "open_pool",
     "open_receiver",

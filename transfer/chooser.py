@@ -21,6 +21,10 @@ from splitserve.transfer.base import KVReceiver, KVSender, PathOptions, Transfer
 from splitserve.transfer.endpoint import DIST, GRPC, IPC, NIXL, TCP, Endpoint
 from splitserve.transfer.security import KVSecurity
 
+# The paths of a node whose blocks only the byte path can carry (a tensor-parallel engine's span
+# every rank's pool; the other paths move one pool tensor).
+BYTES_ONLY: tuple[str, ...] = (GRPC,)
+
 PREFERENCE: tuple[TransferPath, ...] = (
     ipc.PATH,  # same host, CUDA: the sender copies into the receiver's mapped pool
     nixl.PATH,  # NIXL one-sided WRITEs (UCX: RDMA, shared memory, TCP), when installed

@@ -46,12 +46,12 @@ class DistAddress:
     host: str
     port: int
     backend: str
-    gated: bool = False  # the store sits behind a gate that requires the cluster token (dist_gate)
+    gated: bool = False  # the store sits behind a gate that requires the cluster token (dist.gate)
 
 
 @dataclass(frozen=True, slots=True)
 class TcpAddress:
-    """Where a receiver's tcp listener accepts chunks (``transfer.tcp_wire``)."""
+    """Where a receiver's tcp listener accepts chunks (``transfer.tcp.wire``)."""
 
     host: str
     port: int

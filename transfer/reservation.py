@@ -172,7 +172,7 @@ class Ticket:
 
 class Reservation:
     """Destination blocks of one transfer on the receiver. Made by a receiver's ``reserve``; a
-    path that keeps more per transfer subclasses it (``dist_channel.DistReservation``,
+    path that keeps more per transfer subclasses it (``dist.channel.DistReservation``,
     ``grpc_bytes.BytesReservation``).
 
     Two facts of its path that callers act on (``transfer.base`` says how):

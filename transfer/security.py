@@ -5,7 +5,7 @@ One ``KVSecurity`` per node, built at its start from its ``--tls-*`` files, ``--
 and cluster token (``runtime.node.kv_spec``; built in ``engine.local``), passed to
 ``open_receiver`` / ``open_sender``.
 Which paths that leaves a node is ``chooser.secured_paths``; the tcp path wraps its connections in
-``KVTls``'s contexts; the dist path's rendezvous gate (``dist_gate``) proves ``rendezvous_key``.
+``KVTls``'s contexts; the dist path's rendezvous gate (``dist.gate``) proves ``rendezvous_key``.
 """
 
 from __future__ import annotations

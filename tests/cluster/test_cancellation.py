@@ -27,8 +27,8 @@ from support.processes import (
 
 from splitserve.client import AsyncClient, Client
 from splitserve.kvstore import hash_request_tokens
-from splitserve.kvstore.codec import encode_blocks
 from splitserve.models.tiny import write_random_checkpoint
+from splitserve.transfer.grpc_bytes.codec import encode_blocks
 from splitserve.v1 import common_pb2, nodes_pb2, nodes_pb2_grpc
 
 BS = 16

@@ -10,7 +10,7 @@ import pytest
 from support.processes import start_node
 
 from splitserve.kvstore import ModelIdentity, hash_request_tokens
-from splitserve.kvstore.codec import encode_blocks
+from splitserve.transfer.grpc_bytes.codec import encode_blocks
 from splitserve.v1 import common_pb2, nodes_pb2, nodes_pb2_grpc
 
 BS = 16

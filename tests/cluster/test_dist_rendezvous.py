@@ -1,4 +1,4 @@
-"""The dist rendezvous behind its gate (transfer/dist_gate.py), between this process (a receiver
+"""The dist rendezvous behind its gate (transfer/dist/gate.py), between this process (a receiver
 whose cluster has a token) and spawned senders: the store itself listens on loopback only; torch's
 own store client, junk, a replayed answer, a silent connection and a sender with another token are
 all refused (connection closed) while the pair built through the gate carries on and new senders
@@ -19,9 +19,9 @@ from support.kv_pools import SenderProcess, fill_pool, make_pool
 from support.transfer_common import RECEIVER_SEED, SENDER_SEED, SPEC, u8
 
 from splitserve.transfer import DIST, GRPC, rendezvous_key
-from splitserve.transfer.dist_gate import HELLO, MAC_LEN, NONCE_LEN
-from splitserve.transfer.dist_group import default_host
-from splitserve.transfer.dist_receiver import DistReceiver
+from splitserve.transfer.dist.gate import HELLO, MAC_LEN, NONCE_LEN
+from splitserve.transfer.dist.group import default_host
+from splitserve.transfer.dist.receiver import DistReceiver
 
 TOKEN = secrets.token_urlsafe(24)
 SOURCE = fill_pool(make_pool(**SPEC), SENDER_SEED)
@@ -172,8 +172,8 @@ def test_a_tunnel_stays_open_past_the_handshake_timeout():
 
     from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
-    from splitserve.transfer.dist_gate import Gate, open_tunnel
-    from splitserve.transfer.dist_group import loopback_store
+    from splitserve.transfer.dist.gate import Gate, open_tunnel
+    from splitserve.transfer.dist.group import loopback_store
 
     key = rendezvous_key(TOKEN)
     store, store_port = loopback_store(10.0)

@@ -23,7 +23,7 @@ from support.transfer_common import RECEIVER_SEED, SENDER_SEED, SPEC, u8
 from support.wiretap import Wiretap
 
 from splitserve.transfer import DIST, GRPC, TCP, Endpoint, open_receiver
-from splitserve.transfer.tcp_wire import WireError, checksum, pack_chunk, read_ack
+from splitserve.transfer.tcp.wire import WireError, checksum, pack_chunk, read_ack
 
 pytestmark = pytest.mark.skipif(
     not HAVE_OPENSSL, reason="making test certificates needs the openssl CLI"

@@ -2,7 +2,7 @@
 transfers over several connections and chunks, a reservation filled layer range by layer range
 (a layer-wise stream's pieces), chunks that are forged, out of range, repeated or corrupted, a
 sender killed half-way through a chunk, and the listener's connection bound
-(transfer/tcp_*.py)."""
+(transfer/tcp/)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from support.transfer_common import RECEIVER_SEED, SENDER_SEED, SPEC, u8
 
 from splitserve.transfer import TCP, PeerLost, TransferError, TransferTimeout, open_receiver
 from splitserve.transfer.reservation import block_nbytes
-from splitserve.transfer.tcp_receiver import TcpReceiver
-from splitserve.transfer.tcp_wire import (
+from splitserve.transfer.tcp.receiver import TcpReceiver
+from splitserve.transfer.tcp.wire import (
     ACK,
     ALL_LAYERS,
     OK,

@@ -93,8 +93,8 @@ def sender_main(
     from splitserve.transfer import DIST, Endpoint, PathOptions, Ticket
     from splitserve.transfer.api import NodeSender
     from splitserve.transfer.chooser import PATHS, open_senders
-    from splitserve.transfer.dist_channel import TAG_HEADER, header
-    from splitserve.transfer.dist_sender import DistSender
+    from splitserve.transfer.dist.channel import TAG_HEADER, header
+    from splitserve.transfer.dist.sender import DistSender
 
     if pool_spec.get("device", "cpu").startswith("cuda"):
         torch.cuda.set_device(torch.device(pool_spec["device"]))
@@ -166,9 +166,9 @@ def _send_tcp_half(
     import socket
 
     from splitserve.transfer.reservation import block_nbytes
-    from splitserve.transfer.tcp_receiver import MAX_CHUNK_BYTES
-    from splitserve.transfer.tcp_sender import DEFAULT_CHUNK_BYTES
-    from splitserve.transfer.tcp_wire import checksum, pack_chunk
+    from splitserve.transfer.tcp.receiver import MAX_CHUNK_BYTES
+    from splitserve.transfer.tcp.sender import DEFAULT_CHUNK_BYTES
+    from splitserve.transfer.tcp.wire import checksum, pack_chunk
 
     chunk_bytes = min(tcp_options.get("chunk_bytes", DEFAULT_CHUNK_BYTES), MAX_CHUNK_BYTES)
     first = src[: max(1, chunk_bytes // block_nbytes(pool))]

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from splitserve.transfer.dist_group import check_backend, default_backend, prepare_backend
+from splitserve.transfer.dist.group import check_backend, default_backend, prepare_backend
 from splitserve.transfer.endpoint import DIST
 from splitserve.transfer.errors import ChannelClosed, PeerLost, TransferError, TransferTimeout
 from splitserve.transfer.reservation import Reservation

@@ -1,12 +1,12 @@
 """The tcp path: raw sockets from pinned memory, several connections, CRC-checked chunks — for
 pairs without ipc or NCCL between them (other hosts, CPU senders into CUDA pools, two nodes on
-one GPU with ipc off). ``tcp_wire`` is the wire format, ``tcp_receiver`` (the listener) and
-``tcp_sender`` the two sides; this module declares the path."""
+one GPU with ipc off). ``wire`` is the wire format, ``receiver`` (the listener) and
+``sender`` the two sides; this module declares the path."""
 
 from splitserve.transfer.base import TransferPath
 from splitserve.transfer.endpoint import TCP, Endpoint
-from splitserve.transfer.tcp_receiver import TcpReceiver
-from splitserve.transfer.tcp_sender import TcpSender
+from splitserve.transfer.tcp.receiver import TcpReceiver
+from splitserve.transfer.tcp.sender import TcpSender
 
 
 def reaches(sender: Endpoint, receiver: Endpoint) -> bool:

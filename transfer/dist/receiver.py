@@ -1,7 +1,7 @@
 """The dist path's receiver (decode node) side: hosts the rendezvous store, accepts senders
 (their hello, the layout check, the ack, the pair group) and receives transfers into
 reservations. Protocol: ``transfer.dist``. With a ``rendezvous_key`` (the cluster has a token)
-the store listens on loopback only, behind a ``dist_gate.Gate`` on the advertised address.
+the store listens on loopback only, behind a ``gate.Gate`` on the advertised address.
 
 Over 300 lines: the accepting and the receiving share the channel table and its locking, and
 read best side by side."""
@@ -17,7 +17,7 @@ import msgpack
 import torch
 
 from splitserve.transfer.base import BlockIds, KVReceiver, PathOptions, check_count, check_path
-from splitserve.transfer.dist_channel import (
+from splitserve.transfer.dist.channel import (
     HEADER_LEN,
     MAGIC,
     TAG_DATA,
@@ -28,8 +28,8 @@ from splitserve.transfer.dist_channel import (
     device_guard,
     first_line,
 )
-from splitserve.transfer.dist_gate import Gate
-from splitserve.transfer.dist_group import (
+from splitserve.transfer.dist.gate import Gate
+from splitserve.transfer.dist.group import (
     KEY,
     POLL_S,
     default_host,

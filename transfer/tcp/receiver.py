@@ -1,5 +1,5 @@
 """The tcp path's receiver (decode node) side: a listener; every connection is served by its own
-thread, which takes chunks (``transfer.tcp_wire``) straight into a (pinned) buffer, checks them
+thread, which takes chunks (``transfer.tcp.wire``) straight into a (pinned) buffer, checks them
 and writes them into their reservation's blocks in one scatter each (whole blocks, or a layer range
 of them: a layer-wise stream's chunk).
 
@@ -31,12 +31,12 @@ import time
 import torch
 
 from splitserve.transfer.base import BlockIds, KVReceiver, PathOptions, check_count, check_path
-from splitserve.transfer.dist_group import default_host
+from splitserve.transfer.dist.group import default_host
 from splitserve.transfer.endpoint import TCP, TcpAddress
 from splitserve.transfer.errors import Incomplete, TransferError, TransferTimeout
 from splitserve.transfer.reservation import RESERVED, Reservation, block_nbytes
 from splitserve.transfer.security import KVTls, RefusalLog, listen
-from splitserve.transfer.tcp_wire import (
+from splitserve.transfer.tcp.wire import (
     ALL_LAYERS,
     CHUNK,
     OK,

@@ -27,15 +27,15 @@ killed mid-transfer breaks the connection (``PeerLost``) or stops sending (``Tra
 either way the staging buffer is dropped, the pool is untouched, the channel is torn down on this
 side and every outstanding reservation on it fails. The next ``connect`` builds a new group.
 
-Modules: ``dist_group`` (backends, the pair group, rendezvous store addresses), ``dist_channel``
-(one pair's channel and the header framing), ``dist_receiver`` and ``dist_sender`` (the two
+Modules: ``group`` (backends, the pair group, rendezvous store addresses), ``channel``
+(one pair's channel and the header framing), ``receiver`` and ``sender`` (the two
 sides); this module declares the path (``PATH``).
 """
 
 from splitserve.transfer.base import TransferPath
-from splitserve.transfer.dist_group import make_pair_group, prepare_backend
-from splitserve.transfer.dist_receiver import DistReceiver
-from splitserve.transfer.dist_sender import DistSender
+from splitserve.transfer.dist.group import make_pair_group, prepare_backend
+from splitserve.transfer.dist.receiver import DistReceiver
+from splitserve.transfer.dist.sender import DistSender
 from splitserve.transfer.endpoint import BACKEND_FOR_DEVICE, DIST, Endpoint
 
 

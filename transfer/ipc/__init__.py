@@ -28,7 +28,7 @@ from splitserve.transfer.base import (
 )
 from splitserve.transfer.endpoint import IPC, Endpoint
 from splitserve.transfer.errors import NotConnected
-from splitserve.transfer.ipc_handle import IpcHandle, export_pool, open_pool
+from splitserve.transfer.ipc.handle import IpcHandle, export_pool, open_pool
 from splitserve.transfer.reservation import (
     Ticket,
     block_nbytes,

@@ -37,8 +37,8 @@ from splitserve.transfer.endpoint import TCP, Endpoint, TcpAddress
 from splitserve.transfer.errors import NotConnected, PeerLost, TransferError, TransferTimeout
 from splitserve.transfer.reservation import Ticket, block_nbytes, check_source_ids
 from splitserve.transfer.security import KVTls
-from splitserve.transfer.tcp_receiver import MAX_CHUNK_BYTES
-from splitserve.transfer.tcp_wire import PeerClosed, WireError, checksum, pack_chunk, read_ack
+from splitserve.transfer.tcp.receiver import MAX_CHUNK_BYTES
+from splitserve.transfer.tcp.wire import PeerClosed, WireError, checksum, pack_chunk, read_ack
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 _T = TypeVar("_T")

@@ -1,6 +1,6 @@
 """The byte path (``grpc``): the blocks travel in the caller's own stream — the services' gRPC
-messages (``kvstore.codec``: ~4 MB ``BlockData``, CRC-checked) — and the layer only writes them
-into the receiver's reservation and checks on ``finish`` that every block was written.
+messages (``codec.py`` here: ~4 MB ``BlockData``, CRC-checked) — and the layer only writes
+them into the receiver's reservation and checks on ``finish`` that every block was written.
 
 Every node serves it and it reaches every peer: it is each pair's fallback (``chooser``). Its
 sender moves nothing (``send`` refuses): the caller streams the blocks itself, and the receiver

@@ -1,6 +1,6 @@
 """The dist path's sender (prefill node) side: joins a receiver's rendezvous store on demand,
 builds the pair group and sends header + blocks. Protocol: ``transfer.dist``. A receiver whose
-store is gated (the cluster has a token) is joined through ``dist_gate.open_tunnel``."""
+store is gated (the cluster has a token) is joined through ``gate.open_tunnel``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import msgpack
 import torch
 
 from splitserve.transfer.base import BlockIds, KVSender, PathOptions, as_endpoint, own_ticket
-from splitserve.transfer.dist_channel import (
+from splitserve.transfer.dist.channel import (
     TAG_DATA,
     TAG_HEADER,
     Channel,
@@ -22,8 +22,8 @@ from splitserve.transfer.dist_channel import (
     first_line,
     header,
 )
-from splitserve.transfer.dist_gate import open_tunnel
-from splitserve.transfer.dist_group import (
+from splitserve.transfer.dist.gate import open_tunnel
+from splitserve.transfer.dist.group import (
     KEY,
     local_address_towards,
     make_pair_group,
