@@ -158,7 +158,8 @@ def start_ranks(
     text = json.dumps(dataclasses.asdict(spec))
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "splitserve.engine.ranks", text, str(rank)],
+            # (-P: no working directory on sys.path: splitserve.launcher says why)
+            [sys.executable, "-P", "-m", "splitserve.engine.ranks", text, str(rank)],
             stdin=subprocess.PIPE,
             pass_fds=pass_fds,
         )

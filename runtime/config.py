@@ -9,7 +9,7 @@ import ipaddress
 import socket
 from dataclasses import dataclass
 
-from splitserve.kvstore.hashing import DEFAULT_BLOCK_SIZE
+from splitserve.kvstore.hashing import DEFAULT_BLOCK_SIZE, ModelIdentity, canonical_dtype
 from splitserve.runtime.options import option
 from splitserve.runtime.slo import SLO_SYNTAX, Slo
 
@@ -74,6 +74,29 @@ _AUTH_HELP = (
     "a file holding the cluster token: internal calls must carry it (authorization: Bearer) "
     "and this process sends it on its own (default: none, internal services open)"
 )
+
+
+def check_cuda_dtype(model_path: str, dtype: str | None) -> None:
+    """``ValueError`` when a node on CUDA would serve float32 (``dtype``, or the checkpoint's own
+    when None), which the Triton kernels do not take: said when the options are parsed, not
+    after the weights load."""
+    if dtype is not None:
+        if canonical_dtype(dtype) == "float32":
+            raise ValueError(
+                "--dtype float32 on CUDA: the kernels take float16 and bfloat16; use --dtype "
+                "bfloat16 (and give the router the same --dtype)"
+            )
+        return
+    try:
+        stored = ModelIdentity.for_checkpoint(model_path).dtype
+    except ValueError:
+        return  # not a checkpoint folder: loading it says why
+    if stored == "float32":
+        raise ValueError(
+            f"{model_path} is stored in float32, which the CUDA kernels do not take: start every "
+            "component (the router too) with --dtype bfloat16 (or float16); `splitserve up "
+            "--device cuda` picks bfloat16 by itself"
+        )
 
 
 @dataclass(frozen=True, slots=True)

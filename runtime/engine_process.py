@@ -48,7 +48,8 @@ async def spawn_engine(config: NodeConfig, role: str) -> Any:
 
     locks = gpus.held_locks()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "splitserve.runtime.engine_process", *map(str, fds)],
+        # (-P: no working directory on sys.path, whose folders could shadow packages: launcher)
+        [sys.executable, "-P", "-m", "splitserve.runtime.engine_process", *map(str, fds)],
         # The node's GPU locks go with it: held while either process lives (a node restarted
         # by its supervisor cannot claim a GPU an engine process still holds memory on); it
         # hands them on to its tensor-parallel ranks (engine.ranks) in turn.

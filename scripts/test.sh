@@ -6,6 +6,10 @@
 # on 2 cores). The layers are described in tests/conftest.py.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# Python puts the working directory first on sys.path for `python -m`: the checkout's top-level
+# folders (kernels/, models/, ...) would then shadow installed packages of the same name (e.g.
+# the `kernels` package transformers >= 5.25 imports). Off here and in every child process.
+export PYTHONSAFEPATH=1
 if [[ "${1:-}" == "--fast" ]]; then
     shift
     .venv/bin/ruff check .

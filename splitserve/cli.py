@@ -75,6 +75,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         return _error(str(exc), 2)
     try:
         from splitserve.runtime.auth import read_token_file
+        from splitserve.runtime.config import check_cuda_dtype
         from splitserve.runtime.node import (
             check_kv_tls,
             transfer_paths,
@@ -92,6 +93,8 @@ def cmd_node(args: argparse.Namespace) -> int:
         # After the GPU claim: it fixes what CUDA sees. With an engine process only that process
         # makes the device current (a CUDA context here would hold GPU memory for nothing).
         use_device(config.device, make_current=not uses_engine_process(config))
+        if config.device.startswith("cuda"):  # (a device that is not there is said first)
+            check_cuda_dtype(config.model_path, config.dtype)
     except ValueError as exc:
         return _error(str(exc), 2)
     if args.command == "prefill":
@@ -169,6 +172,24 @@ def up_node_args(args: argparse.Namespace) -> list[str]:
     return node_args
 
 
+def serving_dtype(path: str, device: str, dtype: str | None) -> str | None:
+    """The dtype ``up`` serves checkpoint ``path`` in on ``device``: ``dtype`` as given, except
+    that on CUDA a float32 checkpoint without one is served in bfloat16 (vLLM's ``auto``; the
+    kernels there take 16-bit types) — every node and the router get it, so the model identity
+    agrees. ``ValueError``: float32 asked for on CUDA."""
+    from splitserve.runtime.config import check_cuda_dtype
+
+    if not device.startswith("cuda"):
+        return dtype
+    try:
+        check_cuda_dtype(path, dtype)
+    except ValueError:
+        if dtype is not None:
+            raise
+        return "bfloat16"
+    return dtype
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     """Start a local cluster (Redis, prefill and decode nodes, router) until Ctrl-C."""
     import signal
@@ -179,6 +200,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     node_args = up_node_args(args)
     try:
         path = model_path(args.model_path)
+        dtype = serving_dtype(path, args.device, args.dtype)
+        if dtype != args.dtype:
+            print(f"{path} is stored in float32: serving it in {dtype} on CUDA", flush=True)
+            node_args += [flag_of(NodeConfig, "dtype"), dtype]
         spec = ClusterSpec(
             **config_kwargs(ClusterSpec, args, model_path=path, node_args=tuple(node_args))
         )

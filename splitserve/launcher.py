@@ -129,7 +129,9 @@ class LocalCluster:
         if role != "router":
             self._started[role] = max(self._started[role], index + 1)
         port_file = self._workdir / f"{name}.port"
-        argv = [sys.executable, "-m", "splitserve.cli", role, "--model", self.spec.model_path]
+        # -P: the working directory is not put on sys.path; run from a checkout, its top-level
+        # folders (kernels/, models/, ...) would shadow installed packages of the same name.
+        argv = [sys.executable, "-P", "-m", "splitserve.cli", role, "--model", self.spec.model_path]
         argv += ["--host", self.spec.host, "--port-file", str(port_file), *extra]
         if self.spec.node_hostnames and role != "router":
             # NOTE: a new UTS namespace gets the new host name before the node starts; the node

@@ -77,6 +77,7 @@ def start_cli(
     cmd = [
         *prefix,
         sys.executable,
+        "-P",  # (no working directory on sys.path: splitserve.launcher says why)
         "-m",
         "splitserve.cli",
         *args,
