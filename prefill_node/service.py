@@ -141,12 +141,14 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
                 streaming = await self._open_stream(request, prompt, first, context)
             started = await self._add(rid, prompt, params, salt, context)
             out, facts = await self._first(prompt, started, queue, context)
+            first_at = time.perf_counter()
             response = nodes_pb2.PrefillResponse(
                 first_token_id=out.new_token_id,
                 first_logprob=out.logprob or 0.0,
                 finish_reason=out.finish_reason or "",
                 cached_tokens=facts.num_cached_tokens,
                 blocks_fetched=fetched,
+                compute_seconds=first_at - started,
             )
             if streaming is not None:
                 assert facts.block_ids is not None  # (checked by _first)
@@ -156,6 +158,8 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
             elif out.finish_reason is None:
                 await self._ship(request, prompt, out.new_token_id, facts, response, context)
                 shipped = True
+            if shipped:  # what the transfer added after the first token
+                response.transfer_seconds = time.perf_counter() - first_at
             return response
         finally:
             if streaming is not None and not streaming.done():
@@ -214,6 +218,7 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
         response.blocks_shipped = shipped.blocks_shipped
         response.blocks_reused = shipped.blocks_reused
         response.bytes_shipped = shipped.bytes_shipped
+        response.transfer_path = shipped.path
         return True
 
     async def _add(
@@ -281,9 +286,7 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
             )
         except ShipError as exc:
             await context.abort(exc.code(), exc.details())
-        response.blocks_shipped = shipped.blocks_shipped
-        response.blocks_reused = shipped.blocks_reused
-        response.bytes_shipped = shipped.bytes_shipped
+        self._shipped(shipped, response)
 
     # ------------------------------------------------------------------ FetchBlocks, GetStats
 

@@ -40,6 +40,7 @@ CONNECT_WAIT_S = 2.0  # a request waits this long for a transfer path to be set 
 # call (e.g. a decode node that refused the transfer or stopped): the server's own status is
 # lost. Answered as UNAVAILABLE, so the router retries on another pair.
 TRANSPORT_BROKE = "Internal error from Core"
+GRPC_BYTES = "grpc"  # how the figures name the byte stream (the services' own, no layer path)
 
 
 class ShipError(Exception):
@@ -60,6 +61,7 @@ class Shipped(NamedTuple):
     blocks_shipped: int
     blocks_reused: int  # full blocks the decode node already held
     bytes_shipped: int
+    path: str  # the path the blocks took (``grpc``: the byte stream)
 
 
 class _Stream:
@@ -148,12 +150,13 @@ class KVShipper:
         hashes = list(map(BlockHash, block_hashes[: len(prompt) // self.block_size]))
         path, receiver_id = await self._transfer_path(address)
         header = self._header(request, prompt, first_token, hashes, path, receiver_id)
+        path = path or GRPC_BYTES
         stream = _Stream(
             nodes_pb2_grpc.DecodeNodeServiceStub(self.channels.get(address)), header, timeout
         )
         t0 = time.perf_counter()
         try:
-            missing, nbytes = await self._exchange(
+            missing, nbytes, path = await self._exchange(
                 stream, address, block_ids, hashes, len(prompt), path, timeout
             )
         except (grpc.aio.AioRpcError, ShipError) as exc:
@@ -162,15 +165,15 @@ class KVShipper:
         except BaseException:
             stream.abandon()
             raise
-        return self._shipped(len(hashes), missing, nbytes, t0)
+        return self._shipped(len(hashes), missing, nbytes, t0, path)
 
-    def _shipped(self, num_hashes: int, missing: int, nbytes: int, t0: float) -> Shipped:
+    def _shipped(self, num_hashes: int, missing: int, nbytes: int, t0: float, path: str) -> Shipped:
         reused = num_hashes - missing
         self.counters[names.BLOCKS_SHIPPED] += missing
         self.counters[names.BLOCKS_REUSED_ON_DECODE] += reused
         self.counters[names.BYTES_SHIPPED] += nbytes
         self.counters[names.TRANSFER_SECONDS] += time.perf_counter() - t0  # pyright: ignore[reportArgumentType] (seconds: a float)
-        return Shipped(missing, reused, nbytes)
+        return Shipped(missing, reused, nbytes, path)
 
     def _failed(self, address: str, exc: grpc.aio.AioRpcError | ShipError) -> ShipError:
         """The ShipError a failed transfer's call answers with."""
@@ -280,7 +283,7 @@ class KVShipper:
             stream.abandon()
             raise
         self.counters[names.TRANSFERS_STREAMED] += 1
-        return self._shipped(opened.num_hashes, opened.missing, nbytes, opened.t0)
+        return self._shipped(opened.num_hashes, opened.missing, nbytes, opened.t0, path)
 
     def _header(
         self,
@@ -315,8 +318,9 @@ class KVShipper:
         num_tokens: int,
         path: str,
         timeout: float | None,
-    ) -> tuple[int, int]:
-        """The stream after the header; returns (full blocks shipped, bytes shipped)."""
+    ) -> tuple[int, int, str]:
+        """The stream after the header; returns (full blocks shipped, bytes shipped, the path
+        they took)."""
         reply = await stream.read(grpc.StatusCode.UNAVAILABLE, "decode node closed the transfer")
         missing = list(reply.missing)
         # The partial tail block (if any) follows the full ones in the request's blocks.
@@ -328,8 +332,9 @@ class KVShipper:
             if path:  # the decode node declined (it restarted?): look it up afresh next time
                 self._routes.pop(address, None)
             nbytes = await self._send_bytes(stream, missing, ids, tail)
+            path = GRPC_BYTES
         await self._conclude(stream, None)
-        return len(missing), nbytes
+        return len(missing), nbytes, path
 
     async def _conclude(self, stream: _Stream, first_token: int | None) -> None:
         """TransferEnd (with the first token when the header said it comes there), then the

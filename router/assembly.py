@@ -54,7 +54,10 @@ def build_front(
         metrics.prefill_computed_tokens.inc(tokens)
         pressure.computed(tokens)
 
-    decode = DecodeStage(registry)
+    decode = DecodeStage(
+        registry,
+        on_first_decode=metrics.stage_seconds.labels(stage="first_decode", path="").observe,
+    )
     dispatch = Dispatcher(
         registry,
         metrics,

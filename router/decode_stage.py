@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import grpc
@@ -38,8 +38,12 @@ class DecodeStage:
     """Claims slots on decode nodes, opens their streams, owns the background tasks that free
     what an abandoned request left on a node."""
 
-    def __init__(self, registry: NodeRegistry) -> None:
+    def __init__(
+        self, registry: NodeRegistry, on_first_decode: Callable[[float], None] | None = None
+    ) -> None:
         self._registry = registry
+        # Seconds from a Decode call's start to its first tokens (the stage histogram's).
+        self.on_first_decode = on_first_decode
         self._background: set[asyncio.Task[None]] = set()
 
     def claim(self, node: Node, demand: KVDemand | None, node_request_id: str) -> DecodeSession:
@@ -58,7 +62,7 @@ class DecodeStage:
             timeout=max(deadline - time.monotonic(), 0.001),
             metadata=call_metadata(),
         )
-        return DecodeCall(self, node, call, deadline)
+        return DecodeCall(self, node, call, deadline, timed=True)
 
     def open_direct(
         self, node: Node, request: nodes_pb2.GenerateOnNodeRequest, deadline: float
@@ -232,8 +236,10 @@ class DecodeCall:
         call: grpc.aio.UnaryStreamCall,
         deadline: float,
         started: asyncio.Future | None = None,
+        timed: bool = False,
     ) -> None:
         self._stage = stage
+        self._opened = time.monotonic() if timed else None  # a Decode call: its first is timed
         self._node = node
         self._call = call
         self._deadline = deadline
@@ -266,6 +272,9 @@ class DecodeCall:
                 first.add_done_callback(lambda t: t.cancelled() or t.exception())
                 reply = await asyncio.shield(first)
                 self._first_read = None
+                on_first = self._stage.on_first_decode
+                if self._opened is not None and on_first is not None:
+                    on_first(time.monotonic() - self._opened)
             else:
                 reply = await self._call.read()
         except grpc.aio.AioRpcError as exc:

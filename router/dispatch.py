@@ -29,7 +29,7 @@ from splitserve.router.admission import Admission
 from splitserve.router.decode_stage import DecodeStage
 from splitserve.router.direct import DirectStage
 from splitserve.router.errors import GenerateError
-from splitserve.router.first_token import Started, Tried
+from splitserve.router.first_token import FirstToken, Started, Tried
 from splitserve.router.kv_budget import KVDemand
 from splitserve.router.pool import Node, NodePool, prompt_tokens_to_compute
 from splitserve.router.prefill_stage import PrefillStage
@@ -90,7 +90,10 @@ class Dispatcher:
         hashes = None
         if self._lookup is not None:
             hashes = self._lookup.block_hashes(params.prompt_token_ids, params.cache_salt)
+        t0 = time.monotonic()
         cached = await self._cached_blocks(hashes)
+        if self._lookup is not None:
+            self._stage("lookup", time.monotonic() - t0)
         demand = KVDemand.of(
             params.prompt_token_ids,
             params.cache_salt,
@@ -110,7 +113,9 @@ class Dispatcher:
                     await asyncio.sleep(min(0.05 * 2**attempt, max(deadline - time.monotonic(), 0)))
             admitted = None
             if admission is not None:
+                t0 = time.monotonic()
                 admitted = await admission.enter(deadline, demand, work, slo, arrival, client)
+                self._stage("queue", time.monotonic() - t0)
             # NOTE: from here to the claim on D and the stage's acquire of P nothing awaits: the
             # room just found is this request's.
             d = self._choose_decode(tried, cached, demand, tpot_s)
@@ -128,9 +133,11 @@ class Dispatcher:
                 raise GenerateError(
                     grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed in prefill"
                 )
+            t0 = time.monotonic()
             result = await self._attempt(params, (p, d), demand, cached, tried, deadline)
             if not isinstance(result, GenerateError):
                 self._metrics.routes.labels(route=route).inc()
+                self._first_token_stages(result.first, p is not None, time.monotonic() - t0)
                 if admission is None or admitted is None:
                     return result._replace(admitted_at=arrival)
                 admission.first_token(admitted, arrival)
@@ -144,6 +151,20 @@ class Dispatcher:
                 error.message,
             )
         raise error
+
+    def _stage(self, stage: str, seconds: float, path: str = "") -> None:
+        self._metrics.stage_seconds.labels(stage=stage, path=path).observe(seconds)
+
+    def _first_token_stages(self, first: FirstToken, disaggregated: bool, seconds: float) -> None:
+        """The successful attempt's stages: the Prefill call and what P reported of it, or the
+        direct route's Generate up to its first token."""
+        if not disaggregated:
+            self._stage("direct", seconds)
+            return
+        self._stage("prefill", seconds)
+        self._stage("compute", first.compute_s)
+        if first.transfer_path:  # (nothing shipped: it ended at its first token)
+            self._stage("transfer", first.transfer_s, first.transfer_path)
 
     async def _attempt(
         self,

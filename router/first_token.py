@@ -19,6 +19,11 @@ class FirstToken(NamedTuple):
     finish_reason: str  # set: the node that sampled it ended the request there
     cached_tokens: int  # prompt tokens found in the computing node's cache
     computed_tokens: int = 0  # prompt tokens a prefill node computed for it (0: direct route)
+    # As the prefill node reported them (0, "": direct): its engine's time to the first token,
+    # the time the KV transfer added after it, and the path the blocks took.
+    compute_s: float = 0.0
+    transfer_s: float = 0.0
+    transfer_path: str = ""
 
 
 class Started(NamedTuple):

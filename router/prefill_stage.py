@@ -88,6 +88,9 @@ class PrefillStage:
                 finish_reason=response.finish_reason,
                 cached_tokens=response.cached_tokens,
                 computed_tokens=computed,
+                compute_s=response.compute_seconds,
+                transfer_s=response.transfer_seconds,
+                transfer_path=response.transfer_path,
             )
         except grpc.aio.AioRpcError as exc:
             # NOTE: classified while p and d still count this request: a probe may take a while.

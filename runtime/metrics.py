@@ -258,6 +258,18 @@ class RouterMetrics:
             buckets=ERROR_BUCKETS,
             registry=r,
         )
+        self.stage_seconds = Histogram(
+            "splitserve_router_stage_seconds",
+            "Where a request's time to its first token went, stage by stage: "
+            + ", ".join(f"{k} ({v})" for k, v in STAGES.items())
+            + "; path: the KV path of a transfer (ipc, nixl, dist, tcp, grpc), else empty",
+            ["stage", "path"],
+            buckets=STAGE_BUCKETS,
+            registry=r,
+        )
+        for stage in STAGES:
+            if stage != "transfer":
+                self.stage_seconds.labels(stage=stage, path="")
         self.slo_requests = Counter(
             "splitserve_router_slo_requests",
             "Requests that ended with a TTFT or TPOT target, by whether they met every target "
@@ -275,6 +287,35 @@ class RouterMetrics:
         """Export the pools' pressure (``PressureFigures``), read at scrape time."""
         self.registry.register(_PressureCollector(figures))
 
+
+STAGE_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    120,
+)
+# The stages of splitserve_router_stage_seconds, in a request's order.
+STAGES = {
+    "lookup": "the prefix index look-up of the prompt's blocks",
+    "queue": "admission: waiting for a decode node with room",
+    "prefill": "a prefill node's Prefill call: its queue, the prefill and the KV transfer",
+    "compute": "the prefill node's engine, from the request joining it to its first token",
+    "transfer": "what shipping the KV into the decode node added after the first token",
+    "direct": "a decode node prefilling the prompt itself, to its first token",
+    "first_decode": "from a decode node's Decode call to its first token",
+}
 
 REFUSAL_REASONS = {
     "queue_full": "the router's --max-queue requests were already waiting",

@@ -108,7 +108,7 @@ def ship(prompt: list[int], ids: list[int], monkeypatch, **call_options):
 def test_only_the_missing_blocks_and_the_tail_are_sent(monkeypatch):
     prompt = list(range(3 * BS + 5))  # 3 full blocks and a tail
     shipped, shipper, call = ship(prompt, [11, 12, 13, 14], monkeypatch, missing=[0, 2])
-    assert shipped == (2, 1, 3 * NBYTES)  # blocks 0 and 2 and the tail; block 1 reused
+    assert shipped == (2, 1, 3 * NBYTES, "grpc")  # blocks 0 and 2 and the tail; 1 reused
     header = call.received[0].header
     assert header.request_id == "r1" and header.first_token_id == 7
     assert list(header.block_hashes) == hash_request_tokens(prompt, BS, ROOT)[:3]
@@ -127,7 +127,7 @@ def test_only_the_missing_blocks_and_the_tail_are_sent(monkeypatch):
 def test_a_decode_node_holding_every_full_block_gets_only_the_end(monkeypatch):
     prompt = list(range(2 * BS))  # no tail
     shipped, _, call = ship(prompt, [5, 6], monkeypatch, missing=[])
-    assert shipped == (0, 2, 0)
+    assert shipped == (0, 2, 0, "grpc")
     assert [m.WhichOneof("kind") for m in call.received] == ["header", "end"]
 
 
@@ -190,7 +190,7 @@ def test_the_blocks_shipped_are_those_the_first_output_names(tmp_path, monkeypat
 
     shipped, full, tail = asyncio.run(main())
     nbytes = core.kv_port.block_nbytes
-    assert shipped == (2, 1, 3 * nbytes)
+    assert shipped == (2, 1, 3 * nbytes, "grpc")
     (call,) = calls
     header = call.received[0].header
     assert header.request_id == "r1" and list(header.prompt_token_ids) == prompt

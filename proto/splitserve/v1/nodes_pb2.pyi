@@ -26,7 +26,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., decode_address: _Optional[str] = ..., peer_address: _Optional[str] = ..., peer_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_logprob", "finish_reason", "cached_tokens", "blocks_shipped", "blocks_reused", "bytes_shipped", "blocks_fetched")
+    __slots__ = ("first_token_id", "first_logprob", "finish_reason", "cached_tokens", "blocks_shipped", "blocks_reused", "bytes_shipped", "blocks_fetched", "transfer_seconds", "transfer_path", "compute_seconds")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,9 @@ class PrefillResponse(_message.Message):
     BLOCKS_REUSED_FIELD_NUMBER: _ClassVar[int]
     BYTES_SHIPPED_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FETCHED_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_PATH_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_logprob: float
     finish_reason: str
@@ -43,7 +46,10 @@ class PrefillResponse(_message.Message):
     blocks_reused: int
     bytes_shipped: int
     blocks_fetched: int
-    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., blocks_shipped: _Optional[int] = ..., blocks_reused: _Optional[int] = ..., bytes_shipped: _Optional[int] = ..., blocks_fetched: _Optional[int] = ...) -> None: ...
+    transfer_seconds: float
+    transfer_path: str
+    compute_seconds: float
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., blocks_shipped: _Optional[int] = ..., blocks_reused: _Optional[int] = ..., bytes_shipped: _Optional[int] = ..., blocks_fetched: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., transfer_path: _Optional[str] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
 
 class FetchBlocksRequest(_message.Message):
     __slots__ = ("block_hashes", "model_root_hash", "block_nbytes", "receiver_endpoint", "ticket", "prompt_token_ids", "cache_salt", "first_block")
