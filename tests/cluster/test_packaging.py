@@ -5,6 +5,7 @@ load without torch, the wheel installs only the `splitserve` package, stubs gene
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -75,13 +76,16 @@ def test_protoc_with_proto_as_include_root_makes_importable_stubs(tmp_path):
         "assert g.__file__.startswith(sys.argv[1]), g.__file__; "
         "print(n.DESCRIPTOR.package, ' '.join(sorted(n.DESCRIPTOR.services_by_name)))"
     )
-    # From tmp_path, not the checkout: the freshly generated modules are the ones imported.
+    # From tmp_path, not the checkout: the freshly generated modules are the ones imported (the
+    # working directory on sys.path, as a user's script has it: scripts/test.sh turns that off).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
     out = subprocess.run(
         [sys.executable, "-c", "import sys\n" + code, str(tmp_path)],
         capture_output=True,
         text=True,
         check=True,
         cwd=tmp_path,
+        env=env,
     )
     assert out.stdout.split() == [
         "splitserve.v1",
