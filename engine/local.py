@@ -100,13 +100,13 @@ class LocalEngine(NodeEngine):
         if self._stopped:
             return
         self._stopped = True
-        if self.core.layer_streams is not None:
-            self.core.layer_streams.close()
         for side in (RX, TX, FETCH_TX):
             part = self._sides.pop(side, None)
             if part is not None:
                 await asyncio.to_thread(part.shutdown if side == RX else part.close_all)
         await self.loop_engine.stop()
+        if self.core.layer_streams is not None:  # (the engine thread no longer touches them)
+            self.core.layer_streams.close()
         # The steps are over: a tensor-parallel engine's other ranks may go.
         await asyncio.to_thread(self.core.runner.close)
 
@@ -133,9 +133,8 @@ class LocalEngine(NodeEngine):
 
     async def abort(self, request_id: str) -> None:
         await self.loop_engine.abort(request_id)
-        stream = self._streams.get(request_id)
-        if stream is not None and stream.done():  # (its end was never asked for)
-            self._streams.pop(request_id, None)
+        # Its stream (if any) is failed by the abort; a tx_stream_wait under way holds it.
+        self._streams.pop(request_id, None)
 
     async def end_request(self, request_id: str) -> bool:
         self.core.abort_soon(request_id)

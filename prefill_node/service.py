@@ -25,7 +25,7 @@ from splitserve.prefill_node.channels import Channels
 from splitserve.prefill_node.peer_fetch import PeerFetcher
 from splitserve.prefill_node.peer_layer import LayerFetch
 from splitserve.prefill_node.rates import Rates
-from splitserve.prefill_node.shipper import KVShipper, ShipError, Shipped
+from splitserve.prefill_node.shipper import KVShipper, OpenStream, ShipError, Shipped
 from splitserve.runtime import counter_names as names
 from splitserve.runtime.metrics import LoadFigures
 from splitserve.runtime.node import checked_request, failure_code, node_stats
@@ -130,6 +130,7 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
             )
         queue = self.engine.subscribe(rid)
         shipped = False
+        opened: OpenStream | None = None
         streaming: asyncio.Task[Shipped | None] | None = None
         first: asyncio.Future[tuple[int, list[int]] | None]
         first = asyncio.get_running_loop().create_future()
@@ -138,7 +139,9 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
                 # The KV leaves as the forward writes it: the transfer runs under the prefill.
                 # The decode node's reservation and the engine's stream come first, so the
                 # stream sees every step of the prefill.
-                streaming = await self._open_stream(request, prompt, first, context)
+                opened = await self._open_stream(request, prompt, context)
+                if opened is not None:
+                    streaming = asyncio.create_task(self.shipper.finish_stream(opened, rid, first))
             started = await self._add(rid, prompt, params, salt, context)
             out, facts = await self._first(prompt, started, queue, context)
             first_at = time.perf_counter()
@@ -164,9 +167,12 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
         finally:
             if streaming is not None and not streaming.done():
                 # Failed or cancelled before its first token: the stream ends once the request
-                # is aborted below (the engine fails it), and its reservation is let go.
+                # is aborted below (the engine fails it), and its reservation is let go (here
+                # too: a task cancelled before it ran never lets it go itself).
                 first.cancel()
                 streaming.cancel()
+                assert opened is not None
+                opened.stream.abandon()
             self.engine.unsubscribe(rid)
             if not shipped:
                 self.counters[names.PREFILLS_NOT_SHIPPED] += 1
@@ -186,19 +192,15 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
         self,
         request: nodes_pb2.PrefillRequest,
         prompt: list[int],
-        first: asyncio.Future[tuple[int, list[int]] | None],
         context: grpc.aio.ServicerContext,
-    ) -> asyncio.Task[Shipped | None] | None:
-        """The task that ends a stream opened for the request (None: it ships after its
-        prefill); a decode node that cannot take it ends the call before anything is computed."""
+    ) -> OpenStream | None:
+        """A stream opened for the request (None: it ships after its prefill); a decode node
+        that cannot take it ends the call before anything is computed."""
         try:
-            opened = await self.shipper.open_stream(request, prompt, context.time_remaining())
+            return await self.shipper.open_stream(request, prompt, context.time_remaining())
         except ShipError as exc:
             await context.abort(exc.code(), exc.details())
             raise  # (abort raised already)
-        if opened is None:
-            return None
-        return asyncio.create_task(self.shipper.finish_stream(opened, request.request_id, first))
 
     async def _streamed(
         self, streaming: asyncio.Task[Shipped | None], context: grpc.aio.ServicerContext

@@ -136,10 +136,11 @@ class NodeConfig:
         "GPUs, gloo on CPU), tcp (raw sockets); or none",
     )
     kv_stream_min_tokens: int = option(
-        512,
+        0,
         "prefill: a prompt of at least N tokens ships its KV to the decode node while it is "
         "computed, each layer as soon as the forward wrote it, where the pair's path can (tcp); "
-        "its decode blocks are reserved from then on; 0: always after the prefill",
+        "its decode blocks are reserved from then on (0, the default: always after the prefill; "
+        "not yet measured to pay on a GPU, docs/transfer.md)",
     )
     trust_kv_network: bool = option(
         False,
