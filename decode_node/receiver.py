@@ -218,6 +218,12 @@ class Transfer:
         self._released = False
 
     @property
+    def streamed(self) -> bool:
+        """Its sender ships each layer while its prefill runs (the first token comes at the
+        end): the reservation is made before anything is computed."""
+        return self.header.first_token_at_end
+
+    @property
     def path(self) -> str:
         """The transfer path's name ("" before the reservation is made), for counts and logs."""
         return self.res.path if self.res is not None else ""
@@ -249,6 +255,14 @@ class Transfer:
                 grpc.StatusCode.ALREADY_EXISTS, f"request {self.rid!r} is already on this node"
             )
         deadline = None if time_remaining is None else time.monotonic() + time_remaining
+        if self.streamed:
+            # Reserved before its prefill runs: waiting here for another transfer of the same
+            # prefix would serialise same-prefix prefills (a streamed one ends only with its
+            # prefill), and a claim would make the next ones wait on it the same way. It
+            # reserves its own copy of blocks in flight elsewhere; the first registered keeps
+            # the hash, the other copy is recycled unhashed (BlockPool.cache_full_blocks).
+            await self._reserve_blocks(deadline)
+            return
         await inbox.wait_for_receiving(self.hashes, deadline)
         # NOTE: claimed before the reservation's awaits, not after: a transfer of the same prefix
         # arriving meanwhile must wait for this one rather than reserve a second copy of the
@@ -260,6 +274,10 @@ class Transfer:
             if block_hash not in inbox.receiving:
                 inbox.receiving[block_hash] = self._reserving
                 self._claimed.append(block_hash)
+        await self._reserve_blocks(deadline)
+
+    async def _reserve_blocks(self, deadline: float | None) -> None:
+        inbox = self.inbox
         self._owns_blocks = True  # from here on the id's blocks are this transfer's to free
         reserved = await inbox.reserve_blocks(self.rid, self.hashes, len(self.prompt), deadline)
         if self._released:  # released meanwhile (its claims are gone): free what was reserved

@@ -11,8 +11,9 @@ whole at once. Each later step that completes some of its blocks
 (the chunk's full blocks; the tail with the prompt's last chunk) has the model call back after
 every layer (``StepHook.layer_done``): the step's pieces of that layer are queued behind a CUDA
 event recorded there (on a CPU the layer is written when the callback runs). One sender thread per
-engine takes the queue in order, merges the layers of a piece that are already done, and sends
-them with the path's ``send_part`` (only paths that write a layer range: ``KVSender.layered``).
+engine takes the queue in order, merges the layers of a piece that are already done, and hands
+them to the path's ``send_part`` (only paths that write a layer range: ``KVSender.layered``),
+``SENDS_IN_FLIGHT`` sends at a time: one piece's round trip overlaps the next ones'.
 After the request's last prefill step the stream's end is queued: its future then holds the
 bytes sent, once the receiver acknowledged every piece.
 
@@ -29,13 +30,15 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from splitserve.transfer.errors import StreamFailed, TransferError
 
 logger = logging.getLogger(__name__)
+
+SENDS_IN_FLIGHT = 2  # a stream's pieces sent at once (each over the path's own connections)
 
 
 @dataclass(eq=False)
@@ -49,6 +52,8 @@ class _Stream:
     todo: set[int] = field(default_factory=set)  # positions not queued yet
     nbytes: int = 0
     failed: bool = False
+    in_flight: int = 0  # its sends not acknowledged yet
+    end: _End | None = None  # its end, once queued: resolved when nothing is in flight
 
 
 @dataclass(eq=False)
@@ -90,6 +95,12 @@ class LayerStreams:
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._pending: dict[str, _Stream] = {}  # opened before their request was added
         self._queue: queue.SimpleQueue[_Piece | _End | None] = queue.SimpleQueue()
+        # Sends run SENDS_IN_FLIGHT at a time, so that one piece's round trip (gather, wire,
+        # the receiver's write, its acknowledgement) overlaps the next ones: waiting for each
+        # piece in turn left the wire idle between layers.
+        self._sends = ThreadPoolExecutor(SENDS_IN_FLIGHT, thread_name_prefix="kv-layer-send")
+        self._slots = threading.Semaphore(SENDS_IN_FLIGHT)
+        self._mu = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="kv-layer-stream", daemon=True)
         self._thread.start()
 
@@ -211,6 +222,12 @@ class LayerStreams:
     # ------------------------------------------------------------------ sender thread
 
     def _run(self) -> None:
+        try:
+            self._take_queue()
+        finally:
+            self._sends.shutdown(wait=False)
+
+    def _take_queue(self) -> None:
         while (item := self._queue.get()) is not None:
             batch = [item]
             while True:  # what else is queued: layers already done merge into one send
@@ -228,30 +245,70 @@ class LayerStreams:
     def _do(self, work: _Piece | _End) -> None:
         stream = work.stream
         if isinstance(work, _End):
-            if stream.future.done():
+            with self._mu:
+                stream.end = work
+                self._resolve(stream)
+            return
+        for first, src in work.runs:
+            if stream.failed:
                 return
-            if work.error is not None or stream.failed:
-                stream.future.set_exception(work.error or StreamFailed("a piece failed"))
+            left = stream.deadline - time.monotonic()
+            if left <= 0:
+                self._fail(stream, StreamFailed("the stream's deadline passed"))
+                return
+            self._slots.acquire()  # at most SENDS_IN_FLIGHT, over all streams
+            with self._mu:
+                stream.in_flight += 1
+            try:
+                sent = self._sends.submit(
+                    self.sender.send_part,
+                    stream.ticket, first, src, (work.lo, work.hi), timeout=left, after=work.event,
+                )  # fmt: skip
+            except RuntimeError as exc:  # shut down: the engine stopped
+                self._slots.release()
+                with self._mu:
+                    stream.in_flight -= 1
+                self._fail(stream, StreamFailed(str(exc)))
+                return
+            sent.add_done_callback(lambda done, stream=stream: self._sent(stream, done))
+
+    def _sent(self, stream: _Stream, done: Future) -> None:
+        """A send ended (a worker thread): count it, fail the stream on its error."""
+        self._slots.release()
+        exc = done.exception()
+        with self._mu:
+            stream.in_flight -= 1
+            if exc is None:
+                stream.nbytes += done.result()
             else:
-                stream.future.set_result(stream.nbytes)
-            return
-        if stream.failed:
-            return
-        try:
-            for first, src in work.runs:
-                left = stream.deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError("the stream's deadline passed")
-                stream.nbytes += self.sender.send_part(
-                    stream.ticket, first, src, (work.lo, work.hi), timeout=left, after=work.event
-                )
-        except Exception as exc:  # the stream fails; its end (queued later) reports it
-            stream.failed = True
+                self._fail_locked(stream, exc)
+            self._resolve(stream)
+
+    def _fail(self, stream: _Stream, exc: BaseException) -> None:
+        with self._mu:
+            self._fail_locked(stream, exc)
+            self._resolve(stream)
+
+    @staticmethod
+    def _fail_locked(stream: _Stream, exc: BaseException) -> None:
+        if not stream.failed:
             logger.info("layer stream of %s failed: %s", stream.request_id, exc)
-            if not stream.future.done():
-                stream.future.set_exception(
-                    exc if isinstance(exc, TransferError) else StreamFailed(str(exc))
-                )
+        stream.failed = True
+        if not stream.future.done():
+            stream.future.set_exception(
+                exc if isinstance(exc, TransferError) else StreamFailed(str(exc))
+            )
+
+    @staticmethod
+    def _resolve(stream: _Stream) -> None:
+        """The stream's future, once its end is queued and none of its sends is in flight."""
+        end = stream.end
+        if end is None or stream.in_flight or stream.future.done():
+            return
+        if end.error is not None or stream.failed:
+            stream.future.set_exception(end.error or StreamFailed("a piece failed"))
+        else:
+            stream.future.set_result(stream.nbytes)
 
 
 class StepHook:

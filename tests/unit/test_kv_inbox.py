@@ -208,12 +208,12 @@ def test_a_path_the_receiver_cannot_serve_falls_back_to_bytes():
     asyncio.run(main())
 
 
-def _transfer(box: KVInbox, path: str = "tcp") -> Transfer:
+def _transfer(box: KVInbox, path: str = "tcp", rid: str = "r", streamed: bool = False) -> Transfer:
     header = SimpleNamespace(
-        request_id="r", block_hashes=[b"h0", b"h1"], transfer_path=path, receiver_id="decode-0",
-        sender_id="p0",
+        request_id=rid, block_hashes=[b"h0", b"h1"], transfer_path=path, receiver_id="decode-0",
+        sender_id="p0", first_token_at_end=streamed,
     )  # fmt: skip
-    box.in_transfer.add("r")
+    box.in_transfer.add(rid)
     return Transfer(box, header, SamplingParams(), list(range(40)))
 
 
@@ -320,5 +320,31 @@ def test_a_transfer_cancelled_while_the_layer_reserves_still_cancels_the_reserva
             await task
         assert transfer.res is not None and engine.cancelled == [transfer.res.res_id]
         assert engine.freed == ["r"] and not box.receiving
+
+    asyncio.run(main())
+
+
+def test_a_streamed_transfer_neither_waits_for_nor_holds_up_one_of_the_same_prefix():
+    """A streamed transfer is reserved before its prefill runs and ends only with it: a second
+    prompt of the same prefix must not wait in its handshake for the first one's prefill (nor
+    the first for a transfer in flight). Each reserves its own blocks; the engine keeps the
+    first registered copy of a hash."""
+
+    async def main():
+        box, engine = inbox()
+        receiving = _transfer(box, rid="plain")  # an ordinary transfer of the same blocks
+        await receiving.reserve(None)
+        assert set(box.receiving) == {b"h0", b"h1"}
+        first = _transfer(box, rid="s1", streamed=True)
+        await asyncio.wait_for(first.reserve(None), 1)  # does not wait for "plain"
+        second = _transfer(box, rid="s2", streamed=True)
+        await asyncio.wait_for(second.reserve(None), 1)  # nor for "s1"
+        assert first.missing == second.missing == [0, 1]
+        assert box.counters[names.TRANSFERS_WAITED_FOR_SAME_BLOCKS] == 0
+        await receiving.release()
+        assert not box.receiving  # the streamed ones claimed nothing
+        for transfer in (first, second):
+            await transfer.release()
+        assert sorted(engine.freed) == ["plain", "s1", "s2"]
 
     asyncio.run(main())

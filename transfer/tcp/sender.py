@@ -334,7 +334,9 @@ class TcpSender(KVSender):
     def _give_back(self, peer_id: str, sock: socket.socket) -> None:
         with self._mu:
             idle = self._idle.get(peer_id) if peer_id in self._peers else None
-            if idle is not None and len(idle) < self.streams:
+            # Twice the lanes of one send: a layer-wise stream keeps two sends in flight
+            # (engine/layer_stream.py), and connections closed after each would be reopened.
+            if idle is not None and len(idle) < 2 * self.streams:
                 idle.append(sock)
                 return
         _close(sock)
