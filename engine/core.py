@@ -77,6 +77,7 @@ class FirstFacts(NamedTuple):
     num_cached_tokens: int
     block_hashes: list[bytes] | None = None
     block_ids: list[int] | None = None
+    queued_s: float = 0.0  # from its arrival in the engine to the first step that took it
 
 
 class StepOutput(NamedTuple):
@@ -489,13 +490,15 @@ class LLMEngine:
                 self.kv.free(rid)
 
     def _first_facts(self, req: Request) -> FirstFacts:
+        queued = max(req.admitted_at - req.added_at, 0.0) if req.admitted else 0.0
         if not self.prefill_only:
-            return FirstFacts(req.num_cached_tokens)
+            return FirstFacts(req.num_cached_tokens, queued_s=queued)
         full = len(req.prompt_token_ids) // self.block_size
         return FirstFacts(
             req.num_cached_tokens,
             list(req.block_hashes[:full]),
             self.kv.get_block_ids(req.request_id),
+            queued,
         )
 
     def _finish(self, req: Request, reason: str | None) -> None:

@@ -11,6 +11,7 @@ front of the queue, to be recomputed later from its prompt and the tokens it alr
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -44,6 +45,10 @@ class Request:
     num_pending: int = 0
     closing: bool = False
     epoch: int = 0
+    # When it joined the waiting queue and when a step first took it (monotonic clock): its
+    # wait in this engine's queue, reported with its first token (traces).
+    added_at: float = field(default_factory=time.monotonic)
+    admitted_at: float = 0.0
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -227,6 +232,7 @@ class Scheduler:
             if not req.admitted:
                 req.num_cached_tokens = computed.num_computed_tokens
                 req.admitted = True
+                req.admitted_at = time.monotonic()
             req.num_computed_tokens = computed.num_computed_tokens
             self.running.append(req)
             scheduled.append(ScheduledRequest(req, num_new))

@@ -27,6 +27,7 @@ from splitserve.prefill_node.peer_layer import LayerFetch
 from splitserve.prefill_node.rates import Rates
 from splitserve.prefill_node.shipper import KVShipper, OpenStream, ShipError, Shipped
 from splitserve.runtime import counter_names as names
+from splitserve.runtime import tracing
 from splitserve.runtime.metrics import LoadFigures
 from splitserve.runtime.node import checked_request, failure_code, node_stats
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
@@ -102,8 +103,18 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
             )
         self._active += 1
         self._idle.clear()
+        trace = tracing.carrier_of(context.invocation_metadata())
         try:
-            return await self._prefill(request, context)
+            with tracing.span("prefill_node.Prefill", carrier=trace, server=True) as span:
+                if span.is_recording():
+                    span.set_attributes(
+                        {
+                            "splitserve.request_id": request.request_id,
+                            "splitserve.prompt_tokens": len(request.prompt_token_ids),
+                            "splitserve.decode_node": request.decode_address,
+                        }
+                    )
+                return await self._prefill(request, context)
         except ConnectionError as exc:  # engine.protocol.EngineGone: the node exits next
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill node's engine: {exc}")
             raise  # (abort raised already)
@@ -134,6 +145,7 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
         streaming: asyncio.Task[Shipped | None] | None = None
         first: asyncio.Future[tuple[int, list[int]] | None]
         first = asyncio.get_running_loop().create_future()
+        opened_at = time.monotonic()
         try:
             if self.shipper.may_stream(len(prompt)):
                 # The KV leaves as the forward writes it: the transfer runs under the prefill.
@@ -144,7 +156,9 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
                     streaming = asyncio.create_task(self.shipper.finish_stream(opened, rid, first))
             started = await self._add(rid, prompt, params, salt, context)
             out, facts = await self._first(prompt, started, queue, context)
-            first_at = time.perf_counter()
+            first_at, first_mono = time.perf_counter(), time.monotonic()
+            if tracing.enabled():
+                _trace_compute(len(prompt), facts, first_mono - (first_at - started))
             response = nodes_pb2.PrefillResponse(
                 first_token_id=out.new_token_id,
                 first_logprob=out.logprob or 0.0,
@@ -163,6 +177,8 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
                 shipped = True
             if shipped:  # what the transfer added after the first token
                 response.transfer_seconds = time.perf_counter() - first_at
+                if tracing.enabled():  # a stream ran from before the prefill
+                    _trace_transfer(response, opened_at if streaming else first_mono)
             return response
         finally:
             if streaming is not None and not streaming.done():
@@ -322,6 +338,35 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
             _all_counters(self.counters, figures),
             transfer_endpoint=self.engine.kv.fetch_endpoint,
         )
+
+
+def _trace_compute(prompt_len: int, facts: FirstFacts, added: float) -> None:
+    """The request's wait in the engine's queue and its prefill, up to its first token now
+    (``added``: when it joined the engine, ``time.monotonic()``)."""
+    admitted = added + facts.queued_s
+    tracing.record("queue", added, admitted)
+    cached = facts.num_cached_tokens
+    tracing.record(
+        "compute",
+        admitted,
+        time.monotonic(),
+        {"splitserve.computed_tokens": prompt_len - cached, "splitserve.cached_tokens": cached},
+    )
+
+
+def _trace_transfer(response: nodes_pb2.PrefillResponse, began: float) -> None:
+    """The KV transfer into the decode node, from ``began`` until now."""
+    tracing.record(
+        "kv_transfer",
+        began,
+        time.monotonic(),
+        {
+            "splitserve.transfer_path": response.transfer_path,
+            "splitserve.blocks_shipped": response.blocks_shipped,
+            "splitserve.blocks_skipped": response.blocks_reused,
+            "splitserve.bytes": response.bytes_shipped,
+        },
+    )
 
 
 def _all_counters(counters: Counter[str], figures: EngineFigures) -> dict[str, float]:

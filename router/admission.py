@@ -423,7 +423,9 @@ class Admission:
         assert reason in REFUSAL_REASONS, reason
         self._metrics.refused.labels(reason=reason).inc()
         hint = retry_after_hint(retry_after_s)
-        return GenerateError(grpc.StatusCode.RESOURCE_EXHAUSTED, message, retry_after_s=hint)
+        return GenerateError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED, message, retry_after_s=hint, reason=reason
+        )
 
     def _timed_out(self, deadline: float, latest: float, start: float) -> GenerateError:
         now = time.monotonic()

@@ -20,6 +20,7 @@ import logging
 import secrets
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import grpc
 
@@ -37,6 +38,7 @@ from splitserve.router.prefix import PrefixLookup
 from splitserve.router.registry import NodeRegistry
 from splitserve.router.request import GenerateParams
 from splitserve.router.route import DISAGGREGATED, NO_DIRECT, RoutePolicy, choose_route
+from splitserve.runtime import tracing
 from splitserve.runtime.metrics import RouterMetrics
 from splitserve.runtime.slo import Slo
 
@@ -93,7 +95,10 @@ class Dispatcher:
         t0 = time.monotonic()
         cached = await self._cached_blocks(hashes)
         if self._lookup is not None:
-            self._stage("lookup", time.monotonic() - t0)
+            t1 = time.monotonic()
+            self._stage("lookup", t1 - t0)
+            most = max(cached.values(), default=0)
+            tracing.record("lookup", t0, t1, {"splitserve.most_cached_blocks": most})
         demand = KVDemand.of(
             params.prompt_token_ids,
             params.cache_salt,
@@ -114,8 +119,15 @@ class Dispatcher:
             admitted = None
             if admission is not None:
                 t0 = time.monotonic()
-                admitted = await admission.enter(deadline, demand, work, slo, arrival, client)
-                self._stage("queue", time.monotonic() - t0)
+                try:
+                    admitted = await admission.enter(deadline, demand, work, slo, arrival, client)
+                except GenerateError as exc:  # refused: the reason goes in the trace
+                    why = {"splitserve.refusal_reason": exc.reason} if exc.reason else None
+                    tracing.record("admission", t0, time.monotonic(), why, exc.message)
+                    raise
+                t1 = time.monotonic()
+                self._stage("queue", t1 - t0)
+                tracing.record("admission", t0, t1, {"splitserve.attempt": attempt})
             # NOTE: from here to the claim on D and the stage's acquire of P nothing awaits: the
             # room just found is this request's.
             d = self._choose_decode(tried, cached, demand, tpot_s)
@@ -134,7 +146,13 @@ class Dispatcher:
                     grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed in prefill"
                 )
             t0 = time.monotonic()
-            result = await self._attempt(params, (p, d), demand, cached, tried, deadline)
+            if tracing.enabled():
+                attributes = _route_attributes(route, p, d, cached, work, attempt)
+                tracing.record("route", t0, t0, attributes)
+            with tracing.span("prefill" if p is not None else "direct") as attempt_span:
+                result = await self._attempt(params, (p, d), demand, cached, tried, deadline)
+                if attempt_span.is_recording():
+                    _note_attempt(attempt_span, result)
             if not isinstance(result, GenerateError):
                 self._metrics.routes.labels(route=route).inc()
                 self._first_token_stages(result.first, p is not None, time.monotonic() - t0)
@@ -224,6 +242,41 @@ class Dispatcher:
         if p is None:  # not reached: choose_route goes direct when no prefill node is usable
             raise _none_reachable(self._registry.prefill)
         return p
+
+
+def _route_attributes(
+    route: str, p: Node | None, d: Node, cached: Mapping[str, int], work: int, attempt: int
+) -> dict[str, str | int]:
+    """The routing decision as a trace sees it: where, and what each node chosen held."""
+    out: dict[str, str | int] = {
+        "splitserve.route": route,
+        "splitserve.attempt": attempt,
+        "splitserve.decode_node": d.address,
+        "splitserve.decode_cached_blocks": cached.get(d.address, 0),
+        "splitserve.decode_in_flight": d.in_flight,
+        "splitserve.uncached_tokens_estimate": work,
+    }
+    if p is not None:
+        out["splitserve.prefill_node"] = p.address
+        out["splitserve.prefill_cached_blocks"] = cached.get(p.address, 0)
+    return out
+
+
+def _note_attempt(span: Any, result: Started | GenerateError) -> None:
+    """What the attempt's node reported (P: its compute and the KV transfer), or its error."""
+    if isinstance(result, GenerateError):
+        tracing.fail(span, f"{result.code.name}: {result.message}")
+        return
+    first = result.first
+    span.set_attributes(
+        {
+            "splitserve.cached_tokens": first.cached_tokens,
+            "splitserve.computed_tokens": first.computed_tokens,
+            "splitserve.compute_s": first.compute_s,
+            "splitserve.transfer_s": first.transfer_s,
+            "splitserve.transfer_path": first.transfer_path,
+        }
+    )
 
 
 def _none_reachable(pool: NodePool) -> GenerateError:

@@ -19,7 +19,11 @@ class GenerateError(Exception):
     """Ends a request with a gRPC status."""
 
     def __init__(
-        self, code: grpc.StatusCode, message: str, retry_after_s: int | None = None
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        retry_after_s: int | None = None,
+        reason: str = "",
     ) -> None:
         super().__init__(message)
         self.code = code
@@ -27,3 +31,4 @@ class GenerateError(Exception):
         # A refusal for want of room: when to try again (HTTP Retry-After; gRPC's
         # grpc-retry-pushback-ms trailer). None: not a refusal of that kind.
         self.retry_after_s = retry_after_s
+        self.reason = reason  # a refusal's reason as /metrics counts it ("": not a refusal)

@@ -10,7 +10,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Mapping
 
 import grpc
 
@@ -24,6 +24,7 @@ from splitserve.router.request import (
     parse_request,
     request_slo,
 )
+from splitserve.runtime import tracing
 from splitserve.runtime.metrics import RouterMetrics
 from splitserve.runtime.slo import Slo
 from splitserve.v1 import router_pb2
@@ -60,17 +61,21 @@ class RequestFront:
         request: router_pb2.GenerateRequest,
         client: str,
         time_remaining: float | None = None,
+        trace: Mapping[str, str] | None = None,
     ) -> AsyncGenerator[tuple[GenerateParams, Step], None]:
         """The request's output steps; raises ``GenerateError`` when it is refused or cannot be
         served. ``time_remaining``: the caller's deadline, seconds from now (None: none; the
-        router's --request-timeout-s applies either way). Close the iterator (``aclosing``) to
-        cancel: the pools free the request's blocks."""
+        router's --request-timeout-s applies either way); ``trace``: the caller's trace context
+        (``traceparent``), the parent of the request's trace. Close the iterator (``aclosing``)
+        to cancel: the pools free the request's blocks."""
         start = time.monotonic()
         budget = self._request_timeout_s if time_remaining is None else time_remaining
         deadline = start + min(budget, self._request_timeout_s)
         observer = RequestObserver(self._metrics, start)
         counted = False
         params: GenerateParams | None = None
+        traced = tracing.start("request", {"splitserve.client": client}, carrier=trace, server=True)
+        failure: str | None = None
         try:
             slo = self._slo(request, time_remaining)
             observer.slo = slo
@@ -81,6 +86,7 @@ class RequestFront:
                     f"client {client} has {self._in_flight[client]} requests in flight (the "
                     "router's --max-requests-per-client); wait for one to end",
                     retry_after_s=1,
+                    reason="client_cap",
                 )
             self._in_flight[client] += 1
             counted = True
@@ -91,6 +97,8 @@ class RequestFront:
                 params = await asyncio.to_thread(parse_request, request, self.model)
             except InvalidRequest as exc:
                 raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            if traced.span.is_recording():
+                traced.span.set_attributes(_request_attributes(params))
             # Closed here, not by the event loop's finalizer later: a cancelled request gives its
             # nodes back (and its KV ledger charge) at once.
             steps = self._orchestrator.run(params, start, deadline, slo, client)
@@ -99,8 +107,13 @@ class RequestFront:
                     observer.tokens(len(step.delta.token_ids))
                     if step.usage is not None:
                         observer.finished(step.usage)
+                        if traced.span.is_recording():
+                            traced.span.set_attributes(_usage_attributes(step))
                     yield params, step
         except GenerateError as exc:
+            failure = f"{exc.code.name}: {exc.message}"
+            if exc.reason and traced.span.is_recording():  # refused: why, as /metrics counts it
+                traced.span.set_attribute("splitserve.refusal_reason", exc.reason)
             observer.failed(exc.code.name)
             if exc.retry_after_s is not None:  # refused for want of room
                 self._metrics.refusal_latency.observe(time.monotonic() - start)
@@ -115,6 +128,9 @@ class RequestFront:
             if observer.code == "CANCELLED" and time.monotonic() >= deadline - DEADLINE_SLACK_S:
                 observer.failed(grpc.StatusCode.DEADLINE_EXCEEDED.name)
             observer.end()
+            if failure is None and observer.code not in ("", "OK"):
+                failure = observer.code
+            traced.end(failure)
 
     def _slo(self, request: router_pb2.GenerateRequest, time_remaining: float | None) -> Slo | None:
         """The request's targets: its own bounds, the router's ``--slo`` for those it left
@@ -140,13 +156,33 @@ class RequestFront:
         request: router_pb2.GenerateRequest,
         client: str,
         time_remaining: float | None = None,
+        trace: Mapping[str, str] | None = None,
     ) -> tuple[GenerateParams, list[Step]]:
         """The whole output at once (for unary calls)."""
         steps: list[tuple[GenerateParams, Step]] = []
-        gen = self.run(request, client, time_remaining)
+        gen = self.run(request, client, time_remaining, trace)
         try:
             async for item in gen:
                 steps.append(item)
         finally:
             await gen.aclose()
         return steps[0][0], [step for _, step in steps]
+
+
+def _request_attributes(params: GenerateParams) -> dict[str, str | int]:
+    return {
+        "splitserve.request_id": params.request_id,
+        "splitserve.prompt_tokens": len(params.prompt_token_ids),
+        "splitserve.max_tokens": params.sampling.max_tokens,
+    }
+
+
+def _usage_attributes(step: Step) -> dict[str, str | int | float]:
+    usage = step.usage
+    assert usage is not None
+    return {
+        "splitserve.completion_tokens": usage.completion_tokens,
+        "splitserve.cached_tokens": usage.cached_tokens,
+        "splitserve.ttft_s": usage.time_to_first_token_s,
+        "splitserve.finish_reason": step.delta.finish_reason or "",
+    }

@@ -23,7 +23,7 @@ import json
 import logging
 import ssl
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import Any
 
 import grpc
@@ -42,6 +42,7 @@ from splitserve.router.openai_api import (
 )
 from splitserve.router.openai_out import Choice, logprobs_json, usage_json
 from splitserve.router.orchestrator import Step
+from splitserve.runtime import tracing
 from splitserve.v1 import router_pb2
 
 logger = logging.getLogger(__name__)
@@ -250,7 +251,8 @@ class HttpFront:
             or "-"
         )
         deadline = None if timeout is None else received + timeout
-        outputs = self._outputs(api, str(client)[:64], deadline)
+        trace = tracing.carrier_of(request.headers.items())  # (empty: tracing off)
+        outputs = self._outputs(api, str(client)[:64], deadline, trace)
         try:
             async with contextlib.aclosing(outputs):
                 if api.stream:
@@ -259,14 +261,16 @@ class HttpFront:
         except GenerateError as exc:
             return _error(ApiError.of_grpc(exc.code, exc.message), exc.retry_after_s)
 
-    async def _outputs(self, api: ApiRequest, client: str, deadline: float | None) -> Outputs:
+    async def _outputs(
+        self, api: ApiRequest, client: str, deadline: float | None, trace: Mapping[str, str]
+    ) -> Outputs:
         """(choice index, step) of every choice as they come; ``GenerateError`` if any fails
         (the others are cancelled). ``deadline``: the client's (``time.monotonic()``; None:
         the router's --request-timeout-s alone)."""
 
         def run(request: router_pb2.GenerateRequest):
             left = None if deadline is None else deadline - time.monotonic()
-            return self._front.run(request, client, time_remaining=left)
+            return self._front.run(request, client, time_remaining=left, trace=trace)
 
         if len(api.requests) == 1:
             async with contextlib.aclosing(run(api.requests[0])) as steps:

@@ -27,6 +27,7 @@ from splitserve.router.dispatch import Dispatcher
 from splitserve.router.errors import GenerateError
 from splitserve.router.output import Delta, OutputAssembler, Usage
 from splitserve.router.request import GenerateParams, ModelInfo
+from splitserve.runtime import tracing
 from splitserve.runtime.slo import Slo
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,9 @@ class Orchestrator:
         started = await self._dispatch.run(params, deadline, slo, start, client)
         first, session = started.first, started.session
         admitted_at = started.admitted_at
+        tracing.event("first_token", {"splitserve.decode_node": session.node.address})
+        decoding = tracing.start("decode", {"splitserve.decode_node": session.node.address})
+        failure: str | None = None
         served: list[float] = []  # seconds from admission to its last token, once served
         tokens: list[int] = []  # its output so far (a resumed request's prompt carries them)
         resumed = 0
@@ -121,7 +125,9 @@ class Orchestrator:
                             return
                 except GenerateError as exc:
                     if exc.code != grpc.StatusCode.UNAVAILABLE or resumed >= MAX_RESUMES:
+                        failure = f"{exc.code.name}: {exc.message}"
                         raise
+                    tracing.event("resumed", {"splitserve.after_tokens": len(tokens)})
                     logger.warning(
                         "request %s: %s; resuming after %d tokens on another decode node",
                         params.request_id,
@@ -136,6 +142,9 @@ class Orchestrator:
                 session = started.session
         finally:
             session.close()  # idempotent
+            if decoding.span.is_recording():
+                decoding.span.set_attribute("splitserve.output_tokens", len(tokens))
+            decoding.end(failure if not served else None)
             self._note_service(served, admitted_at, deadline)
             if not served and first.computed_tokens and self._on_wasted is not None:
                 self._on_wasted(first.computed_tokens)

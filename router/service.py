@@ -16,6 +16,7 @@ from splitserve.router.front import CLIENT_KEY, RequestFront
 from splitserve.router.orchestrator import Step
 from splitserve.router.output import Delta
 from splitserve.router.request import GenerateParams
+from splitserve.runtime import tracing
 from splitserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -30,7 +31,8 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
     async def Generate(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
-        steps = self.front.run(request, client_of(context), context.time_remaining())
+        trace = tracing.carrier_of(context.invocation_metadata())
+        steps = self.front.run(request, client_of(context), context.time_remaining(), trace)
         try:
             async with contextlib.aclosing(steps):
                 async for params, step in steps:
@@ -43,7 +45,10 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
     ) -> router_pb2.GenerateResponse:
         try:
             params, steps = await self.front.complete(
-                request, client_of(context), context.time_remaining()
+                request,
+                client_of(context),
+                context.time_remaining(),
+                tracing.carrier_of(context.invocation_metadata()),
             )
         except GenerateError as exc:
             await _abort(context, exc)

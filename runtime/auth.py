@@ -22,6 +22,8 @@ from typing import Any
 
 import grpc
 
+from splitserve.runtime import tracing
+
 METADATA_KEY = "authorization"
 MIN_TOKEN_CHARS = 16
 INTERNAL_SERVICES = (
@@ -80,8 +82,11 @@ def use_token(token: str | None) -> None:
 
 
 def call_metadata() -> tuple[tuple[str, str], ...] | None:
-    """The metadata every internal call of this process carries (``metadata=`` of the call)."""
-    return _metadata
+    """The metadata every internal call of this process carries (``metadata=`` of the call):
+    the credential, and the current request's trace context when tracing is on."""
+    if not tracing.enabled():
+        return _metadata
+    return (*(_metadata or ()), *tracing.outgoing()) or None
 
 
 class TokenCheck(grpc.aio.ServerInterceptor):

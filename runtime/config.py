@@ -68,6 +68,14 @@ _MODEL_HELP = (
 _PORT_FILE_HELP = "write the bound port here once serving (for launchers)"
 _METRICS_HELP = "serve Prometheus /metrics on this port (0: any free one; default: none)"
 _REDIS_HELP = "node registry + prefix index: discovery and cache-aware routing (default: none)"
+_OTLP_HELP = (
+    "send OpenTelemetry traces of requests to this OTLP collector (HTTP/protobuf to URL/v1/traces; "
+    "OTEL_EXPORTER_OTLP_PROTOCOL=grpc for gRPC; the OTEL_* variables are honoured; default: off)"
+)
+_OTLP_RATIO_HELP = (
+    "the share of requests traced, 0..1 (the router decides, the nodes follow; default: the "
+    "SDK's OTEL_TRACES_SAMPLER, i.e. every request)"
+)
 _BLOCK_HELP = "tokens per KV block, part of the model identity (the same everywhere)"
 _TLS_HELP = "mTLS on every gRPC port and channel of this process (all three files, PEM): "
 _AUTH_HELP = (
@@ -117,6 +125,8 @@ class NodeConfig:
         30.0, "on SIGTERM, how long in-flight requests may take to finish"
     )
     metrics_port: int | None = option(None, _METRICS_HELP)
+    otlp_endpoint: str | None = option(None, _OTLP_HELP)
+    otlp_sample_ratio: float | None = option(None, _OTLP_RATIO_HELP)
     auth_token_file: str | None = option(None, _AUTH_HELP)
     tls_cert: str | None = option(None, _TLS_HELP + "its certificate")
     tls_key: str | None = option(None, _TLS_HELP + "its private key")
@@ -358,6 +368,8 @@ class RouterConfig:
         None, "the nodes' dtype, part of the model identity (default: the checkpoint's)"
     )
     metrics_port: int | None = option(None, _METRICS_HELP)
+    otlp_endpoint: str | None = option(None, _OTLP_HELP)
+    otlp_sample_ratio: float | None = option(None, _OTLP_RATIO_HELP)
     auth_token_file: str | None = option(None, _AUTH_HELP)
     tls_cert: str | None = option(None, _TLS_HELP + "its certificate")
     tls_key: str | None = option(None, _TLS_HELP + "its private key")

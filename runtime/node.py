@@ -294,12 +294,20 @@ def serve_node_metrics(
         return
     from prometheus_client import CollectorRegistry
 
+    from splitserve.runtime.counter_names import for_role
     from splitserve.runtime.metrics import NodeCollector, serve_metrics
 
     registry = CollectorRegistry()
     text = "Ranks (GPUs) the node's model is split over"
     fixed = {"tensor_parallel_size": (text, tensor_parallel_size)}
-    registry.register(NodeCollector(role, service.load, service.all_counters, fixed))
+    # Every counter the node may count is exported from the start, at 0 until it counts: a
+    # dashboard shows 0 rather than no data, and rate() sees the first increments.
+    zeros = dict.fromkeys(for_role(role, transfer_paths(config)), 0.0)
+
+    def counters() -> dict[str, float]:
+        return {**zeros, **service.all_counters()}
+
+    registry.register(NodeCollector(role, service.load, counters, fixed))
     serve_metrics(config.metrics_port, registry, config.host)
 
 

@@ -95,7 +95,8 @@ def cmd_node(args: argparse.Namespace) -> int:
         use_device(config.device, make_current=not uses_engine_process(config))
         if config.device.startswith("cuda"):  # (a device that is not there is said first)
             check_cuda_dtype(config.model_path, config.dtype)
-    except ValueError as exc:
+        _start_tracing(f"splitserve-{args.command}", config)
+    except (ValueError, RuntimeError) as exc:
         return _error(str(exc), 2)
     if args.command == "prefill":
         from splitserve.prefill_node.server import serve
@@ -103,6 +104,14 @@ def cmd_node(args: argparse.Namespace) -> int:
         from splitserve.decode_node.server import serve
     serve(config)
     return 0
+
+
+def _start_tracing(service: str, config: NodeConfig | RouterConfig) -> None:
+    """OpenTelemetry traces when asked for (``--otlp-endpoint`` or the OTEL_* variables);
+    ``RuntimeError`` when its packages are missing."""
+    from splitserve.runtime import tracing
+
+    tracing.configure(service, config.otlp_endpoint, config.otlp_sample_ratio)
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -132,7 +141,8 @@ def cmd_router(args: argparse.Namespace) -> int:
             from splitserve.router.http import https_context
 
             https_context(config.http_tls_cert, config.http_tls_key)
-    except ValueError as exc:
+        _start_tracing("splitserve-router", config)
+    except (ValueError, RuntimeError) as exc:
         return _error(str(exc), 2)
     from splitserve.router.request import ModelInfo
     from splitserve.router.server import serve

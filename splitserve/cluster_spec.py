@@ -59,6 +59,14 @@ class ClusterSpec:
         "Prometheus /metrics of every component: the router's on this port, each node's on the "
         "next ones (prefill nodes first); 0: free ones; all printed (default: none)",
     )
+    otlp_endpoint: str | None = option(
+        None,
+        "OpenTelemetry traces of requests from every component to this OTLP collector (HTTP/"
+        "protobuf to URL/v1/traces; the OTEL_* variables are honoured; default: off)",
+    )
+    otlp_sample_ratio: float | None = option(
+        None, "the share of requests traced, 0..1 (default: every request)"
+    )
     redis_url: str | None = option(None, "a Redis to use (default: start a private redis-server)")
     prefix_index: bool = True  # False: no Redis at all (static routing by load, local caches)
     device: str = option(
@@ -120,6 +128,9 @@ class ClusterSpec:
         if self.metrics_port is not None and not 0 <= self.metrics_port <= last:
             raise ValueError(f"--metrics-port {self.metrics_port}: give 0..{last}")
         Slo.parse(self.slo)  # a bad --slo fails here, not in the router started later
+        ratio = self.otlp_sample_ratio
+        if ratio is not None and not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"--otlp-sample-ratio {ratio}: give a fraction in [0, 1]")
         for name, value in (
             ("--tensor-parallel-size", self.tensor_parallel_size),
             ("--prefill-tp", self.prefill_tp),

@@ -160,6 +160,10 @@ class LocalCluster:
         if self._tls is not None:
             index_flags += ["--tls-cert", spec.tls_cert, "--tls-key", spec.tls_key]
             index_flags += ["--tls-ca", spec.tls_ca]
+        if spec.otlp_endpoint:  # every component traces (the OTEL_* variables pass down too)
+            index_flags += ["--otlp-endpoint", spec.otlp_endpoint]
+        if spec.otlp_sample_ratio is not None:
+            index_flags += ["--otlp-sample-ratio", str(spec.otlp_sample_ratio)]
         self._node_flags = index_flags
         roles = ["prefill"] * spec.num_prefill + ["decode"] * spec.num_decode
         placement = self._placement(len(roles))

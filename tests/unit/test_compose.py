@@ -29,7 +29,9 @@ def _defaults(text: str) -> str:
 
 
 COMPOSE = yaml.safe_load(_defaults(COMPOSE_TEXT))
-SERVICES = COMPOSE["services"]
+# The cluster's services; those of an optional profile (monitoring) apart.
+SERVICES = {k: v for k, v in COMPOSE["services"].items() if not v.get("profiles")}
+MONITORING = {k: v for k, v in COMPOSE["services"].items() if "monitoring" in v.get("profiles", ())}
 
 
 def _env(service: str) -> dict[str, str]:
@@ -48,6 +50,31 @@ def _volumes(service: str) -> list[tuple[str, str, str]]:
 
 def test_the_four_services():
     assert set(SERVICES) == {"redis", "router", "prefill", "decode"}
+    assert set(MONITORING) == {"prometheus", "grafana", "jaeger"}
+    assert set(COMPOSE["services"]) == set(SERVICES) | set(MONITORING)
+
+
+def test_the_monitoring_profile_mounts_its_files_and_publishes_on_loopback_only():
+    mounts = {
+        target: ROOT / source
+        for spec in MONITORING.values()
+        for source, target, _mode in (v.split(":") for v in spec.get("volumes", []))
+    }
+    assert mounts["/etc/prometheus/prometheus.yml"].is_file()
+    assert (mounts["/etc/grafana/provisioning"] / "datasources" / "prometheus.yml").is_file()
+    assert (mounts["/var/lib/grafana/dashboards"] / "splitserve.json").is_file()
+    for name, spec in MONITORING.items():
+        for port in spec.get("ports", []):
+            assert str(port).startswith("127.0.0.1:"), name
+    # Prometheus scrapes each cluster service by name at the port every component serves on.
+    scrape = yaml.safe_load(mounts["/etc/prometheus/prometheus.yml"].read_text())
+    targets = {
+        sd["names"][0]: sd["port"]
+        for job in scrape["scrape_configs"]
+        for sd in job["dns_sd_configs"]
+    }
+    port = int(re.search(r"SPLITSERVE_METRICS_PORT:-(\d+)", COMPOSE_TEXT).group(1))
+    assert targets == {"router": port, "prefill": port, "decode": port}
 
 
 @pytest.mark.parametrize("service", ["prefill", "decode"])

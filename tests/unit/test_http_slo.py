@@ -106,7 +106,7 @@ class FakeFront:
         self.calls: list[tuple] = []
         self.refused: list[grpc.StatusCode] = []
 
-    async def run(self, request, client, time_remaining=None):
+    async def run(self, request, client, time_remaining=None, trace=None):
         self.calls.append((request, client, time_remaining))
         yield None, Step(Delta("h", [104], [], "length"), Usage(1, 0, 1, 0.01))
 

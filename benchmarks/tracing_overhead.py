@@ -1,0 +1,114 @@
+"""What tracing costs: the pipeline benchmark on a fresh local cluster with tracing off, then on
+(every component sending OTLP/HTTP to a receiver this script runs, at ``--ratio`` of requests),
+alternating ``--rounds`` times; a row per run and the throughput ratio on/off.
+
+    python benchmarks/tracing_overhead.py --ratio 0.01 -- --requests 64 --gen 32   # CPU, tiny
+    python benchmarks/tracing_overhead.py --ratio 0.01 -- --device cuda --make-8b /tmp/llama8b
+
+Arguments after ``--`` go to benchmarks/pipeline.py as they are. The receiver decodes each
+export (protobuf ExportTraceServiceRequest) and counts its spans, so the table also says how
+much was traced. Needs the ``otel`` extra (``pip install 'splitserve[otel]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+
+HERE = Path(__file__).resolve().parent
+
+
+class Sink:
+    """An OTLP/HTTP receiver that counts what it is sent."""
+
+    def __init__(self) -> None:
+        self.spans = 0
+        self.bytes = 0
+        self._mu = threading.Lock()
+        sink = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                request = ExportTraceServiceRequest.FromString(body)
+                n = sum(len(s.spans) for r in request.resource_spans for s in r.scope_spans)
+                with sink._mu:
+                    sink.spans += n
+                    sink.bytes += len(body)
+                reply = ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def taken(self) -> tuple[int, int]:
+        with self._mu:
+            return self.spans, self.bytes
+
+
+def run_pipeline(args: list[str]) -> dict:
+    """One pipeline.py run (a fresh cluster): its first JSON row."""
+    out = subprocess.run(
+        [sys.executable, str(HERE / "pipeline.py"), *args],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    rows = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode or not rows:
+        sys.exit(
+            f"pipeline.py failed ({out.returncode}):\n{out.stdout[-2000:]}{out.stderr[-3000:]}"
+        )
+    return json.loads(rows[0])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ratio", type=float, default=0.01, help="the share of requests traced")
+    ap.add_argument("--rounds", type=int, default=1, help="off/on pairs")
+    ap.add_argument("pipeline", nargs=argparse.REMAINDER, help="-- then pipeline.py's arguments")
+    args = ap.parse_args()
+    rest = args.pipeline[1:] if args.pipeline[:1] == ["--"] else args.pipeline
+    sink = Sink()
+    rows = []
+    for _ in range(args.rounds):
+        for on in (False, True):
+            flags = ["--otlp-endpoint", sink.url, "--otlp-sample-ratio", str(args.ratio)]
+            before = sink.taken()
+            row = run_pipeline([*rest, *(flags if on else [])])
+            spans, nbytes = (a - b for a, b in zip(sink.taken(), before, strict=True))
+            rows.append({"tracing": f"on {args.ratio:g}" if on else "off", **row, "spans": spans,
+                         "otlp_kb": round(nbytes / 1024, 1)})  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+    keys = ["tracing", "out_tok_s", "ttft_mean_s", "itl_mean_ms", "failed", "spans", "otlp_kb"]
+    print("\n| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for row in rows:
+        cells = [f"{row.get(k, '')}" if not isinstance(row.get(k), float) else f"{row[k]:.4g}"
+                 for k in keys]  # fmt: skip
+        print("| " + " | ".join(cells) + " |")
+    off = [r["out_tok_s"] for r in rows if r["tracing"] == "off"]
+    on = [r["out_tok_s"] for r in rows if r["tracing"] != "off"]
+    print(f"\nthroughput with tracing on / off: {sum(on) / sum(off):.3f}")
+
+
+if __name__ == "__main__":
+    main()
