@@ -57,6 +57,21 @@ def enabled() -> bool:
     return _tracer is not None
 
 
+def check_installed() -> None:
+    """``RuntimeError`` saying what to install when the ``otel`` extra's packages are missing."""
+    try:
+        import opentelemetry.exporter.otlp.proto.http
+        import opentelemetry.sdk  # noqa: F401
+    except ImportError as exc:
+        raise RuntimeError(_MISSING.format(exc.name)) from None
+
+
+_MISSING = (
+    "tracing asked for (--otlp-endpoint or OTEL_EXPORTER_OTLP_ENDPOINT) but OpenTelemetry is not "
+    "installed ({}): pip install 'splitserve[otel]'"
+)
+
+
 def configure(service: str, endpoint: str | None = None, sample_ratio: float | None = None) -> bool:
     """Turn tracing on for this process as ``service`` (its ``service.name``; the standard
     ``OTEL_SERVICE_NAME`` wins) when an endpoint is given here or in the environment; whether
@@ -74,10 +89,7 @@ def configure(service: str, endpoint: str | None = None, sample_ratio: float | N
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
         from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
     except ImportError as exc:
-        raise RuntimeError(
-            f"tracing asked for (--otlp-endpoint or OTEL_EXPORTER_OTLP_ENDPOINT) but "
-            f"OpenTelemetry is not installed ({exc.name}): pip install 'splitserve[otel]'"
-        ) from None
+        raise RuntimeError(_MISSING.format(exc.name)) from None
     exporter = _exporter(endpoint)
     name = os.environ.get("OTEL_SERVICE_NAME") or service
     resource = Resource.create({SERVICE_NAME: name})

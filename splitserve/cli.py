@@ -217,7 +217,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         spec = ClusterSpec(
             **config_kwargs(ClusterSpec, args, model_path=path, node_args=tuple(node_args))
         )
-    except ValueError as exc:
+        if spec.otlp_endpoint:  # said once here, not by every component it would start
+            from splitserve.runtime.tracing import check_installed
+
+            check_installed()
+    except (ValueError, RuntimeError) as exc:
         return _error(str(exc), 2)
 
     def on_sigterm(signum: int, frame: object) -> None:

@@ -6,7 +6,9 @@ compute and KV transfer, the decode node's TransferKV and Decode with its queue,
 decode), children of the client's own span (its ``traceparent``); a request refused at admission
 yields a failed trace saying why."""
 
+import json
 import os
+import urllib.request
 
 import pytest
 from support.otlp import serve_receiver
@@ -36,7 +38,10 @@ def cluster(tmp_path_factory):
         # model's context can be larger than it.
         decode = start_node("decode", model, tmp, *common, "--kv-cache-mb", "1")
         procs += [prefill, decode]
-        procs.append(start_router(model, tmp, [prefill.address], [decode.address], *common))
+        http_port_file = tmp / "http.port"
+        http = ("--http-port", "0", "--http-port-file", str(http_port_file))
+        procs.append(start_router(model, tmp, [prefill.address], [decode.address], *common, *http))
+        procs[-1].http = f"http://127.0.0.1:{http_port_file.read_text().strip()}"
         yield receiver, procs[-1], decode
     finally:
         for proc in reversed(procs):
@@ -138,3 +143,23 @@ def test_a_request_refused_at_admission_is_a_failed_trace_saying_why(cluster):
     assert admission.failed and "KV blocks" in admission.error
     assert admission.attributes["splitserve.refusal_reason"] == "prompt_too_large"
     assert not [s for s in trace if s.service != "splitserve-router"]  # no node did any work
+
+
+def test_an_http_request_continues_the_callers_trace(cluster):
+    """The OpenAI-compatible HTTP API reads the W3C ``traceparent`` header."""
+    receiver, router, _ = cluster
+    trace_id, parent = "5b8efff798038103d269b633813fc60c", "eee19b7ec3c1b174"
+    body = json.dumps({"model": "m", "prompt": [3, 4, 5, 6], "max_tokens": 2}).encode()
+    request = urllib.request.Request(
+        f"{router.http}/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json", "traceparent": f"00-{trace_id}-{parent}-01"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as reply:
+        assert json.loads(reply.read())["choices"][0]["text"] is not None
+    trace = receiver.wait_for(
+        lambda s: s.trace_id == trace_id,
+        lambda t: {"request", "prefill_node.Prefill", "decode_node.Decode"} <= {s.name for s in t},
+    )
+    (request_span,) = [s for s in trace if s.name == "request"]
+    assert request_span.parent_id == parent and not request_span.failed

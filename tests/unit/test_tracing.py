@@ -100,6 +100,8 @@ def test_asked_for_without_its_packages_it_says_what_to_install(monkeypatch):
     with pytest.raises(RuntimeError, match=r"pip install 'splitserve\[otel\]'"):
         tracing.configure("splitserve-router", "http://collector:4318")
     assert not tracing.enabled()
+    with pytest.raises(RuntimeError, match=r"pip install 'splitserve\[otel\]'"):
+        tracing.check_installed()  # what `splitserve up --otlp-endpoint` asks first
 
 
 def test_a_ratio_outside_zero_to_one_is_refused():
