@@ -1,7 +1,8 @@
 """Layer-wise KV streams (engine.layer_stream) on a real CPU engine: a prefill-only request's
 blocks leave layer by layer as its chunked prefill writes them, each (block, layer) exactly once
 and with the bytes the pool ends with; a stream opened late sends what is complete at once; a
-request that ends without its prefill, or a piece that fails, fails the stream.
+request that ends without its prefill, or a piece that fails, fails the stream; pieces go two
+at a time (one's round trip does not hold up the next).
 
 The sender here is an in-process recorder (the tcp path's ``send_part`` over real sockets is in
 tests/cluster/test_transfer_tcp.py and end to end in tests/cluster/test_layer_streaming.py): it
@@ -214,3 +215,28 @@ def test_bad_streams_are_refused_or_fail(model):
     plain.add_request("r", PROMPT, PARAMS)
     with pytest.raises(ValueError, match="streams no KV"):
         plain.open_stream("r", b"ticket", [0], timeout=30)
+
+
+def test_pieces_are_sent_two_at_a_time(model):
+    """A piece's round trip does not hold up the next one: the first send waits for a second
+    one to start (it never would if each piece waited for the one before it)."""
+    engine = _engine(model)
+    recorder = _attach(engine, 5)
+    second_started = threading.Event()
+    calls = []
+    record = recorder.send_part
+
+    def send_part(*args, **kwargs):
+        calls.append(len(calls))
+        if len(calls) == 1:
+            assert second_started.wait(10), "the second send never started alongside the first"
+        else:
+            second_started.set()
+        return record(*args, **kwargs)
+
+    recorder.send_part = send_part
+    engine.add_request("r", PROMPT, PARAMS)
+    future = engine.open_stream("r", b"ticket", [0, 1, 2, 3, 4], timeout=30)
+    _run(engine)
+    assert future.result(timeout=30) > 0
+    assert (recorder.sent == 1).all()  # and still every (block, layer) exactly once
