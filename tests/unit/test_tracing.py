@@ -3,7 +3,7 @@ no-op (the call metadata stays the credential alone); on, a span continues the c
 (``traceparent``), an outgoing call carries the current span's context, spans of stages timed
 after the fact land at their times, a ratio of 0 records nothing but still passes the decision
 on; asked for without its packages or with a ratio outside [0, 1], it says what to fix. The
-spans through real processes are in tests/cluster/test_tracing.py."""
+spans through real processes are in tests/cluster/test_request_traces.py."""
 
 from __future__ import annotations
 
