@@ -70,6 +70,35 @@ def test_streamed_transfers_are_token_exact(cluster):
     assert got["transfers_tcp"] >= len(prompts) and got.get("transfers_failed", 0) == 0
 
 
+def test_prompts_sharing_a_new_prefix_stream_side_by_side(cluster):
+    """Four prompts with one new 64-token prefix at once, each streamed: every answer is
+    token-exact and the decode pool settles (where their streams overlap, each holds its own copy
+    of the prefix's blocks and the first registered keeps the hashes). That a streamed transfer
+    does not wait for another one of the same blocks is checked in tests/unit/test_kv_inbox.py:
+    prefills this short end before the next transfer's handshake here."""
+    model, (_, decode, router) = cluster
+    idle = idle_free_blocks([decode])
+    rng = random.Random(29)
+    prefix = [rng.randrange(256) for _ in range(64)]
+    prompts = [prefix + [rng.randrange(256) for _ in range(10 + 7 * i)] for i in range(4)]
+
+    async def main():
+        async with AsyncClient(router.address) as client:
+            return await asyncio.gather(
+                *(
+                    client.generate(
+                        prompt_token_ids=p, max_tokens=4, temperature=0.0, ignore_eos=True
+                    )
+                    for p in prompts
+                )
+            )
+
+    results = asyncio.run(main())
+    for prompt, r in zip(prompts, results, strict=True):
+        assert list(r.token_ids) == hf_greedy(model, prompt, 4)
+    assert_settled([decode], idle)
+
+
 def test_a_request_ending_at_its_first_token_lets_the_reservation_go(cluster):
     _, (prefill, decode, router) = cluster
     idle = idle_free_blocks([decode])

@@ -63,6 +63,17 @@ def test_podman_compose_reads_both_files(name):
         assert len({s["hostname"] for s in services.values()}) == 4
 
 
+def test_podman_compose_reads_the_monitoring_profile():
+    compose = [sys.executable, "-m", "podman_compose", "--profile", "monitoring"]
+    proc = subprocess.run(
+        [*compose, "-f", str(ROOT / "compose.yaml"), "config"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    services = set(yaml.safe_load(proc.stdout)["services"])
+    assert services == {"redis", "router", "prefill", "decode", "prometheus", "grafana", "jaeger"}
+
+
 def _podman_config(tmp_path, *files: str, env: dict | None = None) -> dict:
     token, keys = tmp_path / "token", tmp_path / "keys"
     token.write_text("t" * 43)
