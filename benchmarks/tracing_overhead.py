@@ -16,52 +16,12 @@ import argparse
 import json
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
-
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))  # the tests' OTLP receiver (needs the otel extra)
 
-
-class Sink:
-    """An OTLP/HTTP receiver that counts what it is sent."""
-
-    def __init__(self) -> None:
-        self.spans = 0
-        self.bytes = 0
-        self._mu = threading.Lock()
-        sink = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                request = ExportTraceServiceRequest.FromString(body)
-                n = sum(len(s.spans) for r in request.resource_spans for s in r.scope_spans)
-                with sink._mu:
-                    sink.spans += n
-                    sink.bytes += len(body)
-                reply = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(reply)))
-                self.end_headers()
-                self.wfile.write(reply)
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def taken(self) -> tuple[int, int]:
-        with self._mu:
-            return self.spans, self.bytes
+from support.otlp import serve_receiver  # noqa: E402
 
 
 def run_pipeline(args: list[str]) -> dict:
@@ -87,14 +47,14 @@ def main() -> None:
     ap.add_argument("pipeline", nargs=argparse.REMAINDER, help="-- then pipeline.py's arguments")
     args = ap.parse_args()
     rest = args.pipeline[1:] if args.pipeline[:1] == ["--"] else args.pipeline
-    sink = Sink()
+    sink, server, url = serve_receiver()
     rows = []
     for _ in range(args.rounds):
         for on in (False, True):
-            flags = ["--otlp-endpoint", sink.url, "--otlp-sample-ratio", str(args.ratio)]
-            before = sink.taken()
+            flags = ["--otlp-endpoint", url, "--otlp-sample-ratio", str(args.ratio)]
+            before = (len(sink.spans), sink.bytes)
             row = run_pipeline([*rest, *(flags if on else [])])
-            spans, nbytes = (a - b for a, b in zip(sink.taken(), before, strict=True))
+            spans, nbytes = len(sink.spans) - before[0], sink.bytes - before[1]
             rows.append({"tracing": f"on {args.ratio:g}" if on else "off", **row, "spans": spans,
                          "otlp_kb": round(nbytes / 1024, 1)})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
@@ -108,6 +68,7 @@ def main() -> None:
     off = [r["out_tok_s"] for r in rows if r["tracing"] == "off"]
     on = [r["out_tok_s"] for r in rows if r["tracing"] != "off"]
     print(f"\nthroughput with tracing on / off: {sum(on) / sum(off):.3f}")
+    server.shutdown()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""An OTLP/HTTP trace receiver for tests: what a collector sees. It takes the exporters' POSTs
-to /v1/traces (protobuf ExportTraceServiceRequest, as the OpenTelemetry SDK sends them), answers
-200 with an empty ExportTraceServiceResponse and keeps every span with its service.name."""
+"""An OTLP/HTTP trace receiver for tests and benchmarks/tracing_overhead.py: what a collector
+sees. It takes the exporters' POSTs to /v1/traces (protobuf ExportTraceServiceRequest, as the
+OpenTelemetry SDK sends them), answers 200 with an empty ExportTraceServiceResponse and keeps
+every span with its service.name (and the bytes it was sent)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ def _attributes(pairs) -> dict[str, Any]:
 class Receiver:
     spans: list[Span] = field(default_factory=list)
     posts: int = 0
+    bytes: int = 0  # the exports' protobuf bytes
     _mu: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, body: bytes) -> None:
@@ -71,6 +73,7 @@ class Receiver:
         with self._mu:
             self.spans.extend(out)
             self.posts += 1
+            self.bytes += len(body)
 
     def trace_of(self, predicate) -> list[Span]:
         """Every span of the first trace holding a span that satisfies ``predicate``."""
