@@ -87,12 +87,39 @@ class Stream:
         self.waiter: asyncio.Future | None = None
 
 
+class RelayRequest:
+    __slots__ = ("left", "offset", "pending")
+
+    def __init__(self, n: int, offset: int) -> None:
+        self.left = n  # tokens still to send
+        self.offset = offset
+        self.pending = 0  # decoded, not sent yet
+
+
+class ScriptedRelay:
+    """One router's Relay stream: its requests, and a wake-up per step."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, RelayRequest] = {}
+        self.wake = asyncio.Event()
+
+
 class ScriptedDecodeNode(nodes_pb2_grpc.DecodeNodeServiceServicer):
-    """A decode node whose 'engine' makes one token per open stream every ``step_s``."""
+    """A decode node whose 'engine' makes one token per open stream every ``step_s``: a
+    Generate call's tokens go out on the call, a Relay stream's in one message per step for
+    all its requests (as ``decode_node.relay_stream`` does; ``relay=False``: no Relay, as a
+    node of an older version)."""
 
     def __init__(
-        self, identity: ModelIdentity, step_s: float, max_num_seqs: int, per_step: int = 1
+        self,
+        identity: ModelIdentity,
+        step_s: float,
+        max_num_seqs: int,
+        per_step: int = 1,
+        relay: bool = True,
     ) -> None:
+        self.relay = relay
+        self.relays: set[ScriptedRelay] = set()
         self.identity = identity
         self.step_s = step_s
         self.per_step = per_step  # tokens a step makes per stream (1: plain decoding)
@@ -114,6 +141,59 @@ class ScriptedDecodeNode(nodes_pb2_grpc.DecodeNodeServiceServicer):
                 w = s.waiter
                 if w is not None and not w.done():
                     w.set_result(None)
+            for relay in self.relays:
+                for r in relay.requests.values():
+                    r.pending += per_step
+                relay.wake.set()
+
+    @property
+    def running(self) -> int:
+        return len(self.streams) + sum(len(r.requests) for r in self.relays)
+
+    async def Relay(self, request_iterator, context):
+        if not self.relay:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        await context.send_initial_metadata(())
+        relay = ScriptedRelay()
+
+        async def read() -> None:
+            async for command in request_iterator:
+                if command.WhichOneof("kind") == "generate":
+                    g = command.generate
+                    n = g.sampling.max_tokens if g.sampling.HasField("max_tokens") else 16
+                    offset = random.randrange(len(self.vocab) - n) if n < len(self.vocab) else 0
+                    relay.requests[g.request_id] = RelayRequest(n, offset)
+                elif command.WhichOneof("kind") == "cancel":
+                    relay.requests.pop(command.cancel, None)
+
+        reader = asyncio.create_task(read())
+        self.relays.add(relay)
+        try:
+            while not reader.done():
+                await relay.wake.wait()
+                relay.wake.clear()
+                batch = nodes_pb2.RelayBatch()
+                for rid, r in list(relay.requests.items()):
+                    if not r.pending:
+                        continue
+                    k = min(r.pending, r.left)
+                    r.pending = 0
+                    sent = r.offset
+                    r.offset += k
+                    r.left -= k
+                    self.tokens_sent += k
+                    batch.outputs.add(
+                        request_id=rid,
+                        token_ids=self.vocab[sent : sent + k],
+                        finish_reason="" if r.left else "length",
+                    )
+                    if not r.left:
+                        del relay.requests[rid]
+                if batch.outputs:
+                    yield batch
+        finally:
+            self.relays.discard(relay)
+            reader.cancel()
 
     async def Generate(self, request, context):
         n = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else 16
@@ -155,7 +235,7 @@ class ScriptedStats(nodes_pb2_grpc.NodeStatsServiceServicer):
             role="decode",
             num_blocks=50_000_000,
             num_free_blocks=50_000_000,
-            running=len(n.streams),
+            running=n.running,
             model_root_hash=n.identity.root_hash,
             model_identity=str(n.identity),
             max_num_seqs=n.max_num_seqs,
@@ -163,8 +243,10 @@ class ScriptedStats(nodes_pb2_grpc.NodeStatsServiceServicer):
         )
 
 
-async def start_node(identity: ModelIdentity, step_s: float, max_num_seqs: int, per_step: int):
-    node = ScriptedDecodeNode(identity, step_s, max_num_seqs, per_step)
+async def start_node(
+    identity: ModelIdentity, step_s: float, max_num_seqs: int, per_step: int, relay: bool
+):
+    node = ScriptedDecodeNode(identity, step_s, max_num_seqs, per_step, relay)
     server = grpc.aio.server()
     nodes_pb2_grpc.add_DecodeNodeServiceServicer_to_server(node, server)
     nodes_pb2_grpc.add_NodeStatsServiceServicer_to_server(ScriptedStats(node), server)
@@ -322,6 +404,12 @@ def parse_args() -> argparse.Namespace:
         help="tokens a scripted step makes per stream, sent in one message (>1: how much of the "
         "router's cost is per message rather than per token)",
     )
+    ap.add_argument(
+        "--calls",
+        action="store_true",
+        help="the scripted nodes serve no Relay stream (as a node of an older version): a "
+        "Generate call per request, a message per token batch (the router's old token path)",
+    )
     ap.add_argument("--output-len", type=int, default=512)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=4096, help="each scripted node's slots")
@@ -343,7 +431,7 @@ async def amain(args: argparse.Namespace) -> list[dict]:
     nodes = []
     for _ in range(max(k for k, _ in points)):
         node, server, ticker, address = await start_node(
-            identity, step_s, args.max_num_seqs, args.tokens_per_step
+            identity, step_s, args.max_num_seqs, args.tokens_per_step, not args.calls
         )
         nodes.append(((node, server, ticker), address))
     workdir = Path(tempfile.mkdtemp(prefix="router-relay-"))
@@ -383,7 +471,8 @@ def main() -> None:
     rows = asyncio.run(amain(args))
     print(
         f"\nstep {args.step_ms:g} ms, {args.tokens_per_step} token(s) a step, output "
-        f"{args.output_len} tokens (closed loop), prompt {args.prompt_len} token ids; "
+        f"{args.output_len} tokens (closed loop), prompt {args.prompt_len} token ids, "
+        f"{'a call per request' if args.calls else 'a Relay stream per node'}; "
         f"router on core {args.router_core}, scripted nodes and "
         f"client on core {args.load_core}"
     )

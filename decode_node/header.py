@@ -22,12 +22,17 @@ if TYPE_CHECKING:
     from splitserve.v1 import nodes_pb2
 
 
-class TransferRefused(Exception):
-    """A transfer this node refuses (or gives up on); ``code`` is its gRPC status."""
+class Refused(Exception):
+    """A call (or one request of a relay stream) this node refuses; ``code`` is its gRPC
+    status, the message says what to change."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class TransferRefused(Refused):
+    """A transfer this node refuses (or gives up on)."""
 
 
 def check_header(

@@ -21,13 +21,16 @@ from typing import NoReturn
 
 import grpc
 
-from splitserve.decode_node.header import TransferRefused
+from splitserve.decode_node.header import Refused, TransferRefused
 from splitserve.decode_node.peer_caps import PeerCaps, PeerLimits
 from splitserve.decode_node.pending import DRAIN_HOLD_S, Pending, PendingTable
 from splitserve.decode_node.receiver import BAD, KVInbox, Transfer
 from splitserve.decode_node.relay import relay_tokens
-from splitserve.engine.api import EngineFigures, NodeEngine
+from splitserve.decode_node.relay_stream import RelayStream
+from splitserve.engine.api import EngineFigures, NodeEngine, OutputSink
+from splitserve.engine.core import StepOutput
 from splitserve.kvstore import ModelIdentity
+from splitserve.models.sampling_params import SamplingParams
 from splitserve.runtime import counter_names as names
 from splitserve.runtime import tracing
 from splitserve.runtime.metrics import LoadFigures
@@ -69,7 +72,11 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
         # Decode and Generate calls in flight: counted from the handler's first line, so a drain
         # cannot end in the moment a call has taken its pending entry but not yet reached the
         # engine.
-        self._calls = 0
+        self.calls = 0
+        self.relay_streams: set[RelayStream] = set()  # one per router connected
+        # The relay streams' requests, each a task (``relay_stream``) that may outlive its stream.
+        self.relay_tasks: set[asyncio.Task[None]] = set()
+        self._joining: dict[str, Pending] = {}  # taken by start_decode, not yet in the engine
 
     # ------------------------------------------------------------------ life cycle
 
@@ -86,13 +93,13 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
         deadline = time.monotonic() + timeout_s
         self.pending.hold_at_most(min(DRAIN_HOLD_S, timeout_s))
         live = self.inbox.live
-        while self._transfers or self._calls or self.pending or live:
+        while self._transfers or self.calls or self.pending or live:
             if time.monotonic() >= deadline:
                 logger.warning(
                     "drain: %d transfers, %d pending, %d calls, %d in the engine after %.0f s",
                     self._transfers,
                     len(self.pending),
-                    self._calls,
+                    self.calls,
                     len(live),
                     timeout_s,
                 )
@@ -274,32 +281,53 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
         self, request: nodes_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[nodes_pb2.DecodeResponse, None]:
         rid = request.request_id
-        pending = self.pending.pop(rid)
-        if pending is None:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND,
-                f"request {rid!r} has no transferred KV here (never sent, or its deadline passed)",
-            )
-        # No await since the pop: the id goes from the pending table to the live set at once.
-        queue = self.engine.subscribe(rid)
-        self.inbox.live.add(rid)
+        queue: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
+        started = False
         finished = False
         try:
             try:
-                await self.engine.add_transferred(
-                    rid, pending.prompt, pending.first_token, pending.params, pending.cache_salt
-                )
-            except ValueError as exc:  # the id is taken (a repeated Decode of one request)
-                await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-            except ConnectionError as exc:
-                await _engine_gone(context, exc)
+                self.start_decode(rid, queue)
+                started = True
+                await self.join_decode(rid)
+            except Refused as exc:
+                await context.abort(exc.code, str(exc))
             async for reply in relay_tokens(
                 queue, context, "decoding", self.counters, interval=self.stream_interval
             ):
                 finished = bool(reply.finish_reason)
                 yield reply
         finally:
-            await self._end(rid, finished)
+            if started:
+                await self.end(rid, finished)
+
+    def start_decode(self, rid: str, sink: OutputSink) -> None:
+        """Take a transferred request out of the pending table and subscribe ``sink`` to its
+        outputs; ``join_decode`` then adds it to the engine. From here it is the caller's: end it
+        with ``end`` whatever follows. ``Refused`` (NOT_FOUND) when no KV was transferred."""
+        pending = self.pending.pop(rid)
+        if pending is None:
+            raise Refused(
+                grpc.StatusCode.NOT_FOUND,
+                f"request {rid!r} has no transferred KV here (never sent, or its deadline passed)",
+            )
+        # No await since the pop: the id goes from the pending table to the live set at once.
+        self.engine.subscribe_sink(rid, sink)
+        self.inbox.live.add(rid)
+        self._joining[rid] = pending
+
+    async def join_decode(self, rid: str) -> None:
+        """Join the request ``start_decode`` took to the engine; ``Refused`` when it cannot."""
+        pending = self._joining.pop(rid)
+        try:
+            await self.engine.add_transferred(
+                rid, pending.prompt, pending.first_token, pending.params, pending.cache_salt
+            )
+        except ValueError as exc:  # the id is taken (a repeated Decode of one request)
+            raise Refused(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
+        except ConnectionError as exc:
+            raise Refused(
+                grpc.StatusCode.UNAVAILABLE, f"the decode node's engine is gone: {exc}"
+            ) from None
 
     # ------------------------------------------------------------------ release
 
@@ -317,12 +345,12 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             )
         if self.pending.release(rid) is None:  # not adopted (yet), decoding, released, expired
             return nodes_pb2.ReleaseResponse(released=False)
-        self._calls += 1  # a drain waits until the blocks are freed
+        self.calls += 1  # a drain waits until the blocks are freed
         try:
             self.counters[names.TRANSFERS_RELEASED] += 1
             await self.inbox.free(rid)  # to the end, even if this call is cancelled
         finally:
-            self._calls -= 1
+            self.calls -= 1
             self.inbox.freed.notify()
         return nodes_pb2.ReleaseResponse(released=True)
 
@@ -340,35 +368,21 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
     async def _generate(
         self, request: nodes_pb2.GenerateOnNodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[nodes_pb2.DecodeResponse, None]:
-        if self.draining:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, "decode node is draining; retry on another node"
-            )
         rid = request.request_id
-        try:
-            params, prompt = checked_request(self.engine.info, request)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if self.inbox.in_use(rid):
-            # Another call's (decoding, transferred, in transfer): touch nothing of it.
-            await context.abort(
-                grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already on this node"
-            )
-        queue = self.engine.subscribe(rid)
-        self.inbox.live.add(rid)
+        queue: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
+        started = False
         finished = False
         try:
             try:
-                await self.engine.add_request(rid, prompt, params, request.cache_salt or None)
-            except ValueError as exc:  # the id is taken
-                await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-            except ConnectionError as exc:
-                await _engine_gone(context, exc)
+                prompt, params = self.start_generate(request, queue)
+                started = True
+                await self.join_generate(request, prompt, params)
+            except Refused as exc:
+                await context.abort(exc.code, str(exc))
             # The router cancels an abandoned call only once it has heard from this handler (a
             # cancel arriving before the handler runs is lost): tell it now, not at the first
             # token, which a long prompt delays.
             await context.send_initial_metadata(())
-            self.counters[names.DIRECT_REQUESTS] += 1
             first = True
             async for reply in relay_tokens(
                 queue,
@@ -380,18 +394,76 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             ):
                 if first:  # cached_tokens: from the first token's facts (relay_tokens)
                     first = False
-                    self.counters[names.DIRECT_PROMPT_TOKENS] += len(prompt)
-                    self.counters[names.DIRECT_CACHED_TOKENS] += reply.cached_tokens
+                    self.count_direct(len(request.prompt_token_ids), reply.cached_tokens)
                 finished = bool(reply.finish_reason)
                 yield reply
         finally:
-            await self._end(rid, finished)
+            if started:
+                await self.end(rid, finished)
 
-    async def _end(self, rid: str, finished: bool) -> None:
+    def start_generate(
+        self, request: nodes_pb2.GenerateOnNodeRequest, sink: OutputSink
+    ) -> tuple[list[int], SamplingParams]:
+        """Check a whole request and subscribe ``sink`` to its outputs: its prompt and sampling
+        parameters, for ``join_generate``. From here it is the caller's: end it with ``end``
+        whatever follows. ``Refused`` saying why when it cannot start."""
+        if self.draining:
+            raise Refused(
+                grpc.StatusCode.UNAVAILABLE, "decode node is draining; retry on another node"
+            )
+        rid = request.request_id
+        try:
+            params, prompt = checked_request(self.engine.info, request)
+        except ValueError as exc:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        if self.inbox.in_use(rid):
+            # Another call's (decoding, transferred, in transfer): touch nothing of it.
+            raise Refused(
+                grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already on this node"
+            )
+        self.engine.subscribe_sink(rid, sink)
+        self.inbox.live.add(rid)
+        return prompt, params
+
+    async def join_generate(
+        self, request: nodes_pb2.GenerateOnNodeRequest, prompt: list[int], params: SamplingParams
+    ) -> None:
+        """Add the request ``start_generate`` took to the engine; ``Refused`` when it cannot."""
+        try:
+            await self.engine.add_request(
+                request.request_id, prompt, params, request.cache_salt or None
+            )
+        except ValueError as exc:  # the id is taken
+            raise Refused(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
+        except ConnectionError as exc:
+            raise Refused(
+                grpc.StatusCode.UNAVAILABLE, f"the decode node's engine is gone: {exc}"
+            ) from None
+        self.counters[names.DIRECT_REQUESTS] += 1
+
+    def count_direct(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """A direct request's first token: its prompt and the part of it found cached."""
+        self.counters[names.DIRECT_PROMPT_TOKENS] += prompt_tokens
+        self.counters[names.DIRECT_CACHED_TOKENS] += cached_tokens
+
+    # ------------------------------------------------------------------ relay (one per router)
+
+    async def Relay(
+        self,
+        request_iterator: AsyncIterator[nodes_pb2.RelayCommand],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[nodes_pb2.RelayBatch]:
+        """Every request of one router on this node, on one stream (``relay_stream``)."""
+        await context.send_initial_metadata(())  # the router sends requests once it hears this
+        async for batch in RelayStream(self).run(request_iterator):
+            yield batch
+
+    async def end(self, rid: str, finished: bool) -> None:
         """A Decode or Generate call's end: cancelled (mid-prefill too), failed, or never joined
         (add_* refused, or dropped from the engine's queue by the cancel), the request is ended
         and every block held under its id freed, to the end; then it leaves the live set."""
         self.engine.unsubscribe(rid)
+        self._joining.pop(rid, None)
         try:
             if not finished and await self.engine.end_request(rid):
                 self.counters[names.REQUESTS_ABORTED] += 1
@@ -410,7 +482,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
     ) -> AsyncIterator[nodes_pb2.DecodeResponse]:
         """``replies`` as a call in flight: a drain waits until its last message is sent. Traced
         (when on) as one span of the call, with its wait for the first token (``queue``)."""
-        self._calls += 1
+        self.calls += 1
         trace = tracing.carrier_of(context.invocation_metadata())
         traced = tracing.start(f"decode_node.{method}", carrier=trace, server=True)
         started, tokens, failure = time.monotonic(), 0, "cancelled"
@@ -428,7 +500,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             try:
                 await replies.aclose()  # its own cleanup now, not when the loop finalizes it
             finally:
-                self._calls -= 1
+                self.calls -= 1
                 self.inbox.freed.notify()
                 if traced.span.is_recording():
                     traced.span.set_attributes(

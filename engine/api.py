@@ -15,6 +15,7 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from splitserve.engine.core import StepOutput, check_prompt
 from splitserve.engine.kv_port import Reserved
@@ -28,6 +29,7 @@ __all__ = [
     "KVSides",
     "KVSpec",
     "NodeEngine",
+    "OutputSink",
     "Pinned",
     "ResInfo",
     "Reserved",
@@ -123,6 +125,14 @@ class Pinned:
     block_ids: list[int]
 
 
+class OutputSink(Protocol):
+    """Where a request's outputs go (``NodeEngine.subscribe``): an ``asyncio.Queue`` per request,
+    or one object many requests share (``decode_node.channel``: every request of one router's
+    stream, sent once per step)."""
+
+    def put_nowait(self, item: StepOutput | BaseException, /) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class EngineFigures:
     """The engine's figures, read without waiting for a step: load, pool and counters."""
@@ -147,7 +157,7 @@ class NodeEngine(ABC):
     kv: KVSides = KVSides()
 
     def __init__(self) -> None:
-        self._queues: dict[str, asyncio.Queue[StepOutput | BaseException]] = {}
+        self._queues: dict[str, OutputSink] = {}
 
     # ------------------------------------------------------------------ life
 
@@ -163,6 +173,11 @@ class NodeEngine(ABC):
         queue: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         return queue
+
+    def subscribe_sink(self, request_id: str, sink: OutputSink) -> None:
+        """Like ``subscribe``, the outputs put into ``sink`` (called on the event loop, in step
+        order; one step's outputs one after another, with no await between them)."""
+        self._queues[request_id] = sink
 
     def unsubscribe(self, request_id: str) -> None:
         self._queues.pop(request_id, None)

@@ -22,6 +22,7 @@ from splitserve.router.errors import UNREACHABLE, GenerateError
 from splitserve.router.kv_budget import KVDemand
 from splitserve.router.pool import Node, NodePool
 from splitserve.router.registry import NodeRegistry
+from splitserve.router.relay import RelayCall, RelayChannel
 from splitserve.runtime.auth import call_metadata
 from splitserve.v1 import nodes_pb2
 
@@ -45,6 +46,29 @@ class DecodeStage:
         # Seconds from a Decode call's start to its first tokens (the stage histogram's).
         self.on_first_decode = on_first_decode
         self._background: set[asyncio.Task[None]] = set()
+        self._channels: dict[Node, RelayChannel] = {}  # each decode node's Relay stream
+        self._no_relay: set[Node] = set()  # nodes that answered Relay with UNIMPLEMENTED
+
+    @property
+    def registry(self) -> NodeRegistry:
+        return self._registry
+
+    def _channel(self, node: Node) -> RelayChannel | None:
+        """``node``'s Relay stream if it is ready; None (a call of its own for this request)
+        while it opens, and where the node serves none."""
+        if node in self._no_relay:
+            return None
+        channel = self._channels.get(node)
+        if channel is None or channel.broken:
+            self._channels[node] = RelayChannel(self, node, self._channel_ended)
+            return None
+        return channel if channel.ready else None
+
+    def _channel_ended(self, channel: RelayChannel) -> None:
+        if self._channels.get(channel.node) is channel:
+            del self._channels[channel.node]
+        if channel.unimplemented:
+            self._no_relay.add(channel.node)
 
     def claim(self, node: Node, demand: KVDemand | None, node_request_id: str) -> DecodeSession:
         """Count a request in flight on ``node`` (a slot and ``demand``'s KV ledger charge) until
@@ -53,9 +77,17 @@ class DecodeStage:
         pool.acquire(node, demand=demand)
         return DecodeSession(self, pool, node, demand, node_request_id)
 
-    def open(self, node: Node, node_request_id: str, deadline: float) -> DecodeCall:
-        """Start D's Decode stream at once (so that it overlaps with relaying the first token);
-        read it with ``DecodeCall.read``, and always ``close`` it."""
+    def open(self, node: Node, node_request_id: str, deadline: float) -> DecodeCall | RelayCall:
+        """Start decoding a transferred request on D at once (so that it overlaps with relaying
+        the first token), on D's Relay stream; read it with ``read``, and always ``close`` it."""
+        channel = self._channel(node)
+        if channel is None:
+            return self._open_decode(node, node_request_id, deadline)
+        command = nodes_pb2.RelayCommand(decode=nodes_pb2.DecodeRequest(request_id=node_request_id))
+        return channel.start(command, node_request_id, deadline, first_alone=False)
+
+    def _open_decode(self, node: Node, node_request_id: str, deadline: float) -> DecodeCall:
+        """D's Decode call for one request (a node without Relay)."""
         stub = self._registry.decode_stub(node)
         call = stub.Decode(
             nodes_pb2.DecodeRequest(request_id=node_request_id),
@@ -66,9 +98,20 @@ class DecodeStage:
 
     def open_direct(
         self, node: Node, request: nodes_pb2.GenerateOnNodeRequest, deadline: float
+    ) -> DecodeCall | RelayCall:
+        """The direct route: the whole request on D (prefill and decode there), on D's Relay
+        stream; read it with ``read`` (the first read is the first token alone), and always
+        ``close`` it."""
+        channel = self._channel(node)
+        if channel is None:
+            return self._open_generate(node, request, deadline)
+        command = nodes_pb2.RelayCommand(generate=request)
+        return channel.start(command, request.request_id, deadline, first_alone=True)
+
+    def _open_generate(
+        self, node: Node, request: nodes_pb2.GenerateOnNodeRequest, deadline: float
     ) -> DecodeCall:
-        """The direct route: D's Generate stream (prefill and decode on D); read it with
-        ``DecodeCall.read`` (the first message is the first token), and always ``close`` it."""
+        """D's Generate call for one request (a node without Relay)."""
         call = self._registry.decode_stub(node).Generate(
             request, timeout=max(deadline - time.monotonic(), 0.001), metadata=call_metadata()
         )
@@ -137,9 +180,11 @@ class DecodeStage:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def error(self, node: Node, exc: grpc.aio.AioRpcError, deadline: float) -> GenerateError:
-        """What the client hears of a failed Decode stream (D is marked down if unreachable)."""
-        code, details = exc.code(), exc.details()
+    def error(
+        self, node: Node, code: grpc.StatusCode, details: str, deadline: float
+    ) -> GenerateError:
+        """What the client hears of a request's stream on D failing with ``code`` (D is marked
+        down if unreachable)."""
         if code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() >= deadline:
             return GenerateError(code, "the request's deadline passed while decoding")
         if code in UNREACHABLE:
@@ -179,18 +224,18 @@ class DecodeSession:
         self.node = node
         self.demand = demand
         self.request_id = request_id  # the request's id on its nodes
-        self._call: DecodeCall | None = None
+        self._call: DecodeCall | RelayCall | None = None
         self._closed = False
 
     def open_generate(
         self, request: nodes_pb2.GenerateOnNodeRequest, deadline: float
-    ) -> DecodeCall:
+    ) -> DecodeCall | RelayCall:
         """The direct route: D prefills and decodes the request itself (``request``)."""
         assert self._call is None and not self._closed, "the session's stream is already open"
         self._call = self._stage.open_direct(self.node, request, deadline)
         return self._call
 
-    def stream(self, deadline: float) -> DecodeCall:
+    def stream(self, deadline: float) -> DecodeCall | RelayCall:
         """D's token stream: the Generate call if open (direct), else a new Decode call."""
         if self._call is None:
             assert not self._closed, "the session is closed"
@@ -278,7 +323,9 @@ class DecodeCall:
             else:
                 reply = await self._call.read()
         except grpc.aio.AioRpcError as exc:
-            raise self._stage.error(self._node, exc, self._deadline) from None
+            raise self._stage.error(
+                self._node, exc.code(), exc.details() or "", self._deadline
+            ) from None
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if self._stalled and not (task is not None and task.cancelling()):

@@ -81,6 +81,12 @@ def use_token(token: str | None) -> None:
     _metadata = metadata_for(token)
 
 
+def credentials() -> tuple[tuple[str, str], ...] | None:
+    """This process's credential alone, as call metadata: for a call that outlives any one
+    request (no trace context)."""
+    return _metadata
+
+
 def call_metadata() -> tuple[tuple[str, str], ...] | None:
     """The metadata every internal call of this process carries (``metadata=`` of the call):
     the credential, and the current request's trace context when tracing is on."""

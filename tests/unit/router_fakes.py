@@ -84,6 +84,94 @@ class FakeStream:
         return True
 
 
+class FakeRelay:
+    """A ``Relay`` stream: each command's request served by the fake node's Decode or Generate
+    handler in a task of its own, each of their messages sent as its request's part of a
+    ``RelayBatch``, a failure as an error output; a cancel command cancels the handler. Iterate
+    it for the batches; ``cancel`` ends it (CancelledError to the reader, as grpc.aio does)."""
+
+    def __init__(self, nodes: FakeNodes, address: str, commands: AsyncIterator) -> None:
+        self._nodes, self._address = nodes, address
+        self._out: asyncio.Queue = asyncio.Queue()
+        self._handlers: dict[str, asyncio.Task] = {}
+        self.started: list[str] = []  # request ids of its decode and generate commands
+        self.cancels: list[str] = []  # request ids of its cancel commands
+        self.cancelled = False
+        self._answered = asyncio.get_running_loop().create_future()
+        if not nodes.relay_implemented:
+            error = rpc_error(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+            self._answered.set_exception(error)
+            self._answered.exception()  # retrieved, whether or not the router awaits it
+            self._out.put_nowait(error)
+            return
+        self._answered.set_result(())
+        self._reader = asyncio.ensure_future(self._consume(commands))
+
+    async def _consume(self, commands: AsyncIterator) -> None:
+        async for command in commands:
+            kind = command.WhichOneof("kind")
+            if kind == "cancel":
+                self.cancels.append(command.cancel)
+                handler = self._handlers.pop(command.cancel, None)
+                if handler is not None:
+                    handler.cancel()
+                continue
+            if kind == "decode":
+                request = command.decode
+                rid, messages = request.request_id, self._nodes.decode_started(request)
+            else:
+                request = command.generate
+                rid, messages = request.request_id, self._nodes.generate(self._address, request)
+            self.started.append(rid)
+            self._handlers[rid] = asyncio.ensure_future(self._serve(rid, messages))
+
+    async def _serve(self, rid: str, messages: AsyncIterator) -> None:
+        try:
+            async for msg in messages:
+                out = nodes_pb2.RelayOutput(
+                    request_id=rid,
+                    token_ids=msg.token_ids,
+                    logprobs=msg.logprobs,
+                    finish_reason=msg.finish_reason,
+                    cached_tokens=msg.cached_tokens,
+                )
+                self._out.put_nowait(nodes_pb2.RelayBatch(outputs=[out]))
+        except grpc.aio.AioRpcError as exc:
+            out = nodes_pb2.RelayOutput(
+                request_id=rid, error_code=exc.code().value[0], error_message=exc.details() or ""
+            )
+            self._out.put_nowait(nodes_pb2.RelayBatch(outputs=[out]))
+        finally:
+            self._handlers.pop(rid, None)
+
+    async def initial_metadata(self):
+        return await self._answered
+
+    async def __aiter__(self):
+        while True:
+            item = await self._out.get()
+            if item is _CANCELLED:
+                raise asyncio.CancelledError
+            if isinstance(item, grpc.aio.AioRpcError):
+                raise item
+            yield item
+
+    def fail(self, code: grpc.StatusCode, details: str) -> None:
+        """The stream fails as a node that went would fail it."""
+        for handler in self._handlers.values():
+            handler.cancel()
+        self._out.put_nowait(rpc_error(code, details))
+
+    def cancel(self) -> bool:
+        if self.cancelled:
+            return False
+        self.cancelled = True
+        for handler in self._handlers.values():
+            handler.cancel()
+        self._out.put_nowait(_CANCELLED)
+        return True
+
+
 class FakeNodes:
     def __init__(self, rng: random.Random | None = None, max_delay_s: float = 0.0) -> None:
         self.rng = rng or random.Random(0)
@@ -97,6 +185,8 @@ class FakeNodes:
         self.fail_prefill = 0  # the next n Prefill calls answer UNAVAILABLE
         self.refuse_generate = 0  # the next n Generate calls answer RESOURCE_EXHAUSTED
         self.release_implemented = True  # False: a decode node of an older version
+        self.relay_implemented = True  # False: a decode node without the Relay stream
+        self.relays: list[FakeRelay] = []  # every Relay stream opened
         self.probe_ok = True  # what grpc.health.v1 says of every node
         self.cached_tokens = 3
 
@@ -127,7 +217,18 @@ class FakeNodes:
         )
 
     async def decode(self, request: nodes_pb2.DecodeRequest):
+        """A Decode call's handler: takes the request's KV once it runs (a call cancelled before
+        its handler ran leaves it held, as gRPC drops such a cancel)."""
         tokens = self.held.pop(request.request_id, None)
+        async for msg in self.decode_taken(request.request_id, tokens):
+            yield msg
+
+    def decode_started(self, request: nodes_pb2.DecodeRequest):
+        """A Relay decode command: the KV is taken at once (the node starts every command it
+        reads, so a cancel that follows always finds it)."""
+        return self.decode_taken(request.request_id, self.held.pop(request.request_id, None))
+
+    async def decode_taken(self, rid: str, tokens: list[int] | None):
         if tokens is None:
             raise rpc_error(grpc.StatusCode.NOT_FOUND, "unknown request")
         try:
@@ -137,7 +238,7 @@ class FakeNodes:
                 finish = ("stop" if tokens[-1] == EOS else "length") if last else ""
                 yield nodes_pb2.DecodeResponse(token_ids=tokens[i : i + 2], finish_reason=finish)
         except asyncio.CancelledError:
-            self.decode_cancelled.append(request.request_id)
+            self.decode_cancelled.append(rid)
             raise
 
     async def generate(self, d: str, request: nodes_pb2.GenerateOnNodeRequest):
@@ -189,6 +290,11 @@ class _DecodeStub:
 
     def Release(self, request, timeout=None, metadata=None) -> FakeUnary:
         return FakeUnary(self._nodes.release(request))
+
+    def Relay(self, commands, timeout=None, metadata=None) -> FakeRelay:
+        relay = FakeRelay(self._nodes, self._address, commands)
+        self._nodes.relays.append(relay)
+        return relay
 
 
 class FakeRegistry(NodeRegistry):

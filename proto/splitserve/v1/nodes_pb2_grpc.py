@@ -175,6 +175,11 @@ class DecodeNodeServiceStub:
                 request_serializer=splitserve_dot_v1_dot_nodes__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_nodes__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Relay = channel.stream_stream(
+                '/splitserve.v1.DecodeNodeService/Relay',
+                request_serializer=splitserve_dot_v1_dot_nodes__pb2.RelayCommand.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_nodes__pb2.RelayBatch.FromString,
+                _registered_method=True)
 
 
 class DecodeNodeServiceServicer:
@@ -219,6 +224,21 @@ class DecodeNodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Relay(self, request_iterator, context):
+        """One long-lived stream per (router, decode node) that carries every request of that router on
+        this node, instead of a Decode or Generate stream each. The router starts requests (a
+        transferred one, as Decode; a whole one, as Generate) and cancels them; the node answers
+        with one RelayBatch per engine step holding every new token of that router's requests here,
+        their ends and their failures (a batch holds more when the router reads slower than the
+        engine steps). Commands act in the order sent: a cancel always finds the request it follows.
+        When the stream ends (the router went), every request it started here is ended and its
+        blocks freed: nothing decodes for nobody. A node without it answers UNIMPLEMENTED, and the
+        router uses Decode and Generate.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeNodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -241,6 +261,11 @@ def add_DecodeNodeServiceServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=splitserve_dot_v1_dot_nodes__pb2.ReleaseRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_nodes__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Relay': grpc.stream_stream_rpc_method_handler(
+                    servicer.Relay,
+                    request_deserializer=splitserve_dot_v1_dot_nodes__pb2.RelayCommand.FromString,
+                    response_serializer=splitserve_dot_v1_dot_nodes__pb2.RelayBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -351,6 +376,33 @@ class DecodeNodeService:
             '/splitserve.v1.DecodeNodeService/Release',
             splitserve_dot_v1_dot_nodes__pb2.ReleaseRequest.SerializeToString,
             splitserve_dot_v1_dot_nodes__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Relay(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/splitserve.v1.DecodeNodeService/Relay',
+            splitserve_dot_v1_dot_nodes__pb2.RelayCommand.SerializeToString,
+            splitserve_dot_v1_dot_nodes__pb2.RelayBatch.FromString,
             options,
             channel_credentials,
             insecure,

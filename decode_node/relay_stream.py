@@ -1,0 +1,251 @@
+"""One router's ``Relay`` stream on a decode node: every request that router starts here, their
+tokens sent once per engine step in one ``RelayBatch``.
+
+A request's outputs go from the engine straight into its ``_Live`` entry (``NodeEngine``'s
+sink, on the event loop, a whole step's at a time); an entry with something to send is marked
+ready and the stream's one writer wakes once, builds one message of every ready request and
+sends it. While the router reads slower than the engine steps, outputs pile up in the entries
+and go out together: the stream never falls further behind by sending more messages.
+
+Each request has a task of its own for its start (the pending table, the engine's queue) and its
+end (``DecodeService.end``: its blocks freed to the end). A ``cancel`` command, the request's
+deadline or the stream's end (the router went, or closed it) ends the request: the task, never
+cancelled itself, ends it as soon as it has started. Commands are read in order by one reader,
+so a cancel always finds the start it follows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import grpc
+
+from splitserve.decode_node.header import Refused
+from splitserve.decode_node.relay import stream_failure_code
+from splitserve.engine.core import StepOutput
+from splitserve.runtime import counter_names as names
+from splitserve.runtime import tracing
+from splitserve.v1 import nodes_pb2
+
+if TYPE_CHECKING:
+    from splitserve.decode_node.service import DecodeService
+
+logger = logging.getLogger(__name__)
+
+MAX_REQUEST_ID_CHARS = 1024  # a command's request id (input from another process: bounded)
+
+
+class _Live:
+    """One request of the stream: its outputs not sent yet and how it ended."""
+
+    __slots__ = (
+        "cached",
+        "done",
+        "failure",
+        "finished",
+        "logprobs",
+        "prompt_tokens",
+        "request_id",
+        "sent_first",
+        "stream",
+        "timer",
+        "tokens",
+    )
+
+    def __init__(self, stream: RelayStream, request_id: str) -> None:
+        self.stream = stream
+        self.request_id = request_id
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.cached = -1  # the first token's cached prompt tokens, until sent (-1: not known)
+        self.finished = ""  # the engine's finish reason
+        self.failure: tuple[grpc.StatusCode, str] | None = None
+        self.sent_first = False
+        self.prompt_tokens = 0  # a whole request's (generate): counted at its first token
+        self.done = asyncio.get_running_loop().create_future()  # resolved at the request's end
+        self.timer: asyncio.TimerHandle | None = None
+
+    def put_nowait(self, out: StepOutput | BaseException) -> None:
+        """The engine's next output for the request (``engine.api.OutputSink``)."""
+        if self.finished or self.failure is not None:
+            return
+        if isinstance(out, BaseException):
+            self.fail(stream_failure_code(out), f"decoding failed: {out}")
+            return
+        self.tokens.append(out.new_token_id)
+        if out.logprob is not None:
+            self.logprobs.append(out.logprob)
+        if out.facts is not None:
+            self.cached = out.facts.num_cached_tokens
+            if self.prompt_tokens:
+                self.stream.count_direct(self.prompt_tokens, self.cached)
+        if out.finish_reason is not None:
+            self.finished = out.finish_reason
+            self.stream.counters[names.REQUESTS_FINISHED] += 1
+            self._end()
+        if not self.sent_first or self.finished or len(self.tokens) >= self.stream.interval:
+            self.stream.ready(self)
+
+    def fail(self, code: grpc.StatusCode, message: str) -> None:
+        """End the request with ``code``: sent after the tokens before it."""
+        if self.finished or self.failure is not None:
+            return
+        self.failure = (code, message)
+        self.stream.ready(self)
+        self._end()
+
+    def _end(self) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+        if self.timer is not None:
+            self.timer.cancel()
+
+    def take(self, out: nodes_pb2.RelayOutput) -> None:
+        """Move what is not sent yet into ``out``."""
+        out.request_id = self.request_id
+        if self.tokens:
+            out.token_ids.extend(self.tokens)
+            self.tokens.clear()
+            if self.logprobs:
+                out.logprobs.extend(self.logprobs)
+                self.logprobs.clear()
+            self.sent_first = True
+        if self.cached >= 0:
+            out.cached_tokens = self.cached
+            self.cached = -1
+        if self.finished:
+            out.finish_reason = self.finished
+        elif self.failure is not None:
+            out.error_code = self.failure[0].value[0]
+            out.error_message = self.failure[1]
+
+
+class RelayStream:
+    """Serves one ``Relay`` call of ``service`` (``DecodeService``)."""
+
+    def __init__(self, service: DecodeService) -> None:
+        self._service = service
+        self.counters = service.counters
+        self.interval = service.stream_interval  # tokens per output after the first, at most
+        self._live: dict[str, _Live] = {}
+        self._ready: dict[str, _Live] = {}  # with something to send, in the order they became so
+        self._wake = asyncio.Event()
+
+    def count_direct(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self._service.count_direct(prompt_tokens, cached_tokens)
+
+    def ready(self, live: _Live) -> None:
+        self._ready[live.request_id] = live
+        self._wake.set()
+
+    async def run(
+        self, commands: AsyncIterator[nodes_pb2.RelayCommand]
+    ) -> AsyncIterator[nodes_pb2.RelayBatch]:
+        reader = asyncio.create_task(self._read(commands))
+        reader.add_done_callback(lambda _: self._wake.set())
+        self._service.relay_streams.add(self)
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                if self._ready:
+                    ready, self._ready = self._ready, {}
+                    batch = nodes_pb2.RelayBatch()
+                    outputs = batch.outputs
+                    for live in ready.values():
+                        live.take(outputs.add())
+                    yield batch
+                if reader.done():
+                    if not reader.cancelled() and reader.exception() is not None:
+                        logger.warning("relay stream: commands failed: %r", reader.exception())
+                    return
+        finally:
+            reader.cancel()
+            self._close()
+            self._service.relay_streams.discard(self)
+
+    def _close(self) -> None:
+        """The stream ended (the router closed it or went): end every request it started."""
+        for live in list(self._live.values()):
+            live.fail(grpc.StatusCode.CANCELLED, "the router's relay stream ended")
+
+    async def _read(self, commands: AsyncIterator[nodes_pb2.RelayCommand]) -> None:
+        async for command in commands:
+            kind = command.WhichOneof("kind")
+            if kind == "cancel":
+                live = self._live.get(command.cancel)
+                if live is not None:
+                    live.fail(grpc.StatusCode.CANCELLED, "cancelled by the router")
+                continue
+            if kind is None:
+                continue  # a newer router's command this node does not know
+            request = command.decode if kind == "decode" else command.generate
+            rid = request.request_id
+            live = _Live(self, rid)
+            if not rid or len(rid) > MAX_REQUEST_ID_CHARS:
+                live.fail(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"request_id must have 1 to {MAX_REQUEST_ID_CHARS} characters, got {len(rid)}",
+                )
+                continue
+            if rid in self._live:
+                live.fail(
+                    grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already on this stream"
+                )
+                continue
+            self._live[rid] = live
+            task = asyncio.create_task(self._serve(live, command, kind))
+            tasks = self._service.relay_tasks  # held there: they outlive the stream
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            if command.deadline_s > 0:
+                live.timer = asyncio.get_running_loop().call_later(
+                    command.deadline_s, self._expire, live
+                )
+        # The router closed its side (it is stopping): its requests end with the stream.
+
+    def _expire(self, live: _Live) -> None:
+        live.fail(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed on the node")
+
+    async def _serve(self, live: _Live, command: nodes_pb2.RelayCommand, kind: str) -> None:
+        """One request from its start to its end. A cancel, its deadline or the stream's end
+        fails ``live``, which resolves ``done``: the request is ended as soon as it started (a
+        transferred request is always started, so that its KV is freed now)."""
+        service = self._service
+        rid = live.request_id
+        if kind == "generate" and live.failure is not None:
+            self._live.pop(rid, None)
+            return  # cancelled before it started: nothing of it is here
+        method = "Decode" if kind == "decode" else "Generate"
+        traced = tracing.start(f"decode_node.{method}", carrier=dict(command.trace), server=True)
+        started = False
+        service.calls += 1  # a drain waits for it
+        try:
+            if kind == "decode":
+                service.start_decode(rid, live)
+                started = True
+                await service.join_decode(rid)
+            else:
+                request = command.generate
+                prompt, params = service.start_generate(request, live)
+                started = True
+                live.prompt_tokens = len(prompt)
+                await service.join_generate(request, prompt, params)
+            await live.done
+        except Refused as exc:
+            live.fail(exc.code, str(exc))
+        finally:
+            try:
+                if started:
+                    await service.end(rid, bool(live.finished))
+            finally:
+                service.calls -= 1
+                self._live.pop(rid, None)
+                live.fail(grpc.StatusCode.CANCELLED, "the request was cancelled")
+                if traced.span.is_recording():
+                    traced.span.set_attribute("splitserve.request_id", rid)
+                failure = live.failure
+                traced.end(None if failure is None else f"{failure[0].name}: {failure[1]}")

@@ -1,0 +1,302 @@
+"""One ``Relay`` stream per decode node (``RelayChannel``): every request of this router on that
+node is started, read and cancelled through it, its tokens arriving in one message per engine
+step for all of them (``DecodeNodeService.Relay``).
+
+The channel's one reader task takes each ``RelayBatch`` apart and puts every request's part into
+that request's ``RelayCall``, waking its reader once; the request's handler drains everything
+that arrived meanwhile in one ``read``. So the router pays a message per step and node, not per
+token and request, and a client that reads slower than the node decodes gets fuller messages.
+
+A stream carries requests once the node has answered it (its initial metadata: it serves
+``Relay``); until then, and on a node that answers UNIMPLEMENTED (an older version), requests go
+as calls of their own (``Decode``/``Generate``), so no request is ever caught on a stream the node
+cannot serve. The stream failing (the node gone, or silent to health checks:
+``Node.stall_signal``) fails every request on it as one ``Decode`` stream's failure would
+(``DecodeStage.error``: UNAVAILABLE, and the orchestrator resumes it elsewhere); the next request
+opens a new stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+import grpc
+
+from splitserve.router.errors import GenerateError
+from splitserve.router.pool import Node
+from splitserve.runtime import tracing
+from splitserve.runtime.auth import credentials
+from splitserve.v1 import nodes_pb2
+
+if TYPE_CHECKING:
+    from splitserve.router.decode_stage import DecodeStage
+
+logger = logging.getLogger(__name__)
+
+
+class Tokens(NamedTuple):
+    """What one ``read`` hands over: every token that arrived since the last one."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # set on the request's last read
+    cached_tokens: int  # a direct request's first read: prompt tokens found in D's cache
+
+
+class RelayChannel:
+    """The ``Relay`` stream to one decode node; ``start`` a request on it once ``ready``, read its
+    ``RelayCall``. Open until it fails (``broken``); ``close`` ends it and every request on it."""
+
+    def __init__(self, stage: DecodeStage, node: Node, on_end: Callable[[RelayChannel], None]):
+        self._stage = stage
+        self.node = node
+        self._on_end = on_end
+        self._calls: dict[str, RelayCall] = {}
+        self._commands: asyncio.Queue[nodes_pb2.RelayCommand | None] = asyncio.Queue()
+        self.ready = False  # the node answered: it serves Relay
+        self.broken = False
+        self.unimplemented = False  # the node serves no Relay (an older version)
+        self._stalled = False
+        stub = stage.registry.decode_stub(node)
+        self._call = stub.Relay(self._send(), metadata=credentials())
+        self._reader = asyncio.create_task(self._read())
+        self._answered = asyncio.ensure_future(self._call.initial_metadata())
+        self._answered.add_done_callback(self._on_answer)
+        self._stall = asyncio.ensure_future(node.stall_signal().wait())
+        self._stall.add_done_callback(self._on_stall)
+
+    def _on_answer(self, answered: asyncio.Future) -> None:
+        if not answered.cancelled() and answered.exception() is None and not self.broken:
+            self.ready = True
+
+    def start(
+        self, command: nodes_pb2.RelayCommand, request_id: str, deadline: float, first_alone: bool
+    ) -> RelayCall:
+        """Send ``command`` (a decode or generate of ``request_id``); its tokens come to the
+        returned call."""
+        assert self.ready and not self.broken, "start on a relay stream not ready"
+        call = RelayCall(self, request_id, deadline, first_alone)
+        self._calls[request_id] = call
+        command.deadline_s = max(deadline - time.monotonic(), 0.001)
+        if tracing.enabled():
+            command.trace.update(dict(tracing.outgoing()))
+        self._commands.put_nowait(command)
+        return call
+
+    def cancel(self, request_id: str) -> None:
+        """End the request on the node (its blocks freed there); nothing more comes to it."""
+        if self._calls.pop(request_id, None) is not None and not self.broken:
+            self._commands.put_nowait(nodes_pb2.RelayCommand(cancel=request_id))
+
+    def forget(self, request_id: str) -> None:
+        """The request ended on the node: drop its entry."""
+        self._calls.pop(request_id, None)
+
+    def close(self) -> None:
+        self._call.cancel()
+
+    def error(self, code: grpc.StatusCode, details: str, deadline: float) -> GenerateError:
+        return self._stage.error(self.node, code, details, deadline)
+
+    def first_decoded(self, seconds: float) -> None:
+        if self._stage.on_first_decode is not None:
+            self._stage.on_first_decode(seconds)
+
+    async def _send(self) -> AsyncIterator[nodes_pb2.RelayCommand]:
+        while (command := await self._commands.get()) is not None:
+            yield command
+
+    async def _read(self) -> None:
+        error: GenerateError
+        try:
+            async for batch in self._call:
+                calls = self._calls
+                for out in batch.outputs:  # pyright: ignore[reportAttributeAccessIssue]
+                    call = calls.get(out.request_id)
+                    if call is not None:
+                        call.feed(out)
+            error = self.error(grpc.StatusCode.UNAVAILABLE, "it ended its relay stream", 0.0)
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                self.unimplemented = True
+                logger.info(
+                    "decode node %s serves no Relay stream (an older version): a call per request",
+                    self.node.address,
+                )
+            error = self._ended_by(code, exc.details() or "")
+        except asyncio.CancelledError:  # closed (grpc.aio raises this for a cancelled call)
+            error = self._ended_by(None, "")
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                self._end(error)
+                raise
+        self._end(error)
+
+    def _ended_by(self, code: grpc.StatusCode | None, details: str) -> GenerateError:
+        """What the stream's requests fail with: ``code`` (None: the router closed it)."""
+        if self._stalled:
+            return GenerateError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"decode node {self.node.address} stopped answering health checks mid-request; "
+                "retry the request",
+            )
+        if code is None:
+            return GenerateError(
+                grpc.StatusCode.CANCELLED,
+                f"the router closed its relay stream to decode node {self.node.address}",
+            )
+        return self.error(code, details, 0.0)
+
+    def _end(self, error: GenerateError) -> None:
+        """The stream is over: every request on it fails with ``error``."""
+        self.broken = True
+        self.ready = False
+        self._stall.cancel()
+        self._answered.cancel()
+        self._commands.put_nowait(None)
+        self._on_end(self)
+        calls, self._calls = self._calls, {}
+        for call in calls.values():
+            call.fail(error)
+
+    def _on_stall(self, signal: asyncio.Future) -> None:
+        if signal.cancelled():
+            return
+        self._stalled = True
+        self._call.cancel()
+
+
+class RelayCall:
+    """One request's tokens on a ``RelayChannel``: ``read`` them, always ``close`` it (the
+    interface of ``DecodeCall``, a request's call of its own)."""
+
+    __slots__ = (
+        "_cached",
+        "_channel",
+        "_deadline",
+        "_ended",
+        "_error",
+        "_finish",
+        "_first_alone",
+        "_logprobs",
+        "_opened",
+        "_timer",
+        "_tokens",
+        "_waiter",
+        "request_id",
+    )
+
+    def __init__(
+        self,
+        channel: RelayChannel,
+        request_id: str,
+        deadline: float,
+        first_alone: bool,
+    ) -> None:
+        self._channel = channel
+        self.request_id = request_id
+        self._deadline = deadline
+        self._first_alone = first_alone  # the first read hands over the first token alone
+        self._tokens: list[int] = []
+        self._logprobs: list[float] = []
+        self._cached = 0
+        self._finish = ""
+        self._error: GenerateError | None = None
+        self._ended = False  # the node ended it (finished or failed): nothing to cancel there
+        self._waiter: asyncio.Future[None] | None = None
+        self._opened = time.monotonic()
+        loop = asyncio.get_running_loop()
+        self._timer: asyncio.TimerHandle | None = loop.call_at(
+            _loop_time(loop, deadline), self._expire
+        )
+
+    # ------------------------------------------------------------------ from the channel
+
+    def feed(self, out: nodes_pb2.RelayOutput) -> None:
+        """The request's part of one batch."""
+        if out.token_ids:
+            self._tokens.extend(out.token_ids)
+            self._logprobs.extend(out.logprobs)
+        if out.cached_tokens:
+            self._cached = out.cached_tokens
+        if out.finish_reason:
+            self._finish = out.finish_reason
+            self._ended = True
+        elif out.error_code:
+            self._ended = True
+            code = _STATUS.get(out.error_code, grpc.StatusCode.UNKNOWN)
+            self.fail(self._channel.error(code, out.error_message, self._deadline))
+            return
+        self._wake()
+
+    def fail(self, error: GenerateError) -> None:
+        if self._error is None and not self._finish:
+            self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _expire(self) -> None:
+        self._timer = None
+        self.fail(
+            GenerateError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed while decoding"
+            )
+        )
+
+    # ------------------------------------------------------------------ for the request
+
+    async def read(self) -> Tokens:
+        """Every token that arrived since the last read (at least one, or the end); raises
+        ``GenerateError`` when the request failed on the node (after its tokens before)."""
+        while not (self._tokens or self._finish or self._error):
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        if self._opened:
+            if not self._first_alone:  # a transferred request's first decode step
+                self._channel.first_decoded(time.monotonic() - self._opened)
+            self._opened = 0.0
+        if self._tokens:
+            if self._first_alone:
+                self._first_alone = False
+                tokens, self._tokens = self._tokens[:1], self._tokens[1:]
+                logprobs, self._logprobs = self._logprobs[:1], self._logprobs[1:]
+            else:
+                tokens, self._tokens = self._tokens, []
+                logprobs, self._logprobs = self._logprobs, []
+            finish = self._finish if not self._tokens else ""
+            cached, self._cached = self._cached, 0
+            return Tokens(tokens, logprobs, finish, cached)
+        if self._finish:
+            return Tokens([], [], self._finish, 0)
+        assert self._error is not None
+        raise self._error
+
+    def close(self) -> None:
+        """The request is over for the router: end it on the node unless it ended there."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._ended or self._finish:
+            self._channel.forget(self.request_id)
+        else:
+            self._channel.cancel(self.request_id)
+
+
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _loop_time(loop: asyncio.AbstractEventLoop, deadline: float) -> float:
+    """``deadline`` (``time.monotonic()``) on the loop's clock."""
+    return loop.time() + (deadline - time.monotonic())

@@ -1,0 +1,221 @@
+"""A decode node's Relay stream (one per router): every request the router starts on it, their
+tokens in one message per engine step, cancels and the stream's end freeing every block. The real
+node service and engine behind a real gRPC server, in one process, so that the engine thread can
+be held between two steps at will (a job that waits on an event: no bet on the machine's speed)."""
+
+import asyncio
+import contextlib
+import threading
+
+import grpc
+
+from splitserve.decode_node.server import make_service
+from splitserve.engine.api import KVSpec
+from splitserve.engine.local import LocalEngine
+from splitserve.runtime.config import NodeConfig
+from splitserve.runtime.node import build_engine
+from splitserve.transfer import GRPC
+from splitserve.v1 import common_pb2, nodes_pb2, nodes_pb2_grpc
+
+
+class Node:
+    """The decode node's service and engine, served on a loopback port."""
+
+    def __init__(self, tmp_path) -> None:
+        from splitserve.models.tiny import write_random_checkpoint
+
+        model = write_random_checkpoint(tmp_path / "model", with_tokenizer=False)
+        self.config = NodeConfig(model_path=str(model), kv_cache_mb=16, kv_transfer="none")
+        self.core, self.identity = build_engine(self.config, prefill_only=False)
+
+    @contextlib.asynccontextmanager
+    async def serving(self):
+        engine = self.engine = LocalEngine(self.core)
+        engine.start()
+        await engine.open_kv(
+            KVSpec(role="decode", address="127.0.0.1:1", paths=(GRPC,), host="127.0.0.1")
+        )
+        self.service = make_service(engine, self.identity, self.config, "127.0.0.1:0")
+        server = grpc.aio.server()
+        nodes_pb2_grpc.add_DecodeNodeServiceServicer_to_server(self.service, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                yield nodes_pb2_grpc.DecodeNodeServiceStub(channel)
+        finally:
+            await server.stop(None)
+            await engine.stop()
+
+    async def settled(self, timeout_s: float = 60.0) -> None:
+        """Wait until the node holds nothing of any request: no call, no request in the engine,
+        every block free."""
+        for _ in range(int(timeout_s / 0.05)):
+            figures = await self.engine.figures()
+            if (
+                not self.service.calls
+                and not self.service.inbox.live
+                and not self.service.relay_tasks
+                and figures.num_requests == 0
+                and figures.num_free_blocks == figures.num_blocks
+            ):
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"the node did not settle: {figures}, calls {self.service.calls}")
+
+    def hold(self) -> tuple[threading.Event, asyncio.Future]:
+        """Hold the engine thread between two steps until the event is set."""
+        gate = threading.Event()
+        return gate, asyncio.ensure_future(self.engine.loop_engine.call(gate.wait, 60))
+
+
+def generate(rid: str, prompt: list[int], max_tokens: int) -> nodes_pb2.RelayCommand:
+    return nodes_pb2.RelayCommand(
+        generate=nodes_pb2.GenerateOnNodeRequest(
+            request_id=rid,
+            prompt_token_ids=prompt,
+            sampling=common_pb2.SamplingParams(
+                max_tokens=max_tokens, ignore_eos=True, temperature=0.0
+            ),
+        )
+    )
+
+
+class Commands:
+    """The router's side of the stream: commands put here are sent in order."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    async def __aiter__(self):
+        while (command := await self.queue.get()) is not None:
+            yield command
+
+
+def test_one_stream_carries_every_request_in_one_message_per_step(tmp_path):
+    node = Node(tmp_path)
+    prompts = {f"r{i}": [3 + i, *range(10, 30 + 3 * i)] for i in range(6)}
+
+    async def scenario():
+        async with node.serving() as stub:
+            alone = {}  # each prompt on its own Generate call: what the stream must give too
+            for rid, prompt in prompts.items():
+                request = generate(rid + "-alone", prompt, 12).generate
+                alone[rid] = [
+                    t for m in [m async for m in stub.Generate(request)] for t in m.token_ids
+                ]
+            await node.settled()
+            steps_before = (await node.engine.figures()).counters["steps"]
+
+            commands = Commands()
+            call = stub.Relay(commands)
+            for rid, prompt in prompts.items():
+                commands.queue.put_nowait(generate(rid, prompt, 12))
+            tokens = {rid: [] for rid in prompts}
+            finished, batches, shared = set(), 0, 0
+            async for batch in call:
+                batches += 1
+                shared += len({o.request_id for o in batch.outputs}) > 1
+                for out in batch.outputs:
+                    assert not out.error_code, out.error_message
+                    tokens[out.request_id].extend(out.token_ids)
+                    if out.finish_reason:
+                        assert out.finish_reason == "length"
+                        finished.add(out.request_id)
+                if finished == set(prompts):
+                    break
+            steps = (await node.engine.figures()).counters["steps"] - steps_before
+            commands.queue.put_nowait(None)
+            call.cancel()
+            assert tokens == alone  # token-exact with a call of its own
+            # A step's outputs never go out as more than one message (several steps' may share
+            # one when the reader is slower than the engine).
+            assert batches <= steps, (batches, steps)
+            assert shared, "no message carried more than one request's tokens"
+            await node.settled()
+
+    asyncio.run(scenario())
+
+
+def test_a_cancel_or_the_stream_ending_ends_its_requests_and_frees_their_blocks(tmp_path):
+    node = Node(tmp_path)
+    max_tokens = 64
+
+    async def scenario():
+        async with node.serving() as stub:
+            commands = Commands()
+            call = stub.Relay(commands)
+            rids = [f"r{i}" for i in range(6)]
+            for i, rid in enumerate(rids):
+                commands.queue.put_nowait(generate(rid, list(range(5 + i, 40)), max_tokens))
+            reader = aiter(call)
+            got = {rid: 0 for rid in rids}
+            while not all(got.values()):  # every request has its first token
+                for out in (await anext(reader)).outputs:
+                    got[out.request_id] += len(out.token_ids)
+            # No step runs until the commands below are in: the cancels and the stream's end
+            # reach the engine before any of these requests could have finished.
+            gate, held = node.hold()
+            commands.queue.put_nowait(nodes_pb2.RelayCommand(cancel="r0"))
+            commands.queue.put_nowait(nodes_pb2.RelayCommand(cancel="r1"))
+            ended = set()
+            while not {"r0", "r1"} <= ended:
+                for out in (await anext(reader)).outputs:
+                    got[out.request_id] += len(out.token_ids)
+                    if out.error_code:
+                        assert out.error_code == grpc.StatusCode.CANCELLED.value[0]
+                        ended.add(out.request_id)
+            call.cancel()  # the router went: the other four end with the stream
+            for _ in range(1200):  # until the node's handler has seen the stream end
+                if not node.service.relay_streams:
+                    break
+                await asyncio.sleep(0.05)
+            assert not node.service.relay_streams
+            gate.set()
+            await held
+            await node.settled()
+            assert all(n < max_tokens for n in got.values()), got
+            assert node.service.counters["requests_aborted"] == len(rids)
+
+    asyncio.run(scenario())
+
+
+def test_bad_commands_get_an_error_each_and_the_stream_goes_on(tmp_path):
+    node = Node(tmp_path)
+
+    async def scenario():
+        async with node.serving() as stub:
+            commands = Commands()
+            call = stub.Relay(commands)
+            vocab = node.engine.info.vocab_size
+            for command in (
+                generate("", [5, 6], 4),  # no id
+                generate("big", [vocab + 1], 4),  # outside the vocabulary
+                nodes_pb2.RelayCommand(decode=nodes_pb2.DecodeRequest(request_id="nothing")),
+                nodes_pb2.RelayCommand(cancel="never-started"),
+                generate("good", [5, 6, 7], 4),
+            ):
+                commands.queue.put_nowait(command)
+            codes = {code.value[0]: code for code in grpc.StatusCode}
+            errors, good, done = {}, [], False
+            async for batch in call:
+                for out in batch.outputs:
+                    if out.error_code:
+                        errors[out.request_id] = codes[out.error_code]
+                        assert out.error_message
+                    if out.request_id == "good":
+                        good.extend(out.token_ids)
+                        done = bool(out.finish_reason)
+                if done:
+                    break
+            assert errors == {
+                "": grpc.StatusCode.INVALID_ARGUMENT,
+                "big": grpc.StatusCode.INVALID_ARGUMENT,
+                "nothing": grpc.StatusCode.NOT_FOUND,
+            }
+            assert len(good) == 4
+            commands.queue.put_nowait(None)
+            call.cancel()
+            await node.settled()
+
+    asyncio.run(scenario())
