@@ -173,8 +173,12 @@ def _prompts(body: dict) -> list[router_pb2.GenerateRequest]:
 
 
 def _content(message: dict, i: int) -> str:
-    content = message.get("content")
+    if "content" not in message:
+        raise ApiError.bad(f"messages[{i}] has no content: give it a string", "messages")
+    content = message["content"]
     if content is None:
+        if message.get("role") != "assistant":  # OpenAI's: only an assistant's may be null
+            raise ApiError.bad(f"messages[{i}].content is null: give it a string", "messages")
         return ""
     if isinstance(content, str):
         return content

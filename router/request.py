@@ -6,7 +6,7 @@ import json
 import logging
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +149,19 @@ def parse_request(request: router_pb2.GenerateRequest, model: ModelInfo) -> Gene
         sampling = sampling_from_proto(request.sampling)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
+    room = model.max_model_len - len(token_ids)
+    if sampling.max_tokens > room:
+        explicit = request.sampling.HasField("max_tokens")
+        if explicit and sampling.max_tokens != model.max_model_len:
+            raise InvalidRequest(
+                f"this model's maximum context length is {model.max_model_len} tokens; you "
+                f"requested {len(token_ids) + sampling.max_tokens} ({len(token_ids)} in the "
+                f"{field}, {sampling.max_tokens} in the completion): set max_tokens to at most "
+                f"{room}, or shorten the prompt"
+            )
+        # NOTE: the default (16) and a max_tokens of the whole context (the HTTP API's default
+        # for a chat reply, as OpenAI's) mean "as many as fit": what the prompt leaves.
+        sampling = replace(sampling, max_tokens=room, min_tokens=min(sampling.min_tokens, room))
     return GenerateParams(
         request_id=request.request_id or uuid.uuid4().hex,
         prompt_token_ids=token_ids,

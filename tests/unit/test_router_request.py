@@ -28,11 +28,24 @@ from splitserve.v1 import router_pb2
         ({"prompt": "hi", "stop": ["ok", ""]}, "stop[1]"),
         ({"prompt": "hi", "cache_salt": "s" * 257}, "cache_salt has 257 characters"),
         ({"prompt": "hi", "sampling": {"stop_token_ids": list(range(1025))}}, "at most 1024"),
+        (
+            {"prompt": "hello", "sampling": {"max_tokens": 10**9}},
+            "maximum context length is 64 tokens; you requested 1000000005 .5 in the text, "
+            "1000000000 in the completion.: set max_tokens to at most 59",
+        ),
+        ({"prompt_token_ids": [1] * 10, "sampling": {"max_tokens": 55}}, "at most 54"),
     ],
 )
 def test_bad_requests_are_rejected_with_a_message_naming_the_field(kwargs, named):
     with pytest.raises(InvalidRequest, match=named.replace("[", r"\[")):
         parse_request(request(**kwargs), MODEL)
+
+
+def test_max_tokens_of_the_whole_context_means_as_many_as_fit():
+    params = parse_request(request(prompt="hello", sampling={"max_tokens": 64}), MODEL)
+    assert params.sampling.max_tokens == 64 - 5
+    exact = parse_request(request(prompt="hello", sampling={"max_tokens": 59}), MODEL)
+    assert exact.sampling.max_tokens == 59
 
 
 def test_good_request_is_tokenized_with_defaults_filled_in():
