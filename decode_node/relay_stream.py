@@ -18,24 +18,51 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import grpc
 
 from splitserve.decode_node.header import Refused
 from splitserve.decode_node.relay import stream_failure_code
+from splitserve.engine.api import OutputSink
 from splitserve.engine.core import StepOutput
+from splitserve.models.sampling_params import SamplingParams
 from splitserve.runtime import counter_names as names
 from splitserve.runtime import tracing
 from splitserve.v1 import nodes_pb2
 
-if TYPE_CHECKING:
-    from splitserve.decode_node.service import DecodeService
-
 logger = logging.getLogger(__name__)
 
 MAX_REQUEST_ID_CHARS = 1024  # a command's request id (input from another process: bounded)
+
+
+class Requests(Protocol):
+    """What a relay stream needs of its node's service (``DecodeService``): starting and ending
+    requests as its Decode and Generate calls do, and the books a drain and metrics read."""
+
+    counters: Counter[str]
+    stream_interval: int  # tokens per output after the first, at most (--stream-interval)
+    calls: int  # requests in flight, for the drain
+    relay_tasks: set[asyncio.Task[None]]  # every stream's requests (they may outlive it)
+    relay_streams: set[Any]  # the streams open (one per router)
+
+    def start_decode(self, rid: str, sink: OutputSink) -> None: ...
+
+    async def join_decode(self, rid: str) -> None: ...
+
+    def start_generate(
+        self, request: nodes_pb2.GenerateOnNodeRequest, sink: OutputSink
+    ) -> tuple[list[int], SamplingParams]: ...
+
+    async def join_generate(
+        self, request: nodes_pb2.GenerateOnNodeRequest, prompt: list[int], params: SamplingParams
+    ) -> None: ...
+
+    async def end(self, rid: str, finished: bool) -> None: ...
+
+    def count_direct(self, prompt_tokens: int, cached_tokens: int) -> None: ...
 
 
 class _Live:
@@ -126,7 +153,7 @@ class _Live:
 class RelayStream:
     """Serves one ``Relay`` call of ``service`` (``DecodeService``)."""
 
-    def __init__(self, service: DecodeService) -> None:
+    def __init__(self, service: Requests) -> None:
         self._service = service
         self.counters = service.counters
         self.interval = service.stream_interval  # tokens per output after the first, at most

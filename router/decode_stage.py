@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine
+from functools import partial
 from typing import Any
 
 import grpc
@@ -49,10 +50,6 @@ class DecodeStage:
         self._channels: dict[Node, RelayChannel] = {}  # each decode node's Relay stream
         self._no_relay: set[Node] = set()  # nodes that answered Relay with UNIMPLEMENTED
 
-    @property
-    def registry(self) -> NodeRegistry:
-        return self._registry
-
     def _channel(self, node: Node) -> RelayChannel | None:
         """``node``'s Relay stream if it is ready; None (a call of its own for this request)
         while it opens, and where the node serves none."""
@@ -60,7 +57,13 @@ class DecodeStage:
             return None
         channel = self._channels.get(node)
         if channel is None or channel.broken:
-            self._channels[node] = RelayChannel(self, node, self._channel_ended)
+            self._channels[node] = RelayChannel(
+                node,
+                self._registry.decode_stub(node),
+                partial(self.error, node),
+                self.on_first_decode,
+                self._channel_ended,
+            )
             return None
         return channel if channel.ready else None
 

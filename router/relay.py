@@ -22,7 +22,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import grpc
 
@@ -30,10 +30,12 @@ from splitserve.router.errors import GenerateError
 from splitserve.router.pool import Node
 from splitserve.runtime import tracing
 from splitserve.runtime.auth import credentials
-from splitserve.v1 import nodes_pb2
+from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
-if TYPE_CHECKING:
-    from splitserve.router.decode_stage import DecodeStage
+# What a failure of a request's stream on the node means for the client: (status, the node's
+# details, the request's deadline) -> the error (``DecodeStage.error``, which marks the node down
+# when it is unreachable).
+ErrorOf = Callable[[grpc.StatusCode, str, float], GenerateError]
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +53,17 @@ class RelayChannel:
     """The ``Relay`` stream to one decode node; ``start`` a request on it once ``ready``, read its
     ``RelayCall``. Open until it fails (``broken``); ``close`` ends it and every request on it."""
 
-    def __init__(self, stage: DecodeStage, node: Node, on_end: Callable[[RelayChannel], None]):
-        self._stage = stage
+    def __init__(
+        self,
+        node: Node,
+        stub: nodes_pb2_grpc.DecodeNodeServiceStub,
+        error_of: ErrorOf,
+        on_first_decode: Callable[[float], None] | None,
+        on_end: Callable[[RelayChannel], None],
+    ) -> None:
         self.node = node
+        self._error_of = error_of
+        self._on_first_decode = on_first_decode  # seconds from a decode's start to its tokens
         self._on_end = on_end
         self._calls: dict[str, RelayCall] = {}
         self._commands: asyncio.Queue[nodes_pb2.RelayCommand | None] = asyncio.Queue()
@@ -61,7 +71,6 @@ class RelayChannel:
         self.broken = False
         self.unimplemented = False  # the node serves no Relay (an older version)
         self._stalled = False
-        stub = stage.registry.decode_stub(node)
         self._call = stub.Relay(self._send(), metadata=credentials())
         self._reader = asyncio.create_task(self._read())
         self._answered = asyncio.ensure_future(self._call.initial_metadata())
@@ -100,11 +109,11 @@ class RelayChannel:
         self._call.cancel()
 
     def error(self, code: grpc.StatusCode, details: str, deadline: float) -> GenerateError:
-        return self._stage.error(self.node, code, details, deadline)
+        return self._error_of(code, details, deadline)
 
     def first_decoded(self, seconds: float) -> None:
-        if self._stage.on_first_decode is not None:
-            self._stage.on_first_decode(seconds)
+        if self._on_first_decode is not None:
+            self._on_first_decode(seconds)
 
     async def _send(self) -> AsyncIterator[nodes_pb2.RelayCommand]:
         while (command := await self._commands.get()) is not None:
