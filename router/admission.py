@@ -310,19 +310,27 @@ class Admission:
                 self._departures.append(now)
             self.notify()  # the next in line looks again
 
-    def check_arrival(self, deadline: float, slo: Slo | None = None, client: str = "") -> None:
+    def check_arrival(
+        self,
+        deadline: float,
+        slo: Slo | None = None,
+        client: str = "",
+        arrival: float | None = None,
+    ) -> None:
         """Refuse (``GenerateError``) a request that would have to queue and may not: the queue
         is full, its pace puts the wait past the deadline or ``--queue-timeout-s`` (less the
         time serving it takes), or the predicted TTFT of a request at the end of the queue
         (before its own prompt is known) is past ``slo``'s target. Needs no prompt: the front
         calls it before parsing one, so under overload a refused request costs the router next
-        to nothing; ``enter`` checks again."""
+        to nothing; ``enter`` checks again. ``arrival``: when the call reached the host (before
+        the handler ran, ``router.loop_lag``; default now): its TTFT target counts from there."""
         if not self._queue:  # nothing waits: whether there is room is enter's to say
             return
         now = time.monotonic()
         self._check_wait(deadline, now, client)
         if slo is not None and slo.ttft_s is not None:
-            self._check_slo(self.predict(0, client, slo.ttft_s), now + slo.ttft_s, now)
+            target = (now if arrival is None else arrival) + slo.ttft_s
+            self._check_slo(self.predict(0, client, slo.ttft_s), target, now)
 
     def _check_slo(self, prediction: TTFTPrediction, target: float, now: float) -> None:
         """Refuse a request whose predicted time to first token ends past ``target``."""

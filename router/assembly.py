@@ -12,6 +12,7 @@ from splitserve.router.decode_stage import DecodeStage
 from splitserve.router.direct import DirectStage
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.front import RequestFront
+from splitserve.router.loop_lag import LoopLag
 from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.prefill_stage import PrefillStage
 from splitserve.router.prefix import PrefixLookup
@@ -78,6 +79,8 @@ def build_front(
         on_wasted=metrics.wasted_prompt_tokens.inc,
         on_decoded=admission.note_decoded,
     )
+    loop_lag = LoopLag()  # measured once the router runs it (router.server)
+    metrics.loop_lag.set_function(lambda: loop_lag.seconds)
     return RequestFront(
         model,
         orchestrator,
@@ -86,4 +89,6 @@ def build_front(
         config.max_requests_per_client,
         check_arrival=admission.check_arrival,
         default_slo=config.slo,
+        loop_lag=loop_lag,
+        max_loop_lag_s=config.max_loop_lag_s,
     )

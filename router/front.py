@@ -15,6 +15,7 @@ from collections.abc import AsyncGenerator, Callable, Mapping
 import grpc
 
 from splitserve.router.errors import GenerateError
+from splitserve.router.loop_lag import LoopLag
 from splitserve.router.observe import RequestObserver
 from splitserve.router.orchestrator import DEADLINE_SLACK_S, Orchestrator, Step
 from splitserve.router.request import (
@@ -42,8 +43,10 @@ class RequestFront:
         metrics: RouterMetrics,
         request_timeout_s: float,
         max_requests_per_client: int,
-        check_arrival: Callable[[float, Slo | None, str], None] | None = None,
+        check_arrival: Callable[[float, Slo | None, str, float], None] | None = None,
         default_slo: Slo | None = None,
+        loop_lag: LoopLag | None = None,
+        max_loop_lag_s: float = 0.0,
     ) -> None:
         self.model = model
         self._orchestrator = orchestrator
@@ -55,6 +58,10 @@ class RequestFront:
         # the request is parsed, so a refusal under overload costs next to nothing.
         self._check_arrival = check_arrival
         self._default_slo = default_slo  # the router's --slo: a request's own bounds win
+        # The wait before a handler runs (router.loop_lag): a request's clock starts that much
+        # earlier; past max_loop_lag_s (0: never) new requests are refused at once.
+        self.loop_lag = loop_lag
+        self._max_loop_lag_s = max_loop_lag_s
 
     async def run(
         self,
@@ -68,9 +75,11 @@ class RequestFront:
         router's --request-timeout-s applies either way); ``trace``: the caller's trace context
         (``traceparent``), the parent of the request's trace. Close the iterator (``aclosing``)
         to cancel: the pools free the request's blocks."""
-        start = time.monotonic()
+        now = time.monotonic()
+        lag = self.loop_lag.seconds if self.loop_lag is not None else 0.0
+        start = now - lag  # when the call reached the host, as near as the router can tell
         budget = self._request_timeout_s if time_remaining is None else time_remaining
-        deadline = start + min(budget, self._request_timeout_s)
+        deadline = now + min(budget, self._request_timeout_s)  # the client's clock: from now
         observer = RequestObserver(self._metrics, start)
         counted = False
         params: GenerateParams | None = None
@@ -88,10 +97,19 @@ class RequestFront:
                     retry_after_s=1,
                     reason="client_cap",
                 )
+            if self._max_loop_lag_s and lag > self._max_loop_lag_s:
+                self._metrics.refused.labels(reason="router_busy").inc()
+                raise GenerateError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"the router is {lag * 1000:.0f} ms behind (its --max-loop-lag-s is "
+                    f"{self._max_loop_lag_s * 1000:.0f} ms): retry shortly, or on another router",
+                    retry_after_s=1,
+                    reason="router_busy",
+                )
             self._in_flight[client] += 1
             counted = True
             if self._check_arrival is not None:
-                self._check_arrival(deadline, slo, client)
+                self._check_arrival(deadline, slo, client, start)
             try:
                 # Off the event loop: tokenizing a long text takes long, and other streams go on.
                 params = await asyncio.to_thread(parse_request, request, self.model)

@@ -97,6 +97,7 @@ async def _serve(config: RouterConfig, model: ModelInfo) -> None:
     await registry.check_all()  # static nodes: known up and identity-checked before serving
     http = await start_http(config, front, registry)
     checker = asyncio.create_task(registry.run_health_checks())
+    lag = asyncio.create_task(front.loop_lag.run()) if front.loop_lag is not None else None
     polls = None
     if config.metrics_port is not None:
         serve_metrics(config.metrics_port, metrics.registry, config.host)
@@ -113,7 +114,7 @@ async def _serve(config: RouterConfig, model: ModelInfo) -> None:
     async def on_stop() -> None:
         if http is not None:
             await http.stop()
-        for task in (checker, discovery, polls):
+        for task in (checker, discovery, polls, lag):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)

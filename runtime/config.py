@@ -306,6 +306,12 @@ class RouterConfig:
     queue_timeout_s: float = option(
         300.0, "how long a request may wait for a decode node with room (RESOURCE_EXHAUSTED)"
     )
+    max_loop_lag_s: float = option(
+        0.5,
+        "refuse new requests at once (RESOURCE_EXHAUSTED, reason router_busy) while the router's "
+        "event loop runs this many seconds late: the wait before a request's handler, which its "
+        "deadline and TTFT count from the call's arrival either way (0: never refuse for it)",
+    )
     slo: Slo | None = option(
         None,
         f"the default latency targets, {SLO_SYNTAX}: a request that must queue and is predicted "
@@ -391,6 +397,8 @@ class RouterConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.max_loop_lag_s < 0:
+            raise ValueError(f"--max-loop-lag-s: >= 0, got {self.max_loop_lag_s}")
         if not 0.0 < self.capacity_share <= 1.0:
             raise ValueError(f"--capacity-share: in (0, 1], got {self.capacity_share}")
         if self.direct_prefill_tokens < 0 or self.direct_prefill_backlog_tokens < 0:

@@ -214,6 +214,12 @@ class RouterMetrics:
         )
         for route in ("disaggregated", "direct"):
             self.routes.labels(route=route)
+        self.loop_lag = Gauge(
+            "splitserve_router_event_loop_lag_seconds",
+            "How late the router's event loop recently ran what was due (the worst of the last "
+            "quarter second): the wait a request has before the router's handler runs",
+            registry=r,
+        )
         self.queue_length = Gauge(
             "splitserve_router_queue_length",
             "Requests waiting at the router for a decode node with room",
@@ -324,6 +330,7 @@ REFUSAL_REASONS = {
     "deadline": "its deadline passed while it waited",
     "prompt_too_large": "its prompt's KV is larger than any decode node's",
     "client_cap": "its client had --max-requests-per-client in flight",
+    "router_busy": "the router's event loop ran later than --max-loop-lag-s",
     "slo_ttft": "at its arrival, its predicted time to first token was past its TTFT target",
     "slo_expired": "it waited until its TTFT target could no longer be met",
 }
