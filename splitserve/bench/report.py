@@ -64,7 +64,9 @@ def result_document(
     plots: Sequence[str] = (),
     label: str | None = None,
     started_at: str = "",
+    client: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """``client``: what the load generator itself did (``session.client_load``)."""
     return _finite(
         {
             "schema": SCHEMA,
@@ -72,6 +74,7 @@ def result_document(
             "started_at": started_at,
             "target": target,
             "config": config,
+            "client": client or {},
             "results": results,
             "timeline": timeline,
             "server_metrics": server_metrics,
@@ -143,7 +146,17 @@ def format_table(doc: dict[str, Any]) -> str:
             lines.append(f"{family + ' (server)':<60} mean / max")
             for name, s in sorted(kv[family].items()):
                 lines.append(f"  {name:<56}{s['mean']:7.3f} / {s['max']:.3f}")
+    client = doc.get("client") or {}
+    if client:
+        late = client.get("send_late_p99_s")
+        lines.append("-" * 76)
+        lines.append(
+            f"load generator: {client['processes']} process(es), busiest "
+            f"{max(client['cpu_cores']):.2f} cores"
+            + ("" if late is None else f", sends late p99 {_ms(late)} ms")
+        )
     lines.append("=" * 76)
+    lines += [f"warning: {w}" for w in client.get("warnings", ())]
     note = cache_note(doc)
     if note:
         lines.append(note)

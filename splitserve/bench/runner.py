@@ -21,7 +21,7 @@ from splitserve.bench.arrivals import arrival_times
 from splitserve.bench.metrics import RequestRecord
 from splitserve.bench.workloads import BenchRequest
 
-__all__ = ["Load", "run_load"]
+__all__ = ["Load", "Share", "run_load"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,23 +65,51 @@ async def _warmup(target, requests: Iterator[BenchRequest], load: Load) -> None:
     await asyncio.gather(*(one(next(requests)) for _ in range(load.warmup)))
 
 
+@dataclass(frozen=True, slots=True)
+class Share:
+    """This process's part of a load spread over ``of`` processes (``--processes``): the
+    requests whose index is ``index`` modulo ``of``, every process drawing the same workload and
+    arrival times; ``t0``: the common start (``time.perf_counter()``, one clock for every process
+    of the host), None: now."""
+
+    index: int = 0
+    of: int = 1
+    t0: float | None = None
+
+    def mine(self, request_index: int) -> bool:
+        return request_index % self.of == self.index
+
+    def concurrency(self, total: int) -> int:
+        """This process's part of ``--max-concurrency``."""
+        return total // self.of + (self.index < total % self.of)
+
+
 async def run_load(
     target,
     requests: Iterator[BenchRequest],
     load: Load,
     on_done: Callable[[RequestRecord], object] = lambda r: None,
     on_start: Callable[[], object] = lambda: None,
+    share: Share = Share(),
 ) -> tuple[list[RequestRecord], float]:
     """Run the load on ``target`` (its ``now()`` restarts at the measured part's start):
-    (the records in sending order, the run's duration: from its start to the last end)."""
+    (the records in sending order, the run's duration: from its start to the last end).
+    ``share``: this process's part of a load several processes send."""
     load.check()
-    if load.warmup:
+    if load.warmup and share.index == 0:  # one process warms the server up
         await _warmup(target, requests, load)
-    target.t0 = time.perf_counter()
+    elif load.warmup:
+        for _ in range(load.warmup):  # the others skip the same requests
+            next(requests)
+    if share.t0 is not None and (wait := share.t0 - time.perf_counter()) > 0:
+        await asyncio.sleep(wait)
+    target.t0 = share.t0 if share.t0 is not None else time.perf_counter()
     on_start()
     records: list[RequestRecord] = []
     tasks: set[asyncio.Task] = set()
-    slots = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
+    slots = None
+    if load.max_concurrency:
+        slots = asyncio.Semaphore(max(share.concurrency(load.max_concurrency), 1))
     closed_loop = math.isinf(load.request_rate)
 
     async def one(req: BenchRequest, record: RequestRecord, held: bool) -> None:
@@ -102,6 +130,9 @@ async def run_load(
             break
         if load.duration is not None and due >= load.duration:
             break
+        if not share.mine(index):
+            next(requests)  # another process's: the same workload in every process
+            continue
         if (wait := due - target.now()) > 0:
             await asyncio.sleep(wait)
         held = False

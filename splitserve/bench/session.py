@@ -4,9 +4,11 @@ the scraper, then the result document (``report.result_document``)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
 import os
 import sys
+import time
 from typing import Any
 
 from splitserve import credentials
@@ -90,14 +92,8 @@ def sent_slo(args: argparse.Namespace, slo: dict[str, float]) -> Slo | None:
     return Slo(slo.get("ttft"), slo.get("tpot"))
 
 
-async def run_bench(args: argparse.Namespace, slo: dict[str, float]) -> dict[str, Any]:
-    """One ``splitserve bench`` run: the target, the workload, the load with the scraper beside it,
-    then the result document. Over 60 lines: the steps share the run's arguments and records."""
-    from splitserve.bench.metrics import summarize, timeline
-    from splitserve.bench.report import result_document
-    from splitserve.bench.runner import Load, run_load
-    from splitserve.bench.scrape import Scraper, summary
-    from splitserve.bench.targets import make_target
+def _load(args: argparse.Namespace):
+    from splitserve.bench.runner import Load
 
     load = Load(
         request_rate=args.request_rate,
@@ -109,9 +105,13 @@ async def run_bench(args: argparse.Namespace, slo: dict[str, float]) -> dict[str
         seed=args.seed,
     )
     load.check()
-    requests = make_workload(args)
-    started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    target = make_target(
+    return load
+
+
+def _target(args: argparse.Namespace, slo: dict[str, float]):
+    from splitserve.bench.targets import make_target
+
+    return make_target(
         args.target,
         model=args.model,
         temperature=args.temperature,
@@ -123,10 +123,30 @@ async def run_bench(args: argparse.Namespace, slo: dict[str, float]) -> dict[str
         client_id=args.client_id,
         **_tls_options(args),
     )
-    async with target:
+
+
+async def run_bench(args: argparse.Namespace, slo: dict[str, float]) -> dict[str, Any]:
+    """One ``splitserve bench`` run: the target, the workload, the load (spread over
+    ``--processes``) with the scraper beside it, then the result document. Over 60 lines: the
+    steps share the run's arguments and records."""
+    from splitserve.bench.metrics import summarize, timeline
+    from splitserve.bench.report import result_document
+    from splitserve.bench.runner import Share, run_load
+    from splitserve.bench.scrape import Scraper, summary
+
+    load = _load(args)
+    requests = make_workload(args)
+    processes = getattr(args, "processes", 1)
+    if processes < 1:
+        raise ValueError("--processes must be at least 1")
+    started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    target = _target(args, slo)
+    async with target, Workers(args, slo, processes) as workers:
         await target.prepare()
+        t0 = await workers.start()  # once every process is ready: one start for all
         bar = _progress(args, load)
         scraper = Scraper(args.metrics_url or [], args.scrape_interval)
+        cpu0 = time.process_time()
         try:
             async with scraper:
                 records, duration = await run_load(
@@ -135,10 +155,17 @@ async def run_bench(args: argparse.Namespace, slo: dict[str, float]) -> dict[str
                     load,
                     on_done=lambda r: bar.update(1) if bar is not None else None,
                     on_start=lambda: bar.reset() if bar is not None else None,
+                    share=Share(0, processes, t0),
                 )
         finally:
             if bar is not None:
                 bar.close()
+        busy = [(time.process_time() - cpu0) / max(duration, 1e-9)]
+        for more, cpu_s, their_duration in await workers.results():
+            records += more
+            busy.append(cpu_s / max(their_duration, 1e-9))
+            duration = max(duration, their_duration)
+    records.sort(key=lambda r: r.index)
     plots: list[str] = []
     line = timeline(records, duration, args.scrape_interval)
     scraped = scraper.series(target.t0)
@@ -148,7 +175,7 @@ async def run_bench(args: argparse.Namespace, slo: dict[str, float]) -> dict[str
         plots = write_plots(args.plots, records, line, scraped)
     return result_document(
         target={"url": target.url, "kind": target.kind, "model": target.model},
-        config=config_of(args, slo),
+        config={**config_of(args, slo), "processes": processes},
         results=summarize(records, duration, slo),
         timeline=line,
         server_metrics={
@@ -164,7 +191,131 @@ async def run_bench(args: argparse.Namespace, slo: dict[str, float]) -> dict[str
         plots=plots,
         label=args.label,
         started_at=started_at,
+        client=client_load(records, busy, load.max_concurrency is None),
     )
+
+
+# A load generator process busier than this (cores) may have delayed what it measured.
+BUSY_CORES = 0.7
+LATE_S = 0.05  # sends later than this behind their arrival time (p99): the schedule slipped
+
+
+def client_load(records: list, busy: list[float], open_loop: bool) -> dict[str, Any]:
+    """What the load generator itself did: each process's CPU (cores), how late its sends left
+    against their arrival times (open loop only), and a warning where either says its figures
+    may be the client's rather than the server's."""
+    late = sorted(r.start - r.arrival for r in records) if open_loop and records else []
+    p99 = late[min(len(late) - 1, int(0.99 * len(late)))] if late else None
+    warnings = []
+    if max(busy) > BUSY_CORES:
+        warnings.append(
+            f"a load generator process was busy {max(busy):.2f} cores (> {BUSY_CORES}): its "
+            "timings may be its own, not the server's; spread the load with --processes N"
+        )
+    if p99 is not None and p99 > LATE_S:
+        warnings.append(
+            f"requests left p99 {p99 * 1000:.0f} ms after their arrival times (> "
+            f"{LATE_S * 1000:.0f} ms): the load generator fell behind its schedule; use "
+            "--processes N"
+        )
+    return {
+        "processes": len(busy),
+        "cpu_cores": [round(b, 3) for b in busy],
+        "send_late_p99_s": None if p99 is None else round(p99, 6),
+        "send_late_max_s": round(late[-1], 6) if late else None,
+        "warnings": warnings,
+    }
+
+
+class Workers:
+    """The load generator's other processes (``--processes N``: N - 1 of them, spawned), each
+    sending its share of the same workload (``runner.Share``) from a common start."""
+
+    def __init__(self, args: argparse.Namespace, slo: dict[str, float], processes: int) -> None:
+        self._args, self._slo, self._n = args, slo, processes
+        self._procs: list = []
+        self._pipes: list = []
+
+    async def __aenter__(self) -> Workers:
+        if self._n == 1:
+            return self
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process with an event loop
+        args = argparse.Namespace(**{k: v for k, v in vars(self._args).items() if k != "func"})
+        for i in range(1, self._n):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker, args=(args, self._slo, i, self._n, theirs), daemon=True
+            )
+            proc.start()
+            theirs.close()
+            self._procs.append(proc)
+            self._pipes.append(ours)
+        return self
+
+    async def start(self) -> float | None:
+        """Wait until every process is ready; the common start time (None: one process)."""
+        if self._n == 1:
+            return None
+        for pipe in self._pipes:
+            ready = await asyncio.to_thread(_receive, pipe, WORKER_START_S)
+            if isinstance(ready, BaseException):
+                raise ready
+        t0 = time.perf_counter() + 0.2
+        for pipe in self._pipes:
+            pipe.send(t0)
+        return t0
+
+    async def results(self) -> list[tuple[list, float, float]]:
+        """Each other process's (records, CPU seconds, duration)."""
+        out = []
+        for pipe in self._pipes:
+            result = await asyncio.to_thread(_receive, pipe, None)
+            if isinstance(result, BaseException):
+                raise result
+            out.append(result)
+        return out
+
+    async def __aexit__(self, *exc: object) -> None:
+        for proc in self._procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+
+
+WORKER_START_S = 120.0  # how long a load process may take to start and reach the target
+
+
+def _receive(pipe, timeout: float | None):
+    if timeout is not None and not pipe.poll(timeout):
+        return OSError(f"a load generator process did not start within {timeout:g} s")
+    try:
+        return pipe.recv()
+    except EOFError:
+        return OSError("a load generator process ended early (see its error above)")
+
+
+def _worker(args: argparse.Namespace, slo: dict[str, float], index: int, of: int, pipe) -> None:
+    """One load generator process (``Workers``): its share of the load, results to ``pipe``."""
+    try:
+        asyncio.run(_work(args, slo, index, of, pipe))
+    except BaseException as exc:  # the parent says what failed
+        pipe.send(OSError(f"load generator process {index}: {exc!r}"))
+
+
+async def _work(args: argparse.Namespace, slo: dict[str, float], index: int, of: int, pipe) -> None:
+    from splitserve.bench.runner import Share, run_load
+
+    load = _load(args)
+    requests = make_workload(args)
+    async with _target(args, slo) as target:
+        await target.prepare()
+        pipe.send("ready")
+        t0 = await asyncio.to_thread(pipe.recv)
+        cpu0 = time.process_time()
+        records, duration = await run_load(target, requests, load, share=Share(index, of, t0))
+        pipe.send((records, time.process_time() - cpu0, duration))
 
 
 def _progress(args: argparse.Namespace, load):

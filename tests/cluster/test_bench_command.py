@@ -157,6 +157,9 @@ def _check_run(name: str, out: str, tmp_path: Path) -> None:
         assert matplotlib.image.imread(p).shape[0] > 100
     if name == "http":
         assert doc["target"]["model"]  # from GET /v1/models
+    client = doc["client"]
+    assert client["processes"] == (2 if name == "grpc" else 1) == len(client["cpu_cores"])
+    assert "load generator:" in out
 
 
 @pytest.mark.slow
@@ -170,6 +173,7 @@ def test_bench_command_against_up_over_grpc_and_http(tmp_path):
             formats = {"grpc": "ids", "http": "text"}
             # up made an API key for its HTTP API: the HTTP run presents it.
             keys = {"grpc": [], "http": ["--api-key-file", addresses["api-key"]]}
+            keys["grpc"] += ["--processes", "2"]  # the load spread over two processes
             procs = {
                 name: subprocess.Popen(
                     _bench_cmd(target, name, formats[name], tmp_path, metrics_urls) + keys[name],

@@ -567,3 +567,41 @@ def test_a_random_workload_found_in_the_cache_is_flagged():
     assert "note:" not in table("random", None, 100)  # a little reuse is not a repeat
     assert "note:" not in table("random", "run-2", 980)  # salted: the server's own business
     assert "note:" not in table("shared-prefix", None, 980)  # sharing is the workload's point
+
+
+def test_processes_share_one_workload_and_schedule(rng):
+    """Three processes' shares of a load are the one-process load, request for request."""
+    load = runner.Load(request_rate=2000, num_requests=30, warmup=2, seed=rng.randrange(100))
+
+    def run(share):
+        t = FakeTarget(service=0.001)
+        sent = []
+        orig = t.send
+
+        async def send(req, record):
+            if record.index >= 0:  # not a warm-up request
+                sent.append((record.index, record.arrival, req.prompt))
+            return await orig(req, record)
+
+        t.send = send
+        asyncio.run(runner.run_load(t, requests(), load, share=share))
+        return sent
+
+    whole = run(runner.Share())
+    parts = [run(runner.Share(i, 3)) for i in range(3)]
+    assert sorted(x for part in parts for x in part) == sorted(whole)
+    assert all(index % 3 == i for i, part in enumerate(parts) for index, _, _ in part)
+    assert [runner.Share(i, 3).concurrency(8) for i in range(3)] == [3, 3, 2]
+
+
+def test_a_busy_or_late_load_generator_is_reported():
+    from splitserve.bench.session import client_load
+
+    on_time = [RequestRecord(i, 4, 2, arrival=i * 0.01, start=i * 0.01 + 0.001) for i in range(50)]
+    fine = client_load(on_time, [0.3, 0.4], open_loop=True)
+    assert fine["warnings"] == [] and fine["processes"] == 2
+    late = [RequestRecord(i, 4, 2, arrival=i * 0.01, start=i * 0.01 + 0.2) for i in range(50)]
+    slipped = client_load(late, [0.95], open_loop=True)
+    assert len(slipped["warnings"]) == 2 and slipped["send_late_p99_s"] >= 0.19
+    assert "--processes" in slipped["warnings"][0]
+    assert client_load(late, [0.2], open_loop=False)["send_late_p99_s"] is None
