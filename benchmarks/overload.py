@@ -82,6 +82,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--routers", type=int, default=1,
                     help="routers per rate on one address (SO_REUSEPORT, each --capacity-share "
                     "1/N; the --before router runs alone)")  # fmt: skip
+    ap.add_argument("--bench-processes", type=int, default=4,
+                    help="each bench's load over N processes (splitserve bench --processes): "
+                    "one Python process receives ~7,000 messages/s at most")  # fmt: skip
     ap.add_argument("--light-share", type=float, default=0.0, metavar="F",
                     help="also a 'light' tenant at F times the rate (0: off)")  # fmt: skip
     ap.add_argument("--index", choices=("off", "on"), nargs="+", default=["off"])
@@ -179,6 +182,7 @@ def bench_command(args, target: str, rate: float, salt: str, seed: int, result: 
         "--duration", f"{args.duration:g}", "--timeout", f"{args.timeout:g}",
         "--slo", args.slo, "--seed", str(seed), "--cache-salt", salt, "--no-progress",
         "--result-json", str(result), *(["--send-slo"] if args.send_slo else []),
+        "--processes", str(args.bench_processes),
     ]  # fmt: skip
 
 
@@ -246,11 +250,13 @@ def one_rate(args, cluster, model: str, rate: float, index: str, out: Path, env=
     def router_figure(name: str) -> float | None:  # None: this router does not export it
         return router_figures.get(f"splitserve_router_{name}")
 
-    runs = {
-        name: json.loads((out / f"bench-{its_tag}.json").read_text())["results"]
+    docs = {
+        name: json.loads((out / f"bench-{its_tag}.json").read_text())
         for name, (_, its_tag) in benches.items()
     }
+    runs = {name: doc["results"] for name, doc in docs.items()}
     r = runs["heavy"]
+    clients = [doc.get("client") or {} for doc in docs.values()]
     computed = delta(prefill, "prompt_tokens") - delta(prefill, "cached_tokens")
     refused_by = {
         k.split('reason="')[1].rstrip('"}'): v
@@ -302,6 +308,12 @@ def one_rate(args, cluster, model: str, rate: float, index: str, out: Path, env=
         "prefill_transfers_failed": delta(prefill, "transfers_failed"),
         "decode_transfers_waited": delta(decode, "transfers_waited_for_blocks"),
         "decode_transfers_failed": delta(decode, "transfers_failed"),
+        "client_cpu_max": max((max(c.get("cpu_cores") or [0]) for c in clients), default=None),
+        "client_late_p99_ms": max(
+            (1e3 * c["send_late_p99_s"] for c in clients if c.get("send_late_p99_s") is not None),
+            default=None,
+        ),
+        "client_warnings": [w for c in clients for w in c.get("warnings", ())],
         "tenants": {name: tenant(benches[name][0], x) for name, x in runs.items()}
         if args.light_share
         else None,
@@ -321,8 +333,9 @@ def table(rows: list[dict]) -> str:
         "| index | rate (req/s) | output tok/s | done / refused / failed | in time | refusals: "
         "by reason; client p99 ms; router <= 50 ms | TTFT p50 / p99 (ms) | SLO att. / goodput "
         "(req/s) | wasted prefill | computed / served prompt tokens (/ uncached) | prefill "
-        "retries | transfers failed P / waited D |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "retries | transfers failed P / waited D | load generator: busiest (cores) / sends "
+        "late p99 (ms) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         uncached = max(r["served_prompt_tokens"] - r["served_cached_tokens"], 1)
@@ -340,7 +353,9 @@ def table(rows: list[dict]) -> str:
             f"{pct(r.get('wasted_share'))} | "
             f"{computed / max(r['served_prompt_tokens'], 1):.3f} ({computed / uncached:.3f}) | "
             f"{r['prefill_retries']:.0f} | "
-            f"{r['prefill_transfers_failed']:.0f} / {r['decode_transfers_waited']:.0f} |"
+            f"{r['prefill_transfers_failed']:.0f} / {r['decode_transfers_waited']:.0f} | "
+            f"{num(r.get('client_cpu_max'), '.2f')} / {num(r.get('client_late_p99_ms'))}"
+            f"{' (warned)' if r.get('client_warnings') else ''} |"
         )
     return "\n".join(lines)
 

@@ -168,7 +168,7 @@ def test_killed_decode_nodes_stream_resumes_and_the_router_moves_on(model_dir, t
     router = start_router(model_dir, tmp_path, [prefill.address], [d.address for d in decode])
     try:
         with Client(router.address) as client:
-            request = {"prompt_token_ids": [3] * 20, "max_tokens": 2000, "ignore_eos": True}
+            request = {"prompt_token_ids": [3] * 20, "max_tokens": 1000, "ignore_eos": True}
             stream = client.stream(**request, temperature=0.0, timeout=60)
             first = next(iter(stream))  # the first token comes from the prefill node
             deadline = time.monotonic() + 20

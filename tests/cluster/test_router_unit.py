@@ -161,7 +161,7 @@ async def collect(stub, **kwargs):
 def test_router_relays_prefill_then_decode_with_text_and_usage():
     async def test(stub, cluster, registry):
         prompt = "ab€"
-        msgs = await collect(stub, prompt=prompt, sampling={"max_tokens": 100})
+        msgs = await collect(stub, prompt=prompt, sampling={"max_tokens": 50})
         tokens = [t for m in msgs for t in m.token_ids]
         assert tokens == [*byte_ids(prompt)[::-1], EOS]
         # "€" reversed is invalid UTF-8: it still comes through, as U+FFFD
@@ -204,7 +204,7 @@ def test_stop_string_ends_the_stream_and_cancels_the_decode_call():
 def test_client_cancel_reaches_the_decode_node():
     async def test(stub, cluster, registry):
         cluster.decode_delay_s = 0.05
-        call = stub.Generate(request(prompt="z" * 40, sampling={"max_tokens": 40}))
+        call = stub.Generate(request(prompt="z" * 30, sampling={"max_tokens": 30}))
         await call.read()
         call.cancel()
         for _ in range(50):
@@ -292,7 +292,7 @@ def test_dead_prefill_pool_is_served_by_the_decode_node_directly():
 
 def test_decode_only_router_sends_every_request_direct_with_usage():
     async def test(stub, cluster, registry):
-        msgs = await collect(stub, prompt="abc", sampling={"max_tokens": 100})
+        msgs = await collect(stub, prompt="abc", sampling={"max_tokens": 50})
         assert [t for m in msgs for t in m.token_ids] == [*byte_ids("abc")[::-1], EOS]
         last = msgs[-1]
         assert last.finish_reason == "stop" and last.usage.cached_tokens == 5
@@ -323,7 +323,7 @@ def test_short_prompts_go_direct_and_long_ones_through_prefill():
 def test_a_cancelled_direct_stream_reaches_the_decode_node():
     async def test(stub, cluster, registry):
         cluster.decode_delay_s = 0.05
-        call = stub.Generate(request(prompt="z" * 40, sampling={"max_tokens": 40}))
+        call = stub.Generate(request(prompt="z" * 30, sampling={"max_tokens": 30}))
         await call.read()
         call.cancel()
         for _ in range(50):

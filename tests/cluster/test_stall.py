@@ -79,7 +79,7 @@ def test_a_decode_node_frozen_mid_stream_fails_the_stream_fast(cluster):
 
     _, (_, _, decode), router = cluster
     with Client(router.address) as client:
-        stream = client.stream(prompt_token_ids=[3] * 20, max_tokens=5000, ignore_eos=True,
+        stream = client.stream(prompt_token_ids=[3] * 20, max_tokens=1000, ignore_eos=True,
                                temperature=0.0, timeout=120)  # fmt: skip
         chunks = iter(stream)
         next(chunks)
