@@ -111,8 +111,10 @@ class RequestFront:
             if self._check_arrival is not None:
                 self._check_arrival(deadline, slo, client, start)
             try:
-                # Off the event loop: tokenizing a long text takes long, and other streams go on.
-                params = await asyncio.to_thread(parse_request, request, self.model)
+                if request.WhichOneof("prompt") == "token_ids":  # nothing to tokenize: at once
+                    params = parse_request(request, self.model)
+                else:  # off the event loop: tokenizing a long text takes long
+                    params = await asyncio.to_thread(parse_request, request, self.model)
             except InvalidRequest as exc:
                 raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
             if traced.span.is_recording():
