@@ -71,6 +71,7 @@ class Sampler(threading.Thread):
 def start_up(args: argparse.Namespace, out: Path) -> tuple[subprocess.Popen, str, str, str]:
     port = free_port()
     argv = [sys.executable, "-m", "splitserve.cli", "up", "--port", str(port), "--autoscale"]
+    argv += ["--api-key-file", "none"]
     argv += ["--device", args.device, "--max-prefill", str(args.max_prefill)]
     argv += ["--max-decode", str(args.max_decode), "--slo", args.slo]
     argv += ["--planner-metrics-port", "0", "--log-file", str(out / "up.log")]

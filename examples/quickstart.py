@@ -68,9 +68,9 @@ def ask_http(http: str, api_key: str | None, question: str) -> None:
     show(f"HTTP > {question}", text, u["prompt_tokens"], cached, u["completion_tokens"])
 
 
-async def concurrent(target: str, n: int) -> list:
+async def concurrent(target: str, api_key: str | None, n: int) -> list:
     system = {"role": "system", "content": "You are a concise assistant. " * 8}
-    async with AsyncClient(target) as client:
+    async with AsyncClient(target, api_key=api_key) as client:
         return await asyncio.gather(
             *(
                 client.chat([system, {"role": "user", "content": f"Count to {i + 2}."}], **GREEDY)
@@ -111,7 +111,8 @@ def main() -> None:
             f"cluster up in {time.perf_counter() - t0:.1f} s: model {model}\n  router {a.router}, "
             f"http {a.http}, prefill {', '.join(a.prefill)}, decode {', '.join(a.decode)}\n"
         )
-        with Client(a.router) as client:
+        # up made an API key: both the SDK (gRPC) and the HTTP API present it.
+        with Client(a.router, api_key=cluster.api_key) as client:
             for question in QUESTIONS:
                 ask_sdk(client, question)
             print("SDK  > (streamed) Tell me a fun fact about cats.\n  ", end="")
@@ -121,7 +122,7 @@ def main() -> None:
             print()
         for question in QUESTIONS[:2]:
             ask_http(a.http, cluster.api_key, question)
-        results = asyncio.run(concurrent(a.router, 8))
+        results = asyncio.run(concurrent(a.router, cluster.api_key, 8))
         cached = sum(r.usage.cached_tokens for r in results)
         prompt = sum(r.usage.prompt_tokens for r in results)
         print(

@@ -58,7 +58,9 @@ def build_router(
         tls=tls,
         reuse_port=config.reuse_port,
     )
-    router_pb2_grpc.add_RouterServiceServicer_to_server(RouterService(front), server.server)
+    # One key for both doors: the HTTP API's keys guard the gRPC API too.
+    keys = ApiKeys(config.api_key_file) if config.api_key_file else None
+    router_pb2_grpc.add_RouterServiceServicer_to_server(RouterService(front, keys), server.server)
     return server, registry, front
 
 

@@ -1,6 +1,8 @@
 """The public ``RouterService`` servicer (``Generate`` streams, ``Complete`` answers once):
 protobuf in, the shared request path (``router.front``) serves it, its plain output back out as
-protobuf."""
+protobuf. With API keys (``--api-key-file``, the HTTP API's too: one key for both doors) a call
+without ``authorization: Bearer <key>`` metadata of the file is refused UNAUTHENTICATED, and the
+key is the call's client (fair share, the per-client cap), as on HTTP."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import NoReturn
 
 import grpc
 
+from splitserve.router.api_keys import ApiKeys
 from splitserve.router.errors import GenerateError
 from splitserve.router.front import CLIENT_KEY, RequestFront
 from splitserve.router.orchestrator import Step
@@ -21,18 +24,40 @@ from splitserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
+UNAUTHENTICATED = (
+    "this router needs an API key: send the metadata `authorization: Bearer <key>` with a key of "
+    "its --api-key-file (Client(api_key=...), $SPLITSERVE_API_KEY, or --api-key of splitserve "
+    "generate and bench)"
+)
+
 
 class RouterService(router_pb2_grpc.RouterServiceServicer):
     """Serves ``front`` (``router.assembly.build_front`` puts it together)."""
 
-    def __init__(self, front: RequestFront) -> None:
+    def __init__(self, front: RequestFront, keys: ApiKeys | None = None) -> None:
         self.front = front  # the request path the HTTP front shares (router.http)
+        self._keys = keys
+
+    async def _client(self, context: grpc.aio.ServicerContext) -> str:
+        """Who the call counts against; without a valid key (when keys are set) it ends here."""
+        if self._keys is None:
+            return client_of(context)
+        presented = None
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization":
+                presented = value if isinstance(value, str) else value.decode("latin-1")
+        client = self._keys.client_of(presented)
+        if client is None:
+            self.front.count_refused(grpc.StatusCode.UNAUTHENTICATED)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED)
+        return client  # pyright: ignore[reportReturnType] (abort raises)
 
     async def Generate(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
         trace = tracing.carrier_of(context.invocation_metadata())
-        steps = self.front.run(request, client_of(context), context.time_remaining(), trace)
+        client = await self._client(context)
+        steps = self.front.run(request, client, context.time_remaining(), trace)
         try:
             async with contextlib.aclosing(steps):
                 async for params, step in steps:
@@ -43,10 +68,11 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
     async def Complete(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.GenerateResponse:
+        client = await self._client(context)
         try:
             params, steps = await self.front.complete(
                 request,
-                client_of(context),
+                client,
                 context.time_remaining(),
                 tracing.carrier_of(context.invocation_metadata()),
             )

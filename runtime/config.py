@@ -276,9 +276,11 @@ class RouterConfig:
     )
     api_key_file: str | None = option(
         None,
-        "a file of API keys, one a line (blank lines and # comments ignored): the HTTP API then "
-        "answers only requests with Authorization: Bearer <key> (401 otherwise; /health stays "
-        "open); read again when it changes (default: none, the HTTP API is open)",
+        "a file of API keys, one a line (blank lines and # comments ignored): both public APIs "
+        "then answer only requests with a key of it, the HTTP API as Authorization: Bearer <key> "
+        "(401 otherwise; /health stays open), the gRPC API as the metadata authorization: Bearer "
+        "<key> (UNAUTHENTICATED otherwise; the health service stays open); read again when it "
+        "changes (default: none, both APIs are open)",
     )
     http_tls_cert: str | None = option(
         None, "serve the HTTP API over HTTPS with this certificate (chain, PEM; with its key)"

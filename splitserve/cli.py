@@ -261,12 +261,15 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"redis    {a.redis_url}", flush=True)
         if a.token_file:
             print(f"token    {a.token_file} (internal calls carry it)", flush=True)
+        key_flag = ""
         if a.api_key_file:
             print(
-                f"api-key  {a.api_key_file} (HTTP calls send Authorization: Bearer <key>)",
+                f"api-key  {a.api_key_file} (gRPC and HTTP calls send Bearer <key>: the metadata "
+                "/ header authorization)",
                 flush=True,
             )
-        print(f"ready: splitserve generate --target {a.router} 'Hello'", flush=True)
+            key_flag = f" --api-key-file {a.api_key_file}"
+        print(f"ready: splitserve generate --target {a.router}{key_flag} 'Hello'", flush=True)
         while (dead := cluster.poll()) is None:
             time.sleep(0.5)
         return _error(f"{dead} exited; stopping the cluster", 1)

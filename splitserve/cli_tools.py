@@ -162,14 +162,15 @@ def _generate_remote(args: argparse.Namespace) -> int:
         k: getattr(args, k)
         for k in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
     }
-    from splitserve.credentials import grpc_credentials
+    from splitserve.credentials import api_key, grpc_credentials
 
     try:
         credentials = grpc_credentials(args)
+        key = api_key(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    with Client(args.target, credentials=credentials) as client:
+    with Client(args.target, credentials=credentials, api_key=key) as client:
         for prompt in prompts:
             try:
                 last = None
@@ -237,7 +238,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     remote.add_argument("--timeout", type=float, default=None, help="seconds per request")
     from splitserve.credentials import add_client_options
 
-    add_client_options(remote, http=False)  # a router serving mTLS: this client's files
+    add_client_options(remote, http=False)  # a guarded router: mTLS files, an API key
     p.set_defaults(func=cmd_generate)
 
     add_bench(sub)

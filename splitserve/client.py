@@ -10,6 +10,8 @@
         reply = client.chat([{"role": "user", "content": "Hi"}], max_tokens=32)
         quick = client.generate("Hi", slo="ttft=500ms,tpot=50ms", timeout=10)
 
+A router started with API keys (``--api-key-file``; ``splitserve up`` makes one) wants one with
+every call: ``Client(target, api_key=KEY)``, or the ``SPLITSERVE_API_KEY`` environment variable.
 Every failure raises ``SplitserveError`` with the gRPC status code and the server's message.
 Breaking out of a stream (or closing it) cancels the request on the server, which frees its
 KV blocks at once.
@@ -20,6 +22,7 @@ and one file keeps them in step.
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -122,6 +125,15 @@ def _error(exc: grpc.RpcError) -> SplitserveError:
     return SplitserveError(code, details or code.name)
 
 
+API_KEY_ENV = "SPLITSERVE_API_KEY"  # the key a client sends when none is given
+
+
+def _auth(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """The metadata that presents ``api_key`` (default: $SPLITSERVE_API_KEY; none: empty)."""
+    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+    return (("authorization", f"Bearer {key}"),) if key else ()
+
+
 def _channel(
     kind: Any,
     target: str,
@@ -142,10 +154,13 @@ class Client:
         target: str,
         options: Sequence[tuple[str, Any]] = (),
         credentials: grpc.ChannelCredentials | None = None,
+        api_key: str | None = None,
     ) -> None:
         """``credentials``: for a router serving TLS, e.g. ``grpc.ssl_channel_credentials(ca,
-        key, cert)`` (mTLS: the router's CA, this client's key and certificate)."""
+        key, cert)`` (mTLS: the router's CA, this client's key and certificate); ``api_key``:
+        for a router with API keys (default: $SPLITSERVE_API_KEY)."""
         self.target = target
+        self._auth = _auth(api_key)
         self._channel = _channel(grpc, target, options, credentials)
         self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
 
@@ -216,7 +231,9 @@ class Client:
             prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop,
             ignore_eos, cache_salt, logprobs, request_id, messages, slo,
         )  # fmt: skip
-        call = self._stub.Generate(request, timeout=timeout, metadata=tuple(metadata) or None)
+        call = self._stub.Generate(
+            request, timeout=timeout, metadata=(*self._auth, *metadata) or None
+        )
         try:
             for msg in call:
                 yield _chunk(msg)
@@ -257,8 +274,10 @@ class AsyncClient:
         target: str,
         options: Sequence[tuple[str, Any]] = (),
         credentials: grpc.ChannelCredentials | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.target = target
+        self._auth = _auth(api_key)  # as for Client
         self._options = list(options)
         self._credentials = credentials  # TLS, as for Client
         self._channel: grpc.aio.Channel | None = None
@@ -325,7 +344,9 @@ class AsyncClient:
             prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop,
             ignore_eos, cache_salt, logprobs, request_id, messages, slo,
         )  # fmt: skip
-        call = self._get_stub().Generate(request, timeout=timeout, metadata=tuple(metadata) or None)
+        call = self._get_stub().Generate(
+            request, timeout=timeout, metadata=(*self._auth, *metadata) or None
+        )
         try:
             async for msg in call:
                 yield _chunk(msg)

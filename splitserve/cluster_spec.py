@@ -105,9 +105,9 @@ class ClusterSpec:
     )
     api_key_file: str | None = option(
         None,
-        "with --http-port: the API keys the HTTP API requires (Authorization: Bearer <key>): a "
-        "file, one key a line; `auto` (a new random one in the run folder, printed) or `none` "
-        "(an open HTTP API)",
+        "the API keys both public APIs require (gRPC metadata authorization / HTTP header "
+        "Authorization: Bearer <key>): a file, one key a line; `auto` (a new random one in the "
+        "run folder, printed) or `none` (open APIs)",
         cli_default="auto",
     )
     tls_cert: str | None = option(None, "mTLS for every component: its certificate (PEM)")
@@ -221,7 +221,7 @@ class ClusterAddresses:
     http: str | None = None  # the router's HTTP API, host:port (None: not served)
     # Each component's gRPC address (router, nodes) → its /metrics URL (empty: not served).
     metrics: Mapping[str, str] = field(default_factory=dict)
-    api_key_file: str | None = None  # the HTTP API's keys (None: no key needed, or no HTTP API)
+    api_key_file: str | None = None  # the public APIs' keys (None: no key needed)
     # Every router's /metrics URL (several share ``router``: --num-routers), empty: not served.
     router_metrics: tuple[str, ...] = ()
 

@@ -3,8 +3,9 @@ guarded router: mTLS files for its gRPC port, a CA and an API key for its HTTPS 
 
 A router with ``--tls-*`` takes gRPC clients with a certificate of its CA only
 (``--tls-cert/--tls-key/--tls-ca``, all three); an HTTPS front is checked against ``--tls-ca``
-(default: the system's trusted CAs); an HTTP front with ``--api-key-file`` wants
-``Authorization: Bearer <key>`` (``--api-key``, else the first key of ``--api-key-file``).
+(default: the system's trusted CAs); a router with ``--api-key-file`` wants an API key on both
+doors (gRPC ``authorization`` metadata, HTTP ``Authorization`` header: ``Bearer <key>``):
+``--api-key``, else the first key of ``--api-key-file``, else ``$SPLITSERVE_API_KEY``.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import grpc
 def add_client_options(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup, http: bool = True
 ) -> None:
-    """``--tls-cert/--tls-key/--tls-ca`` and, for ``http`` targets, ``--api-key-file`` (and
-    ``--api-key`` when the parser has none yet)."""
+    """``--tls-cert/--tls-key/--tls-ca`` and the API key (``--api-key``, ``--api-key-file``);
+    ``http``: the client may also call an https:// target."""
     parser.add_argument(
         "--tls-cert", default=None, help="gRPC target with mTLS: this client's certificate (PEM)"
     )
@@ -30,19 +31,18 @@ def add_client_options(
         help="the CA (PEM) the router's certificate is checked against (gRPC: with --tls-cert "
         "and --tls-key; https://: alone, default the system's CAs)",
     )
-    if not http:
-        return
+    what = "gRPC metadata authorization / HTTP header Authorization" if http else "the metadata"
     parser.add_argument(
         "--api-key",
         default=None,
-        help="HTTP target: sent as Authorization: Bearer <key> (unset: --api-key-file's first "
-        "key, else $OPENAI_API_KEY)",
+        help=f"a router with API keys: sent as {what}: Bearer <key> (unset: --api-key-file's "
+        "first key, else $SPLITSERVE_API_KEY"
+        + (", else $OPENAI_API_KEY over HTTP)" if http else ")"),
     )
     parser.add_argument(
         "--api-key-file",
         default=None,
-        help="HTTP target: a file of API keys as the router's --api-key-file takes (the first is "
-        "sent)",
+        help="a file of API keys as the router's --api-key-file takes (the first is sent)",
     )
 
 

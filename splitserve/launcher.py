@@ -186,7 +186,7 @@ class LocalCluster:
         # NOTE: elastic pools are found in the registry only: a static node the planner drained
         # would stay in the router's pools as a down node for good.
         static = ((), ()) if self.max_nodes else (prefill_addrs, decode_addrs)
-        api_key_file = self._api_key_file() if spec.http_port is not None else None
+        api_key_file = self._api_key_file()  # both doors: the gRPC API and the HTTP API
         nodes = spec.num_prefill + spec.num_decode
         router_metrics = [metrics[0], *metrics[1 + nodes :]] if metrics else []
         routers = []
@@ -277,7 +277,7 @@ class LocalCluster:
         return given
 
     def _api_key_file(self) -> str | None:
-        """The HTTP API's key file: ``auto`` writes one with a new key into the run folder."""
+        """The public APIs' key file: ``auto`` writes one with a new key into the run folder."""
         given = self.spec.api_key_file
         if given is None or given == "none":
             return None
@@ -292,7 +292,7 @@ class LocalCluster:
 
     @property
     def api_key(self) -> str | None:
-        """A key the HTTP API takes (``Authorization: Bearer <key>``); None: it needs none."""
+        """A key the public APIs take (``Bearer <key>``); None: they need none."""
         from splitserve.router.api_keys import read_api_keys
 
         key_file = self.addresses.api_key_file if self.addresses else None

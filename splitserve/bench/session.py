@@ -117,7 +117,9 @@ def _target(args: argparse.Namespace, slo: dict[str, float]):
         temperature=args.temperature,
         ignore_eos=args.ignore_eos,
         timeout=args.timeout,
-        api_key=credentials.api_key(args) or os.environ.get("OPENAI_API_KEY"),
+        api_key=credentials.api_key(args)
+        or os.environ.get("SPLITSERVE_API_KEY")
+        or os.environ.get("OPENAI_API_KEY"),
         cache_salt=args.cache_salt,
         slo=sent_slo(args, slo),
         client_id=args.client_id,

@@ -127,6 +127,7 @@ class GrpcTarget(_Target):
                     ("grpc.use_local_subchannel_pool", 1),  # a connection of its own
                 ],
                 credentials=self.credentials,
+                api_key=self.api_key,
             )
             for _ in range(GRPC_CONNECTIONS)
         ]

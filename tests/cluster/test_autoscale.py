@@ -40,6 +40,7 @@ def test_up_autoscale_grows_the_short_pool_and_drains_it_back(tmp_path):
     port = free_port()
     log = (tmp_path / "up.log").open("w")
     argv = [sys.executable, "-m", "splitserve.cli", "up", "--model", "tiny", "--port", str(port)]
+    argv += ["--api-key-file", "none"]  # open APIs: the keys are test_cluster_up's
     argv += ["--max-num-seqs", "2", "--autoscale", "--max-prefill", "2", "--max-decode", "2"]
     argv += ["--interval", "1", "--scale-out-after", "1", "--cooldown", str(COOLDOWN_S)]
     argv += ["--planner-metrics-port", "0", "--record", str(tmp_path / "trace.jsonl")]

@@ -172,7 +172,8 @@ def test_bench_command_against_up_over_grpc_and_http(tmp_path):
             runs = {"grpc": f"grpc://{addresses['router']}", "http": f"http://{addresses['http']}"}
             formats = {"grpc": "ids", "http": "text"}
             # up made an API key for its HTTP API: the HTTP run presents it.
-            keys = {"grpc": [], "http": ["--api-key-file", addresses["api-key"]]}
+            # up made an API key for both APIs: each run presents it.
+            keys = {name: ["--api-key-file", addresses["api-key"]] for name in runs}
             keys["grpc"] += ["--processes", "2"]  # the load spread over two processes
             procs = {
                 name: subprocess.Popen(

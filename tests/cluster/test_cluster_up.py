@@ -99,24 +99,13 @@ def test_up_serves_and_ctrl_c_stops_everything(model_dir, tmp_path):
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
             auth = (("authorization", f"Bearer {token}"),)
             assert stub.GetStats(nodes_pb2.GetStatsRequest(), timeout=10, metadata=auth).role
-        gen = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "splitserve.cli",
-                "generate",
-                "--target",
-                addresses["router"],
-                "--max-tokens",
-                "5",
-                "--temperature",
-                "0",
-                "hello",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        generate = [sys.executable, "-m", "splitserve.cli", "generate", "--target"]
+        generate += [addresses["router"], "--max-tokens", "5", "--temperature", "0", "hello"]
+        # One key for both doors: the gRPC API refuses a call without up's key too.
+        bare = subprocess.run(generate, capture_output=True, text=True, timeout=60)
+        assert bare.returncode != 0 and "UNAUTHENTICATED" in bare.stderr, bare.stderr
+        with_key = [*generate, "--api-key-file", addresses["api-key"]]
+        gen = subprocess.run(with_key, capture_output=True, text=True, timeout=60)
         assert gen.returncode == 0, gen.stderr
         assert "prompt_tokens=5 " in gen.stderr and "completion_tokens=5 " in gen.stderr
         exported = {

@@ -2,9 +2,10 @@
 driven by the real ``openai`` client against a router, a prefill and a decode node as separate
 processes: without a key, or with a wrong one, every route but /health is a 401 in OpenAI's
 error JSON (unknown routes too); with any key of the file it answers; a key added to the file is
-taken and a key removed from it refused without a restart; over HTTPS with a CA made by the
-openssl CLI (a client that does not trust that CA is refused in the handshake); a router with
-mTLS serves an HTTPS + key front on a public address and refuses to start one without; and
+taken and a key removed from it refused without a restart; the same keys guard the gRPC API;
+over HTTPS with a CA made by the openssl CLI (a client that does not trust that CA is refused in
+the handshake); a router with mTLS serves an HTTPS + key front on a public address and refuses to
+start one without; and
 ``splitserve bench`` and ``splitserve generate`` reach such a router with their TLS and key
 options."""
 
@@ -62,10 +63,40 @@ def _status(url: str, headers: dict | None = None, context=None) -> tuple[int, d
 
 
 @pytest.fixture(scope="module")
-def keyed(nodes):
+def keyed_router(nodes):
     router, url = http_router(nodes, "--api-key-file", str(nodes[3]))
-    yield url
+    yield router, url
     router.stop()
+
+
+@pytest.fixture(scope="module")
+def keyed(keyed_router):
+    return keyed_router[1]
+
+
+def test_the_same_keys_guard_the_grpc_api(keyed_router):
+    """One key for both doors: a gRPC call without a key of the file is UNAUTHENTICATED (the
+    SDK's message says how to give one), with any of them it is served and the key is its
+    client; the health service stays open."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from splitserve.client import Client, SplitserveError
+
+    router, _ = keyed_router
+    for key in (None, "", KEYS[0] + "x"):
+        with Client(router.address, api_key=key) as client:
+            with pytest.raises(SplitserveError) as refused:
+                client.generate("Hello", max_tokens=2, timeout=30)
+            assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
+            assert "authorization: Bearer <key>" in refused.value.message
+    for key in KEYS:
+        with Client(router.address, api_key=key) as client:
+            out = client.generate("Hello", max_tokens=3, ignore_eos=True, temperature=0.0)
+            assert out.usage.completion_tokens == 3
+    with grpc.insecure_channel(router.address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def test_without_a_valid_key_the_openai_client_gets_401(keyed):
@@ -217,6 +248,9 @@ def test_with_mtls_a_public_http_front_needs_https_and_a_key(nodes, tmp_path):
         plain = subprocess.run(cli, capture_output=True, text=True, timeout=60)
         assert plain.returncode != 0  # the router takes mTLS clients only
         tls = ["--tls-cert", pki["cert"], "--tls-key", pki["key"], "--tls-ca", pki["ca"]]
+        keyless = subprocess.run([*cli, *tls], capture_output=True, text=True, timeout=60)
+        assert keyless.returncode != 0 and "UNAUTHENTICATED" in keyless.stderr  # one key, 2 doors
+        tls += ["--api-key-file", str(key_file)]
         gen = subprocess.run([*cli, *tls], capture_output=True, text=True, timeout=60)
         assert gen.returncode == 0 and "completion_tokens=3 " in gen.stderr, gen.stderr
         bench = _bench(f"grpc://{procs[2].address}", *tls)
