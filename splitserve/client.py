@@ -22,6 +22,7 @@ and one file keeps them in step.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
@@ -288,6 +289,13 @@ class AsyncClient:
             self._channel = _channel(grpc.aio, self.target, self._options, self._credentials)
             self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
         return self._stub
+
+    async def connect(self, timeout: float | None = None) -> None:
+        """Open the connection now (else the first call opens it, and waits for it);
+        ``TimeoutError`` when the router is not reached within ``timeout`` seconds."""
+        self._get_stub()
+        assert self._channel is not None
+        await asyncio.wait_for(self._channel.channel_ready(), timeout)
 
     async def generate(
         self,

@@ -134,7 +134,11 @@ class GrpcTarget(_Target):
         self._next = 0
 
     async def prepare(self) -> None:
-        pass
+        """Every connection open before the start: the first requests do not wait for one."""
+        try:
+            await asyncio.gather(*(c.connect(timeout=30) for c in self._clients))
+        except TimeoutError:
+            raise OSError(f"cannot reach {self.url} (30 s)") from None
 
     def _failure(self, exc: Exception) -> str:
         from splitserve.client import SplitserveError
