@@ -12,6 +12,7 @@ and are not counted.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -101,6 +102,9 @@ async def run_load(
     elif load.warmup:
         for _ in range(load.warmup):  # the others skip the same requests
             next(requests)
+    # NOTE: a workload may build its prompts on its first request (shared-prefix: every system
+    # prompt): done now, not at the start, where it would make the first sends late.
+    requests = itertools.chain([next(requests)], requests)
     if share.t0 is not None and (wait := share.t0 - time.perf_counter()) > 0:
         await asyncio.sleep(wait)
     target.t0 = share.t0 if share.t0 is not None else time.perf_counter()
