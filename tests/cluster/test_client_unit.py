@@ -21,10 +21,12 @@ class FakeRouter(router_pb2_grpc.RouterServiceServicer):
 
     def __init__(self) -> None:
         self.requests: list[router_pb2.GenerateRequest] = []
+        self.auth: list[str | None] = []  # each call's authorization metadata
         self.cancelled = threading.Event()
 
     async def Generate(self, request, context):
         self.requests.append(request)
+        self.auth.append(dict(context.invocation_metadata()).get("authorization"))
         if request.text == "!invalid":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "temperature must be >= 0")
         if request.text == "!unavailable":
@@ -202,3 +204,30 @@ def test_async_client_generate_stream_errors_and_cancel(router):
             assert await asyncio.to_thread(fake.cancelled.wait, 5)
 
     asyncio.run(main())
+
+
+def test_an_api_key_goes_with_every_call_and_connect_opens_the_connection(router, monkeypatch):
+    """``api_key=`` (else $SPLITSERVE_API_KEY) is the authorization metadata of every call;
+    ``AsyncClient.connect`` opens the connection before the first call, and says when the router
+    cannot be reached."""
+    address, fake = router
+    before = len(fake.auth)
+    monkeypatch.delenv("SPLITSERVE_API_KEY", raising=False)
+    with Client(address, api_key="k" * 20) as client:
+        client.generate("hi", max_tokens=2)
+    monkeypatch.setenv("SPLITSERVE_API_KEY", "e" * 20)
+    with Client(address) as client:
+        client.generate("hi", max_tokens=2)
+
+    async def connected():
+        async with AsyncClient(address, api_key="a" * 20) as client:
+            await client.connect(timeout=10)
+            await client.generate("hi", max_tokens=2)
+        from splitserve.launcher import free_port
+
+        async with AsyncClient(f"127.0.0.1:{free_port()}") as nowhere:
+            with pytest.raises(TimeoutError):
+                await nowhere.connect(timeout=0.5)
+
+    asyncio.run(connected())
+    assert fake.auth[before:] == [f"Bearer {'k' * 20}", f"Bearer {'e' * 20}", f"Bearer {'a' * 20}"]

@@ -219,3 +219,29 @@ def test_bad_commands_get_an_error_each_and_the_stream_goes_on(tmp_path):
             await node.settled()
 
     asyncio.run(scenario())
+
+
+def test_a_request_past_its_deadline_ends_on_the_node_with_deadline_exceeded(tmp_path):
+    """The router sends each request's deadline: the node ends the request then, even while no
+    step runs (the engine thread held), and its blocks are freed once it can."""
+    node = Node(tmp_path)
+
+    async def scenario():
+        async with node.serving() as stub:
+            commands = Commands()
+            call = stub.Relay(commands)
+            reader = aiter(call)
+            gate, held = node.hold()  # no step runs: only the deadline can end the request
+            command = generate("late", list(range(5, 30)), 64)
+            command.deadline_s = 0.2
+            commands.queue.put_nowait(command)
+            out = next(o for o in (await anext(reader)).outputs if o.request_id == "late")
+            assert out.error_code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+            assert not out.token_ids and "deadline" in out.error_message
+            gate.set()
+            await held
+            await node.settled()
+            commands.queue.put_nowait(None)
+            call.cancel()
+
+    asyncio.run(scenario())
