@@ -152,9 +152,9 @@ def _wait(predicate, timeout: float, what: str) -> None:
         time.sleep(0.5)
 
 
-def _serves(router: str) -> bool:
+def _serves(router: str, api_key: str) -> bool:
     try:
-        with Client(router) as client:
+        with Client(router, api_key=api_key) as client:
             return len(client.generate(prompt_token_ids=[1, 2, 3], **GREEDY).token_ids) == 8
     except SplitserveError:
         return False
@@ -174,7 +174,9 @@ def deployment():
         started = time.monotonic()
         d.compose("up", "-d")
         _wait(lambda: len(d.containers()) == 6, 60, "6 containers")
-        _wait(lambda: _serves(d.router), 180, "the router to serve through the containers")
+        _wait(
+            lambda: _serves(d.router, d.api_key), 180, "the router to serve through the containers"
+        )
         print(f"cluster in containers: serving in {time.monotonic() - started:.0f} s")
         yield d
     finally:
@@ -224,7 +226,7 @@ def test_containers_serve_token_exact_with_their_own_host_names(deployment):
     assert {"redis", "router", "prefill", "decode"} <= names
     prompts = [[(7 * i + j) % 250 + 1 for j in range(20 + 13 * i)] for i in range(6)]
     before = _transfers_by_path(d)
-    with Client(d.router) as client:
+    with Client(d.router, api_key=d.api_key) as client:  # the API keys guard gRPC too
         got = [list(client.generate(prompt_token_ids=p, **GREEDY).token_ids) for p in prompts]
     assert got == _reference(prompts)
     after = _transfers_by_path(d)
@@ -258,7 +260,7 @@ def test_a_decode_container_added_at_run_time_gets_transfers(deployment):
 
     def got_transfers() -> bool:
         # New prompts each time: a prompt seen before is routed to the node caching its prefix.
-        with Client(d.router) as client:
+        with Client(d.router, api_key=d.api_key) as client:
             for _ in range(4):
                 prompt = [rng.randrange(1, 250) for _ in range(24)]
                 client.generate(prompt_token_ids=prompt, **GREEDY)
@@ -271,7 +273,9 @@ def test_a_decode_container_added_at_run_time_gets_transfers(deployment):
 def test_a_stopped_decode_container_drains_and_no_request_fails(deployment):
     d = deployment
     victim = d.containers("decode")[0]
-    traffic = Traffic(d.router, 3, prompt_len=30, max_tokens=GREEDY["max_tokens"])
+    traffic = Traffic(
+        d.router, 3, prompt_len=30, max_tokens=GREEDY["max_tokens"], api_key=d.api_key
+    )
     try:
         _wait(lambda: traffic.ok >= 6, 60, "traffic")
         d.podman("stop", "-t", "45", victim, timeout=90)  # SIGTERM, then the drain
@@ -308,7 +312,9 @@ def test_the_planners_compose_actuator_grows_and_drains_a_pool(deployment):
     d.env["SPLITSERVE_NUM_DECODE"] = str(have.decode + 1)  # so that `down` knows of it
     _wait(lambda: len(d.containers("decode")) == have.decode + 1, 60, "the new replica")
     newest = act.replicas("decode")[0]  # the one a drain takes
-    traffic = Traffic(d.router, 3, prompt_len=30, max_tokens=GREEDY["max_tokens"])
+    traffic = Traffic(
+        d.router, 3, prompt_len=30, max_tokens=GREEDY["max_tokens"], api_key=d.api_key
+    )
     try:
         _wait(lambda: traffic.ok >= 6, 60, "traffic")
         act.scale("decode", have.decode)  # stop (SIGTERM: the drain), remove, compose up

@@ -192,7 +192,7 @@ class Traffic:
     requests back to back until ``stop()``: ``ok`` counts answers of exactly ``max_tokens``
     tokens, ``failures`` the errors and short answers. Each client draws its prompts of
     ``prompt_len`` token ids (< 250) from its own seeded generator: unique prompts, so no node's
-    cache attracts them and a new node gets its share."""
+    cache attracts them and a new node gets its share. ``api_key``: for a router with keys."""
 
     def __init__(
         self,
@@ -201,9 +201,11 @@ class Traffic:
         prompt_len: int = 40,
         max_tokens: int = 12,
         timeout: float = 60.0,
+        api_key: str | None = None,
     ) -> None:
         self.ok, self.failures = 0, []
         self._timeout = timeout
+        self._api_key = api_key  # a router with API keys
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._threads = [
@@ -217,7 +219,7 @@ class Traffic:
         from splitserve.client import Client, SplitserveError
 
         rng = random.Random(seed)
-        with Client(address) as client:
+        with Client(address, api_key=self._api_key) as client:
             while not self._stop.is_set():
                 prompt = [rng.randrange(250) for _ in range(prompt_len)]
                 try:
