@@ -51,7 +51,8 @@ class Tokens(NamedTuple):
 
 class RelayChannel:
     """The ``Relay`` stream to one decode node; ``start`` a request on it once ``ready``, read its
-    ``RelayCall``. Open until it fails (``broken``); ``close`` ends it and every request on it."""
+    ``RelayCall``. Open until it fails (``broken``; the router's channel to the node closing ends
+    it too)."""
 
     def __init__(
         self,
@@ -104,9 +105,6 @@ class RelayChannel:
     def forget(self, request_id: str) -> None:
         """The request ended on the node: drop its entry."""
         self._calls.pop(request_id, None)
-
-    def close(self) -> None:
-        self._call.cancel()
 
     def error(self, code: grpc.StatusCode, details: str, deadline: float) -> GenerateError:
         return self._error_of(code, details, deadline)
