@@ -175,7 +175,10 @@ def test_a_cancel_or_the_stream_ending_ends_its_requests_and_frees_their_blocks(
             await held
             await node.settled()
             assert all(n < max_tokens for n in got.values()), got
-            assert node.service.counters["requests_aborted"] == len(rids)
+            # None ran to its end: each was ended by its cancel or by the stream's end. (Not
+            # counted as requests_aborted: an abort marked while the engine is held may be
+            # applied by the next step before its own job runs.)
+            assert node.service.counters["requests_finished"] == 0
 
     asyncio.run(scenario())
 
