@@ -36,6 +36,7 @@ from splitserve.v1 import nodes_pb2
 logger = logging.getLogger(__name__)
 
 MAX_REQUEST_ID_CHARS = 1024  # a command's request id (input from another process: bounded)
+MAX_DEADLINE_S = 86400.0  # a command's deadline_s beyond this (or not finite) is ignored
 
 
 class Requests(Protocol):
@@ -228,7 +229,7 @@ class RelayStream:
             tasks = self._service.relay_tasks  # held there: they outlive the stream
             tasks.add(task)
             task.add_done_callback(tasks.discard)
-            if command.deadline_s > 0:
+            if 0 < command.deadline_s <= MAX_DEADLINE_S:  # NaN, inf, <= 0: none but the node's
                 live.timer = asyncio.get_running_loop().call_later(
                     command.deadline_s, self._expire, live
                 )
