@@ -24,7 +24,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -167,6 +174,9 @@ class RouterMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
+        # The router's own CPU and memory (process_cpu_seconds_total, ...): its CPU per relayed
+        # token is rate(process_cpu_seconds_total) / rate(splitserve_generation_tokens_total).
+        ProcessCollector(registry=self.registry)
         r = self.registry
         self.ttft = Histogram(
             "splitserve_time_to_first_token_seconds",

@@ -131,3 +131,11 @@ def test_the_declared_names_check_sees_a_literal(tmp_path):
     (tmp_path / "mod.py").write_text('def f(self):\n    self.counters["x"] += 1\n')
     package = SimpleNamespace(__file__=str(tmp_path / "__init__.py"))
     assert _literal_counter_keys(package) == ["mod.py:2"]
+
+
+def test_the_router_exports_its_own_cpu():
+    """The router's CPU per relayed token is read off its /metrics: rate of
+    process_cpu_seconds_total over rate of splitserve_generation_tokens_total."""
+    registry = RouterMetrics().registry
+    assert (registry.get_sample_value("process_cpu_seconds_total") or 0.0) > 0.0
+    assert registry.get_sample_value("splitserve_generation_tokens_total") == 0.0
