@@ -127,8 +127,8 @@ class Pinned:
 
 class OutputSink(Protocol):
     """Where a request's outputs go (``NodeEngine.subscribe``): an ``asyncio.Queue`` per request,
-    or one object many requests share (``decode_node.channel``: every request of one router's
-    stream, sent once per step)."""
+    or one object many requests share (``decode_node.relay_stream``: every request of one
+    router's stream, sent once per step)."""
 
     def put_nowait(self, item: StepOutput | BaseException, /) -> None: ...
 
@@ -171,7 +171,7 @@ class NodeEngine(ABC):
         """The queue a request's outputs (or the exception that failed it) arrive on; call
         before adding the request."""
         queue: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
-        self._queues[request_id] = queue
+        self.subscribe_sink(request_id, queue)
         return queue
 
     def subscribe_sink(self, request_id: str, sink: OutputSink) -> None:

@@ -34,10 +34,11 @@ def build_router(
     index: PrefixIndex | None = None,
     identity: ModelIdentity | None = None,
     metrics: RouterMetrics | None = None,
+    keys: ApiKeys | None = None,
 ) -> tuple[Server, NodeRegistry, RequestFront]:
     """The router's server (Router + health + reflection), not started yet, and the request
     path an HTTP front shares. With ``identity``, nodes serving another model identity are
-    never routed to."""
+    never routed to; with ``keys`` (``api_keys``), a gRPC call needs one of them."""
     registry = NodeRegistry(
         config.prefill_addresses,
         config.decode_addresses,
@@ -58,8 +59,6 @@ def build_router(
         tls=tls,
         reuse_port=config.reuse_port,
     )
-    # One key for both doors: the HTTP API's keys guard the gRPC API too.
-    keys = ApiKeys(config.api_key_file) if config.api_key_file else None
     router_pb2_grpc.add_RouterServiceServicer_to_server(RouterService(front, keys), server.server)
     return server, registry, front
 
@@ -85,7 +84,7 @@ def model_identity(config: RouterConfig) -> ModelIdentity:
 
 async def start_router(config: RouterConfig, model: ModelInfo) -> tuple[Server, NodeRegistry]:
     """Build and start (for tests and embedding); stop with ``server.stop()``."""
-    server, registry, _ = build_router(config, model)
+    server, registry, _ = build_router(config, model, keys=api_keys(config))
     await server.start(config.port_file)
     return server, registry
 
@@ -95,9 +94,11 @@ async def _serve(config: RouterConfig, model: ModelInfo) -> None:
     use_token(read_token_file(config.auth_token_file) if config.auth_token_file else None)
     index = prefix_index(config)
     metrics = RouterMetrics()
-    server, registry, front = build_router(config, model, index, model_identity(config), metrics)
+    keys = api_keys(config)  # one key for both doors: the gRPC API and the HTTP API
+    identity = model_identity(config)
+    server, registry, front = build_router(config, model, index, identity, metrics, keys)
     await registry.check_all()  # static nodes: known up and identity-checked before serving
-    http = await start_http(config, front, registry)
+    http = await start_http(config, front, registry, keys)
     checker = asyncio.create_task(registry.run_health_checks())
     lag = asyncio.create_task(front.loop_lag.run()) if front.loop_lag is not None else None
     polls = None
@@ -127,18 +128,25 @@ async def _serve(config: RouterConfig, model: ModelInfo) -> None:
     await server.run(config.port_file, on_stop, grace_s=GRACE_S)
 
 
+def api_keys(config: RouterConfig) -> ApiKeys | None:
+    """The keys both public APIs require (``--api-key-file``; None: open)."""
+    return ApiKeys(config.api_key_file) if config.api_key_file else None
+
+
 async def start_http(
-    config: RouterConfig, front: RequestFront, registry: NodeRegistry
+    config: RouterConfig,
+    front: RequestFront,
+    registry: NodeRegistry,
+    keys: ApiKeys | None = None,
 ) -> HttpFront | None:
     """The OpenAI-compatible HTTP API on ``config.http_port`` (None: not served), on the same
-    request path as the gRPC service: with ``config.api_key_file`` requiring a key, with
+    request path as the gRPC service: with ``keys`` requiring one of them, with
     ``config.http_tls_cert`` over HTTPS."""
     if config.http_port is None:
-        if config.api_key_file or config.http_tls_cert:
-            logger.warning("--api-key-file / --http-tls-*: no --http-port, no HTTP API to guard")
+        if config.http_tls_cert:
+            logger.warning("--http-tls-*: no --http-port, no HTTP API to serve over HTTPS")
         return None
     name = config.served_model_name or Path(config.model_path).name
-    keys = ApiKeys(config.api_key_file) if config.api_key_file else None
     tls = None
     if config.http_tls_cert and config.http_tls_key:
         tls = https_context(config.http_tls_cert, config.http_tls_key)
