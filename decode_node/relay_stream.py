@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import grpc
 
 from splitserve.decode_node.header import Refused
+from splitserve.decode_node.leases import Holder, LeaseBook
 from splitserve.decode_node.relay import stream_failure_code
 from splitserve.engine.api import OutputSink
 from splitserve.engine.core import StepOutput
@@ -48,6 +49,7 @@ class Requests(Protocol):
     calls: int  # requests in flight, for the drain
     relay_tasks: set[asyncio.Task[None]]  # every stream's requests (they may outlive it)
     relay_streams: set[Any]  # the streams open (one per router)
+    leases: LeaseBook  # the routers' shares of this node
 
     def start_decode(self, rid: str, sink: OutputSink) -> None: ...
 
@@ -161,6 +163,8 @@ class RelayStream:
         self._live: dict[str, _Live] = {}
         self._ready: dict[str, _Live] = {}  # with something to send, in the order they became so
         self._wake = asyncio.Event()
+        self._granted = False  # the router's share changed since the last batch
+        self._holder: Holder | None = None  # this router's lease, while the stream runs
 
     def count_direct(self, prompt_tokens: int, cached_tokens: int) -> None:
         self._service.count_direct(prompt_tokens, cached_tokens)
@@ -169,9 +173,15 @@ class RelayStream:
         self._ready[live.request_id] = live
         self._wake.set()
 
+    def _on_grant(self, _: Holder) -> None:
+        self._granted = True
+        self._wake.set()
+
     async def run(
         self, commands: AsyncIterator[nodes_pb2.RelayCommand]
     ) -> AsyncIterator[nodes_pb2.RelayBatch]:
+        leases = self._service.leases
+        self._holder = holder = leases.join(self._on_grant)
         reader = asyncio.create_task(self._read(commands))
         reader.add_done_callback(lambda _: self._wake.set())
         self._service.relay_streams.add(self)
@@ -179,12 +189,16 @@ class RelayStream:
             while True:
                 await self._wake.wait()
                 self._wake.clear()
-                if self._ready:
+                if self._ready or self._granted:
                     ready, self._ready = self._ready, {}
                     batch = nodes_pb2.RelayBatch()
                     outputs = batch.outputs
                     for live in ready.values():
                         live.take(outputs.add())
+                    if self._granted:
+                        self._granted = False
+                        batch.grant.share_ppm = holder.granted
+                        batch.grant.seq = holder.seq
                     yield batch
                 if reader.done():
                     if not reader.cancelled() and reader.exception() is not None:
@@ -194,6 +208,8 @@ class RelayStream:
             reader.cancel()
             self._close()
             self._service.relay_streams.discard(self)
+            self._holder = None
+            leases.leave(holder)
 
     def _close(self) -> None:
         """The stream ended (the router closed it or went): end every request it started."""
@@ -207,6 +223,13 @@ class RelayStream:
                 live = self._live.get(command.cancel)
                 if live is not None:
                     live.fail(grpc.StatusCode.CANCELLED, "cancelled by the router")
+                continue
+            if kind == "lease":
+                if self._holder is not None:
+                    lease = command.lease
+                    self._service.leases.update(
+                        self._holder, lease.want_ppm, lease.used_ppm, lease.seen_grant
+                    )
                 continue
             if kind is None:
                 continue  # a newer router's command this node does not know

@@ -22,6 +22,7 @@ from typing import NoReturn
 import grpc
 
 from splitserve.decode_node.header import Refused, TransferRefused
+from splitserve.decode_node.leases import LeaseBook
 from splitserve.decode_node.peer_caps import PeerCaps, PeerLimits
 from splitserve.decode_node.pending import DRAIN_HOLD_S, Pending, PendingTable
 from splitserve.decode_node.receiver import BAD, KVInbox, Transfer
@@ -76,6 +77,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
         self.relay_streams: set[RelayStream] = set()  # one per router connected
         # The relay streams' requests, each a task (``relay_stream``) that may outlive its stream.
         self.relay_tasks: set[asyncio.Task[None]] = set()
+        self.leases = LeaseBook()  # the routers' shares of this node (decode_node.leases)
         self._joining: dict[str, Pending] = {}  # taken by start_decode, not yet in the engine
 
     # ------------------------------------------------------------------ life cycle
@@ -127,7 +129,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
         self, request: nodes_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> nodes_pb2.GetStatsResponse:
         figures = await self.engine.figures()
-        return node_stats(
+        stats = node_stats(
             "decode",
             self.engine.info,
             figures,
@@ -135,6 +137,8 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             self.all_counters(figures),
             transfer_endpoint=self.engine.kv.rx_endpoint,
         )
+        stats.relay_leases = True
+        return stats
 
     # ------------------------------------------------------------------ transfer
 

@@ -281,6 +281,10 @@ class Admission:
         me = Waiter(loop.create_future(), demand, work, start, tpot_s, client, ttft_s)
         self._queue.append(me)
         self._metrics.queue_length.set(len(self._queue))
+        decode = self._decode
+        decode.waiting += 1
+        if decode.waiting == 1:
+            decode.load_changed()  # its nodes' leases: it wants all it may fill now
         let_go = False
         try:
             while not (self._queue.head() is me and self._can_go(me)):
@@ -301,6 +305,9 @@ class Admission:
             return Admitted(self._admitted, prediction, self.load(), work)
         finally:
             self._queue.remove(me)
+            decode.waiting -= 1
+            if not decode.waiting:
+                decode.load_changed()
             now = time.monotonic()
             self._metrics.queue_length.set(len(self._queue))
             self._metrics.queue_wait.observe(now - start)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Coroutine
 from functools import partial
@@ -23,7 +24,7 @@ from splitserve.router.errors import UNREACHABLE, GenerateError
 from splitserve.router.kv_budget import KVDemand
 from splitserve.router.pool import Node, NodePool
 from splitserve.router.registry import NodeRegistry
-from splitserve.router.relay import RelayCall, RelayChannel
+from splitserve.router.relay import WHOLE_PPM, RelayCall, RelayChannel
 from splitserve.runtime.auth import call_metadata
 from splitserve.v1 import nodes_pb2
 
@@ -34,6 +35,9 @@ RELEASE_TIMEOUT_S = 5.0  # D's Release call; past it D frees the blocks at its t
 # D's Release answering these: a node of an older version (no Release), or one refusing the id;
 # its blocks are freed the old way, by a Decode call cancelled once it has started.
 RELEASE_FALLBACK = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INVALID_ARGUMENT)
+LEASE_TELL_S = 0.005  # a node hears of this router's load changing at most this often
+LEASE_SLACK = 1 / 16  # of a node's whole, wanted beyond what this router uses while none waits
+LEASE_REOPEN_S = 0.2  # a leasing node's stream is opened again this soon after it ended
 
 
 class DecodeStage:
@@ -49,6 +53,12 @@ class DecodeStage:
         self._background: set[asyncio.Task[None]] = set()
         self._channels: dict[Node, RelayChannel] = {}  # each decode node's Relay stream
         self._no_relay: set[Node] = set()  # nodes that answered Relay with UNIMPLEMENTED
+        # Leases (decode_node.leases): a node that grants them gets this router's want and use
+        # on its stream, at most every LEASE_TELL_S while the load moves; the streams of such
+        # nodes are kept open from the health checker's round (no share without one).
+        self._tell_pending: asyncio.TimerHandle | None = None
+        registry.decode.on_load = self._load_changed
+        registry.on_checked = self.keep_lease_streams
 
     def _channel(self, node: Node) -> RelayChannel | None:
         """``node``'s Relay stream if it is ready; None (a call of its own for this request)
@@ -57,21 +67,65 @@ class DecodeStage:
             return None
         channel = self._channels.get(node)
         if channel is None or channel.broken:
-            self._channels[node] = RelayChannel(
-                node,
-                self._registry.decode_stub(node),
-                partial(self.error, node),
-                self.on_first_decode,
-                self._channel_ended,
-            )
+            self._open_channel(node)
             return None
         return channel if channel.ready else None
 
+    def _open_channel(self, node: Node) -> None:
+        leased = node.lease is not None
+        self._channels[node] = RelayChannel(
+            node,
+            self._registry.decode_stub(node),
+            partial(self.error, node),
+            self.on_first_decode,
+            self._channel_ended,
+            lease_of=self.lease_of if leased else None,
+            on_grant=self._registry.decode.notify_waiters if leased else None,
+        )
+
     def _channel_ended(self, channel: RelayChannel) -> None:
-        if self._channels.get(channel.node) is channel:
-            del self._channels[channel.node]
+        node = channel.node
+        if self._channels.get(node) is channel:
+            del self._channels[node]
         if channel.unimplemented:
-            self._no_relay.add(channel.node)
+            self._no_relay.add(node)
+            if node.lease is not None:  # it grants no leases after all: the static share
+                node.lease = None
+                node.apply_share()
+                self._registry.decode.notify_waiters()
+        elif node.lease is not None:
+            # Without a stream it has no share for this router: open the next one soon (the
+            # health checker's round would, within a second).
+            asyncio.get_running_loop().call_later(LEASE_REOPEN_S, self.keep_lease_streams)
+
+    # ------------------------------------------------------------------ leases
+
+    def keep_lease_streams(self) -> None:
+        """Open a Relay stream to every usable node that grants leases and has none."""
+        for node in self._registry.decode.usable():
+            if node.lease is None or node in self._no_relay:
+                continue
+            channel = self._channels.get(node)
+            if channel is None or channel.broken:
+                self._open_channel(node)
+
+    def lease_of(self, node: Node) -> tuple[int, int]:
+        """(want, used) of ``node`` for this router, in parts per million: it uses its
+        requests' share; it wants all it may fill while requests wait for room, else what it
+        uses and LEASE_SLACK more."""
+        used = node.used_share()
+        want = node.share if self._registry.decode.waiting else min(node.share, used + LEASE_SLACK)
+        return round(want * WHOLE_PPM), math.ceil(used * WHOLE_PPM)
+
+    def _load_changed(self) -> None:
+        if self._tell_pending is None and self._channels:
+            loop = asyncio.get_running_loop()
+            self._tell_pending = loop.call_later(LEASE_TELL_S, self._tell_leases)
+
+    def _tell_leases(self) -> None:
+        self._tell_pending = None
+        for channel in self._channels.values():
+            channel.tell_lease()
 
     def claim(self, node: Node, demand: KVDemand | None, node_request_id: str) -> DecodeSession:
         """Count a request in flight on ``node`` (a slot and ``demand``'s KV ledger charge) until

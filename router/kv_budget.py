@@ -102,6 +102,10 @@ class KVLedger:
         """Blocks charged: each shared hash once, plus every request's private blocks."""
         return len(self._shared) + self._private
 
+    def whole(self) -> float:
+        """The blocks every router together may charge (0: not known)."""
+        return (self.num_blocks or 0) * (1.0 - self.headroom)
+
     @property
     def limit(self) -> int | None:
         if self.num_blocks is None:

@@ -42,6 +42,11 @@ class Node:
     leaving: bool = False  # left the registry (draining) while requests were still in flight
     capacity: int | None = None  # decode: router requests it may hold at once (None: no limit)
     slots: int | None = None  # decode: its max_num_seqs, once its GetStats answered
+    full_slots: float = 0.0  # decode: requests it may hold for all routers (slots x overcommit)
+    share: float = 1.0  # decode: the most of it this router fills (--capacity-share)
+    # decode: the share its lease grants (router.relay; None: the node grants none, ``share``
+    # applies alone); 0 until granted
+    lease: float | None = None
     # decode: the KV blocks this router's requests there will need (router.kv_budget)
     kv: KVLedger = field(default_factory=KVLedger, repr=False)
     # prefill: prompt tokens of this router's requests it may have to compute at once (None: no
@@ -54,6 +59,24 @@ class Node:
     rate: BusyRate = field(default_factory=BusyRate, repr=False)
     # decode: its requests' time per output token against how many it holds (router.predictor)
     tpot: TPOTLine = field(default_factory=TPOTLine, repr=False)
+
+    def apply_share(self) -> None:
+        """Decode: set the capacity and the KV budget from the share this router may fill now
+        (its lease's where the node grants one, never above ``share``)."""
+        share = self.share if self.lease is None else min(self.share, self.lease)
+        self.kv.share = share
+        if self.full_slots:
+            capacity = int(self.full_slots * share)
+            self.capacity = capacity if self.lease is not None else max(1, capacity)
+
+    def used_share(self) -> float:
+        """Decode: the share of the node this router's requests hold (slots or KV blocks,
+        whichever is more), out of the whole node's."""
+        used = self.in_flight / self.full_slots if self.full_slots else 0.0
+        whole = self.kv.whole()
+        if whole:
+            used = max(used, self.kv.used / whole)
+        return min(used, 1.0)
 
     def stall_signal(self) -> asyncio.Event:
         if self.stalled is None:
@@ -118,10 +141,14 @@ class NodePool:
         self._down_s = down_s
         self._rr = 0
         self.on_release: Callable[[], None] | None = None  # news for whoever waits for room
+        # decode: news that this router's load on the nodes changed (router.decode_stage: the
+        # lease it asks for), and the requests waiting in admission for room
+        self.on_load: Callable[[], None] | None = None
+        self.waiting = 0
 
     def _new_node(self, address: str, discovered: bool = False) -> Node:
         kv = KVLedger(self.kv_headroom, self.share)
-        return Node(address, self.role, discovered=discovered, kv=kv)
+        return Node(address, self.role, discovered=discovered, kv=kv, share=self.share)
 
     def pick(
         self,
@@ -224,6 +251,7 @@ class NodePool:
             node.rate.start()
         if demand is not None:
             node.kv.take(demand)
+        self.load_changed()
 
     def release(
         self, node: Node, tokens: int = 0, demand: KVDemand | None = None, computed: int = 0
@@ -237,6 +265,11 @@ class NodePool:
             node.kv.give_back(demand)
         assert node.in_flight >= 0, f"{node.address}: released more than acquired"
         self.notify_waiters()
+        self.load_changed()
+
+    def load_changed(self) -> None:
+        if self.on_load is not None:
+            self.on_load()
 
     def mark_down(self, node: Node, reason: str, stalled: bool = False) -> None:
         """Skip ``node`` for a while; ``stalled`` (it stopped answering health checks): the

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -65,6 +65,8 @@ class NodeRegistry:
         )
         self.expected_identity = expected_identity
         self._empty_since: dict[str, float] = {}  # role → when the registry first had none
+        # After each health round (router.decode_stage: the lease streams of the nodes up)
+        self.on_checked: Callable[[], None] | None = None
         self._foreign_reported: set[str] = set()
 
     def _all(self) -> list[tuple[NodePool, Node]]:
@@ -121,6 +123,8 @@ class NodeRegistry:
                 stalled = node.silent_probes >= STALL_PROBES
                 pool.mark_down(node, node.last_error, stalled=stalled)
         await asyncio.gather(*(self.verify(pool, node) for pool, node in unverified))
+        if self.on_checked is not None:
+            self.on_checked()
 
     async def verify(self, pool: NodePool, node: Node) -> None:
         """Compare the node's model root hash with the router's: a node started with another
@@ -135,8 +139,11 @@ class NodeRegistry:
         node.verified = True
         if pool.role == "decode" and stats.max_num_seqs:
             node.slots = stats.max_num_seqs
-            node.capacity = max(1, int(stats.max_num_seqs * self.decode_overcommit * self.share))
+            node.full_slots = stats.max_num_seqs * self.decode_overcommit
             node.kv.num_blocks = stats.num_blocks or None
+            if stats.relay_leases and node.lease is None:
+                node.lease = 0.0  # nothing until the node grants this router a share
+            node.apply_share()
             pool.notify_waiters()
         if pool.role == "prefill" and (self.prefill_queue_tokens or stats.max_num_batched_tokens):
             queued = self.prefill_queue_tokens or PREFILL_QUEUE_STEPS * stats.max_num_batched_tokens

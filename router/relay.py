@@ -39,6 +39,9 @@ ErrorOf = Callable[[grpc.StatusCode, str, float], GenerateError]
 
 logger = logging.getLogger(__name__)
 
+WHOLE_PPM = 1_000_000  # a lease's whole node (decode_node.leases.WHOLE)
+LEASE_STEP = 5_000  # a change in want or use below this (0.5% of the node) is not sent
+
 
 class Tokens(NamedTuple):
     """What one ``read`` hands over: every token that arrived since the last one."""
@@ -61,6 +64,8 @@ class RelayChannel:
         error_of: ErrorOf,
         on_first_decode: Callable[[float], None] | None,
         on_end: Callable[[RelayChannel], None],
+        lease_of: Callable[[Node], tuple[int, int]] | None = None,
+        on_grant: Callable[[], None] | None = None,
     ) -> None:
         self.node = node
         self._error_of = error_of
@@ -78,6 +83,14 @@ class RelayChannel:
         self._answered.add_done_callback(self._on_answer)
         self._stall = asyncio.ensure_future(node.stall_signal().wait())
         self._stall.add_done_callback(self._on_stall)
+        # The node's share for this router (node.lease): what it wants and uses, (want, used)
+        # in parts per million; None: the node grants no leases.
+        self._lease_of = lease_of
+        self._on_grant = on_grant
+        self._seen = 0  # the last grant applied
+        self._told: tuple[int, int, int] | None = None  # the last lease sent, coarsely
+        if lease_of is not None:
+            self.tell_lease()
 
     def _on_answer(self, answered: asyncio.Future) -> None:
         if not answered.cancelled() and answered.exception() is None and not self.broken:
@@ -106,6 +119,30 @@ class RelayChannel:
         """The request ended on the node: drop its entry."""
         self._calls.pop(request_id, None)
 
+    def tell_lease(self, force: bool = False) -> None:
+        """Send the node what share this router wants and uses, when that changed by more
+        than LEASE_STEP since the last time (``force``: always; it acknowledges a grant)."""
+        if self._lease_of is None or self.broken:
+            return
+        want, used = self._lease_of(self.node)
+        told = (want // LEASE_STEP, -(-used // LEASE_STEP), self._seen)
+        if not force and told == self._told:
+            return
+        self._told = told
+        lease = nodes_pb2.RelayLease(want_ppm=want, used_ppm=used, seen_grant=self._seen)
+        self._commands.put_nowait(nodes_pb2.RelayCommand(lease=lease))
+
+    def _granted(self, grant: nodes_pb2.RelayGrant) -> None:
+        if grant.seq <= self._seen:
+            return  # a grant older than one applied (never sent so, but input)
+        self._seen = grant.seq
+        node = self.node
+        node.lease = min(grant.share_ppm, WHOLE_PPM) / WHOLE_PPM
+        node.apply_share()
+        self.tell_lease(force=True)
+        if self._on_grant is not None:
+            self._on_grant()
+
     def error(self, code: grpc.StatusCode, details: str, deadline: float) -> GenerateError:
         return self._error_of(code, details, deadline)
 
@@ -126,6 +163,8 @@ class RelayChannel:
                     call = calls.get(out.request_id)
                     if call is not None:
                         call.feed(out)
+                if batch.HasField("grant"):  # pyright: ignore[reportAttributeAccessIssue]
+                    self._granted(batch.grant)  # pyright: ignore[reportAttributeAccessIssue]
             error = self.error(grpc.StatusCode.UNAVAILABLE, "it ended its relay stream", 0.0)
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
@@ -166,6 +205,11 @@ class RelayChannel:
         self._stall.cancel()
         self._answered.cancel()
         self._commands.put_nowait(None)
+        if self._lease_of is not None and self.node.lease is not None:
+            # Its share ended with the stream (the node frees it for the others): nothing more
+            # goes there until a new stream is granted one.
+            self.node.lease = 0.0
+            self.node.apply_share()
         self._on_end(self)
         calls, self._calls = self._calls, {}
         for call in calls.values():

@@ -240,12 +240,14 @@ class LocalCluster:
         shared: tuple[int, int | None] | None = None,
     ) -> list[str]:
         """A router's own flags (those of Redis, the token and TLS come on top); ``shared``:
-        the gRPC and HTTP ports of ``--num-routers`` routers, each with its share."""
+        the gRPC and HTTP ports of ``--num-routers`` routers."""
         spec = self.spec
         port, http_port = shared or (spec.port, spec.http_port)
         flags = ["--port", str(port)]
         if shared is not None:
-            flags += ["--reuse-port", "--capacity-share", f"{1 / spec.num_routers:.6f}"]
+            # The decode nodes' leases share their capacity among the routers as each needs it
+            # (decode_node.leases); prefill nodes queue what several routers send them.
+            flags += ["--reuse-port"]
         if prefill or decode:
             flags += ["--prefill", ",".join(prefill), "--decode", ",".join(decode)]
         if http_port is not None:

@@ -116,6 +116,8 @@ class FakeRelay:
                 if handler is not None:
                     handler.cancel()
                 continue
+            if kind not in ("decode", "generate"):
+                continue  # a lease: this fake node grants none (its GetStats says so)
             if kind == "decode":
                 request = command.decode
                 rid, messages = request.request_id, self._nodes.decode_started(request)

@@ -192,7 +192,7 @@ class DecodeResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class RelayCommand(_message.Message):
-    __slots__ = ("decode", "generate", "cancel", "deadline_s", "trace")
+    __slots__ = ("decode", "generate", "cancel", "lease", "deadline_s", "trace")
     class TraceEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -203,14 +203,16 @@ class RelayCommand(_message.Message):
     DECODE_FIELD_NUMBER: _ClassVar[int]
     GENERATE_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     TRACE_FIELD_NUMBER: _ClassVar[int]
     decode: DecodeRequest
     generate: GenerateOnNodeRequest
     cancel: str
+    lease: RelayLease
     deadline_s: float
     trace: _containers.ScalarMap[str, str]
-    def __init__(self, decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., generate: _Optional[_Union[GenerateOnNodeRequest, _Mapping]] = ..., cancel: _Optional[str] = ..., deadline_s: _Optional[float] = ..., trace: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    def __init__(self, decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., generate: _Optional[_Union[GenerateOnNodeRequest, _Mapping]] = ..., cancel: _Optional[str] = ..., lease: _Optional[_Union[RelayLease, _Mapping]] = ..., deadline_s: _Optional[float] = ..., trace: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RelayOutput(_message.Message):
     __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "cached_tokens", "error_code", "error_message")
@@ -231,17 +233,37 @@ class RelayOutput(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class RelayBatch(_message.Message):
-    __slots__ = ("outputs",)
+    __slots__ = ("outputs", "grant")
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    GRANT_FIELD_NUMBER: _ClassVar[int]
     outputs: _containers.RepeatedCompositeFieldContainer[RelayOutput]
-    def __init__(self, outputs: _Optional[_Iterable[_Union[RelayOutput, _Mapping]]] = ...) -> None: ...
+    grant: RelayGrant
+    def __init__(self, outputs: _Optional[_Iterable[_Union[RelayOutput, _Mapping]]] = ..., grant: _Optional[_Union[RelayGrant, _Mapping]] = ...) -> None: ...
+
+class RelayLease(_message.Message):
+    __slots__ = ("want_ppm", "used_ppm", "seen_grant")
+    WANT_PPM_FIELD_NUMBER: _ClassVar[int]
+    USED_PPM_FIELD_NUMBER: _ClassVar[int]
+    SEEN_GRANT_FIELD_NUMBER: _ClassVar[int]
+    want_ppm: int
+    used_ppm: int
+    seen_grant: int
+    def __init__(self, want_ppm: _Optional[int] = ..., used_ppm: _Optional[int] = ..., seen_grant: _Optional[int] = ...) -> None: ...
+
+class RelayGrant(_message.Message):
+    __slots__ = ("share_ppm", "seq")
+    SHARE_PPM_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    share_ppm: int
+    seq: int
+    def __init__(self, share_ppm: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("role", "num_blocks", "num_free_blocks", "num_cached_blocks", "running", "waiting", "pending_transfers", "counters", "model_root_hash", "model_identity", "prefill_tokens_waiting", "transfer_endpoint", "max_num_seqs", "kv_tokens_held", "kv_token_slots", "max_num_batched_tokens")
+    __slots__ = ("role", "num_blocks", "num_free_blocks", "num_cached_blocks", "running", "waiting", "pending_transfers", "counters", "model_root_hash", "model_identity", "prefill_tokens_waiting", "transfer_endpoint", "max_num_seqs", "kv_tokens_held", "kv_token_slots", "max_num_batched_tokens", "relay_leases")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +287,7 @@ class GetStatsResponse(_message.Message):
     KV_TOKENS_HELD_FIELD_NUMBER: _ClassVar[int]
     KV_TOKEN_SLOTS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RELAY_LEASES_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_blocks: int
     num_free_blocks: int
@@ -281,4 +304,5 @@ class GetStatsResponse(_message.Message):
     kv_tokens_held: int
     kv_token_slots: int
     max_num_batched_tokens: int
-    def __init__(self, role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., pending_transfers: _Optional[int] = ..., counters: _Optional[_Mapping[str, float]] = ..., model_root_hash: _Optional[bytes] = ..., model_identity: _Optional[str] = ..., prefill_tokens_waiting: _Optional[int] = ..., transfer_endpoint: _Optional[bytes] = ..., max_num_seqs: _Optional[int] = ..., kv_tokens_held: _Optional[int] = ..., kv_token_slots: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ...) -> None: ...
+    relay_leases: bool
+    def __init__(self, role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., pending_transfers: _Optional[int] = ..., counters: _Optional[_Mapping[str, float]] = ..., model_root_hash: _Optional[bytes] = ..., model_identity: _Optional[str] = ..., prefill_tokens_waiting: _Optional[int] = ..., transfer_endpoint: _Optional[bytes] = ..., max_num_seqs: _Optional[int] = ..., kv_tokens_held: _Optional[int] = ..., kv_token_slots: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., relay_leases: _Optional[bool] = ...) -> None: ...
