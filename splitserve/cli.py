@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import logging
 import sys
+from collections.abc import Sequence
 
 from splitserve import __version__, cli_tools
 from splitserve.cli_tools import model_path
@@ -244,7 +245,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         a = cluster.start()
         if planner_policy is not None:
-            stop_planner = _start_planner(args, cluster, a.metrics[a.router], planner_policy)
+            # Every router's /metrics: the planner sums their requests (planner.scrape.merge).
+            stop_planner = _start_planner(args, cluster, a.router_metrics, planner_policy)
 
         def show(name: str, address: str) -> None:  # and its /metrics, when it serves one
             url = a.metrics.get(address)
@@ -293,9 +295,6 @@ def _autoscale_policy(args: argparse.Namespace, spec: ClusterSpec):
     if spec.tp_of("prefill") > 1 or spec.tp_of("decode") > 1:
         # NOTE: the planner places one GPU per node; a node of several ranks needs a run of them.
         raise ValueError("--autoscale places one GPU per node: use it at tensor parallel size 1")
-    if spec.num_routers > 1:
-        # NOTE: the planner reads one router's /metrics: with several it would see 1/N of the load.
-        raise ValueError("--autoscale reads one router's pressure: use it with --num-routers 1")
     bounds, slo, config = policy_from(args, spec.num_prefill, spec.num_decode)
     if not bounds.min_prefill <= spec.num_prefill <= bounds.max_prefill:
         raise ValueError("--num-prefill must be within --min-prefill..--max-prefill")
@@ -304,7 +303,7 @@ def _autoscale_policy(args: argparse.Namespace, spec: ClusterSpec):
     return bounds, slo, config
 
 
-def _start_planner(args: argparse.Namespace, cluster, router_metrics: str, policy):
+def _start_planner(args: argparse.Namespace, cluster, router_metrics: Sequence[str], policy):
     """The planner on a thread of this process, acting through the launcher; returns its stop."""
     from splitserve.planner.actuators import LocalActuator
     from splitserve.planner.cli import serve_planner_metrics, start_thread

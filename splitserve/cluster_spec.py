@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -13,6 +14,34 @@ from splitserve.runtime.options import option
 from splitserve.runtime.slo import Slo
 
 DEFAULT_GPU_SHARE = 0.9  # of one GPU's memory, split among the nodes sharing it
+
+# ``--num-routers auto`` (docs/deploy.md, "Routers", has the measurements behind these): one
+# router relays ~15,000 tok/s on a core, a decode GPU of an 8B model makes up to ~6,300 (9,000 at
+# TP 2); one router's event loop falls behind past ~2x a GPU's knee under overload, two hold 4x.
+DECODE_GPUS_PER_ROUTER = 2
+MIN_GPU_ROUTERS = 2
+CORES_PER_ROUTER = 4  # a router's core, and room for the nodes' own processes
+
+RouterCount = int  # ``--num-routers``: a number, or ``auto`` (0; ClusterSpec resolves it)
+
+
+def router_count(text: str) -> int:
+    """``--num-routers``: ``auto`` (0) or a number >= 1."""
+    if text.strip().lower() == "auto":
+        return 0
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"give a number or auto, got {text!r}") from None
+
+
+def auto_routers(device: str, decode_gpus: int, cores: int | None) -> int:
+    """The routers ``--num-routers auto`` starts for ``decode_gpus`` GPUs of decode nodes
+    (their ranks counted) on a host of ``cores`` CPU cores."""
+    if not device.startswith("cuda"):
+        return 1  # CPU nodes make a few hundred tokens a second: one router is plenty
+    wanted = max(MIN_GPU_ROUTERS, -(-decode_gpus // DECODE_GPUS_PER_ROUTER))
+    return max(1, min(wanted, (cores or 1) // CORES_PER_ROUTER))
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,11 +58,14 @@ class ClusterSpec:
         1, "prefill nodes (0: the decode nodes prefill every request themselves, e.g. one GPU)"
     )
     num_decode: int = option(1, "decode nodes")
-    num_routers: int = option(
-        1,
-        "routers sharing the one --port (and --http-port) through SO_REUSEPORT, each admitting "
-        "into 1/N of every node's capacity: one Python router takes a few thousand relayed "
-        "tokens per second (docs/deploy.md, Overload)",
+    num_routers: RouterCount = option(
+        0,
+        "routers sharing the one --port (and --http-port) through SO_REUSEPORT; the decode nodes "
+        "lease their capacity to them as each needs it. `auto`: one for CPU nodes; on GPUs one per "
+        f"{DECODE_GPUS_PER_ROUTER} decode GPUs, at least {MIN_GPU_ROUTERS}, at most one per "
+        f"{CORES_PER_ROUTER} cores (docs/deploy.md, Routers)",
+        cli_default="auto",
+        convert=router_count,
     )
     host: str = option("127.0.0.1", "listen address of every component")
     port: int = option(8000, "the router's port")
@@ -119,8 +151,14 @@ class ClusterSpec:
     stop_grace_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if self.num_prefill < 0 or self.num_decode < 1 or self.num_routers < 1:
-            raise ValueError("--num-prefill must be >= 0, --num-decode and --num-routers >= 1")
+        if self.num_prefill < 0 or self.num_decode < 1 or self.num_routers < 0:
+            raise ValueError(
+                "--num-prefill must be >= 0, --num-decode >= 1, --num-routers >= 1 (or auto)"
+            )
+        if self.num_routers == 0:  # auto: resolved here, so every later use sees the number
+            decode_gpus = self.num_decode * self.tp_of("decode")
+            routers = auto_routers(self.device, decode_gpus, os.cpu_count())
+            object.__setattr__(self, "num_routers", routers)
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
             raise ValueError(f"--http-port {self.http_port}: give 0..65535")
         # the first router's, then one per node, then the other routers'

@@ -130,7 +130,8 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--router-metrics",
         default="http://127.0.0.1:9100/metrics",
-        help="the router's /metrics URL (default: %(default)s)",
+        help="the /metrics URL of the router, or of every router comma-separated (their "
+        "requests are summed; default: %(default)s)",
     )
     p.add_argument("--actuator", choices=("compose", "kubernetes"), default="compose")
     p.add_argument(

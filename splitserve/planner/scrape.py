@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import time
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -19,6 +19,7 @@ QUANTILE = 0.9
 
 Samples = dict[str, float]  # 'name{label="v",...}' (labels sorted) -> value
 Buckets = dict[float, float]  # le -> cumulative count
+Page = tuple[Samples, dict[str, Buckets]]  # one /metrics page, parsed
 
 
 def parse(text: str) -> tuple[Samples, dict[str, Buckets]]:
@@ -93,24 +94,61 @@ def figures(
     )
 
 
-class Scraper:
-    """Scrapes one /metrics URL; each ``read`` gives the figures since the previous one."""
+# Several routers in front of the same pools (``up --num-routers``): each counts its own requests
+# (summed over the routers), and each sees the same nodes (the most any of them sees).
+SUMMED = (
+    "splitserve_router_queue_length",
+    "splitserve_router_queue_prompt_tokens",
+    "splitserve_router_pool_in_flight",
+    "splitserve_router_pool_prompt_tokens",
+    'splitserve_router_decode_kv_blocks{state="charged"}',
+)
 
-    def __init__(self, url: str, timeout_s: float = 5.0) -> None:
-        self.url = url
+
+def merge(pages: Sequence[Page]) -> Page:
+    """One router's view from several routers' pages: their requests' counts and histograms
+    summed; the figures of the nodes they share (sizes, rates), and the waits, at their most."""
+    samples: Samples = {}
+    buckets: dict[str, Buckets] = {}
+    for page_samples, page_buckets in pages:
+        for key, value in page_samples.items():
+            if key not in samples:
+                samples[key] = value
+            elif key.startswith(SUMMED):
+                samples[key] += value
+            else:
+                samples[key] = max(samples[key], value)
+        for name, edges in page_buckets.items():
+            into = buckets.setdefault(name, {})
+            for le, count in edges.items():
+                into[le] = into.get(le, 0.0) + count
+    return samples, buckets
+
+
+class Scraper:
+    """Scrapes the /metrics of the routers (one URL, or several routers' comma-separated); each
+    ``read`` gives the figures since the previous one."""
+
+    def __init__(self, url: str | Sequence[str], timeout_s: float = 5.0) -> None:
+        urls = url.split(",") if isinstance(url, str) else list(url)
+        self.urls = [u.strip() for u in urls if u.strip()]
+        self.url = ",".join(self.urls)
         self.timeout_s = timeout_s
         self._before: dict[str, Buckets] | None = None
         self.last_text = ""
 
     def read(self) -> Figures:
-        """Raises OSError (URLError included) when the router does not answer."""
-        with urllib.request.urlopen(self.url, timeout=self.timeout_s) as reply:
-            text = reply.read().decode()
-        return self.read_text(text, time.monotonic())
+        """Raises OSError (URLError included) when a router does not answer."""
+        texts = []
+        for url in self.urls:
+            with urllib.request.urlopen(url, timeout=self.timeout_s) as reply:
+                texts.append(reply.read().decode())
+        return self.read_text(texts, time.monotonic())
 
-    def read_text(self, text: str, at: float) -> Figures:
-        self.last_text = text
-        samples, buckets = parse(text)
+    def read_text(self, text: str | Sequence[str], at: float) -> Figures:
+        texts = [text] if isinstance(text, str) else list(text)
+        self.last_text = "\n".join(texts)
+        samples, buckets = merge([parse(t) for t in texts])
         out = figures(samples, buckets, self._before, at)
         self._before = buckets
         return out

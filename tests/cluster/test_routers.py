@@ -1,6 +1,7 @@
-"""Several routers behind one address (`up --num-routers 2`: SO_REUSEPORT, each with half of
-every node's capacity): clients on many connections are spread over both, every request is
-served token-exact, and neither router admits more than its share of the decode node."""
+"""Several routers behind one address (`up --num-routers 2`: SO_REUSEPORT, the decode node
+leasing its capacity to both): clients on many connections are spread over both and every
+request is served token-exact. (That two routers never over-admit one node:
+test_router_leases.py.)"""
 
 from __future__ import annotations
 
@@ -57,7 +58,6 @@ def test_two_routers_share_one_address_and_split_the_pools(tmp_path):
         for url in addresses.router_metrics:
             page = scrape_metrics(int(url.rsplit(":", 1)[1].split("/")[0]))
             served.append(page.get('splitserve_requests_total{code="OK"}', 0.0))
-            # max_num_seqs 4 x overcommit 1.5 = 6 slots, 3 for each router
             assert page['splitserve_router_pool_slots{role="decode"}'] == 4.0
         assert sum(served) == len(prompts)
         assert all(n > 0 for n in served), served  # both routers took calls

@@ -144,4 +144,19 @@ def test_several_routers_share_one_port_and_lease_the_nodes_capacity():
     # No static split: the decode nodes lease their capacity to the routers as each needs it.
     assert "--capacity-share" not in flags
     with pytest.raises(ValueError, match="--num-routers"):
-        spec(num_routers=0)
+        spec(num_routers=-1)
+
+
+def test_num_routers_auto_gives_cpu_clusters_one_and_gpu_pools_enough_for_their_tokens():
+    from splitserve.cluster_spec import auto_routers, router_count
+
+    assert router_count("auto") == 0 and router_count("3") == 3
+    with pytest.raises(ValueError, match="number or auto"):
+        router_count("many")
+    assert auto_routers("cpu", 8, 64) == 1
+    assert auto_routers("cuda", 1, 16) == 2  # one GPU: two routers still (overload)
+    assert auto_routers("cuda:0", 8, 64) == 4  # a router per two decode GPUs
+    assert auto_routers("cuda", 8, 8) == 2  # at most one per four cores
+    assert auto_routers("cuda", 1, 2) == 1
+    assert spec().num_routers == 1  # the default (auto) on CPU
+    assert spec(num_routers=3).num_routers == 3

@@ -64,6 +64,20 @@ def test_the_router_exposition_reads_into_figures():
     assert g.tpot_s is None  # no token between the two scrapes
 
 
+def test_several_routers_pages_read_as_one_routers():
+    """Two routers in front of the same pools (``up --num-routers 2 --autoscale``): their
+    requests add up, the nodes they both see do not."""
+    one, _ = _router_page([0.05] * 10, [0.01] * 10, queued=3)
+    other, _ = _router_page([3.0] * 10, [0.01] * 10, queued=4)
+    f = Scraper("http://a/metrics,http://b/metrics").read_text([one, other], at=1.0)
+    assert f.queue_length == 7 and f.queue_prompt_tokens == 240
+    assert f.prefill == PoolFigures(nodes=2, in_flight=10, slots=16, prompt_tokens=1400)
+    assert (f.kv_blocks_total, f.kv_blocks_charged) == (100, 80)
+    assert f.prefill_tokens_per_s == 900 and f.oldest_wait_s == 0.75
+    # Twenty first tokens, half of them slow: the p90 is a slow one's.
+    assert f.ttft_s is not None and f.ttft_s > 2.0
+
+
 def test_quantile_of_bucket_deltas():
     assert quantile({0.1: 0.0, 1.0: 0.0, math.inf: 0.0}, None) is None
     assert quantile({0.1: 10.0, 1.0: 10.0, math.inf: 10.0}, None) == pytest.approx(0.09)
