@@ -26,9 +26,9 @@ two tenants at once against each router: ``heavy`` at the rate and ``light`` at 
 own seed and cache salt), started together; a row's request figures are then the heavy tenant's
 (the token and router figures count both) and a second table gives each tenant's. A router of
 ``--before`` may lack the newer metrics: its rows show ``-`` there. ``--routers N`` starts N
-routers per rate on one address (SO_REUSEPORT, each ``--capacity-share 1/N``), their metrics
-summed. JSON of every run in
-``--out``; ``--plot JSON`` draws the sweep from a finished run's ``sweep.json`` (no cluster).
+routers per rate on one address (SO_REUSEPORT, the decode nodes leasing their capacity to them),
+their metrics summed; the default, ``auto``, as many as ``splitserve up`` starts. JSON of every
+run in ``--out``; ``--plot JSON`` draws the sweep from a finished run's ``sweep.json`` (no cluster).
 Over 300 lines: the cluster, the runs, the rows and the tables of one experiment in one file.
 """
 
@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc
 
-from splitserve.cluster_spec import ClusterSpec, free_port
+from splitserve.cluster_spec import ClusterSpec, auto_routers, free_port, router_count
 from splitserve.launcher import LocalCluster
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
@@ -79,9 +79,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=30.0, help="each request's deadline (s)")
     ap.add_argument("--slo", default="ttft=2,tpot=0.05", help="bench's --slo (goodput)")
     ap.add_argument("--send-slo", action="store_true", help="every request carries --slo")
-    ap.add_argument("--routers", type=int, default=1,
-                    help="routers per rate on one address (SO_REUSEPORT, each --capacity-share "
-                    "1/N; the --before router runs alone)")  # fmt: skip
+    ap.add_argument("--routers", type=router_count, default="auto",
+                    help="routers per rate on one address (SO_REUSEPORT; auto: as many as "
+                    "`up --num-routers auto`; the --before router runs alone)")  # fmt: skip
     ap.add_argument("--bench-processes", type=int, default=4,
                     help="each bench's load over N processes (splitserve bench --processes): "
                     "one Python process receives ~7,000 messages/s at most")  # fmt: skip
@@ -132,13 +132,13 @@ def scrape(url: str) -> dict[str, float]:
 def start_routers(
     cluster, model: str, index: str, out: Path, tag: str, extra: list[str], n: int, env=None
 ):
-    """``n`` routers on one address (n > 1: SO_REUSEPORT, 1/n of every node each): their
-    processes, the address, and each one's /metrics base URL."""
+    """``n`` routers on one address (n > 1: SO_REUSEPORT): their processes, the address, and
+    each one's /metrics base URL."""
     addr = cluster.addresses
     nodes = ["--redis-url", addr.redis_url] if index == "on" else []
     nodes += ["--prefill", ",".join(addr.prefill)] if addr.prefill else []
     port = "0" if n == 1 else str(free_port())
-    shared = [] if n == 1 else ["--reuse-port", "--capacity-share", f"{1 / n:.6f}"]
+    shared = [] if n == 1 else ["--reuse-port"]
     procs, urls, port_files = [], [], []
     for i in range(n):
         name = tag if n == 1 else f"{tag}-{i}"
@@ -221,6 +221,9 @@ def one_rate(args, cluster, model: str, rate: float, index: str, out: Path, env=
     tag = f"{index}-r{rate:g}" if env is None else f"{index}-before-r{rate:g}"
     extra = args.router_arg if env is None else []  # an older router may lack newer options
     n = args.routers if env is None else 1
+    if n == 0:  # auto
+        decode_gpus = args.num_decode  # one GPU each (this script runs TP 1)
+        n = auto_routers(args.device, decode_gpus, os.cpu_count())
     if n > 1:
         label += f", {n} routers"
     routers, target, metrics = start_routers(cluster, model, index, out, tag, extra, n, env)
