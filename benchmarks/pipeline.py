@@ -34,6 +34,7 @@ import grpc
 from shapes import llama3_8b_config
 
 from splitserve.client import AsyncClient, SplitserveError
+from splitserve.cluster_spec import router_count
 from splitserve.launcher import ClusterSpec, LocalCluster, free_port
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
@@ -151,6 +152,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--num-prefill", type=int, default=1)
     ap.add_argument("--num-decode", type=int, default=1)
+    ap.add_argument("--num-routers", type=router_count, default="auto",
+                    help="as `splitserve up --num-routers` (default: auto)")  # fmt: skip
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--prompt-range", type=int, nargs=2, default=[128, 1024])
     ap.add_argument("--gen", type=int, default=128)
@@ -218,6 +221,7 @@ def cluster_spec(args) -> ClusterSpec:
         model_path=str(model),
         num_prefill=args.num_prefill,
         num_decode=args.num_decode,
+        num_routers=args.num_routers,
         port=free_port(),
         device=args.device,
         node_args=node_args,
