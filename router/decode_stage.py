@@ -108,6 +108,8 @@ class DecodeStage:
             channel = self._channels.get(node)
             if channel is None or channel.broken:
                 self._open_channel(node)
+            elif not channel.leasing:  # opened by a request before the node was verified
+                channel.lease(self.lease_of, self._registry.decode.notify_waiters)
 
     def lease_of(self, node: Node) -> tuple[int, int]:
         """(want, used) of ``node`` for this router, in parts per million: it uses its

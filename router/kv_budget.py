@@ -19,10 +19,10 @@ prompt alone fits. D's cached prefix blocks no request holds are evictable, so t
 Why a ledger rather than D's published free-block figure: those figures are seconds old, and a
 burst admits hundreds of requests in milliseconds; the ledger moves with every admission. With
 several routers in front of one decode pool each sees only its own requests: each then fills only
-its ``--capacity-share`` of every node (1/N of N routers), so together they never charge more
-than D holds; D's own reservation wait (``decode_node.receiver``) remains the backstop for what
-a static split cannot see (a prefix two routers both charge, a router started with the wrong
-share).
+the share of D that D's lease grants it (``decode_node.leases``; ``share`` here, set by
+``Node.apply_share``), so together they never charge more than D holds; D's own reservation wait
+(``decode_node.receiver``) remains the backstop for what the ledgers cannot see (a prefix two
+routers both charge, a request larger than its router's share going alone).
 """
 
 from __future__ import annotations

@@ -119,6 +119,19 @@ class RelayChannel:
         """The request ended on the node: drop its entry."""
         self._calls.pop(request_id, None)
 
+    def lease(
+        self, lease_of: Callable[[Node], tuple[int, int]], on_grant: Callable[[], None]
+    ) -> None:
+        """Start asking the node for a share on this stream (opened before the node was known
+        to grant leases)."""
+        if self._lease_of is None:
+            self._lease_of, self._on_grant = lease_of, on_grant
+            self.tell_lease()
+
+    @property
+    def leasing(self) -> bool:
+        return self._lease_of is not None
+
     def tell_lease(self, force: bool = False) -> None:
         """Send the node what share this router wants and uses, when that changed by more
         than LEASE_STEP since the last time (``force``: always; it acknowledges a grant)."""

@@ -389,13 +389,14 @@ class RouterConfig:
     reuse_port: bool = option(
         False,
         "bind the gRPC and HTTP ports with SO_REUSEPORT, so that several routers share one "
-        "address (the kernel spreads connections over them; give each --capacity-share)",
+        "address (the kernel spreads connections over them; the decode nodes lease their "
+        "capacity to each as it needs it)",
     )
     capacity_share: float = option(
         1.0,
-        "the share of every node's capacity this router may fill (decode slots and KV blocks, "
-        "prefill queued tokens): with N routers in front of the same pools, 1/N each, so that "
-        "together they never admit more than the nodes hold",
+        "the most of every node's capacity this router may fill (decode slots and KV blocks, "
+        "prefill queued tokens): a cap on the lease it asks decode nodes for; at nodes that grant "
+        "no leases (an older version) its whole share, e.g. 1/N each of N routers",
     )
 
     def __post_init__(self) -> None:

@@ -108,3 +108,35 @@ def test_two_routers_share_one_nodes_slots_without_over_admitting(tmp_path):
             await node.settled()
 
     asyncio.run(scenario())
+
+
+def test_a_stream_opened_before_the_node_was_known_to_lease_starts_asking(tmp_path):
+    """A request sent before the router's first health round opens the node's Relay stream
+    without a lease; once the node is found to grant leases the router must ask on that stream
+    (else its share stays 0 and every later request waits for ever)."""
+    node = HeldNode(tmp_path, max_num_seqs=MAX_NUM_SEQS)
+
+    async def scenario():
+        async with node.serving():
+            info = node.engine.info
+            model = ModelInfo(None, info.vocab_size, info.max_model_len)
+            config = RouterConfig("unused", (), (node.address,), port=0)
+            server, registry = await start_router(config, model)
+            channel = grpc.aio.insecure_channel(server.address)
+            stub = router_pb2_grpc.RouterServiceStub(channel)
+            sampling = {"max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0.0}
+            try:
+                for i in range(2):
+                    if i == 1:
+                        await registry.check_all()  # the node is verified: it grants leases
+                        assert registry.decode.nodes[0].lease is not None
+                    req = request(prompt_token_ids=list(range(5, 20)), sampling=sampling)
+                    reply = await stub.Complete(req, timeout=30)
+                    assert len(reply.token_ids) == MAX_TOKENS
+            finally:
+                await channel.close()
+                await server.stop(0)
+                await registry.close()
+            await node.settled()
+
+    asyncio.run(scenario())
