@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -14,6 +15,7 @@ from typing import Any
 # models.sampling_params is plain Python: importing it loads no torch.
 from splitserve.kvstore.hashing import MAX_SALT_CHARS
 from splitserve.models.sampling_params import SamplingParams
+from splitserve.router.no_torch import ESCAPE
 from splitserve.runtime.protocol import sampling_from_proto
 from splitserve.runtime.slo import Slo
 from splitserve.v1 import router_pb2
@@ -217,4 +219,7 @@ def _load_tokenizer(path: Path) -> Any:
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as exc:
-        raise ValueError(f"cannot load a tokenizer from {path}: {exc}") from None
+        hint = ""
+        if sys.modules.get("torch", False) is None:  # router.no_torch blocked it
+            hint = f" (the router loads no torch; {ESCAPE}=1 lets it, for a tokenizer needing it)"
+        raise ValueError(f"cannot load a tokenizer from {path}: {exc}{hint}") from None

@@ -117,6 +117,9 @@ def _start_tracing(service: str, config: NodeConfig | RouterConfig) -> None:
 
 def cmd_router(args: argparse.Namespace) -> int:
     """Run the router (the public Generate service) until SIGTERM/Ctrl-C."""
+    from splitserve.router.no_torch import keep_torch_out
+
+    keep_torch_out()  # it runs no model: transformers' tokenizers need no torch (router.no_torch)
     if not args.redis_url and not args.decode_addresses:
         return _error(
             "give --decode node addresses (and --prefill ones; without, the decode nodes "

@@ -1,0 +1,29 @@
+"""The router process never loads torch.
+
+The router runs no model: it tokenizes (transformers' tokenizers over the ``tokenizers`` library),
+renders chat templates and hashes prompt blocks, all of which work without torch — transformers
+supports installs without it ("only tokenizers, configuration and file/data utilities"). But
+transformers imports torch whenever it finds it installed, which was most of a router's start
+(seconds on a small machine) and memory. ``keep_torch_out`` makes ``import torch`` fail in this
+process (``sys.modules["torch"] = None``, Python's documented way to block an import), so
+transformers takes its torch-less path; the tokens are the same (tests/cluster/
+test_router_no_torch.py compares them with a tokenizer loaded beside torch).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+ESCAPE = "SPLITSERVE_ROUTER_TORCH"  # =1: let the router import torch (a tokenizer that needs it)
+
+
+def keep_torch_out() -> bool:
+    """Block torch in this process unless it is already imported or ``$SPLITSERVE_ROUTER_TORCH``
+    is 1; True when blocked. Call before anything imports transformers."""
+    if "torch" in sys.modules or os.environ.get(ESCAPE) == "1":
+        return False
+    sys.modules["torch"] = None  # type: ignore[assignment]  # import torch: ModuleNotFoundError
+    # transformers' one advisory at import ("PyTorch was not found ...") is expected here.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    return True
