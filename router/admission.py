@@ -89,6 +89,7 @@ class Admitted(NamedTuple):
     prediction: TTFTPrediction | None  # None: no prediction was made (no decode node usable)
     load: PrefillLoad  # the prefill pool's when it was let go
     own_tokens: int  # its uncached prompt tokens
+    client: str = ""  # who sent it (its own margin: router.predictor)
 
 
 class Admission:
@@ -178,6 +179,7 @@ class Admission:
             now - arrival,
             admitted.own_tokens,
             admitted.load,
+            admitted.client,
         )
         self._metrics.ttft_prediction_error.observe(error)
 
@@ -213,19 +215,25 @@ class Admission:
         return PrefillLoad(pool.prefill_capacity(), sum(n.queued_tokens for n in pool.usable()))
 
     def predict(
-        self, own_tokens: int, client: str | None = "", ttft_s: float | None = None
+        self,
+        own_tokens: int,
+        client: str | None = "",
+        ttft_s: float | None = None,
+        who: str = "",
     ) -> TTFTPrediction:
-        """The TTFT of a request of ``client`` that queues now (None: one that goes now): its
-        fair position's share of the queue's pace and of the prompt tokens queued; with its
-        target ``ttft_s``, the margin at most MAX_MARGIN_SHARE of it."""
+        """The TTFT of a request of ``client`` that queues now (None: one of ``who`` that goes
+        now): its fair position's share of the queue's pace and of the prompt tokens queued;
+        with its target ``ttft_s``, the margin (the client's) at most MAX_MARGIN_SHARE of it."""
         load = self.load()
         if client is None:
-            prediction = self.predictor.predict(0, self._pace(), 0, own_tokens, load)
+            prediction = self.predictor.predict(0, self._pace(), 0, own_tokens, load, who)
         else:
             position = self._queue.position(client)
             share = min(1.0, (position - 1) / max(len(self._queue), 1))
             ahead = int(self.queued_prompt_tokens * share)
-            prediction = self.predictor.predict(position, self._pace(), ahead, own_tokens, load)
+            prediction = self.predictor.predict(
+                position, self._pace(), ahead, own_tokens, load, client
+            )
         if ttft_s is not None and prediction.margin_s > MAX_MARGIN_SHARE * ttft_s:
             prediction = prediction._replace(margin_s=MAX_MARGIN_SHARE * ttft_s)
         return prediction
@@ -254,10 +262,10 @@ class Admission:
             ttft_s = min(ttft_s, deadline - arrival - self.decode_s)
             slo = Slo(ttft_s, tpot_s)
         if not self._decode.usable():
-            return Admitted(start, None, PrefillLoad(None, 0), work)
+            return Admitted(start, None, PrefillLoad(None, 0), work, client)
         self._check_fits(demand)
         if not self._queue and self._room(demand, work, tpot_s, ttft_s):
-            prediction = self.predict(work, None, ttft_s)
+            prediction = self.predict(work, None, ttft_s, client)
             if slo is not None and slo.ttft_s is not None and start - self._admitted < PROBE_S:
                 # Room by count, but the nodes' backlog may already be past the target.
                 self._check_slo(prediction, arrival + slo.ttft_s, start)
@@ -266,7 +274,7 @@ class Admission:
             # predicted from it is too long, never too short, until queued departures replace it).
             self._departures.append(start)
             self._admitted = start
-            return Admitted(start, prediction, self.load(), work)
+            return Admitted(start, prediction, self.load(), work, client)
         prediction = self.predict(work, client, ttft_s)
         latest, give_up = self._check_wait(deadline, start, client)
         ttft_by = None  # the latest it may be let go and still meet its TTFT target
@@ -291,7 +299,7 @@ class Admission:
                 left = give_up - time.monotonic()
                 if left <= 0:
                     if ttft_by is not None and time.monotonic() >= ttft_by:
-                        self.predictor.expired(prediction, time.monotonic() - start)
+                        self.predictor.expired(prediction, time.monotonic() - start, client)
                         raise self._expired(arrival, start, slo, prediction)
                     raise self._timed_out(deadline, latest, start)
                 if me.wake.done():
@@ -302,7 +310,7 @@ class Admission:
             let_go = True
             self._queue.let_go(me)
             self._admitted = time.monotonic()
-            return Admitted(self._admitted, prediction, self.load(), work)
+            return Admitted(self._admitted, prediction, self.load(), work, client)
         finally:
             self._queue.remove(me)
             decode.waiting -= 1

@@ -14,7 +14,11 @@ will wait until the pools let it go, then its own prefill, transfer and D's firs
 - **Margin**: the 95th percentile of recent errors (actual less predicted TTFT; never below 0),
   so the prediction corrects itself when the pools change or the model of them is off. A request
   that waited in vain (refused when its target passed) counts with the wait it had, an error at
-  least that large: errors of served requests alone would hide the ones the margin failed.
+  least that large: errors of served requests alone would hide the ones the margin failed. Each
+  client's own errors once it has MIN_SAMPLES recent ones (the cluster's before): the errors are
+  mostly in the queue's wait, which the fair queue makes differ by client, and one margin for
+  all, learned from a heavy client's long waits, refused a light client's requests that its own
+  short waits would have let through.
 
 Time per output token (Mooncake's decode horizon): the router's requests on a decode node include
 those still in prefill there, so ``in_flight`` is the batch a new request will meet when its
@@ -31,7 +35,7 @@ pools recovered.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from typing import Generic, NamedTuple, TypeVar
 
@@ -44,6 +48,7 @@ MAX_AGE_S = 60.0  # samples older than this are forgotten
 TTFT_AGE_S = 10.0
 MIN_SAMPLES = 16  # fewer: no estimate
 MARGIN_QUANTILE = 0.95  # a request admitted past it is refused late (slo_expired) or misses
+MAX_CLIENT_MARGINS = 1024  # clients whose own errors are kept (the least recently seen dropped)
 RATE_WINDOW_S = 10.0  # a node's prefill rate: tokens over busy seconds in this window
 TPOT_MIN_SPREAD = 2  # batch sizes seen must span this much before a TPOT line is drawn
 
@@ -171,26 +176,50 @@ class TTFTPredictor:
         # leaving the queue → first token, less its prefill; actual less predicted TTFT
         self._base: Samples[float] = Samples(clock, TTFT_AGE_S)
         self._errors: Samples[float] = Samples(clock, TTFT_AGE_S)
+        self._client_errors: OrderedDict[str, Samples[float]] = OrderedDict()  # each client's
 
     def base_s(self) -> float:
         base = recent_quantile(self._base, 0.5)
         return max(base, 0.0) if base is not None else 0.0
 
-    def margin_s(self) -> float:
-        margin = recent_quantile(self._errors, MARGIN_QUANTILE)
+    def margin_s(self, client: str | None = None) -> float:
+        """``client``'s margin once it has enough recent errors of its own, else everyone's."""
+        own = self._client_errors.get(client) if client is not None else None
+        margin = recent_quantile(own, MARGIN_QUANTILE) if own is not None else None
+        if margin is None:
+            margin = recent_quantile(self._errors, MARGIN_QUANTILE)
         return max(margin, 0.0) if margin is not None else 0.0
 
     def predict(
-        self, position: int, pace: float, tokens_ahead: int, own_tokens: int, load: PrefillLoad
+        self,
+        position: int,
+        pace: float,
+        tokens_ahead: int,
+        own_tokens: int,
+        load: PrefillLoad,
+        client: str | None = None,
     ) -> TTFTPrediction:
         """``position``: requests in the queue up to and including this one (0: it goes now);
         ``pace``: requests the queue lets go per second (0: unknown); ``tokens_ahead``: uncached
-        prompt tokens queued ahead; ``own_tokens``: its own; ``load``: the prefill pool's."""
+        prompt tokens queued ahead; ``own_tokens``: its own; ``load``: the prefill pool's;
+        ``client``: whose request it is (its margin)."""
         wait = position / pace if pace > 0 and position else 0.0
         if load.capacity:
             wait = max(wait, tokens_ahead / load.capacity)
         own = self.base_s() + load.seconds(own_tokens)
-        return TTFTPrediction(wait, own, self.margin_s())
+        return TTFTPrediction(wait, own, self.margin_s(client))
+
+    def _error(self, error: float, client: str | None) -> None:
+        self._errors.add(error)
+        if client is None:
+            return
+        samples = self._client_errors.pop(client, None)
+        if samples is None:
+            samples = Samples(self._clock, TTFT_AGE_S)
+        samples.add(error)
+        self._client_errors[client] = samples  # the most recently seen last
+        if len(self._client_errors) > MAX_CLIENT_MARGINS:
+            self._client_errors.popitem(last=False)
 
     def observe(
         self,
@@ -199,19 +228,22 @@ class TTFTPredictor:
         first_token_s: float,
         own_tokens: int,
         load: PrefillLoad,
+        client: str | None = None,
     ) -> float:
-        """A request's first token came ``first_token_s`` after its arrival, ``queued_s`` of it
-        in the queue, ``load`` the prefill pool's when it left the queue: learn from it; returns
-        the error (actual less predicted, no margin)."""
+        """A request (of ``client``) had its first token ``first_token_s`` after its arrival,
+        ``queued_s`` of it in the queue, ``load`` the prefill pool's when it left the queue:
+        learn from it; returns the error (actual less predicted, no margin)."""
         self._base.add(first_token_s - queued_s - load.seconds(own_tokens))
         error = first_token_s - (prediction.wait_s + prediction.own_s)
-        self._errors.add(error)
+        self._error(error, client)
         return error
 
-    def expired(self, prediction: TTFTPrediction, queued_s: float) -> None:
+    def expired(
+        self, prediction: TTFTPrediction, queued_s: float, client: str | None = None
+    ) -> None:
         """A request waited ``queued_s`` and was given up (its target passed): its wait alone
         was that much longer than predicted (its TTFT would have been later still)."""
-        self._errors.add(queued_s - prediction.wait_s)
+        self._error(queued_s - prediction.wait_s, client)
 
 
 class TPOTLine:

@@ -105,6 +105,25 @@ def test_the_margin_covers_recent_underestimates_and_is_forgotten():
     assert predictor.margin_s() == 0.0 and predictor.base_s() == 0.0
 
 
+def test_each_client_gets_the_margin_of_its_own_errors():
+    """A heavy client whose requests wait far longer than predicted must not give a light one,
+    whose requests are on time, its margin (the light one's requests would be refused)."""
+    clock = Clock()
+    predictor = TTFTPredictor(clock)
+    guess = TTFTPrediction(0.2, 0.5, 0.0)
+    for _ in range(4 * MIN_SAMPLES):
+        predictor.observe(guess, 0.2, 3.7, 0, PrefillLoad(0, 0), client="heavy")  # 3 s late
+    for _ in range(MIN_SAMPLES):
+        predictor.observe(guess, 0.2, 0.7, 0, PrefillLoad(0, 0), client="light")  # on time
+    assert predictor.margin_s("heavy") == pytest.approx(3.0)
+    assert predictor.margin_s("light") == pytest.approx(0.0)
+    assert predictor.margin_s("new") == pytest.approx(3.0)  # too few of its own: everyone's
+    assert predictor.margin_s() == pytest.approx(3.0)
+    # A refused wait counts for its client too.
+    predictor.expired(guess, 5.0, client="new")
+    assert predictor.predict(0, 0.0, 0, 0, PrefillLoad(0, 0), client="light").margin_s == 0.0
+
+
 def test_tpot_line_predicts_from_recent_batches():
     clock = Clock()
     line = TPOTLine(clock)
