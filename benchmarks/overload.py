@@ -95,6 +95,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--before", default=None, metavar="PYTHONPATH",
                     help="also run each rate through a router imported from here (an older "
                     "tree installed with pip --target), its rows labelled 'before'")  # fmt: skip
+    ap.add_argument("--before-bare", action="store_true",
+                    help="the 'before' router alone and without --router-arg (an older one "
+                    "lacking them; default: as many and the same flags as the others)")  # fmt: skip
     ap.add_argument("--before-rates", type=float, nargs="+", default=None,
                     help="the rates of the 'before' rows (default: --rates)")  # fmt: skip
     ap.add_argument("--plot", default=None, metavar="JSON", help="plot a sweep.json and exit")
@@ -219,8 +222,10 @@ def one_rate(args, cluster, model: str, rate: float, index: str, out: Path, env=
     """One rate through a fresh router (its counters start at 0): the row of the sweep."""
     label = index if env is None else f"{index}, before"
     tag = f"{index}-r{rate:g}" if env is None else f"{index}-before-r{rate:g}"
-    extra = args.router_arg if env is None else []  # an older router may lack newer options
-    n = args.routers if env is None else 1
+    # An older router may lack newer options: --before-bare starts it alone, without them.
+    bare = env is not None and args.before_bare
+    extra = [] if bare else args.router_arg
+    n = 1 if bare else args.routers
     if n == 0:  # auto
         decode_gpus = args.num_decode  # one GPU each (this script runs TP 1)
         n = auto_routers(args.device, decode_gpus, os.cpu_count())

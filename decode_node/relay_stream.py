@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
@@ -76,7 +77,9 @@ class _Live:
         "done",
         "failure",
         "finished",
+        "first_at",
         "logprobs",
+        "produced",
         "prompt_tokens",
         "request_id",
         "sent_first",
@@ -97,6 +100,8 @@ class _Live:
         self.prompt_tokens = 0  # a whole request's (generate): counted at its first token
         self.done = asyncio.get_running_loop().create_future()  # resolved at the request's end
         self.timer: asyncio.TimerHandle | None = None
+        self.first_at = 0.0  # time.monotonic() of its first token (the trace's queue span)
+        self.produced = 0  # tokens the engine gave it
 
     def put_nowait(self, out: StepOutput | BaseException) -> None:
         """The engine's next output for the request (``engine.api.OutputSink``)."""
@@ -106,6 +111,9 @@ class _Live:
             self.fail(stream_failure_code(out), f"decoding failed: {out}")
             return
         self.tokens.append(out.new_token_id)
+        self.produced += 1
+        if not self.first_at:
+            self.first_at = time.monotonic()
         if out.logprob is not None:
             self.logprobs.append(out.logprob)
         if out.facts is not None:
@@ -272,6 +280,7 @@ class RelayStream:
             return  # cancelled before it started: nothing of it is here
         method = "Decode" if kind == "decode" else "Generate"
         traced = tracing.start(f"decode_node.{method}", carrier=dict(command.trace), server=True)
+        begun = time.monotonic()
         started = False
         service.calls += 1  # a drain waits for it
         try:
@@ -297,6 +306,10 @@ class RelayStream:
                 self._live.pop(rid, None)
                 live.fail(grpc.StatusCode.CANCELLED, "the request was cancelled")
                 if traced.span.is_recording():
-                    traced.span.set_attribute("splitserve.request_id", rid)
+                    if live.first_at:  # its wait for the first token, in the engine's queue
+                        tracing.record("queue", begun, live.first_at)
+                    traced.span.set_attributes(
+                        {"splitserve.request_id": rid, "splitserve.tokens": live.produced}
+                    )
                 failure = live.failure
                 traced.end(None if failure is None else f"{failure[0].name}: {failure[1]}")
