@@ -5,7 +5,8 @@ like (``want``) and what its requests hold now (``used``); the book grants share
 every router may count on never adds up to more than the whole node:
 
 - the targets are a max-min fair split of the whole among the wants (a router wanting less than
-  an equal part gets what it wants, the rest is split evenly among the others);
+  an equal part gets what it wants, the rest is split evenly among the others), and what no one
+  wants is split evenly among all (a router alone gets the whole node before it asks);
 - a grant above its target shrinks at once (the router stops admitting past it as soon as it
   reads it), but the node keeps counting the larger grant until the router says it has seen the
   smaller one (``seen``), and counts the router's ``used`` while that is more: capacity a router
@@ -59,7 +60,10 @@ class Holder:
 
 
 def fair_targets(wants: list[int], whole: int = WHOLE) -> list[int]:
-    """A max-min fair split of ``whole`` among ``wants`` (each gets at most its want)."""
+    """A max-min fair split of ``whole`` among ``wants`` (each gets at most its want), then
+    what no one wants split evenly among all: nothing of the node idles unleased (a router
+    alone on a node may fill all of it at once, one that wants more takes it back from the
+    others' spare part)."""
     order = sorted(range(len(wants)), key=wants.__getitem__)
     targets = [0] * len(wants)
     left = whole
@@ -68,6 +72,10 @@ def fair_targets(wants: list[int], whole: int = WHOLE) -> list[int]:
         share = min(wants[i], level)
         targets[i] = share
         left -= share
+    if targets and left > 0:
+        each, extra = divmod(left, len(targets))
+        for rank, i in enumerate(order):
+            targets[i] += each + (1 if rank < extra else 0)
     return targets
 
 

@@ -13,11 +13,13 @@ from splitserve.decode_node.leases import WHOLE, LeaseBook, fair_targets
 
 
 def test_fair_targets_give_the_small_wants_theirs_and_split_the_rest_evenly():
-    assert fair_targets([100, 200], 1000) == [100, 200]
     assert fair_targets([1000, 1000], 1000) == [500, 500]
     assert fair_targets([100, 1000, 1000], 1000) == [100, 450, 450]
     assert fair_targets([], 1000) == []
-    assert sum(fair_targets([999, 998, 997], 1000)) <= 1000
+    assert sum(fair_targets([999, 998, 997], 1000)) == 1000
+    # What no one wants goes to all evenly: a router alone has the whole node.
+    assert fair_targets([100, 200], 1000) == [450, 550]
+    assert fair_targets([0], 1000) == [1000]
 
 
 class Router:
