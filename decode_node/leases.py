@@ -29,7 +29,7 @@ WHOLE = 1_000_000  # parts per million: the node
 class Holder:
     """One router's lease (its Relay stream's): what it wants and uses, what it was granted."""
 
-    __slots__ = ("_sent", "granted", "on_grant", "seen", "seq", "used", "want")
+    __slots__ = ("_sent", "granted", "on_grant", "seen", "seq", "speaks", "used", "want")
 
     def __init__(self, on_grant: Callable[[Holder], None]) -> None:
         self.want = 0
@@ -39,6 +39,9 @@ class Holder:
         self.seen = 0  # the last grant the router said it applied
         self._sent: list[tuple[int, int]] = []  # (seq, share) of the grants since ``seen``
         self.on_grant = on_grant  # called after each new grant (its stream sends it)
+        # It sent a lease: a router that never does (it does not know leases) is granted nothing,
+        # so no share waits for ever on an acknowledgement it will not send.
+        self.speaks = False
 
     def counted(self) -> int:
         """What the node counts this router on: the largest grant it may still act on, or its
@@ -99,6 +102,7 @@ class LeaseBook:
 
     def update(self, holder: Holder, want: int, used: int, seen: int) -> None:
         """A lease message from ``holder``'s router (values clamped to the whole: input)."""
+        holder.speaks = True
         holder.want = min(max(want, 0), self.whole)
         holder.used = min(max(used, 0), self.whole)
         holder._saw(seen)
@@ -108,7 +112,7 @@ class LeaseBook:
         return sum(h.counted() for h in self.holders)
 
     def rebalance(self) -> None:
-        holders = self.holders
+        holders = [h for h in self.holders if h.speaks]
         targets = fair_targets([h.want for h in holders], self.whole)
         for holder, target in zip(holders, targets, strict=True):
             if holder.granted > target:

@@ -102,6 +102,8 @@ class DecodeStage:
 
     def keep_lease_streams(self) -> None:
         """Open a Relay stream to every usable node that grants leases and has none."""
+        if self._registry.closed:
+            return
         for node in self._registry.decode.usable():
             if node.lease is None or node in self._no_relay:
                 continue

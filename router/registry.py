@@ -67,6 +67,7 @@ class NodeRegistry:
         self._empty_since: dict[str, float] = {}  # role → when the registry first had none
         # After each health round (router.decode_stage: the lease streams of the nodes up)
         self.on_checked: Callable[[], None] | None = None
+        self.closed = False
         self._foreign_reported: set[str] = set()
 
     def _all(self) -> list[tuple[NodePool, Node]]:
@@ -262,6 +263,7 @@ class NodeRegistry:
             await asyncio.sleep(interval_s)
 
     async def close(self) -> None:
+        self.closed = True  # nothing opens a channel again (router.decode_stage's lease streams)
         for _, node in self._all():
             if node.channel is not None:
                 await node.channel.close()

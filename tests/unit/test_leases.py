@@ -79,7 +79,10 @@ def test_routers_never_admit_more_than_the_node_whatever_order_messages_cross_in
                 moved = True
         if not moved:
             break
-    targets = fair_targets([r.want for r in routers])
+    # (Those that never sent a lease are granted nothing: they do not count on any share.)
+    speaking = [r for r in routers if r.holder.speaks]
+    fair = iter(fair_targets([r.want for r in speaking]))
+    targets = [next(fair) if r.holder.speaks else 0 for r in routers]
     if all(r.used <= t for r, t in zip(routers, targets, strict=True)):
         assert [r.share for r in routers] == targets
 
@@ -100,3 +103,16 @@ def test_a_router_that_leaves_frees_its_share_for_the_others():
     # Input from another process: out of range values are clamped, an unknown seq ignored.
     book.update(b, 2**32 - 1, 2**32 - 1, 10**9)
     assert book.counted() == WHOLE
+
+
+def test_a_router_that_never_speaks_leases_is_granted_nothing():
+    """A stream of a router that knows no leases (it fills its static share): no spare part of
+    the node goes to it, so none waits for ever on an acknowledgement it will never send."""
+    book = LeaseBook()
+    grants: dict[str, int] = {}
+    book.join(lambda h: grants.__setitem__("old", h.granted))
+    a = book.join(lambda h: grants.__setitem__("a", h.granted))
+    book.update(a, WHOLE // 16, 0, 0)  # idle: a sixteenth, and all the spare
+    assert grants == {"a": WHOLE}
+    book.update(a, WHOLE, 0, a.seq)
+    assert grants == {"a": WHOLE}
