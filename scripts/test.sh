@@ -6,10 +6,8 @@
 # on 2 cores). The layers are described in tests/conftest.py.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-# Python puts the working directory first on sys.path for `python -m`: the checkout's top-level
-# folders (kernels/, models/, ...) would then shadow installed packages of the same name (e.g.
-# the `kernels` package transformers >= 5.25 imports). Off here and in every child process.
-export PYTHONSAFEPATH=1
+# (`python -m pytest` from the checkout needs nothing set: tests/conftest.py keeps the checkout's
+# top-level folders from shadowing installed packages, for the tests and the processes they start.)
 if [[ "${1:-}" == "--fast" ]]; then
     shift
     .venv/bin/ruff check .
@@ -21,4 +19,5 @@ bash scripts/setup.sh
 .venv/bin/ruff format --check .
 # Types: pyright's basic mode over the package, 0 errors ([tool.pyright] in pyproject.toml).
 .venv/bin/pyright
-.venv/bin/python -m pytest "$@"
+# The slowest tests, in every full run's log (what to make quicker first).
+.venv/bin/python -m pytest --durations=25 "$@"

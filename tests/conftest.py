@@ -24,11 +24,22 @@ failing test's report has a "random seed" section with the line that repeats it,
 import hashlib
 import os
 import random
+import sys
 from pathlib import Path
 
-import numpy
-import pytest
-import torch
+# `python -m pytest` (unlike the `pytest` script, or python -P) puts the working directory first
+# on sys.path: from the checkout, its top-level folders (kernels/, router/, models/, ...) would
+# then shadow installed packages of those names, as our kernels/ did transformers' `kernels`
+# (the hub kernels package: "cannot import name 'CUDAProperties' from 'kernels'"). They are the
+# installed package's splitserve.kernels, splitserve.router, ...: the checkout itself is never
+# an import root, so it leaves sys.path before anything below imports.
+_CHECKOUT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _CHECKOUT]
+os.environ.setdefault("PYTHONSAFEPATH", "1")  # and so for the processes the tests start
+
+import numpy  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Triton chooses interpreter or compiler when a kernel is *defined* (its module imported), from
 # TRITON_INTERPRET at that moment, once per process: so the suite picks one before any test

@@ -6,13 +6,17 @@ HTTP codes, and a client that drops the connection frees every block in both poo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import openai
@@ -335,26 +339,54 @@ def test_sse_as_curl_and_a_raw_socket_read_it(cluster):
     )
 
 
+@contextlib.contextmanager
+def paused(proc):
+    """``proc`` stopped (SIGSTOP) for the block: its requests make no progress meanwhile, so a
+    test needs no bet on how long the tiny model takes to answer."""
+    os.kill(proc.popen.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(proc.popen.pid, signal.SIGCONT)
+
+
+def until(condition, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.02)
+
+
 def test_client_that_disconnects_mid_stream_frees_every_block(cluster):
     idle = cluster.wait_idle(cluster.free_blocks())
+    finished = node_stats(cluster.decode).counters.get("requests_finished", 0)
     client = oai(cluster)
     stream = client.completions.create(
         model="tiny", prompt=[9] * 70, max_tokens=600, temperature=0, stream=True,
         extra_body={"ignore_eos": True},
     )  # fmt: skip
-    for i, _ in enumerate(stream):
-        if i == 3:
-            assert node_stats(cluster.decode).running == 1
-            break
-    stream.close()  # drops the connection
+    next(iter(stream))  # its first token: it is under way
+    cancelled = cluster.requests_ended().get("CANCELLED", 0)
+    with paused(cluster.decode):  # it cannot end there before the router has cancelled it
+        stream.close()  # drops the connection
+        until(lambda: cluster.requests_ended().get("CANCELLED", 0) > cancelled, "router cancels")
     assert cluster.wait_idle(idle) == idle
-    assert node_stats(cluster.decode).running == 0
-    # And a non-streamed request whose client gives up waiting.
+    stats = node_stats(cluster.decode)
+    assert stats.running == 0 and stats.counters.get("requests_finished", 0) == finished
+    # And a non-streamed request whose client gives up waiting: the decode node is paused once
+    # it runs the request, so the client's timeout fires first, whatever the machine's speed.
     slow = openai.OpenAI(base_url=cluster.http + "/v1", api_key="x", max_retries=0, timeout=1.0)
-    with pytest.raises(openai.APITimeoutError):
-        slow.completions.create(
-            model="tiny", prompt=[9] * 70, max_tokens=900, extra_body={"ignore_eos": True}
-        )
+    cancelled = cluster.requests_ended().get("CANCELLED", 0)
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(
+            slow.completions.create,
+            model="tiny", prompt=[9] * 70, max_tokens=900, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        until(lambda: answer.done() or node_stats(cluster.decode).running == 1, "it runs")
+        with paused(cluster.decode):
+            with pytest.raises(openai.APITimeoutError):
+                answer.result(timeout=60)
+            until(lambda: cluster.requests_ended().get("CANCELLED", 0) > cancelled, "cancelled")
     assert cluster.wait_idle(idle) == idle
 
 

@@ -456,7 +456,9 @@ def test_fixed_concurrency_with_warmup():
     records, duration = asyncio.run(runner.run_load(t, requests(), load, on_done=done.append))
     assert len(records) == 12 == len(done) and t.sent == 14 and t.peak == 3
     assert [r.index for r in records] == list(range(12))
-    assert 0.08 <= duration < 1.0  # four rounds of three
+    # Four rounds of three, each at least its 20 ms of service: a floor the clock cannot beat
+    # (no ceiling: how much longer it takes is the machine's speed, not the runner's).
+    assert duration >= 0.08
 
 
 def test_rate_and_concurrency_queue_in_the_client():
