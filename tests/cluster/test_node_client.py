@@ -118,12 +118,14 @@ def cluster(tmp_path_factory):
 
 
 def _wait_routed(address: str, timeout_s: float = 60.0) -> None:
-    """Until the router has seen its nodes up (it probes them every second) and served one."""
+    """Until the router has seen its nodes up (it probes them every second) and served one that
+    needed both (two tokens: the second is the decode node's; a request ending at its first
+    token never reaches it, and the decode node may start last)."""
     deadline = time.monotonic() + timeout_s
     with Client(address) as client:
         while True:
             try:
-                client.generate(prompt_token_ids=[1], max_tokens=1, temperature=0, timeout=10)
+                client.generate(prompt_token_ids=[1], max_tokens=2, temperature=0, timeout=10)
                 return
             except SplitserveError:
                 if time.monotonic() > deadline:
