@@ -57,7 +57,8 @@ class NodeRegistry:
         self.decode_overcommit = decode_overcommit
         # A prefill node's queue bound (0: PREFILL_QUEUE_STEPS of its own step budget).
         self.prefill_queue_tokens = prefill_queue_tokens
-        # The share of each node this router fills (--capacity-share: several routers, one pool).
+        # The most of each node this router fills (--capacity-share: a cap on its decode leases,
+        # and prefill nodes' queue bound).
         self.share = share
         self.prefill = NodePool("prefill", prefill_addresses, down_s=down_s)
         self.decode = NodePool(
