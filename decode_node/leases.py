@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-WHOLE = 1_000_000  # parts per million: the node
+from splitserve.runtime.protocol import LEASE_WHOLE as WHOLE  # parts per million: the node
 
 
 class Holder:

@@ -215,18 +215,14 @@ class Admission:
         return PrefillLoad(pool.prefill_capacity(), sum(n.queued_tokens for n in pool.usable()))
 
     def predict(
-        self,
-        own_tokens: int,
-        client: str | None = "",
-        ttft_s: float | None = None,
-        who: str = "",
+        self, own_tokens: int, client: str = "", ttft_s: float | None = None, queued: bool = True
     ) -> TTFTPrediction:
-        """The TTFT of a request of ``client`` that queues now (None: one of ``who`` that goes
+        """The TTFT of a request of ``client`` that queues now (``queued`` False: one that goes
         now): its fair position's share of the queue's pace and of the prompt tokens queued;
         with its target ``ttft_s``, the margin (the client's) at most MAX_MARGIN_SHARE of it."""
         load = self.load()
-        if client is None:
-            prediction = self.predictor.predict(0, self._pace(), 0, own_tokens, load, who)
+        if not queued:
+            prediction = self.predictor.predict(0, self._pace(), 0, own_tokens, load, client)
         else:
             position = self._queue.position(client)
             share = min(1.0, (position - 1) / max(len(self._queue), 1))
@@ -265,7 +261,7 @@ class Admission:
             return Admitted(start, None, PrefillLoad(None, 0), work, client)
         self._check_fits(demand)
         if not self._queue and self._room(demand, work, tpot_s, ttft_s):
-            prediction = self.predict(work, None, ttft_s, client)
+            prediction = self.predict(work, client, ttft_s, queued=False)
             if slo is not None and slo.ttft_s is not None and start - self._admitted < PROBE_S:
                 # Room by count, but the nodes' backlog may already be past the target.
                 self._check_slo(prediction, arrival + slo.ttft_s, start)

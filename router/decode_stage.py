@@ -24,8 +24,9 @@ from splitserve.router.errors import UNREACHABLE, GenerateError
 from splitserve.router.kv_budget import KVDemand
 from splitserve.router.pool import Node, NodePool
 from splitserve.router.registry import NodeRegistry
-from splitserve.router.relay import WHOLE_PPM, RelayCall, RelayChannel
+from splitserve.router.relay import RelayCall, RelayChannel
 from splitserve.runtime.auth import call_metadata
+from splitserve.runtime.protocol import LEASE_WHOLE
 from splitserve.v1 import nodes_pb2
 
 logger = logging.getLogger(__name__)
@@ -72,15 +73,14 @@ class DecodeStage:
         return channel if channel.ready else None
 
     def _open_channel(self, node: Node) -> None:
-        leased = node.lease is not None
         self._channels[node] = RelayChannel(
             node,
             self._registry.decode_stub(node),
             partial(self.error, node),
             self.on_first_decode,
             self._channel_ended,
-            lease_of=self.lease_of if leased else None,
-            on_grant=self._registry.decode.notify_waiters if leased else None,
+            lease_of=self.lease_of,
+            on_grant=self._registry.decode.notify_waiters,
         )
 
     def _channel_ended(self, channel: RelayChannel) -> None:
@@ -110,16 +110,18 @@ class DecodeStage:
             channel = self._channels.get(node)
             if channel is None or channel.broken:
                 self._open_channel(node)
-            elif not channel.leasing:  # opened by a request before the node was verified
-                channel.lease(self.lease_of, self._registry.decode.notify_waiters)
+            else:  # e.g. opened by a request before the node was verified: it asks now
+                channel.tell_lease()
 
-    def lease_of(self, node: Node) -> tuple[int, int]:
-        """(want, used) of ``node`` for this router, in parts per million: it uses its
-        requests' share; it wants all it may fill while requests wait for room, else what it
-        uses and LEASE_SLACK more."""
+    def lease_of(self, node: Node) -> tuple[int, int] | None:
+        """(want, used) of ``node`` for this router, in parts per million (None: the node is
+        not known to grant leases): it uses its requests' share; it wants all it may fill while
+        requests wait for room, else what it uses and LEASE_SLACK more."""
+        if node.lease is None:
+            return None
         used = node.used_share()
         want = node.share if self._registry.decode.waiting else min(node.share, used + LEASE_SLACK)
-        return round(want * WHOLE_PPM), math.ceil(used * WHOLE_PPM)
+        return round(want * LEASE_WHOLE), math.ceil(used * LEASE_WHOLE)
 
     def _load_changed(self) -> None:
         if self._tell_pending is None and self._channels:

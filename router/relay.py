@@ -30,6 +30,7 @@ from splitserve.router.errors import GenerateError
 from splitserve.router.pool import Node
 from splitserve.runtime import tracing
 from splitserve.runtime.auth import credentials
+from splitserve.runtime.protocol import LEASE_WHOLE
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 # What a failure of a request's stream on the node means for the client: (status, the node's
@@ -39,7 +40,6 @@ ErrorOf = Callable[[grpc.StatusCode, str, float], GenerateError]
 
 logger = logging.getLogger(__name__)
 
-WHOLE_PPM = 1_000_000  # a lease's whole node (decode_node.leases.WHOLE)
 LEASE_STEP = 5_000  # a change in want or use below this (0.5% of the node) is not sent
 
 
@@ -64,7 +64,7 @@ class RelayChannel:
         error_of: ErrorOf,
         on_first_decode: Callable[[float], None] | None,
         on_end: Callable[[RelayChannel], None],
-        lease_of: Callable[[Node], tuple[int, int]] | None = None,
+        lease_of: Callable[[Node], tuple[int, int] | None] | None = None,
         on_grant: Callable[[], None] | None = None,
     ) -> None:
         self.node = node
@@ -84,13 +84,12 @@ class RelayChannel:
         self._stall = asyncio.ensure_future(node.stall_signal().wait())
         self._stall.add_done_callback(self._on_stall)
         # The node's share for this router (node.lease): what it wants and uses, (want, used)
-        # in parts per million; None: the node grants no leases.
+        # in parts per million; None while the node is not known to grant leases.
         self._lease_of = lease_of
         self._on_grant = on_grant
         self._seen = 0  # the last grant applied
         self._told: tuple[int, int, int] | None = None  # the last lease sent, coarsely
-        if lease_of is not None:
-            self.tell_lease()
+        self.tell_lease()
 
     def _on_answer(self, answered: asyncio.Future) -> None:
         if not answered.cancelled() and answered.exception() is None and not self.broken:
@@ -119,25 +118,14 @@ class RelayChannel:
         """The request ended on the node: drop its entry."""
         self._calls.pop(request_id, None)
 
-    def lease(
-        self, lease_of: Callable[[Node], tuple[int, int]], on_grant: Callable[[], None]
-    ) -> None:
-        """Start asking the node for a share on this stream (opened before the node was known
-        to grant leases)."""
-        if self._lease_of is None:
-            self._lease_of, self._on_grant = lease_of, on_grant
-            self.tell_lease()
-
-    @property
-    def leasing(self) -> bool:
-        return self._lease_of is not None
-
     def tell_lease(self, force: bool = False) -> None:
-        """Send the node what share this router wants and uses, when that changed by more
-        than LEASE_STEP since the last time (``force``: always; it acknowledges a grant)."""
-        if self._lease_of is None or self.broken:
+        """Send the node what share this router wants and uses (once it is known to grant
+        leases), when that changed by more than LEASE_STEP since the last time (``force``:
+        always; it acknowledges a grant)."""
+        lease = self._lease_of(self.node) if self._lease_of is not None else None
+        if lease is None or self.broken:
             return
-        want, used = self._lease_of(self.node)
+        want, used = lease
         told = (want // LEASE_STEP, -(-used // LEASE_STEP), self._seen)
         if not force and told == self._told:
             return
@@ -150,7 +138,7 @@ class RelayChannel:
             return  # a grant older than one applied (never sent so, but input)
         self._seen = grant.seq
         node = self.node
-        node.lease = min(grant.share_ppm, WHOLE_PPM) / WHOLE_PPM
+        node.lease = min(grant.share_ppm, LEASE_WHOLE) / LEASE_WHOLE
         node.apply_share()
         self.tell_lease(force=True)
         if self._on_grant is not None:
@@ -218,7 +206,7 @@ class RelayChannel:
         self._stall.cancel()
         self._answered.cancel()
         self._commands.put_nowait(None)
-        if self._lease_of is not None and self.node.lease is not None:
+        if self.node.lease is not None:
             # Its share ended with the stream (the node frees it for the others): nothing more
             # goes there until a new stream is granted one.
             self.node.lease = 0.0

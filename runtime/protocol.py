@@ -6,6 +6,10 @@ from __future__ import annotations
 from splitserve.models.sampling_params import SamplingParams
 from splitserve.v1 import common_pb2
 
+# A decode node's whole capacity in the shares of RelayLease and RelayGrant (nodes.proto): parts
+# per million (decode_node.leases grants them, router.relay asks for them).
+LEASE_WHOLE = 1_000_000
+
 _OPTIONAL = (
     "temperature",
     "top_p",
