@@ -69,6 +69,8 @@ _HERE = Path(__file__).resolve().parent
 
 SEED_VARIABLE = "SPLITSERVE_TEST_SEED"
 RUN_SEED = int(os.environ.get(SEED_VARIABLE) or random.SystemRandom().randrange(2**32))
+# One seed for the whole run: pytest-xdist's workers (scripts/test.sh starts them) inherit it.
+os.environ[SEED_VARIABLE] = str(RUN_SEED)
 
 
 def test_seed(nodeid: str) -> int:

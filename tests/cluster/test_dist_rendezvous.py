@@ -155,12 +155,13 @@ def test_strangers_are_refused_while_the_pair_carries_on(gated, rng):
 
 def test_a_sender_without_a_token_is_told_so_at_once(gated):
     rx, _, _ = gated
-    plain = SenderProcess("prefill-plain", SPEC, SENDER_SEED, 10.0)
+    plain = SenderProcess("prefill-plain", SPEC, SENDER_SEED, 60.0)
     try:
         plain.wait_ready()
         t0 = time.monotonic()
-        assert plain.call("connect", rx.endpoint().to_bytes(), timeout=60) == GRPC
-        assert time.monotonic() - t0 < 5  # refused by the endpoint's flag, no store timeout
+        assert plain.call("connect", rx.endpoint().to_bytes(), timeout=120) == GRPC
+        # Refused by the endpoint's flag, not after its 60 s store timeout (a bound far from both).
+        assert time.monotonic() - t0 < 30
     finally:
         plain.stop()
 

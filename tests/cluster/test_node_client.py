@@ -28,7 +28,6 @@ from grpc_reflection.v1alpha import reflection_pb2
 from support.processes import start_cli, start_router
 
 from splitserve.client import Client, SplitserveError
-from splitserve.launcher import free_ports
 from splitserve.models.tiny import default_cache_dir, ensure_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,25 +88,25 @@ def _npm_packages() -> Path:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """Router, prefill and decode node, all three started at once (the nodes on ports picked
-    beforehand, so the router can be told them); ready once the router has answered."""
+    """Prefill and decode node started at once, then the router over them; ready once the
+    router has answered a request that needed both.
+
+    NOTE: the router starts after its nodes serve. Started beside them, its first health round
+    found them not listening, and its channels then back off (up to 2 s) past the moment they
+    serve: a request in that window failed UNAVAILABLE on a node that was up."""
     tmp = tmp_path_factory.mktemp("node-cluster")
     model = ensure_tiny_model()
-    ports = free_ports("127.0.0.1", 2)
-    addresses = [f"127.0.0.1:{port}" for port in ports]
     node_args = ["--model", str(model), "--kv-cache-mb", "64"]
     procs = []
     try:
-        with ThreadPoolExecutor(3) as pool:
-            starting = [
-                pool.submit(start_cli, role, [role, *node_args], tmp, port=port)
-                for role, port in zip(("prefill", "decode"), ports, strict=True)
-            ]
-            starting.append(pool.submit(start_router, model, tmp, addresses[:1], addresses[1:]))
+        with ThreadPoolExecutor(2) as pool:
+            starting = [pool.submit(start_cli, role, [role, *node_args], tmp) for role in ROLES]
             for future in starting:  # every one started is stopped, whichever failed
                 with contextlib.suppress(Exception):
                     procs.append(future.result())
-            prefill, decode, router = (future.result() for future in starting)
+            prefill, decode = (future.result() for future in starting)
+        router = start_router(model, tmp, [prefill.address], [decode.address])
+        procs.append(router)
         _wait_routed(router.address)
         yield router, prefill, decode
     finally:
@@ -115,6 +114,9 @@ def cluster(tmp_path_factory):
             proc.popen.terminate()
         for proc in procs:
             proc.stop()
+
+
+ROLES = ("prefill", "decode")
 
 
 def _wait_routed(address: str, timeout_s: float = 60.0) -> None:

@@ -66,7 +66,8 @@ def test_prefix_routing_salts_and_outages(model_dir, tmp_path):
             wait_for(lambda: _ok(client))  # the router has discovered the nodes
             first = client.generate(prompt_token_ids=prompts[0], **GREEDY)
             assert list(first.token_ids) == hf_greedy(model_dir, prompts[0], 6)
-            time.sleep(0.5)  # the prefill node publishes within ~50 ms
+            # Published (within ~50 ms, whatever this machine's speed: waited for, not slept on).
+            wait_for(lambda: _published(prefill, redis.address, model_dir, system))
             for prompt in prompts[1:]:
                 r = client.generate(prompt_token_ids=prompt, **GREEDY)
                 assert r.usage.cached_tokens >= 96, r.usage  # routed to the caching node
@@ -84,9 +85,11 @@ def test_prefix_routing_salts_and_outages(model_dir, tmp_path):
             redis = start_redis(tmp_path, redis_port)
             procs[0] = redis
             wait_for(lambda: len(live_nodes(redis.address, model_dir)) == 3)
-            time.sleep(1.0)
-            again = client.generate(prompt_token_ids=prompts[2], **GREEDY)
-            assert again.usage.cached_tokens >= 96
+            wait_for(lambda: _published(prefill, redis.address, model_dir, system))
+            # Once the router reads the index again (its client reconnects), every request that
+            # shares the prefix is sent to its holder: three in a row after the first.
+            wait_for(lambda: _cached(client, prompts[2]))
+            assert all(_cached(client, p) for p in prompts[2:5])
 
             # The caching prefill node dies: its entries stop attracting requests.
             holder = max(prefill, key=lambda p: _cached_blocks(p, redis.address, model_dir, system))
@@ -105,6 +108,15 @@ def _ok(client):
         return True
     except Exception:
         return False
+
+
+def _cached(client, prompt) -> bool:
+    return client.generate(prompt_token_ids=prompt, **GREEDY).usage.cached_tokens >= 96
+
+
+def _published(prefill, redis_url, model_dir, tokens) -> bool:
+    """A prefill node's whole prefix (six blocks) is in the index."""
+    return max(_cached_blocks(p, redis_url, model_dir, tokens) for p in prefill) >= 6
 
 
 def _cached_blocks(node, redis_url, model_dir, tokens):

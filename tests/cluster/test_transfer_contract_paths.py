@@ -27,10 +27,10 @@ def _rig(path: str, node: bool) -> Rig:
     # tcp: 3-block chunks over 2 connections, so a transfer is several chunks.
     tcp = dict(streams=2, chunk_bytes=3 * block_nbytes(pool))
     if node:
-        rx = open_receiver(pool, RECEIVER_ID, paths=(path,), host=HOST, connect_timeout=15.0)
-        tx = open_sender(source, SENDER_ID, paths=(path,), connect_timeout=15.0, tcp_options=tcp)
+        rx = open_receiver(pool, RECEIVER_ID, paths=(path,), host=HOST, connect_timeout=60.0)
+        tx = open_sender(source, SENDER_ID, paths=(path,), connect_timeout=60.0, tcp_options=tcp)
     else:
-        options = PathOptions(host=HOST, connect_timeout=15.0, tcp_options=tcp)
+        options = PathOptions(host=HOST, connect_timeout=60.0, tcp_options=tcp)
         receiver, sender = {
             DIST: (DistReceiver, DistSender),
             TCP: (TcpReceiver, TcpSender),

@@ -40,9 +40,9 @@ def cluster():
     """One receiver in this process; three sender processes, started together."""
     pool = fill_pool(make_pool(**SPEC), RECEIVER_SEED)
     # (dist and tcp: as a node by default; nixl, when installed, would be taken first)
-    rx = open_receiver(pool, "decode-0", paths=(DIST, TCP), host="127.0.0.1", connect_timeout=15.0)
+    rx = open_receiver(pool, "decode-0", paths=(DIST, TCP), host="127.0.0.1", connect_timeout=60.0)
     senders = {
-        name: SenderProcess(name, SPEC, SENDER_SEED, connect_timeout=15.0)
+        name: SenderProcess(name, SPEC, SENDER_SEED, connect_timeout=60.0)
         for name in ("prefill-0", "prefill-doomed", "prefill-stalled")
     }
     try:
@@ -146,7 +146,7 @@ def test_sender_follows_a_restarted_receiver(cluster):
     sender = senders["prefill-0"]
     pool2 = fill_pool(make_pool(**SPEC), RECEIVER_SEED + 1)
     rx2 = open_receiver(
-        pool2, "decode-0", paths=(DIST, TCP), host="127.0.0.1", connect_timeout=15.0
+        pool2, "decode-0", paths=(DIST, TCP), host="127.0.0.1", connect_timeout=60.0
     )
     try:
         assert sender.call("connect", rx2.endpoint().to_bytes()) == DIST

@@ -182,7 +182,7 @@ def test_sender_killed_mid_chunk_times_out_and_leaves_the_pool(cluster):
     t0 = time.monotonic()
     with pytest.raises(TransferTimeout):
         rx.receive(res, 1.0)
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 30  # its 1 s timeout, not a hang (a bound, not a speed)
     assert res.state == "failed"
     assert torch.equal(u8(pool[[13, 14, 16]]), u8(before[[13, 14, 16]]))
     ship(rx, senders["prefill-0"], [4], [13])  # the next transfer still works

@@ -11,15 +11,30 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Coroutine
 
 import grpc
 from support.router_helpers import EOS
 
+from splitserve.router.errors import GenerateError
 from splitserve.router.registry import NodeRegistry
 from splitserve.v1 import nodes_pb2
 
 _CANCELLED = object()
+
+
+def refused_at_once(call: Coroutine[object, object, object]) -> GenerateError:
+    """The ``GenerateError`` a coroutine (``Admission.enter``, say) raises before it first
+    suspends: refused at once, before it waited for anything, whatever the machine's speed.
+    Fails if it suspends instead (it queued)."""
+    try:
+        call.send(None)
+    except GenerateError as refused:
+        return refused
+    except StopIteration:
+        raise AssertionError("it returned instead of being refused") from None
+    call.close()
+    raise AssertionError("it suspended (queued) instead of being refused at once")
 
 
 def rpc_error(code: grpc.StatusCode, details: str = "") -> grpc.aio.AioRpcError:

@@ -4,7 +4,6 @@ own GGUF loader, and the files splitserve cannot serve: tests/cluster/test_gguf_
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -34,9 +33,8 @@ def test_a_second_start_reuses_the_conversion_whatever_the_file_is_called(
     written = weights.stat().st_mtime_ns
     link = tmp_path / "renamed-model.gguf"
     link.symlink_to(gguf_file)
-    t0 = time.perf_counter()
     again = resolve_model_path(str(link))
-    assert time.perf_counter() - t0 < 5  # hashing the file, no conversion
+    # The same conversion, not written again (the file's hash found it; no timing asserted).
     assert Path(again) == converted and weights.stat().st_mtime_ns == written
     assert Path(resolve_model_path(str(tmp_path))) == converted  # a folder holding the file
     identity = ModelIdentity.for_checkpoint(again)
