@@ -10,7 +10,8 @@ forwards (``ModelRunner.follow``).
 One rank gone means the node cannot compute: rank 0 logs which rank went and how, and its
 process exits (``LOST_EXIT_CODE``); a node whose engine process it is exits in turn, and the
 router retries elsewhere. A rank whose rank 0 is gone exits too (its stdin, a pipe from rank 0,
-closes), so nothing is left holding a GPU.
+closes; and the kernel SIGKILLs it when rank 0's process ends, even while it is stopped or stuck:
+engine.lifeline), so nothing is left holding a GPU.
 """
 
 from __future__ import annotations
@@ -151,6 +152,7 @@ def start_ranks(
     gloo; NCCL connects at the first collective). ``pass_fds``: descriptors the ranks inherit
     (the node's GPU locks). ``on_lost(rank, status)``: what to do when a rank goes (default:
     log and exit this process)."""
+    from splitserve.engine import lifeline
     from splitserve.transfer import loopback_store, make_group
 
     store, port = loopback_store(GROUP_TIMEOUT_S)
@@ -162,6 +164,7 @@ def start_ranks(
             [sys.executable, "-P", "-m", "splitserve.engine.ranks", text, str(rank)],
             stdin=subprocess.PIPE,
             pass_fds=pass_fds,
+            env=lifeline.child_env(),  # SIGKILLed when this process ends, however it ends
         )
         for rank in range(1, spec.size)
     ]
@@ -227,6 +230,11 @@ def main(argv: list[str]) -> int:
     if len(argv) != 3:
         print("usage: python -m splitserve.engine.ranks SPEC_JSON RANK", file=sys.stderr)
         return 2
+    from splitserve.engine import lifeline
+
+    # First: a rank whose rank 0 ends any way (killed, or stuck while this one is stopped) is
+    # SIGKILLed by the kernel; the stdin watch below is the orderly end.
+    lifeline.die_with_parent()
     spec, rank = RankSpec(**json.loads(argv[1])), int(argv[2])
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s rank {rank} %(name)s %(levelname)s %(message)s"

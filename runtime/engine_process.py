@@ -44,6 +44,7 @@ async def spawn_engine(config: NodeConfig, role: str) -> Any:
     cmd_front, cmd_engine = socket.socketpair()
     out_front, out_engine = socket.socketpair()
     fds = (cmd_engine.fileno(), out_engine.fileno())
+    from splitserve.engine import lifeline
     from splitserve.runtime import gpus
 
     locks = gpus.held_locks()
@@ -54,7 +55,9 @@ async def spawn_engine(config: NodeConfig, role: str) -> Any:
         # by its supervisor cannot claim a GPU an engine process still holds memory on); it
         # hands them on to its tensor-parallel ranks (engine.ranks) in turn.
         pass_fds=(*fds, *locks),
-        env={**os.environ, LOCK_FDS: ",".join(map(str, locks))},
+        # It ends with this process however this one ends (engine.lifeline): killed outright,
+        # this node's front leaves no engine process holding the GPU.
+        env=lifeline.child_env({**os.environ, LOCK_FDS: ",".join(map(str, locks))}),
     )
     cmd_engine.close()
     out_engine.close()
@@ -126,8 +129,10 @@ def main(argv: list[str]) -> int:
     # Ctrl-C in a terminal reaches the whole process group: the node drains and then stops this
     # process itself; a SIGTERM sent here alone still ends it (and the node with it).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from splitserve.engine import lifeline
     from splitserve.runtime import gpus
 
+    lifeline.die_with_parent()  # SIGKILLed when the node's process ends, however it ends
     gpus.inherit_locks(os.environ.pop(LOCK_FDS, ""))
     if len(argv) != 2:
         print("usage: python -m splitserve.runtime.engine_process CMD_FD OUT_FD", file=sys.stderr)

@@ -13,7 +13,9 @@ lock's users across files.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import shutil
 import signal
 import socket
@@ -65,6 +67,15 @@ def _visible_gpus() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _kill_leftovers(proc: _Process) -> None:
+    """SIGKILL what is left of an exited component's process group: it was started in a
+    session of its own, so its engine process and tensor-parallel ranks are in that group.
+    (They end with it anyway, engine.lifeline; this covers anything else it started.)
+    The group's id cannot be reused while any member lives."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.popen.pid, signal.SIGKILL)
 
 
 def _set_parent_death_signal() -> None:
@@ -465,12 +476,14 @@ class LocalCluster:
             for proc in list(self._draining):
                 if (rc := proc.popen.poll()) is not None:
                     logger.info("%s drained (status %s)", proc.name, rc)
+                    _kill_leftovers(proc)
                     self._draining.remove(proc)
                 elif time.monotonic() - (proc.drained_at or 0.0) > 60.0 + self.spec.stop_grace_s:
                     logger.warning("%s still draining; killing it", proc.name)
                     proc.popen.kill()
             for proc in [p for p in self._procs if p.elastic and p.popen.poll() is not None]:
                 logger.warning("%s exited with status %s", proc.name, proc.popen.returncode)
+                _kill_leftovers(proc)
                 self._procs.remove(proc)
 
     def pids(self) -> dict[str, int]:
@@ -508,6 +521,7 @@ class LocalCluster:
                     logger.warning("%s ignored SIGTERM; killing it", proc.name)
                     proc.popen.kill()
                     proc.popen.wait()
+                _kill_leftovers(proc)  # exited: nothing it started outlives it
         self._procs.clear()
         shutil.rmtree(self._workdir, ignore_errors=True)
 

@@ -272,3 +272,31 @@ def idle_free_blocks(nodes) -> list[int]:
     return [
         free for free, _, _ in settled(nodes, [node_stats(n).num_free_blocks for n in nodes], 5)
     ]
+
+
+def alive(pid: int) -> bool:
+    """``pid`` runs (a zombie is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (its children, theirs, ...), from /proc."""
+    out, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                kids = [int(c) for c in (task / "children").read_text().split()]
+            except FileNotFoundError:
+                continue
+            out += kids
+            todo += kids
+    return [p for p in out if alive(p)]
+
+
+def cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")

@@ -1,0 +1,74 @@
+"""A helper process ends when the process that started it ends, however that one ends.
+
+A node's engine process (``runtime.engine_process``) and an engine's tensor-parallel ranks
+(``engine.ranks``) hold the GPU's memory. Their orderly ends (a stop command, their stdin's EOF)
+need the parent to say so, and a process that is killed (SIGKILL, the OOM killer), or stuck in a
+collective that never returns, says nothing: its helpers then lived on, holding the GPU. So each
+helper asks the kernel to SIGKILL it when its parent dies (Linux ``PR_SET_PDEATHSIG``: no thread
+of its own has to run, so it works while the helper's threads are blocked, and a SIGSTOPped
+helper is killed too). A node killed outright takes its engine process with it, which takes its
+ranks.
+
+    parent: subprocess.Popen(cmd, env=lifeline.child_env())
+    child, first thing in its main(): lifeline.die_with_parent()
+
+NOTE: the kernel ties the signal to the parent's *thread* that forked the helper: spawn helpers
+from a thread that lives as long as the parent process (every caller here spawns from its main
+thread). Where ``prctl`` is missing (not Linux), a daemon thread polls ``getppid`` instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Mapping
+
+logger = logging.getLogger(__name__)
+
+PARENT_VARIABLE = "SPLITSERVE_PARENT_PID"  # internal: the pid a helper must die with
+ORPHAN_EXIT_CODE = 71  # a helper whose parent was already gone when it started (EX_OSERR)
+_PR_SET_PDEATHSIG = 1
+POLL_S = 0.5  # the fallback thread's interval
+
+
+def child_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) for a helper that must end with this process."""
+    return {**(os.environ if env is None else env), PARENT_VARIABLE: str(os.getpid())}
+
+
+def die_with_parent() -> bool:
+    """In a helper started with ``child_env``: be SIGKILLed when the parent ends. Exits at once
+    if the parent is already gone. Returns whether a lifeline is set (False: not started with
+    ``child_env``, e.g. by hand)."""
+    expected = os.environ.pop(PARENT_VARIABLE, None)
+    if not expected:
+        return False
+    parent = int(expected)
+    if not _parent_death_signal(signal.SIGKILL):
+        threading.Thread(target=_poll_parent, args=(parent,), name="lifeline", daemon=True).start()
+    # The parent may have died before the kernel was asked (then no signal ever comes).
+    if os.getppid() != parent:
+        logger.error("the process that started this one (pid %d) is gone: exiting", parent)
+        os._exit(ORPHAN_EXIT_CODE)
+    return True
+
+
+def _parent_death_signal(sig: int) -> bool:
+    if sys.platform != "linux":
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _poll_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        threading.Event().wait(POLL_S)
+    os._exit(ORPHAN_EXIT_CODE)

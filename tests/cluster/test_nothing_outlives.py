@@ -1,0 +1,123 @@
+"""Nothing a node starts outlives it: its engine process and its tensor-parallel ranks end with
+it however it ends (SIGKILL; a rank stopped as in a collective that never returns), and `up`'s
+launcher leaves no process of a component's group behind (engine.lifeline, launcher).
+
+On a CPU the ranks are gloo processes; tests/gpu/test_device_gpu.py checks the same on GPUs,
+and that their memory is freed."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from support.processes import alive, cmdline, descendants, start_node
+
+from splitserve.launcher import ClusterSpec, LocalCluster, free_port
+from splitserve.models.tiny import write_random_checkpoint
+
+TP2_ENGINE_PROCESS = ("--tensor-parallel-size", "2", "--engine-process", "on")
+GONE_WITHIN_S = 30.0  # a hang guard: the kernel's SIGKILL takes milliseconds
+
+
+def _wait_all_gone(pids: list[int], timeout: float = GONE_WITHIN_S) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def _kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_random_checkpoint(tmp_path_factory.mktemp("outlive") / "m", seed=5)
+
+
+def test_a_helper_dies_with_its_parent_even_while_stopped(tmp_path):
+    """engine.lifeline alone: a parent SIGKILLed takes its stopped helper with it."""
+    parent = textwrap.dedent(
+        """
+        import subprocess, sys, time
+        from splitserve.engine import lifeline
+        child = subprocess.Popen(
+            [sys.executable, "-c",
+             "from splitserve.engine import lifeline; import time; "
+             "assert lifeline.die_with_parent(); print('ready', flush=True); time.sleep(600)"],
+            env=lifeline.child_env(), stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline() == "ready\\n"
+        print(child.pid, flush=True)
+        time.sleep(600)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        helper = int(proc.stdout.readline())
+        os.kill(helper, signal.SIGSTOP)  # stuck: it can run nothing of its own
+        proc.kill()
+        proc.wait(10)
+        assert not _wait_all_gone([helper]), "the stopped helper outlived its parent"
+    finally:
+        proc.kill()
+        _kill_all(descendants(proc.pid))
+
+
+@pytest.mark.slow
+def test_a_node_killed_with_a_rank_stuck_leaves_no_engine_process_and_no_rank(model, tmp_path):
+    node = start_node("prefill", model, tmp_path, *TP2_ENGINE_PROCESS)
+    helpers = descendants(node.popen.pid)
+    try:
+        assert len(helpers) == 2, f"expected the engine process and rank 1, found {helpers}"
+        (rank1,) = [p for p in helpers if "splitserve.engine.ranks" in cmdline(p)]
+        os.kill(rank1, signal.SIGSTOP)  # as in a collective that never returns
+        node.popen.kill()
+        node.popen.wait(10)
+        left = _wait_all_gone(helpers)
+        assert not left, f"processes outlived their node: {left}"
+    finally:
+        node.stop()
+        _kill_all(helpers)
+
+
+@pytest.mark.slow
+def test_up_stopped_with_a_rank_stuck_leaves_nothing_running(model, tmp_path):
+    """The launcher's stop: the node whose rank is stuck ignores SIGTERM past the grace and is
+    killed; its engine process and ranks go with it; every process `up` started is gone."""
+    spec = ClusterSpec(
+        model_path=str(model),
+        num_prefill=1,
+        num_decode=1,
+        port=free_port(),
+        node_args=("--kv-cache-mb", "64", "--engine-process", "on"),
+        prefill_tp=2,
+        decode_tp=1,
+        log_file=str(tmp_path / "up.log"),
+        stop_grace_s=3.0,
+    )
+    cluster = LocalCluster(spec)
+    everything: list[int] = []
+    try:
+        cluster.start()
+        pids = cluster.pids()
+        prefill = pids["prefill-0"]
+        everything = [p for pid in pids.values() for p in [pid, *descendants(pid)]]
+        below = descendants(prefill)
+        assert len(below) == 2, f"prefill-0: expected an engine process and rank 1, found {below}"
+        (rank1,) = [p for p in below if "splitserve.engine.ranks" in cmdline(p)]
+        os.kill(rank1, signal.SIGSTOP)
+        cluster.stop()
+        left = _wait_all_gone(everything)
+        assert not left, f"left running after up stopped: {left}"
+    finally:
+        cluster.stop()
+        _kill_all(everything)
