@@ -56,7 +56,10 @@ from splitserve.models.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 FIGURES_EVERY_S = 0.5  # how often last_figures is refreshed (the metrics thread's read)
-STOP_TIMEOUT_S = 30.0
+# Stopping the engine process takes this long at most, all of it (its last replies, its exit);
+# then it is killed (and its tensor-parallel ranks with it: engine.lifeline), so a node whose
+# engine is stuck (a rank stopped in a collective) still ends.
+STOP_TIMEOUT_S = 20.0
 ADOPT_BYTES = 64 << 20  # the most block bytes one adopt command carries
 
 
@@ -208,17 +211,23 @@ class EngineClient(NodeEngine):
         if self._stopping:
             return
         self._stopping = True
+        loop = asyncio.get_running_loop()
+        end = loop.time() + STOP_TIMEOUT_S  # one deadline for every step below
+
+        def left() -> float:
+            return max(end - loop.time(), 0.0)
+
         if self.gone is None:
             with contextlib.suppress(EngineGone, TimeoutError, ConnectionError):
-                await asyncio.wait_for(self._send("stop", []), STOP_TIMEOUT_S)
-            if self._tasks:  # the replies to the end of the connection (bounded)
-                await asyncio.wait({self._tasks[0]}, timeout=STOP_TIMEOUT_S)
+                await asyncio.wait_for(self._send("stop", []), left())
+            if self._tasks and left() > 0:  # the replies to the end of the connection
+                await asyncio.wait({self._tasks[0]}, timeout=left())
         self._lost("stopped")  # anything still unanswered fails now, not never
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.process is not None:
-            await asyncio.to_thread(reap, self.process, STOP_TIMEOUT_S)
+            await asyncio.to_thread(reap, self.process, max(left(), 0.5))
         for writer in (self._writer, self._outputs_writer):
             writer.close()
             with contextlib.suppress(ConnectionError, OSError):

@@ -18,6 +18,7 @@ import time
 import pytest
 from support.processes import alive, cmdline, descendants, start_node
 
+from splitserve.engine.client import STOP_TIMEOUT_S
 from splitserve.launcher import ClusterSpec, LocalCluster, free_port
 from splitserve.models.tiny import write_random_checkpoint
 
@@ -121,3 +122,23 @@ def test_up_stopped_with_a_rank_stuck_leaves_nothing_running(model, tmp_path):
     finally:
         cluster.stop()
         _kill_all(everything)
+
+
+@pytest.mark.slow
+def test_a_node_with_a_rank_stuck_obeys_sigterm_and_takes_its_helpers(model, tmp_path):
+    """SIGTERM to a node whose engine cannot stop (rank 1 stopped): it drains, gives its engine
+    process STOP_TIMEOUT_S in all, kills it, and exits; nothing it started is left."""
+    node = start_node("prefill", model, tmp_path, *TP2_ENGINE_PROCESS, "--drain-timeout-s", "1")
+    helpers = descendants(node.popen.pid)
+    try:
+        (rank1,) = [p for p in helpers if "splitserve.engine.ranks" in cmdline(p)]
+        os.kill(rank1, signal.SIGSTOP)
+        node.popen.terminate()
+        # A hang guard: its drain (1 s), the engine's stop (STOP_TIMEOUT_S), start-up slack.
+        node.popen.wait(1 + STOP_TIMEOUT_S + 30)
+        assert "did not stop: killed" in node.log.read_text()
+        left = _wait_all_gone(helpers)
+        assert not left, f"processes outlived their node: {left}"
+    finally:
+        node.stop()
+        _kill_all(helpers)

@@ -131,8 +131,15 @@ def test_held_outputs_go_when_the_next_forward_is_launched_and_the_last_at_once(
         engine.start()
         try:
             queues = [engine.subscribe(f"r{i}") for i in range(2)]
-            for i in range(2):
-                await engine.call(core.add_request, f"r{i}", [9, 8, 7 + i], params)
+
+            def add_both() -> None:
+                # In one job, so both are in before the first step, whatever the machine's
+                # speed (added one by one, a slow moment let r0 finish first: its last outputs
+                # then rightly went at once, with no step to follow).
+                for i in range(2):
+                    core.add_request(f"r{i}", [9, 8, 7 + i], params)
+
+            await engine.call(add_both)
             got = [[], []]
             for i, queue in enumerate(queues):
                 while True:
