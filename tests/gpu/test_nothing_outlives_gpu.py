@@ -1,8 +1,8 @@
-"""A GPU node killed outright (SIGKILL) leaves nothing holding the GPU: its engine process (on by
-default on a GPU) goes with it (engine.lifeline) and the GPU's used memory comes back to what it
-was before the node started. With two GPUs, the same for a node at tensor parallelism 2 whose
-rank 1 is stopped (as in a collective that never returns). CPU counterpart (the processes, not
-the memory): tests/cluster/test_nothing_outlives.py."""
+"""A GPU node stopped (SIGTERM) or killed outright (SIGKILL) leaves nothing holding the GPU:
+its engine process (on by default on a GPU) goes with it (engine.lifeline) and the GPU's used
+memory comes back to what it was before the node started. With two GPUs, the same for a node at
+tensor parallelism 2 whose rank 1 is stopped (as in a collective that never returns). CPU
+counterpart (the processes, not the memory): tests/cluster/test_nothing_outlives.py."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import time
 import pytest
 import torch
 from support.processes import cmdline, descendants, start_node
+
+from splitserve.engine.client import STOP_TIMEOUT_S
 
 pytestmark = [
     pytest.mark.gpu,
@@ -45,8 +47,9 @@ def _wait_back(before: list[int], timeout: float = 60.0) -> list[int]:
         time.sleep(0.5)
 
 
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_a_killed_gpu_node_leaves_no_memory_held(tmp_path, tp):
+def test_a_stopped_or_killed_gpu_node_leaves_no_memory_held(tmp_path, tp, how):
     from splitserve.models.tiny import write_random_checkpoint
 
     if torch.cuda.device_count() < tp:
@@ -66,12 +69,13 @@ def test_a_killed_gpu_node_leaves_no_memory_held(tmp_path, tp):
             assert len(ranks) == tp - 1, [cmdline(p) for p in below]
             for pid in ranks:
                 os.kill(pid, signal.SIGSTOP)
-        node.popen.kill()
-        node.popen.wait(30)
+        node.popen.send_signal(getattr(signal, how))
+        # SIGTERM: its drain (nothing in flight), then at most STOP_TIMEOUT_S for its engine.
+        node.popen.wait(STOP_TIMEOUT_S + 60)
         after = _wait_back(before)
         assert all(a <= b + SLACK_MIB for a, b in zip(after, before, strict=True)), (
             f"GPU memory (MiB) before the node {before}, while it ran {held}, after it was "
-            f"killed {after}"
+            f"stopped {after}"
         )
     finally:
         node.stop()
