@@ -432,12 +432,24 @@ def test_every_ending_is_counted_by_its_code(cluster):
         with pytest.raises(SplitserveError) as err:
             sdk.generate(prompt_token_ids=[1, 2, 3], max_tokens=0)
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
-        with pytest.raises(SplitserveError) as err:  # the client's deadline passes mid-stream
-            sdk.generate(prompt_token_ids=[9] * 50, max_tokens=900, ignore_eos=True, timeout=0.5)
+        # The client's deadline passes mid-request and a stream is closed after its first token,
+        # the decode node paused once it runs them: neither can end first, whatever the
+        # machine's speed (the pauses are short of the router's stall detection, ~2 s).
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(
+                sdk.generate,
+                prompt_token_ids=[9] * 50, max_tokens=900, ignore_eos=True, timeout=0.5,
+            )  # fmt: skip
+            until(lambda: answer.done() or node_stats(cluster.decode).running == 1, "it runs")
+            with paused(cluster.decode), pytest.raises(SplitserveError) as err:
+                answer.result(timeout=60)
         assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        cancelled = cluster.requests_ended().get("CANCELLED", 0)
         stream = sdk.stream(prompt_token_ids=[9] * 50, max_tokens=900, ignore_eos=True)
         next(iter(stream))
-        stream.close()  # cancelled
+        with paused(cluster.decode):
+            stream.close()  # cancelled
+            until(lambda: cluster.requests_ended().get("CANCELLED", 0) > cancelled, "cancelled")
         sdk.generate(prompt_token_ids=[1, 2, 3], max_tokens=2)
     want = {"INVALID_ARGUMENT": 3, "DEADLINE_EXCEEDED": 1, "CANCELLED": 1, "OK": 1}
     deadline = time.monotonic() + 10
