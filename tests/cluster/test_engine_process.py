@@ -11,11 +11,16 @@ import functools
 import os
 import random
 import signal
-import time
-from pathlib import Path
 
 import pytest
-from support.processes import node_stats, start_node, start_router
+from support.processes import (
+    alive,
+    children,
+    node_stats,
+    start_node,
+    start_router,
+    still_alive,
+)
 from support.reference import hf_greedy
 from support.streams import stream_through
 
@@ -29,30 +34,9 @@ MAX_TOKENS = 24
 
 def _engine_pid(node_pid: int) -> int:
     """The node's engine process: its one child."""
-    children: list[int] = []
-    for task in Path(f"/proc/{node_pid}/task").iterdir():
-        text = (task / "children").read_text().split()
-        children += [int(c) for c in text]
-    assert len(children) == 1, f"node {node_pid} has children {children}"
-    return children[0]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is gone
-
-
-def _wait_gone(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not _alive(pid):
-            return True
-        time.sleep(0.1)
-    return False
+    found = children(node_pid)
+    assert len(found) == 1, f"node {node_pid} has children {found}"
+    return found[0]
 
 
 async def _greedy(address: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
@@ -91,7 +75,7 @@ def test_nodes_with_engine_processes_answer_token_exact_on_both_routes(tmp_path)
         stats = node_stats(decode)
         assert stats.num_free_blocks == stats.num_blocks  # every request's blocks freed
         assert stats.counters["transfers"] == len(prompts)
-        assert _alive(_engine_pid(decode.popen.pid))
+        assert alive(_engine_pid(decode.popen.pid))
     finally:
         for proc in (split, direct, prefill, decode):
             proc.stop()
@@ -133,8 +117,8 @@ def test_a_node_killed_outright_leaves_no_engine_process(tmp_path):
     try:
         node.popen.kill()
         node.popen.wait(10)
-        assert _wait_gone(engine, 20), "the engine process outlived its node"
+        assert not still_alive([engine], 20), "the engine process outlived its node"
     finally:
         node.stop()
-        if _alive(engine):
+        if alive(engine):
             os.kill(engine, signal.SIGKILL)

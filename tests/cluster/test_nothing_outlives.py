@@ -2,8 +2,8 @@
 it however it ends (SIGKILL; a rank stopped as in a collective that never returns), and `up`'s
 launcher leaves no process of a component's group behind (engine.lifeline, launcher).
 
-On a CPU the ranks are gloo processes; tests/gpu/test_device_gpu.py checks the same on GPUs,
-and that their memory is freed."""
+On a CPU the ranks are gloo processes; tests/gpu/test_nothing_outlives_gpu.py checks that a GPU
+node's memory is given back."""
 
 from __future__ import annotations
 
@@ -13,10 +13,9 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
-from support.processes import alive, cmdline, descendants, start_node
+from support.processes import cmdline, descendants, kill_all, start_node, still_alive
 
 from splitserve.engine.client import STOP_TIMEOUT_S
 from splitserve.launcher import ClusterSpec, LocalCluster, free_port
@@ -26,17 +25,20 @@ TP2_ENGINE_PROCESS = ("--tensor-parallel-size", "2", "--engine-process", "on")
 GONE_WITHIN_S = 30.0  # a hang guard: the kernel's SIGKILL takes milliseconds
 
 
-def _wait_all_gone(pids: list[int], timeout: float = GONE_WITHIN_S) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return left
-
-
-def _kill_all(pids: list[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+@contextlib.contextmanager
+def _node_with_rank1_stopped(model, tmp_path, *flags: str):
+    """A prefill node at TP 2 with an engine process, its rank 1 stopped (as in a collective that
+    never returns); yields the node and the processes below it (killed at the end, whatever)."""
+    node = start_node("prefill", model, tmp_path, *TP2_ENGINE_PROCESS, *flags)
+    helpers = descendants(node.popen.pid)
+    try:
+        assert len(helpers) == 2, f"expected the engine process and rank 1, found {helpers}"
+        (rank1,) = [p for p in helpers if "splitserve.engine.ranks" in cmdline(p)]
+        os.kill(rank1, signal.SIGSTOP)
+        yield node, helpers
+    finally:
+        node.stop()
+        kill_all(helpers)
 
 
 @pytest.fixture(scope="module")
@@ -67,27 +69,19 @@ def test_a_helper_dies_with_its_parent_even_while_stopped(tmp_path):
         os.kill(helper, signal.SIGSTOP)  # stuck: it can run nothing of its own
         proc.kill()
         proc.wait(10)
-        assert not _wait_all_gone([helper]), "the stopped helper outlived its parent"
+        assert not still_alive([helper], GONE_WITHIN_S), "the stopped helper outlived its parent"
     finally:
         proc.kill()
-        _kill_all(descendants(proc.pid))
+        kill_all(descendants(proc.pid))
 
 
 @pytest.mark.slow
 def test_a_node_killed_with_a_rank_stuck_leaves_no_engine_process_and_no_rank(model, tmp_path):
-    node = start_node("prefill", model, tmp_path, *TP2_ENGINE_PROCESS)
-    helpers = descendants(node.popen.pid)
-    try:
-        assert len(helpers) == 2, f"expected the engine process and rank 1, found {helpers}"
-        (rank1,) = [p for p in helpers if "splitserve.engine.ranks" in cmdline(p)]
-        os.kill(rank1, signal.SIGSTOP)  # as in a collective that never returns
+    with _node_with_rank1_stopped(model, tmp_path) as (node, helpers):
         node.popen.kill()
         node.popen.wait(10)
-        left = _wait_all_gone(helpers)
+        left = still_alive(helpers, GONE_WITHIN_S)
         assert not left, f"processes outlived their node: {left}"
-    finally:
-        node.stop()
-        _kill_all(helpers)
 
 
 @pytest.mark.slow
@@ -117,28 +111,21 @@ def test_up_stopped_with_a_rank_stuck_leaves_nothing_running(model, tmp_path):
         (rank1,) = [p for p in below if "splitserve.engine.ranks" in cmdline(p)]
         os.kill(rank1, signal.SIGSTOP)
         cluster.stop()
-        left = _wait_all_gone(everything)
+        left = still_alive(everything, GONE_WITHIN_S)
         assert not left, f"left running after up stopped: {left}"
     finally:
         cluster.stop()
-        _kill_all(everything)
+        kill_all(everything)
 
 
 @pytest.mark.slow
 def test_a_node_with_a_rank_stuck_obeys_sigterm_and_takes_its_helpers(model, tmp_path):
     """SIGTERM to a node whose engine cannot stop (rank 1 stopped): it drains, gives its engine
     process STOP_TIMEOUT_S in all, kills it, and exits; nothing it started is left."""
-    node = start_node("prefill", model, tmp_path, *TP2_ENGINE_PROCESS, "--drain-timeout-s", "1")
-    helpers = descendants(node.popen.pid)
-    try:
-        (rank1,) = [p for p in helpers if "splitserve.engine.ranks" in cmdline(p)]
-        os.kill(rank1, signal.SIGSTOP)
+    with _node_with_rank1_stopped(model, tmp_path, "--drain-timeout-s", "1") as (node, helpers):
         node.popen.terminate()
         # A hang guard: its drain (1 s), the engine's stop (STOP_TIMEOUT_S), start-up slack.
         node.popen.wait(1 + STOP_TIMEOUT_S + 30)
         assert "did not stop: killed" in node.log.read_text()
-        left = _wait_all_gone(helpers)
+        left = still_alive(helpers, GONE_WITHIN_S)
         assert not left, f"processes outlived their node: {left}"
-    finally:
-        node.stop()
-        _kill_all(helpers)

@@ -19,12 +19,17 @@ import functools
 import os
 import random
 import signal
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from support.processes import node_stats, start_node, start_router
+from support.processes import (
+    children,
+    node_stats,
+    start_node,
+    start_router,
+    still_alive,
+)
 from support.reference import hf_greedy
 from support.streams import stream_through
 
@@ -62,22 +67,6 @@ SHAPES = {
         dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=322),
     ),
 }
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        out += [int(c) for c in (task / "children").read_text().split()]
-    return out
 
 
 def _engine(path: Path, tp_size: int, lost: list, **kw) -> LLMEngine:
@@ -228,7 +217,7 @@ def test_a_rank_killed_mid_answer_takes_its_node_down_and_streams_resume(tmp_pat
     model = write_random_checkpoint(tmp_path / "m", arch, seed=42, with_tokenizer=True, **overrides)
     decode = [start_node("decode", model, tmp_path, *_tp(2)), start_node("decode", model, tmp_path)]
     router = start_router(model, tmp_path, [], [d.address for d in decode])
-    (rank1,) = _children(decode[0].popen.pid)  # engine in the node's process on a CPU
+    (rank1,) = children(decode[0].popen.pid)  # engine in the node's process on a CPU
     rng = random.Random(3)
     prompts = [[rng.randrange(250) for _ in range(rng.randrange(8, 40))] for _ in range(6)]
     max_tokens = 120
@@ -245,7 +234,4 @@ def test_a_rank_killed_mid_answer_takes_its_node_down_and_streams_resume(tmp_pat
         router.stop()
         for d in decode:
             d.stop()
-    deadline = time.monotonic() + 10
-    while _alive(rank1) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _alive(rank1)
+    assert not still_alive([rank1], 10)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -287,16 +290,37 @@ def descendants(pid: int) -> list[int]:
     """Every live process below ``pid`` (its children, theirs, ...), from /proc."""
     out, todo = [], [pid]
     while todo:
-        parent = todo.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            try:
-                kids = [int(c) for c in (task / "children").read_text().split()]
-            except FileNotFoundError:
-                continue
-            out += kids
-            todo += kids
+        kids = children(todo.pop())
+        out += kids
+        todo += kids
     return [p for p in out if alive(p)]
 
 
 def cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+
+
+def children(pid: int) -> list[int]:
+    """``pid``'s direct children, from /proc."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except FileNotFoundError:
+            continue
+    return out
+
+
+def still_alive(pids: list[int], timeout: float) -> list[int]:
+    """Those of ``pids`` still running once they are all gone or ``timeout`` passed."""
+    deadline = time.monotonic() + timeout
+    while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def kill_all(pids: list[int]) -> None:
+    """SIGKILL each of ``pids`` that still exists (a test's cleanup)."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
