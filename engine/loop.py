@@ -24,6 +24,12 @@ the awaiting task (a client cancel, then the call torn down while it cleans up) 
 queued job too, and a job still queued behind a step is then dropped — the blocks stay
 allocated for good. Releases, reservations and pins therefore go through ``call_to_end`` (or
 ``acquire``), which queue the job first and wait for it through any number of cancellations.
+
+``SPLITSERVE_MIN_STEP_MS``: every step that runs a forward takes at least this long (the thread
+sleeps the rest, the GIL released, before its outputs are handed over), as on a slower device.
+For load tests and demos on a shared CPU: a node whose steps sleep rather than compute runs at
+the same rate however busy the machine's cores are (its forward must fit in the floor). Unset or
+0: steps take what they take.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -47,6 +54,23 @@ T = TypeVar("T")
 # A step that scheduled nothing although requests wait (the pool is held by transfers in flight):
 # the thread waits this long, or until a job comes, instead of spinning.
 IDLE_WAIT_S = 0.002
+MIN_STEP_VARIABLE = "SPLITSERVE_MIN_STEP_MS"
+
+
+def min_step_seconds(env=None) -> float:
+    """``SPLITSERVE_MIN_STEP_MS`` in seconds (0: no floor); a clear error for a bad value."""
+    raw = (os.environ if env is None else env).get(MIN_STEP_VARIABLE, "").strip()
+    if not raw:
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not (0 <= value <= 60_000):
+        raise ValueError(
+            f"{MIN_STEP_VARIABLE} must be a number of milliseconds from 0 to 60000, got {raw!r}"
+        )
+    return value / 1000
 
 
 class AsyncEngine:
@@ -69,6 +93,7 @@ class AsyncEngine:
         self._on_thread = on_thread
         self._profile_path = profile_path
         self._profile = None
+        self._min_step_s = min_step_seconds()
         if profile_path:
             from splitserve.engine.step_profile import StepProfile
 
@@ -250,6 +275,8 @@ class AsyncEngine:
             self._post(self._fail_to, rids, exc)
             return True
         self._hand_over()  # nothing launched (nothing scheduled): the last outputs go now
+        if engine.last_num_scheduled and self._min_step_s:
+            time.sleep(max(0.0, started + self._min_step_s - time.perf_counter()))
         if engine.last_num_scheduled:
             self.steps += 1  # forwards run (not the steps that found nothing to schedule)
             self.step_seconds += time.perf_counter() - started

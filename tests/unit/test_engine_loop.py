@@ -157,3 +157,46 @@ def test_held_outputs_go_when_the_next_forward_is_launched_and_the_last_at_once(
     assert posted[-1] == len(launches)  # the last step's outputs: no launch followed them
     # Every other step's outputs went out during the next step, after its launch.
     assert len(posted) >= 2 and all(n >= i + 2 for i, n in enumerate(posted[:-1])), posted
+
+
+def test_a_step_floor_makes_every_forward_take_at_least_that_long(tmp_path, monkeypatch):
+    """SPLITSERVE_MIN_STEP_MS (load tests on a shared machine): each step that runs a forward
+    lasts at least the floor, its tokens unchanged; a bad value is refused with the variable's
+    name. (A lower bound only: a slow machine cannot make it fail.)"""
+    import time
+
+    from splitserve.engine.loop import min_step_seconds
+    from splitserve.models.sampling_params import SamplingParams
+    from splitserve.models.tiny import write_random_checkpoint
+    from splitserve.runtime.config import NodeConfig
+    from splitserve.runtime.node import build_engine
+
+    for bad in ("fast", "-5", "1e9"):
+        with pytest.raises(ValueError, match="SPLITSERVE_MIN_STEP_MS"):
+            min_step_seconds({"SPLITSERVE_MIN_STEP_MS": bad})
+    assert min_step_seconds({}) == 0.0 and min_step_seconds({"SPLITSERVE_MIN_STEP_MS": "40"}) == 0.04
+
+    model = write_random_checkpoint(tmp_path / "model", with_tokenizer=False)
+    core, _ = build_engine(NodeConfig(model_path=str(model), kv_cache_mb=16), prefill_only=False)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    reference = core.generate([[5, 6, 7]], params)[0].output_token_ids
+    monkeypatch.setenv("SPLITSERVE_MIN_STEP_MS", "40")
+
+    async def scenario():
+        engine = AsyncEngine(core)
+        engine.start()
+        try:
+            queue = engine.subscribe("r")
+            started = time.perf_counter()
+            await engine.call(core.add_request, "r", [5, 6, 7], params)
+            got = []
+            while not got or got[-1][1] is None:
+                out = await asyncio.wait_for(queue.get(), 20)
+                got.append((out.new_token_id, out.finish_reason))
+            return [t for t, _ in got], time.perf_counter() - started, engine.steps
+        finally:
+            await engine.stop()
+
+    tokens, elapsed, steps = asyncio.run(scenario())
+    assert tokens == reference
+    assert steps >= 6 and elapsed >= steps * 0.04, (steps, elapsed)
