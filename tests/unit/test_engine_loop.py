@@ -174,7 +174,8 @@ def test_a_step_floor_makes_every_forward_take_at_least_that_long(tmp_path, monk
     for bad in ("fast", "-5", "1e9"):
         with pytest.raises(ValueError, match="SPLITSERVE_MIN_STEP_MS"):
             min_step_seconds({"SPLITSERVE_MIN_STEP_MS": bad})
-    assert min_step_seconds({}) == 0.0 and min_step_seconds({"SPLITSERVE_MIN_STEP_MS": "40"}) == 0.04
+    assert min_step_seconds({}) == 0.0
+    assert min_step_seconds({"SPLITSERVE_MIN_STEP_MS": "40"}) == 0.04
 
     model = write_random_checkpoint(tmp_path / "model", with_tokenizer=False)
     core, _ = build_engine(NodeConfig(model_path=str(model), kv_cache_mb=16), prefill_only=False)
