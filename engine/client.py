@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import subprocess
 from collections.abc import Callable
 from typing import Any
@@ -58,8 +59,27 @@ logger = logging.getLogger(__name__)
 FIGURES_EVERY_S = 0.5  # how often last_figures is refreshed (the metrics thread's read)
 # Stopping the engine process takes this long at most, all of it (its last replies, its exit);
 # then it is killed (and its tensor-parallel ranks with it: engine.lifeline), so a node whose
-# engine is stuck (a rank stopped in a collective) still ends.
+# engine is stuck (a rank stopped in a collective) still ends. SPLITSERVE_ENGINE_STOP_TIMEOUT_S
+# sets it (seconds; e.g. to fit a container's stop grace period).
 STOP_TIMEOUT_S = 20.0
+STOP_TIMEOUT_VARIABLE = "SPLITSERVE_ENGINE_STOP_TIMEOUT_S"
+
+
+def stop_timeout_s(env: Any = None) -> float:
+    """How long stopping the engine process may take (``STOP_TIMEOUT_S`` unless the variable
+    sets it); ``ValueError`` naming the variable for a bad value."""
+    raw = (os.environ if env is None else env).get(STOP_TIMEOUT_VARIABLE, "").strip()
+    if not raw:
+        return STOP_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 3600:
+        raise ValueError(f"{STOP_TIMEOUT_VARIABLE} must be seconds in (0, 3600], got {raw!r}")
+    return value
+
+
 ADOPT_BYTES = 64 << 20  # the most block bytes one adopt command carries
 
 
@@ -96,6 +116,7 @@ class EngineClient(NodeEngine):
         self.gone: str | None = None  # why the engine process went (None: it is there)
         self.process: subprocess.Popen | None = None  # the engine process, reaped by stop
         self._stopping = False
+        self._stop_timeout_s = stop_timeout_s()  # a bad value fails the node's start, not its stop
         self.steps_received = 0  # OUTPUTS frames
 
     async def connect(self, role: str, config: dict[str, Any]) -> EngineInfo:
@@ -207,12 +228,12 @@ class EngineClient(NodeEngine):
     async def stop(self) -> None:
         """Stop the engine process: it answers the commands still running (cancelled ones with
         EngineGone) and closes; what is left unanswered then fails here, later commands raise
-        EngineGone, and the process is waited for (killed after ``STOP_TIMEOUT_S``)."""
+        EngineGone, and the process is waited for (killed after ``stop_timeout_s()``)."""
         if self._stopping:
             return
         self._stopping = True
         loop = asyncio.get_running_loop()
-        end = loop.time() + STOP_TIMEOUT_S  # one deadline for every step below
+        end = loop.time() + self._stop_timeout_s  # one deadline for every step below
 
         def left() -> float:
             return max(end - loop.time(), 0.0)

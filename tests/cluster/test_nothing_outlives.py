@@ -119,12 +119,14 @@ def test_up_stopped_with_a_rank_stuck_leaves_nothing_running(model, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_node_with_a_rank_stuck_obeys_sigterm_and_takes_its_helpers(model, tmp_path):
+def test_a_node_with_a_rank_stuck_obeys_sigterm_and_takes_its_helpers(model, tmp_path, monkeypatch):
     """SIGTERM to a node whose engine cannot stop (rank 1 stopped): it drains, gives its engine
-    process STOP_TIMEOUT_S in all, kills it, and exits; nothing it started is left."""
+    process its stop timeout in all (SPLITSERVE_ENGINE_STOP_TIMEOUT_S, 3 s here; 20 s by
+    default), kills it, and exits; nothing it started is left."""
+    monkeypatch.setenv("SPLITSERVE_ENGINE_STOP_TIMEOUT_S", "3")  # the node inherits it
     with _node_with_rank1_stopped(model, tmp_path, "--drain-timeout-s", "1") as (node, helpers):
         node.popen.terminate()
-        # A hang guard: its drain (1 s), the engine's stop (STOP_TIMEOUT_S), start-up slack.
+        # A hang guard: its drain (1 s), the engine's stop, start-up slack.
         node.popen.wait(1 + STOP_TIMEOUT_S + 30)
         assert "did not stop: killed" in node.log.read_text()
         left = still_alive(helpers, GONE_WITHIN_S)

@@ -106,3 +106,13 @@ def test_a_subclass_travels_as_its_nearest_known_base():
     assert type(back) is ValueError and "FormatProblem" in str(back) and "bad ticket" in str(back)
     gone = error_of(error_value(ConnectionRefusedError("refused")))
     assert isinstance(gone, RemoteError)  # no known base short of Exception: said as it is
+
+
+def test_the_engine_stop_timeout_is_the_variables_or_twenty_seconds():
+    from splitserve.engine.client import STOP_TIMEOUT_S, stop_timeout_s
+
+    assert stop_timeout_s({}) == STOP_TIMEOUT_S == 20.0
+    assert stop_timeout_s({"SPLITSERVE_ENGINE_STOP_TIMEOUT_S": "4.5"}) == 4.5
+    for bad in ("soon", "0", "-1", "1e6"):
+        with pytest.raises(ValueError, match="SPLITSERVE_ENGINE_STOP_TIMEOUT_S"):
+            stop_timeout_s({"SPLITSERVE_ENGINE_STOP_TIMEOUT_S": bad})
