@@ -40,11 +40,13 @@ from splitserve.engine.loop import AsyncEngine, settle
 from splitserve.kvstore import BlockHash
 from splitserve.kvstore.block_pool import KVCacheEvent
 from splitserve.models.sampling_params import SamplingParams
-from splitserve.transfer import BYTES_ONLY
+from splitserve.transfer import TP_PATHS, RankLink
 
 logger = logging.getLogger(__name__)
 
 FETCH_RECEIVER_MARK = "#fetch-"  # in the id of every prefill node's fetch receiver
+# A message for the other ranks' transfer agents waits for the step in progress (at most one).
+RANK_COMMAND_TIMEOUT_S = 30.0
 
 
 class LocalEngine(NodeEngine):
@@ -219,28 +221,41 @@ class LocalEngine(NodeEngine):
             tls=tls, trust_network=spec.trust_network, rendezvous_key=spec.rendezvous_key
         )
         pool = self.port.kv_pool
-        if self.core.runner.tp.size > 1 and tuple(spec.paths) != BYTES_ONLY:
-            # NOTE: the ipc, dist and tcp paths move the bytes of one pool tensor; a block of a
-            # tensor-parallel engine spans every rank's pool, so only the byte path (whose
-            # reads and writes go through the runner, in whole heads) serves it.
-            logger.info(
-                "KV transfer: gRPC bytes only at tensor parallel size %d (not %s)",
-                self.core.runner.tp.size,
-                ",".join(p for p in spec.paths if p not in BYTES_ONLY),
-            )
-            spec = dataclasses.replace(spec, paths=BYTES_ONLY)
+        runner, ranks = self.core.runner, None
+        if runner.tp.size > 1:
+            # A block of a tensor-parallel engine spans every rank's pool: dist moves it rank
+            # to rank (transfer.shards, its other ranks told through ``_command_ranks``), the
+            # byte path through rank 0 (the runner's whole-heads reads and writes). ipc, tcp and
+            # nixl move one pool tensor: not opened.
+            ranks = RankLink(runner.tp.size, runner.config.num_kv_heads, self._command_ranks)
+            dropped = [p for p in spec.paths if p not in TP_PATHS]
+            if dropped:
+                logger.info(
+                    "KV transfer at tensor parallel size %d: dist rank to rank and gRPC bytes "
+                    "(not %s)",
+                    runner.tp.size,
+                    ",".join(dropped),
+                )
+                spec = dataclasses.replace(
+                    spec, paths=tuple(p for p in spec.paths if p in TP_PATHS)
+                )
         life = uuid.uuid4().hex[:8]  # a new id per process life (see the node servers)
         if spec.role == "decode":
             # Always a receiver: gRPC bytes go through its reservations too.
             rx = open_receiver(
-                pool, f"{spec.address}#{life}", paths=spec.paths, host=spec.host, security=security
+                pool,
+                f"{spec.address}#{life}",
+                paths=spec.paths,
+                host=spec.host,
+                security=security,
+                ranks=ranks,
             )
             self._sides[RX] = rx
             endpoint = rx.endpoint().to_bytes() if rx.paths else b""
             return KVSides(rx_id=rx.node_id, rx_paths=rx.paths, rx_endpoint=endpoint)
         sides: dict[str, Any] = {}
         if len(spec.paths) > 1:  # a path besides gRPC bytes
-            tx = open_sender(pool, spec.address, paths=spec.paths, security=security)
+            tx = open_sender(pool, spec.address, paths=spec.paths, security=security, ranks=ranks)
             self._sides[TX] = tx
             layered = tx.layered_paths if spec.stream_layers else ()
             sides.update(tx_id=tx.node_id, tx_paths=tx.paths, tx_layered=layered)
@@ -269,6 +284,21 @@ class LocalEngine(NodeEngine):
                 rx_endpoint=rx.endpoint().to_bytes(),
             )
         return KVSides(**sides)
+
+    def _command_ranks(self, payload: bytes, wait: bool) -> None:
+        """``RankLink.command``: a message for the other ranks' KV transfer agents, sent on the
+        engine thread between steps (the rank channel's messages are in step with the steps);
+        with ``wait``, return once it is sent. From a transfer thread, never the engine's."""
+        future = self.loop_engine.submit_threadsafe(self.core.runner.send_shards, payload)
+        if wait:
+            try:
+                future.result(timeout=RANK_COMMAND_TIMEOUT_S)
+            except (concurrent.futures.CancelledError, concurrent.futures.TimeoutError) as exc:
+                from splitserve.transfer import TransferError
+
+                raise TransferError(
+                    "the engine's other ranks could not be told (stopping?)"
+                ) from exc
 
     def _side(self, side: str) -> Any:
         part = self._sides.get(side)

@@ -174,6 +174,18 @@ class AsyncEngine:
                 self._cond.notify()
         return asyncio.wrap_future(future)
 
+    def submit_threadsafe(self, fn: Callable[..., T], *args) -> Future:
+        """``submit`` from any thread but the engine's own (which would wait for itself): a
+        ``concurrent.futures.Future`` (cancelled when the engine is stopping)."""
+        future: Future = Future()
+        with self._cond:
+            if self._stopping:
+                future.cancel()
+            else:
+                self._jobs.append((future, fn, args))
+                self._cond.notify()
+        return future
+
     async def call_to_end(self, fn: Callable[..., T], *args) -> T:
         """``call`` that a cancellation of the caller cannot stop half way: ``fn`` runs, and the
         cancellation is raised once it has (so the caller's cleanup goes on in order). For

@@ -196,7 +196,7 @@ def run_rank(spec: RankSpec, rank: int) -> None:
 
     from splitserve.models.loader import load_model
     from splitserve.models.runner import ModelRunner, RunnerConfig
-    from splitserve.transfer import make_group
+    from splitserve.transfer import ShardAgent, make_group
 
     device = torch.device(spec.devices[rank])
     if device.type == "cuda":
@@ -220,7 +220,13 @@ def run_rank(spec: RankSpec, rank: int) -> None:
     if "graph_batch_sizes" in runner_config:
         runner_config["graph_batch_sizes"] = tuple(runner_config["graph_batch_sizes"])
     runner = ModelRunner(config, model, RunnerConfig(**runner_config))
-    runner.follow()
+    # This rank's part of its node's KV transfers with peers (rank 0's dist sides send it the
+    # messages: transfer.shards), on threads of its own.
+    agent = ShardAgent(runner.kv_pool, rank, spec.size, config.num_kv_heads)
+    try:
+        runner.follow(agent.handle)
+    finally:
+        agent.close()
     # Stopped: stay until rank 0 closes stdin (``Ranks.stop``, after its own last collective),
     # so no rank leaves while another may still be reading from it.
     threading.Event().wait()

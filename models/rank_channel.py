@@ -12,7 +12,10 @@ same order. The operations:
 - ``READ``: block ids whose KV the ranks gather to rank 0 (each holds its heads);
 - ``WRITE``: block ids; rank 0 then scatters each rank its heads of them;
 - ``STOP``: the ranks leave their loop (after one last all-reduce, so none exits before all
-  have it).
+  have it);
+- ``SHARDS``: bytes for the ranks' KV transfer agent (``transfer.shards``: join a group with a
+  peer node's ranks, send or receive this rank's pieces of a transfer), which runs them on a
+  thread of its own: the loop goes on at once, and no collective of the group is involved.
 
 Everything a step could fail on (ids, lengths, block tables) is checked on rank 0 before the
 header goes, so a follower never fails where rank 0 did not: a step either runs on every rank or
@@ -28,7 +31,8 @@ import torch
 from splitserve.models.layers import AttentionMetadata
 from splitserve.models.parallel import TPGroup
 
-STEP, READ, WRITE, STOP = 1, 2, 3, 4
+STEP, READ, WRITE, STOP, SHARDS = 1, 2, 3, 4, 5
+MAX_SHARDS_BYTES = 1 << 20  # a transfer command: a few ids per block, far below
 HEADER = 10
 
 
@@ -43,6 +47,7 @@ class Message(NamedTuple):
     op: int
     step: Step | None = None
     block_ids: torch.Tensor | None = None
+    payload: bytes = b""
 
 
 class RankChannel:
@@ -99,6 +104,14 @@ class RankChannel:
         self._header(WRITE, block_ids.numel())
         self._send(block_ids.to(self.device, torch.int64))
 
+    def send_shards(self, payload: bytes) -> None:
+        """Bytes for every other rank's KV transfer agent (``SHARDS``)."""
+        if not 0 < len(payload) <= MAX_SHARDS_BYTES:
+            raise ValueError(f"a SHARDS message of {len(payload)} bytes")
+        self._header(SHARDS, len(payload))
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        self._send(data.to(self.device))
+
     def send_stop(self) -> None:
         self._header(STOP)
         self.leave()
@@ -120,6 +133,9 @@ class RankChannel:
             return Message(op, block_ids=self._recv((header[1],), torch.int64))
         if op == STOP:
             return Message(STOP)
+        if op == SHARDS and 0 < header[1] <= MAX_SHARDS_BYTES:
+            data = self._recv((header[1],), torch.uint8)
+            return Message(SHARDS, payload=data.cpu().numpy().tobytes())
         raise RuntimeError(f"unknown tensor-parallel operation {op} from rank 0")
 
     def _receive_step(self, header: list[int]) -> Step:

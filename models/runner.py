@@ -30,7 +30,7 @@ from splitserve.kvstore.tp_shards import kv_heads_of
 from splitserve.models.config import ModelConfig
 from splitserve.models.layers import AttentionMetadata
 from splitserve.models.llama import LlamaForCausalLM
-from splitserve.models.rank_channel import READ, STEP, STOP, WRITE, RankChannel
+from splitserve.models.rank_channel import READ, SHARDS, STEP, STOP, WRITE, RankChannel
 
 logger = logging.getLogger(__name__)
 
@@ -522,8 +522,18 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ the other ranks
 
-    def follow(self) -> None:
-        """On a rank other than 0: run what rank 0 sends until it says stop."""
+    def send_shards(self, payload: bytes) -> None:
+        """On rank 0 of a parallel group: hand the other ranks' KV transfer agents ``payload``
+        (on the thread that steps: the channel's messages are the group's, in order)."""
+        self._check_open()
+        channel = self.channel
+        if channel is None:
+            raise RuntimeError("send_shards is for rank 0 of a parallel group")
+        self._in_group(lambda: channel.send_shards(payload))
+
+    def follow(self, on_shards: Callable[[bytes], None] | None = None) -> None:
+        """On a rank other than 0: run what rank 0 sends until it says stop. ``on_shards``:
+        takes the KV transfer agent's messages (it must not block)."""
         if self.channel is None or self.tp.rank == 0:
             raise RuntimeError("follow() is for the ranks other than 0 of a parallel group")
         with torch.inference_mode():
@@ -538,6 +548,8 @@ class ModelRunner:
                     self._gather_heads(msg.block_ids)
                 elif msg.op == WRITE and msg.block_ids is not None:
                     self._scatter_heads(msg.block_ids, None)
+                elif msg.op == SHARDS and on_shards is not None:
+                    on_shards(msg.payload)
 
     def close(self) -> None:
         """On rank 0 of a parallel group: let the other ranks go (idempotent)."""

@@ -20,6 +20,7 @@ from splitserve.transfer.chooser import (
     FETCH_PATHS,
     PATHS,
     PREFERENCE,
+    TP_PATHS,
     choose_path,
     fetch_paths,
     parse_paths,
@@ -54,6 +55,7 @@ from splitserve.transfer.grpc_bytes.codec import batch_indices, decode_blocks, e
 from splitserve.transfer.ipc.handle import IpcHandle, export_pool, open_pool
 from splitserve.transfer.reservation import Reservation, Ticket, check_block_ids
 from splitserve.transfer.security import KVSecurity, KVTls, rendezvous_key
+from splitserve.transfer.shards import RankLink, ShardAgent
 
 __all__ = [
     "BYTES_ONLY",
@@ -65,6 +67,7 @@ __all__ = [
     "PATHS",
     "PREFERENCE",
     "TCP",
+    "TP_PATHS",
     "ChannelClosed",
     "DistAddress",
     "Endpoint",
@@ -79,7 +82,9 @@ __all__ = [
     "NotConnected",
     "PathOptions",
     "PeerLost",
+    "RankLink",
     "Reservation",
+    "ShardAgent",
     "StreamFailed",
     "TcpAddress",
     "Ticket",

@@ -39,6 +39,7 @@ from splitserve.transfer.base import (
 from splitserve.transfer.chooser import (
     DEFAULT_PATHS,
     PATHS,
+    TP_PATHS,
     choose_path,
     open_receivers,
     open_senders,
@@ -48,6 +49,7 @@ from splitserve.transfer.endpoint import GRPC, Endpoint, local_endpoint
 from splitserve.transfer.errors import NotConnected
 from splitserve.transfer.reservation import Reservation, Ticket
 from splitserve.transfer.security import KVSecurity
+from splitserve.transfer.shards import RankLink
 
 logger = logging.getLogger(__name__)
 
@@ -61,20 +63,31 @@ def open_receiver(
     dist_port: int = 0,
     connect_timeout: float = 30.0,
     security: KVSecurity | None = None,
+    ranks: RankLink | None = None,
 ) -> NodeReceiver:
     """A receiver offering each of ``paths`` that can run here (ipc: a CUDA pool whose export
     works; dist: a backend for the pool's device) and always the byte path. ``host``: where the
     dist store and the tcp listener listen (default: this host's routable address; any free
     port, the dist store ``dist_port`` if given). ``security``: TLS on tcp, dist between nodes,
-    the rendezvous key (``transfer.security``; default none)."""
+    the rendezvous key (``transfer.security``; default none). ``ranks``: ``kv_pool`` is rank 0's
+    of a tensor-parallel engine (only dist and the byte path are opened then: ``TP_PATHS``)."""
     check_pool(kv_pool)
     options = PathOptions(
         host=host,
         dist_port=dist_port,
         connect_timeout=connect_timeout,
         security=security or KVSecurity(),
+        ranks=ranks,
     )
-    return NodeReceiver(kv_pool, node_id, open_receivers(kv_pool, node_id, paths, options))
+    paths = _tp_paths(paths, ranks)
+    parts = open_receivers(kv_pool, node_id, paths, options)
+    return NodeReceiver(kv_pool, node_id, parts, ranks=ranks)
+
+
+def _tp_paths(paths: Collection[str], ranks: RankLink | None) -> Collection[str]:
+    if ranks is None or ranks.tp == 1:
+        return paths
+    return [p for p in paths if p in TP_PATHS]
 
 
 def open_sender(
@@ -86,29 +99,47 @@ def open_sender(
     retry_after: float = 60.0,
     tcp_options: Mapping | None = None,
     security: KVSecurity | None = None,
+    ranks: RankLink | None = None,
 ) -> NodeSender:
     """A sender that may choose each of ``paths`` that can run here (the byte path always
     remains). ``connect_timeout`` bounds building a dist pair (``connect`` blocks that long at
     most); ``tcp_options``: the tcp sender's streams / chunk_bytes / connect_timeout;
-    ``security``: as ``open_receiver``'s."""
+    ``security``, ``ranks``: as ``open_receiver``'s."""
     check_pool(kv_pool)
     options = PathOptions(
-        connect_timeout=connect_timeout, tcp_options=tcp_options, security=security or KVSecurity()
+        connect_timeout=connect_timeout,
+        tcp_options=tcp_options,
+        security=security or KVSecurity(),
+        ranks=ranks,
     )
-    parts = open_senders(kv_pool, node_id, paths, options)
-    return NodeSender(kv_pool, node_id, parts, retry_after=retry_after)
+    parts = open_senders(kv_pool, node_id, _tp_paths(paths, ranks), options)
+    return NodeSender(kv_pool, node_id, parts, retry_after=retry_after, ranks=ranks)
+
+
+def _tp_of(ranks: RankLink | None) -> dict:
+    """``local_endpoint``'s tensor-parallel arguments for rank 0 of an engine (none at TP 1)."""
+    if ranks is None:
+        return {}
+    return {"tp": ranks.tp, "num_kv_heads": ranks.num_kv_heads}
 
 
 class NodeReceiver(KVReceiver):
     """A node's receiving side: ``parts``, one receiver per path it offers by name (the byte
     path's among them)."""
 
-    def __init__(self, kv_pool: torch.Tensor, node_id: str, parts: Mapping[str, KVReceiver]):
+    def __init__(
+        self,
+        kv_pool: torch.Tensor,
+        node_id: str,
+        parts: Mapping[str, KVReceiver],
+        *,
+        ranks: RankLink | None = None,
+    ):
         if GRPC not in parts:
             raise ValueError("a node's receiver always serves the byte path")
         self.kv_pool, self.node_id = kv_pool, node_id
         self._parts = dict(parts)
-        self._endpoint = local_endpoint(node_id, kv_pool, offers=self.offer())
+        self._endpoint = local_endpoint(node_id, kv_pool, offers=self.offer(), **_tp_of(ranks))
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -177,13 +208,14 @@ class NodeSender(KVSender):
         parts: Mapping[str, KVSender],
         *,
         retry_after: float = 60.0,
+        ranks: RankLink | None = None,
     ) -> None:
         if GRPC not in parts:
             raise ValueError("a node's sender always has the byte path")
         self.kv_pool, self.node_id = kv_pool, node_id
         self.retry_after = retry_after
         self._parts = dict(parts)
-        self._endpoint = local_endpoint(node_id, kv_pool)
+        self._endpoint = local_endpoint(node_id, kv_pool, **_tp_of(ranks))
         self._paths: dict[str, str] = {}
         self._peers: dict[str, Endpoint] = {}
         self._retry_at: dict[str, float] = {}  # peers whose preferred path failed to set up

@@ -230,6 +230,8 @@ class PathOptions:
     tcp_options: Mapping[str, Any] | None = None  # TcpSender's streams/chunk_bytes/connect_timeout
     # TLS on tcp, dist between nodes, the rendezvous key (default: none of them)
     security: KVSecurity = field(default_factory=KVSecurity)
+    # rank 0 of a tensor-parallel engine: its other ranks (transfer.shards.RankLink)
+    ranks: Any = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,9 +21,11 @@ from splitserve.transfer.base import KVReceiver, KVSender, PathOptions, Transfer
 from splitserve.transfer.endpoint import DIST, GRPC, IPC, NIXL, TCP, Endpoint
 from splitserve.transfer.security import KVSecurity
 
-# The paths of a node whose blocks only the byte path can carry (a tensor-parallel engine's span
-# every rank's pool; the other paths move one pool tensor).
+# The paths of a node whose blocks only the byte path can carry.
 BYTES_ONLY: tuple[str, ...] = (GRPC,)
+# The paths that move the blocks of a tensor-parallel engine (spread over its ranks' pools): dist
+# rank to rank (transfer.shards), the byte path through rank 0. The others move one pool tensor.
+TP_PATHS: tuple[str, ...] = (DIST, GRPC)
 
 PREFERENCE: tuple[TransferPath, ...] = (
     ipc.PATH,  # same host, CUDA: the sender copies into the receiver's mapped pool
@@ -51,9 +53,11 @@ def choose_path(local: Endpoint, peer: Endpoint, allowed: Collection[str] = PATH
     dist when the peer's rendezvous backend is the sender's for its device kind, not on one GPU;
     tcp when the peer has a listener); ``grpc`` otherwise, whatever ``allowed`` says, and whenever
     the two pools' block layouts differ (the byte path then reports the mismatch as it always
-    has)."""
+    has). A side at tensor parallel size > 1 takes dist or the byte path (``TP_PATHS``)."""
     if (local.block_shape, local.dtype) != (peer.block_shape, peer.dtype):
         return GRPC
+    if local.tp > 1 or peer.tp > 1:
+        allowed = [p for p in allowed if p in TP_PATHS]
     for path in PREFERENCE:
         if path.name in allowed and path.reaches(local, peer):
             return path.name

@@ -14,7 +14,7 @@ import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgpack
 
@@ -36,6 +36,7 @@ BACKEND_FOR_DEVICE = {"cuda": "nccl", "cpu": "gloo"}
 _OFFER_FIELDS = {IPC: "ipc_handle", DIST: "dist", TCP: "tcp"}
 
 _VERSION = 1
+MAX_TP = 64  # the largest tensor parallel size an endpoint may name
 _T = TypeVar("_T")
 
 
@@ -64,7 +65,9 @@ class Endpoint:
     hostname: str
     boot_id: str
     device: str  # "cuda" or "cpu": where the KV pool lives
-    block_shape: tuple[int, ...]  # pool.shape[1:]: (layers, 2, block_size, kv_heads, head_dim)
+    # (layers, 2, block_size, kv_heads, head_dim) of a whole block: every KV head of the model,
+    # at any tensor parallel size (a rank's pool holds its share of the heads: ``tp``)
+    block_shape: tuple[int, ...]
     dtype: str  # e.g. "bfloat16"
     num_blocks: int = 0
     pid: int = 0  # the process (a CUDA IPC handle cannot be opened by its own process)
@@ -77,6 +80,9 @@ class Endpoint:
     # receiver only: what paths without a field above offer, as (path, bytes); none in the wire
     # format unless there are some, so endpoints without them keep their bytes
     offers: tuple[tuple[str, bytes], ...] = ()
+    # the node's tensor parallel size: above 1 its blocks are spread over that many ranks'
+    # pools, which only dist moves rank to rank (transfer.shards); in the wire format only then
+    tp: int = 1
 
     def offered(self, path: str) -> object | None:
         """What this receiver offers for ``path`` (None: it does not offer that path)."""
@@ -117,6 +123,8 @@ class Endpoint:
         }
         if self.offers:
             fields["offers"] = [list(offer) for offer in self.offers]
+        if self.tp != 1:
+            fields["tp"] = self.tp
         packed = msgpack.packb(fields, use_bin_type=True)
         assert packed is not None
         return packed
@@ -151,11 +159,18 @@ class Endpoint:
                 dist=dist,
                 tcp=tcp,
                 offers=tuple((str(name), bytes(data)) for name, data in f.get("offers") or ()),
+                tp=_tp(f.get("tp", 1)),
             )
         except ValueError:
             raise
         except Exception as exc:  # msgpack raises several types on garbage
             raise ValueError(f"malformed endpoint: {exc!r}") from None
+
+
+def _tp(value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_TP:
+        raise ValueError(f"bad tensor parallel size {value!r} (1 to {MAX_TP})")
+    return value
 
 
 def _flag(fields: list, index: int) -> bool:
@@ -233,9 +248,13 @@ def local_endpoint(
     dist: DistAddress | None = None,
     tcp: TcpAddress | None = None,
     offers: Mapping[str, object] | None = None,
+    tp: int = 1,
+    num_kv_heads: int | None = None,
 ) -> Endpoint:
     """This process's endpoint for its KV pool ``(num_blocks, layers, 2, block_size, kv_heads,
-    head_dim)``; ``offers``: what a receiver's paths offer, by path name (``KVReceiver.offer``)."""
+    head_dim)``; ``offers``: what a receiver's paths offer, by path name (``KVReceiver.offer``).
+    ``tp`` / ``num_kv_heads``: rank 0 of a tensor-parallel engine (its pool holds its share of
+    the model's ``num_kv_heads``; the endpoint names the whole block)."""
     left = dict(offers or {})
     ipc_handle = _offer(left, IPC, bytes, ipc_handle)
     dist = _offer(left, DIST, DistAddress, dist)
@@ -254,7 +273,7 @@ def local_endpoint(
         hostname=hostname(),
         boot_id=boot_id(),
         device=kind,
-        block_shape=tuple(kv_pool.shape[1:]),
+        block_shape=whole_block_shape(kv_pool, num_kv_heads),
         dtype=dtype_name(kv_pool.dtype),
         num_blocks=int(kv_pool.shape[0]),
         pid=os.getpid(),
@@ -265,7 +284,17 @@ def local_endpoint(
         dist=dist,
         tcp=tcp,
         offers=tuple(others),
+        tp=_tp(tp),
     )
+
+
+def whole_block_shape(kv_pool: Any, num_kv_heads: int | None = None) -> tuple[int, ...]:
+    """``kv_pool``'s block shape with every KV head of the model (``num_kv_heads``; None: the
+    pool holds them all)."""
+    shape = list(kv_pool.shape[1:])
+    if num_kv_heads is not None:
+        shape[3] = num_kv_heads
+    return tuple(int(x) for x in shape)
 
 
 def _offer(offers: dict[str, object], path: str, kind: type[_T], default: _T | None) -> _T | None:

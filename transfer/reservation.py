@@ -290,6 +290,23 @@ class Reservation:
             self._end(DONE, None)
             return True
 
+    def fill_in_place(self, write: Callable[[], None]) -> bool:
+        """Hold the reservation while ``write()`` writes its blocks in place (a tensor-parallel
+        engine's ranks, each into its own pool: ``transfer.shards``), then end it done. False
+        (``write`` not called) if it already ended. Ending it otherwise (``cancel``) waits
+        until ``write`` returns; should ``write`` raise, the reservation fails with that error,
+        which is raised."""
+        with self._mu:
+            if self._state != RESERVED:
+                return False
+            try:
+                write()
+            except BaseException as exc:
+                self._end(FAILED, exc)
+                raise
+            self._end(DONE, None)
+            return True
+
     def end_done(self) -> None:
         """End as done (every block is in); nothing if it already is, its failure raised if it
         ended otherwise."""

@@ -18,22 +18,59 @@ same plan, block counts and ``tag``; each returns once its own pieces are throug
 receives is checked against its pool (shape, dtype) before anything is written, and nothing is
 written until all of that rank's pieces arrived: a transfer that fails or times out leaves the
 pool as it was.
+
+Between nodes this is the dist path's group when either side's tensor parallel size is above 1
+(``transfer.dist``: the pair group is then this group, its rank 0 the receiver's rank 0 and its
+rank ``d`` the sender's). The dist sides run on rank 0 of each engine; they reach the engine's
+other ranks through a ``RankLink`` (the engine's rank channel: ``models.rank_channel.SHARDS``),
+whose messages a ``ShardAgent`` on every other rank serves on a thread of its own: ``join`` a
+group, ``recv`` or ``send`` its pieces of one transfer and then acknowledge it to its leader
+(group rank 0 or ``d``, on ``TAG_ACK``), ``leave``. Its leader counts the acknowledgements before
+it calls the transfer done, so the receiver's rank 0 ends a reservation only once every rank's
+heads are in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import msgpack
 import torch
 
 from splitserve.kvstore.tp_shards import Piece, kv_heads_of, transfer_plan
 from splitserve.transfer.errors import TransferTimeout
 from splitserve.transfer.reservation import check_block_ids, check_source_ids
 
+logger = logging.getLogger(__name__)
+
 HEAD_DIM = 4  # pools are (blocks, layers, 2, block_size, kv_heads, head_dim)
+TAG_PIECES = 1  # a transfer's pieces (the dist path's data tag)
+TAG_ACK = 3  # a rank's word to its leader that its part of a transfer is through (1) or not (0)
+
+
+@dataclass(frozen=True)
+class RankLink:
+    """What rank 0's transfer sides need of a tensor-parallel engine's other ranks: its size, the
+    model's KV heads, and ``command(payload, wait)``, which hands every other rank's
+    ``ShardAgent`` a message (encoded by ``encode``) in order; ``wait``: until it is sent."""
+
+    tp: int
+    num_kv_heads: int
+    command: Callable[[bytes, bool], None]
+
+
+def encode(op: str, **fields: Any) -> bytes:
+    packed = msgpack.packb({"op": op, **fields}, use_bin_type=True)
+    assert packed is not None
+    return packed
 
 
 @dataclass(frozen=True)
@@ -139,10 +176,13 @@ def receive_shards(
     block_ids: Sequence[int] | torch.Tensor,
     tag: int = 0,
     timeout_s: float = 30.0,
+    write: bool = True,
 ) -> int:
     """On receiver rank ``rank``: receive its pieces of the shipped blocks and write them into
     ``block_ids`` of its pool (the reserved destinations, in the senders' order). Nothing is
-    written unless every piece arrived. Returns the bytes received."""
+    written unless every piece arrived (nor ever with ``write`` False: a transfer whose
+    reservation ended, received to keep the group in step and dropped). Returns the bytes
+    received."""
     group.receiver(rank)
     group.check_pool(pool, group.receiver_tp, rank)
     ids = torch.tensor(check_block_ids(block_ids, pool.shape[0]), dtype=torch.int64)
@@ -157,8 +197,153 @@ def receive_shards(
         for p, buf in zip(pieces, buffers, strict=True)
     ]
     _wait(works, timeout_s, f"receiver rank {rank}: receiving {ids.numel()} blocks")
+    if not write:
+        return sum(b.numel() * b.element_size() for b in buffers)
     for piece, buf in zip(pieces, buffers, strict=True):
         _head_slice(pool, piece.dst_offset, piece.count).index_copy_(0, ids, buf)
     if pool.device.type == "cuda":
         torch.cuda.current_stream(pool.device).synchronize()
     return sum(b.numel() * b.element_size() for b in buffers)
+
+
+def send_ack(pg: Any, leader: int, ok: bool, timeout_s: float, device: Any = "cpu") -> None:
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=device)
+    _wait([pg.send([flag], leader, TAG_ACK)], timeout_s, "acknowledging a transfer")
+
+
+def receive_acks(pg: Any, ranks: Sequence[int], timeout_s: float, device: Any = "cpu") -> None:
+    """A leader: every one of ``ranks`` says its part went through, or ``TransferError``."""
+    from splitserve.transfer.errors import TransferError
+
+    flags = [torch.zeros(1, dtype=torch.int64, device=device) for _ in ranks]
+    works = [pg.recv([flag], rank, TAG_ACK) for rank, flag in zip(ranks, flags, strict=True)]
+    _wait(works, timeout_s, "waiting for the other ranks' part")
+    failed = [rank for rank, flag in zip(ranks, flags, strict=True) if int(flag.item()) != 1]
+    if failed:
+        raise TransferError(f"group ranks {failed} could not do their part of the transfer")
+
+
+class ShardAgent:
+    """On a rank other than 0 of a tensor-parallel engine: its part of the transfers rank 0's
+    dist sides run with peer nodes. ``handle`` (the rank's loop, for each ``SHARDS`` message)
+    never blocks: each group is served by a thread of its own, in the order of its messages."""
+
+    def __init__(self, kv_pool: torch.Tensor, tp_rank: int, tp_size: int, num_kv_heads: int):
+        self.kv_pool = kv_pool
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.num_kv_heads = num_kv_heads
+        self._members: dict[str, _Member] = {}
+
+    def handle(self, payload: bytes) -> None:
+        try:
+            message = msgpack.unpackb(payload, raw=False)
+            op, gid = message["op"], str(message["gid"])
+        except Exception as exc:
+            logger.error("a malformed transfer message from rank 0: %s", exc)
+            return
+        if op == "join":
+            old = self._members.pop(gid, None)
+            if old is not None:
+                old.leave()
+            member = _Member(self, gid, message)
+            self._members[gid] = member
+            member.start()
+        elif op == "leave":
+            member = self._members.pop(gid, None)
+            if member is not None:
+                member.leave()
+        elif op in ("send", "recv"):
+            member = self._members.get(gid)
+            if member is None:  # its leader times out waiting for this rank's word
+                logger.warning("a %s for group %s this rank is not in", op, gid)
+            else:
+                member.work.put(message)
+        else:
+            logger.error("an unknown transfer message %r from rank 0", op)
+
+    def close(self) -> None:
+        for member in self._members.values():
+            member.leave()
+        self._members.clear()
+
+
+class _Member:
+    """This rank in one group: builds it, then runs its part of each transfer in order."""
+
+    def __init__(self, agent: ShardAgent, gid: str, join: dict) -> None:
+        self.agent, self.gid, self.join = agent, gid, join
+        self.work: queue.Queue[dict | None] = queue.Queue()
+        self.layout = ShardGroup(
+            int(join["num_kv_heads"]), int(join["sender_tp"]), int(join["receiver_tp"])
+        )
+        self.role = str(join["role"])
+        if self.role == "rx":
+            self.rank = self.layout.receiver(agent.tp_rank)
+            self.leader = self.layout.receiver(0)
+        else:
+            self.rank = self.layout.sender(agent.tp_rank)
+            self.leader = self.layout.sender(0)
+        self._pg: Any = None
+        self._thread = threading.Thread(target=self._main, name=f"kv-shards-{gid}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def leave(self) -> None:
+        self.work.put(None)
+
+    def _connect(self) -> Any:
+        from torch.distributed import PrefixStore  # pyright: ignore[reportPrivateImportUsage]
+
+        from splitserve.transfer.dist.gate import open_tunnel
+        from splitserve.transfer.dist.group import make_group, store_client
+
+        j, timeout = self.join, float(self.join["timeout"])
+        host, port = str(j["host"]), int(j["port"])
+        if j.get("key"):  # the receiver's store behind its gate: a tunnel of this process's own
+            port = open_tunnel(host, port, bytes(j["key"]), timeout)
+            host = "127.0.0.1"
+        store = PrefixStore(str(j["prefix"]), store_client(host, port, timeout))
+        size = self.layout.size
+        return make_group(store, self.rank, size, str(j["backend"]), timeout, str(j["bind"]))
+
+    def _main(self) -> None:
+        pool = self.agent.kv_pool
+        if pool.device.type == "cuda":
+            torch.cuda.set_device(pool.device)
+        try:
+            self._pg = self._connect()
+        except Exception as exc:
+            logger.error("joining KV transfer group %s failed: %s", self.gid, exc)
+            return  # its leader's group construction fails or times out
+        tp_rank = self.agent.tp_rank
+        while True:
+            message = self.work.get()
+            if message is None:
+                break
+            deadline = time.monotonic() + float(message["timeout"])
+            ok = False
+            try:
+                ids = [int(i) for i in message["ids"]]
+                if message["op"] == "recv":
+                    receive_shards(
+                        self._pg, self.layout, tp_rank, pool, ids, tag=TAG_PIECES,
+                        timeout_s=float(message["timeout"]), write=bool(message["keep"]),
+                    )  # fmt: skip
+                else:
+                    send_shards(
+                        self._pg, self.layout, tp_rank, pool, ids, tag=TAG_PIECES,
+                        timeout_s=float(message["timeout"]),
+                    )  # fmt: skip
+                ok = True
+            except Exception as exc:
+                logger.warning("rank %d's part of a KV transfer failed: %s", tp_rank, exc)
+            try:
+                left = max(deadline - time.monotonic(), 1.0)
+                send_ack(self._pg, self.leader, ok, left, pool.device)
+            except Exception as exc:  # the leader gave up on the group: it sends "leave"
+                logger.warning("rank %d could not acknowledge a KV transfer: %s", tp_rank, exc)
+        pg, self._pg = self._pg, None
+        if pg is not None and pool.device.type == "cuda":
+            with contextlib.suppress(Exception):
+                pg.abort()

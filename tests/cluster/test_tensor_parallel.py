@@ -6,7 +6,9 @@ processes, random checkpoints saved with save_pretrained.
   KV heads replicated past their number (TP 4 over 2 KV heads), a vocabulary TP does not divide,
   q/k/v, o_proj and MLP biases, tied embeddings; and their whole-heads block reads equal TP 1's;
   the embedded model (SmolLM2-135M) at TP 3;
-- nodes: prefill at TP 2 → decode at TP 1, TP 1 → TP 2 and TP 4 → TP 2, token-exact end to end;
+- nodes: prefill at TP 2 → decode at TP 1, TP 1 → TP 2, TP 4 → TP 2 and TP 2 → TP 2, token-exact
+  end to end, every transfer over dist rank to rank (transfer.shards: each decode rank receives
+  its heads from the prefill rank(s) holding them);
 - a rank killed mid-answer takes its node down (exit status 70, a clear log line), the router
   resumes the streams on another decode node, and the node's other rank processes go with it.
 """
@@ -183,7 +185,7 @@ def test_pools_of_different_tp_answer_token_exact(tmp_path):
         "d1": start_node("decode", model, tmp_path),
         "d2": start_node("decode", model, tmp_path, *_tp(2)),
     }
-    pairs = [("p2", "d1"), ("p1", "d2"), ("p4", "d2")]
+    pairs = [("p2", "d1"), ("p1", "d2"), ("p4", "d2"), ("p2", "d2")]
     routers = [
         start_router(model, tmp_path, [nodes[p].address], [nodes[d].address]) for p, d in pairs
     ]
@@ -205,7 +207,10 @@ def test_pools_of_different_tp_answer_token_exact(tmp_path):
         for name in ("d1", "d2"):
             stats = node_stats(nodes[name])
             assert stats.num_free_blocks == stats.num_blocks, name
-        assert node_stats(nodes["d2"]).counters["transfers"] == 2 * len(prompts)
+        # Rank to rank (dist), not through rank 0 and gRPC bytes.
+        assert node_stats(nodes["d1"]).counters["transfers_dist"] == len(prompts)
+        d2 = node_stats(nodes["d2"]).counters
+        assert d2["transfers"] == d2["transfers_dist"] == 3 * len(prompts), d2
     finally:
         for proc in [*routers, *nodes.values()]:
             proc.stop()

@@ -10,6 +10,7 @@ from typing import cast
 
 import msgpack
 import pytest
+import torch
 from support.kv_pools import make_pool
 from support.transfer_common import SPEC
 
@@ -146,6 +147,14 @@ CASES = {
     ),
     "block layouts differ": ({}, {"block_shape": (32, 2, 16, 8, 64)}, GRPC),
     "dtypes differ": ({}, {"dtype": "float16"}, GRPC),
+    # A tensor-parallel side's blocks span its ranks' pools: dist (rank to rank) or gRPC bytes.
+    "a TP 2 receiver that offers ipc: dist": ({}, {"tp": 2}, DIST),
+    "a TP 2 sender, an ipc receiver: dist": ({"tp": 2}, {}, DIST),
+    "TP 2 to TP 4, no dist address, a tcp listener: gRPC bytes": (
+        {"tp": 2},
+        {"tp": 4, "dist": None, "tcp": TcpAddress("10.0.0.2", 4000)},
+        GRPC,
+    ),
 }
 
 
@@ -239,6 +248,21 @@ def test_the_addresses_flags_round_trip_and_old_bytes_stay_the_same():
     packed["tcp"] = ["10.1.2.3", 40000, "yes"]
     with pytest.raises(ValueError, match="flag"):
         Endpoint.from_bytes(msgpack.packb(packed))
+
+
+def test_a_tensor_parallel_size_round_trips_and_tp1_bytes_stay_the_same():
+    tp1, tp4 = receiver_endpoint(), receiver_endpoint(tp=4)
+    assert Endpoint.from_bytes(tp4.to_bytes()) == tp4
+    assert "tp" not in msgpack.unpackb(tp1.to_bytes(), raw=False)  # as before
+    for bad in (0, 65, "2", True):
+        packed = msgpack.unpackb(tp4.to_bytes(), raw=False)
+        packed["tp"] = bad
+        with pytest.raises(ValueError, match="tensor parallel size"):
+            Endpoint.from_bytes(msgpack.packb(packed))
+    # Rank 0 of a TP 4 engine over 8 KV heads holds 2: its endpoint names the whole block.
+    pool = torch.zeros(4, 2, 2, 16, 2, 8)
+    ep = local_endpoint("n", pool, tp=4, num_kv_heads=8)
+    assert (ep.tp, ep.block_shape) == (4, (2, 2, 16, 8, 8))
 
 
 def test_the_rendezvous_key_is_derived_from_the_token_not_the_token():

@@ -16,6 +16,7 @@ from splitserve.transfer.dist.group import check_backend, default_backend, prepa
 from splitserve.transfer.endpoint import DIST
 from splitserve.transfer.errors import ChannelClosed, PeerLost, TransferError, TransferTimeout
 from splitserve.transfer.reservation import Reservation
+from splitserve.transfer.shards import RankLink, ShardGroup, encode
 
 MAGIC = 0x53504B56  # "SPKV"
 HEADER_LEN = 6  # magic, gen, seq, n blocks, elements per block, element size
@@ -70,13 +71,24 @@ class Channel:
         self.outstanding: dict[int, DistReservation] = {}
         self.next_seq = 0
         self.closed: TransferError | None = None
+        # A group of both nodes' tensor-parallel ranks (transfer.shards) rather than a pair:
+        # its layout, this side's engine's other ranks, and the group's name among them.
+        self.layout: ShardGroup | None = None
+        self.ranks: RankLink | None = None
+        self.gid = ""
+        self.peer = 1 - rank  # the other side's leader: the pair's other rank, or 0 / d
+
+    @property
+    def pair(self) -> bool:
+        """A pair of single-rank engines: header, then whole blocks."""
+        return self.layout is None or self.layout.size == 2
 
     def __repr__(self) -> str:
         return f"<channel to {self.peer_id!r} gen {self.gen}>"
 
     def post(self, op: str, tensor: torch.Tensor, tag: int) -> Any:
         """Post one send/recv to the peer; its ``Work``."""
-        group, peer = self.group, 1 - self.rank
+        group, peer = self.group, self.peer
         if group is None:
             raise ChannelClosed(f"channel to {self.peer_id!r} is closed: {self.closed}")
         if op == "send":
@@ -107,6 +119,13 @@ class Channel:
             self.outstanding.clear()
         for res in pending:
             res.end_failed(ChannelClosed(f"channel to {self.peer_id!r} closed: {error}"))
+        if self.ranks is not None and self.ranks.tp > 1:  # this engine's other ranks leave too
+            try:
+                self.ranks.command(encode("leave", gid=self.gid), False)
+            except Exception as exc:
+                from splitserve.transfer.dist.group import logger
+
+                logger.warning("telling the other ranks to leave %s: %s", self.gid, exc)
         if self.lock.acquire(blocking=False):
             self.release()
 
@@ -149,12 +168,24 @@ class DistReservation(Reservation):
 
 class ChannelTable:
     """One side of the dist path: its pool, id and backend, and its open channels by peer id
-    (``_channels``, guarded by ``_mu``)."""
+    (``_channels``, guarded by ``_mu``). ``ranks``: this is rank 0 of a tensor-parallel engine
+    (its pool holds its share of the KV heads; the other ranks take part through it)."""
 
     def __init__(
-        self, kv_pool: torch.Tensor, node_id: str, backend: str | None, connect_timeout: float
+        self,
+        kv_pool: torch.Tensor,
+        node_id: str,
+        backend: str | None,
+        connect_timeout: float,
+        ranks: RankLink | None = None,
     ) -> None:
         self.kv_pool = kv_pool
+        self.ranks = ranks
+        self.tp = ranks.tp if ranks is not None else 1
+        self.num_kv_heads = ranks.num_kv_heads if ranks is not None else int(kv_pool.shape[4])
+        # a whole block (every KV head), as the peers see it
+        self.whole_shape = [*kv_pool.shape[1:4], self.num_kv_heads, kv_pool.shape[5]]
+        self.whole_numel = int(torch.Size(self.whole_shape).numel())
         self.node_id = node_id
         self.backend = backend or default_backend(kv_pool.device)
         check_backend(self.backend, kv_pool)

@@ -35,10 +35,10 @@ from splitserve.transfer.dist.group import (
     default_host,
     logger,
     loopback_store,
-    make_pair_group,
+    make_group,
     store_client,
 )
-from splitserve.transfer.endpoint import DIST, DistAddress, available_backends, dtype_name
+from splitserve.transfer.endpoint import MAX_TP, DIST, DistAddress, available_backends, dtype_name
 from splitserve.transfer.errors import (
     ChannelClosed,
     Incomplete,
@@ -47,6 +47,7 @@ from splitserve.transfer.errors import (
     TransferTimeout,
 )
 from splitserve.transfer.reservation import Reservation
+from splitserve.transfer.shards import RankLink, ShardGroup, encode, receive_acks, receive_shards
 
 
 class DistReceiver(ChannelTable, KVReceiver):
@@ -62,10 +63,11 @@ class DistReceiver(ChannelTable, KVReceiver):
         backend: str | None = None,
         connect_timeout: float = 30.0,
         rendezvous_key: bytes | None = None,
+        ranks: RankLink | None = None,
     ) -> None:
         from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage] (not re-exported in the stubs)
 
-        super().__init__(kv_pool, node_id, backend, connect_timeout)
+        super().__init__(kv_pool, node_id, backend, connect_timeout, ranks)
         self.host = host or default_host()
         self._gate: Gate | None = None
         if rendezvous_key is None:
@@ -100,6 +102,7 @@ class DistReceiver(ChannelTable, KVReceiver):
             port=options.dist_port,
             connect_timeout=options.connect_timeout,
             rendezvous_key=options.security.rendezvous_key,
+            ranks=options.ranks,
         )
 
     @property
@@ -154,16 +157,24 @@ class DistReceiver(ChannelTable, KVReceiver):
             n += 1
 
     def _refusal(self, hello: dict) -> str | None:
-        """Why a sender announcing ``hello`` cannot pair with this node (None: it can)."""
+        """Why a sender announcing ``hello`` cannot pair with this node (None: it can). Blocks
+        are compared whole (every KV head), whatever either side's tensor parallel size."""
         if hello["backend"] != self.backend:
             return f"backend {hello['backend']!r}, this node runs {self.backend!r}"
-        if tuple(hello["block_shape"]) != tuple(self.kv_pool.shape[1:]) or hello[
-            "dtype"
-        ] != dtype_name(self.kv_pool.dtype):
+        if list(hello["block_shape"]) != self.whole_shape or hello["dtype"] != dtype_name(
+            self.kv_pool.dtype
+        ):
             return (
                 f"block layout {hello['block_shape']} {hello['dtype']} differs from "
-                f"{list(self.kv_pool.shape[1:])} {dtype_name(self.kv_pool.dtype)}"
+                f"{self.whole_shape} {dtype_name(self.kv_pool.dtype)}"
             )
+        tp = hello.get("tp", 1)
+        if not isinstance(tp, int) or isinstance(tp, bool) or not 1 <= tp <= MAX_TP:
+            return f"tensor parallel size {tp!r} (1 to {MAX_TP})"
+        try:
+            ShardGroup(self.num_kv_heads, tp, self.tp).plan()
+        except ValueError as exc:
+            return str(exc)
         return None
 
     def _accept(self, n: int, hello_bytes: bytes) -> None:
@@ -173,18 +184,37 @@ class DistReceiver(ChannelTable, KVReceiver):
             peer_id = str(hello["node_id"])
             reason = self._refusal(hello)
             store = store_client(*self.store_address, self.connect_timeout)
-            store.set(f"{KEY}/ack/{n}", msgpack.packb({"ok": reason is None, "reason": reason}))
+            ack = {"ok": reason is None, "reason": reason}
+            if self.tp > 1:
+                ack["tp"] = self.tp
+            store.set(f"{KEY}/ack/{n}", msgpack.packb(ack))
             if reason is not None:
                 logger.warning("transfer: refused %s: %s", peer_id, reason)
                 return
             from torch.distributed import PrefixStore  # pyright: ignore[reportPrivateImportUsage] (not re-exported in the stubs)
 
-            prefixed = PrefixStore(f"{KEY}/pair/{n}/", store)
+            layout = ShardGroup(self.num_kv_heads, int(hello.get("tp", 1)), self.tp)
+            prefix = f"{KEY}/pair/{n}/"
+            prefixed = PrefixStore(prefix, store)
+            gid = f"rx/{self.node_id}/{n}"
+            if self.ranks is not None and self.tp > 1:  # this engine's other ranks join too
+                host, port = self.store_address
+                self.ranks.command(
+                    encode(
+                        "join", gid=gid, role="rx", host=host, port=port, key=b"",
+                        prefix=prefix, bind=self.host, backend=self.backend,
+                        timeout=self.connect_timeout, num_kv_heads=self.num_kv_heads,
+                        sender_tp=layout.sender_tp, receiver_tp=layout.receiver_tp,
+                    ),
+                    True,
+                )  # fmt: skip
             with self._device_guard():
-                group = make_pair_group(
-                    prefixed, 0, self.backend, self.connect_timeout, host=self.host
+                group = make_group(
+                    prefixed, 0, layout.size, self.backend, self.connect_timeout, host=self.host
                 )
             channel = Channel(peer_id, n, 0, group, prefixed, self._wire_device(), self.backend)
+            channel.layout, channel.ranks, channel.gid = layout, self.ranks, gid
+            channel.peer = layout.sender(0)
             old = self._install(channel)
             if old is not None:
                 old.close(ChannelClosed(f"{peer_id!r} connected again"))
@@ -269,6 +299,9 @@ class DistReceiver(ChannelTable, KVReceiver):
 
     def _receive_one(self, channel: Channel, deadline: float) -> None:
         """Receive the next transfer on ``channel`` and fill the reservation it names."""
+        if not channel.pair:
+            self._receive_shards(channel, deadline)
+            return
         pool = self.kv_pool
         header = torch.empty(HEADER_LEN, dtype=torch.int64, device=channel.device)
         channel.run("recv", header, TAG_HEADER, deadline, "receiving a header")
@@ -295,6 +328,49 @@ class DistReceiver(ChannelTable, KVReceiver):
             res.fill(staging)
         except Exception as exc:
             res.end_failed(TransferError(f"writing received blocks failed: {exc}"))
+
+    def _receive_shards(self, channel: Channel, deadline: float) -> None:
+        """The next transfer of a group of tensor-parallel ranks (``transfer.shards``): the
+        header from the sender's rank 0, then every receiver rank its pieces; the reservation is
+        held (``fill_in_place``) from before this engine's other ranks write until they all
+        said they did, so nothing writes into blocks a cancel has freed."""
+        layout, pool = channel.layout, self.kv_pool
+        assert layout is not None
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=channel.device)
+        channel.run("recv", header, TAG_HEADER, deadline, "receiving a header")
+        magic, gen, seq, n, numel, esize = (int(x) for x in header.tolist())
+        if (magic, gen, numel, esize) != (MAGIC, channel.gen, self.whole_numel, pool.element_size()):
+            raise TransferError(
+                f"bad transfer header from {channel.peer_id!r}: {[magic, gen, seq, n, numel]}"
+            )
+        if not 0 < n < pool.shape[0]:
+            raise TransferError(f"bad block count {n} in a header from {channel.peer_id!r}")
+        with channel.mu:
+            res = channel.outstanding.pop(seq, None)
+        if res is not None and n != len(res.block_ids):
+            res.end_failed(
+                TransferError(f"{channel.peer_id!r} sent {n} blocks for {len(res.block_ids)}")
+            )
+            res = None
+        others = [layout.receiver(r) for r in range(1, layout.receiver_tp)]
+
+        def run(ids: list[int], keep: bool) -> None:
+            left = max(deadline - time.monotonic(), 0.001)
+            if others and channel.ranks is not None:
+                message = encode("recv", gid=channel.gid, ids=ids, keep=keep, timeout=left)
+                channel.ranks.command(message, True)
+            try:
+                receive_shards(
+                    channel.group, layout, 0, pool, ids, tag=TAG_DATA, timeout_s=left, write=keep
+                )
+            finally:  # their word, whatever became of this rank's pieces
+                receive_acks(
+                    channel.group, others, max(deadline - time.monotonic(), 0.001), channel.device
+                )
+
+        if res is None or not res.fill_in_place(lambda: run(list(res.block_ids), True)):
+            logger.info("transfer: dropping %d blocks of ended seq %d from %s", n, seq, channel)
+            run(list(range(1, n + 1)), False)  # received to keep the group in step
 
     def _expire(self, channel: Channel, res: Reservation) -> None:
         with channel.mu:

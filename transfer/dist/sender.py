@@ -14,6 +14,7 @@ import torch
 
 from splitserve.transfer.base import BlockIds, KVSender, PathOptions, as_endpoint, own_ticket
 from splitserve.transfer.dist.channel import (
+    MAGIC,
     TAG_DATA,
     TAG_HEADER,
     Channel,
@@ -26,11 +27,12 @@ from splitserve.transfer.dist.gate import open_tunnel
 from splitserve.transfer.dist.group import (
     KEY,
     local_address_towards,
-    make_pair_group,
+    make_group,
     store_client,
 )
 from splitserve.transfer.endpoint import (
     DIST,
+    MAX_TP,
     DistAddress,
     Endpoint,
     available_backends,
@@ -43,7 +45,8 @@ from splitserve.transfer.errors import (
     TransferError,
     TransferTimeout,
 )
-from splitserve.transfer.reservation import Ticket, block_nbytes, check_source_ids
+from splitserve.transfer.reservation import Ticket, check_source_ids
+from splitserve.transfer.shards import RankLink, ShardGroup, encode, receive_acks, send_shards
 
 
 class DistSender(ChannelTable, KVSender):
@@ -57,8 +60,9 @@ class DistSender(ChannelTable, KVSender):
         backend: str | None = None,
         connect_timeout: float = 30.0,
         rendezvous_key: bytes | None = None,
+        ranks: RankLink | None = None,
     ) -> None:
-        super().__init__(kv_pool, node_id, backend, connect_timeout)
+        super().__init__(kv_pool, node_id, backend, connect_timeout, ranks)
         self._key = rendezvous_key
         self._connecting: dict[str, threading.Lock] = {}
 
@@ -67,7 +71,13 @@ class DistSender(ChannelTable, KVSender):
         if not available_backends(kv_pool.device.type):
             return None
         key = options.security.rendezvous_key
-        return cls(kv_pool, node_id, connect_timeout=options.connect_timeout, rendezvous_key=key)
+        return cls(
+            kv_pool,
+            node_id,
+            connect_timeout=options.connect_timeout,
+            rendezvous_key=key,
+            ranks=options.ranks,
+        )
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -125,22 +135,45 @@ class DistSender(ChannelTable, KVSender):
         hello = {
             "node_id": self.node_id,
             "backend": self.backend,
-            "block_shape": list(self.kv_pool.shape[1:]),
+            "block_shape": self.whole_shape,  # every KV head, whatever this engine's TP
             "dtype": dtype_name(self.kv_pool.dtype),
         }
+        if self.tp > 1:
+            hello["tp"] = self.tp
         store.set(f"{KEY}/join/{n}", msgpack.packb(hello))
         store.wait([f"{KEY}/ack/{n}"], timeout)
         ack = msgpack.unpackb(store.get(f"{KEY}/ack/{n}"), raw=False)
         store.delete_key(f"{KEY}/ack/{n}")
         if not ack["ok"]:
             raise TransferError(f"{peer_id!r} refused the connection: {ack['reason']}")
-        prefixed = PrefixStore(f"{KEY}/pair/{n}/", store)
+        receiver_tp = ack.get("tp", 1)
+        if not isinstance(receiver_tp, int) or not 1 <= receiver_tp <= MAX_TP:
+            raise TransferError(f"{peer_id!r} acknowledged with a bad tensor parallel size")
+        layout = ShardGroup(self.num_kv_heads, self.tp, receiver_tp)
+        layout.plan()  # (the receiver checked it too)
+        prefix = f"{KEY}/pair/{n}/"
+        prefixed = PrefixStore(prefix, store)
         host = local_address_towards(address.host, address.port)
+        gid = f"tx/{self.node_id}/{peer_id}/{n}"
+        if self.ranks is not None and self.tp > 1:  # this engine's other ranks join too
+            self.ranks.command(
+                encode(
+                    "join", gid=gid, role="tx", host=address.host, port=address.port,
+                    key=self._key or b"", prefix=prefix, bind=host, backend=self.backend,
+                    timeout=self.connect_timeout, num_kv_heads=self.num_kv_heads,
+                    sender_tp=self.tp, receiver_tp=receiver_tp,
+                ),
+                True,
+            )  # fmt: skip
+        me = layout.sender(0)
         with self._device_guard():
-            group = make_pair_group(prefixed, 1, self.backend, self.connect_timeout, host=host)
+            group = make_group(prefixed, me, layout.size, self.backend, self.connect_timeout, host)
         store.wait([f"{KEY}/ready/{n}"], timeout)
         store.delete_key(f"{KEY}/ready/{n}")
-        return Channel(peer_id, n, 1, group, prefixed, self.kv_pool.device, self.backend)
+        channel = Channel(peer_id, n, me, group, prefixed, self.kv_pool.device, self.backend)
+        channel.layout, channel.ranks, channel.gid = layout, self.ranks, gid
+        channel.peer = layout.receiver(0)
+        return channel
 
     def _device_guard(self) -> contextlib.AbstractContextManager:
         return device_guard(self.kv_pool)
@@ -164,8 +197,46 @@ class DistSender(ChannelTable, KVSender):
             raise ValueError(f"{len(src)} source blocks for {len(ticket.block_ids)} reserved")
         if not src:
             return 0
-        self._send_blocks(channel, src, ticket.seq, time.monotonic() + timeout)
-        return len(src) * block_nbytes(self.kv_pool)
+        deadline = time.monotonic() + timeout
+        if channel.pair:
+            self._send_blocks(channel, src, ticket.seq, deadline)
+        else:
+            self._send_shards(channel, src, ticket.seq, deadline)
+        return len(src) * self.whole_numel * self.kv_pool.element_size()
+
+    def _send_shards(self, channel: Channel, src: list[int], seq: int, deadline: float) -> None:
+        """One transfer of a group of tensor-parallel ranks (``transfer.shards``): the header to
+        the receiver's rank 0, then every sender rank its pieces; done once every rank of this
+        engine said it sent its own. A failure tears the group down."""
+        layout = channel.layout
+        assert layout is not None
+        values = [MAGIC, channel.gen, seq, len(src), self.whole_numel, self.kv_pool.element_size()]
+        head = torch.tensor(values, dtype=torch.int64, device=channel.device)
+        others = [layout.sender(s) for s in range(1, layout.sender_tp)]
+        if not channel.lock.acquire(timeout=max(deadline - time.monotonic(), 0)):
+            raise TransferTimeout(f"the channel to {channel.peer_id!r} stayed busy")
+        try:
+            channel.check_open()
+            try:
+                with self._device_guard():
+                    channel.run("send", head, TAG_HEADER, deadline, "sending a header")
+                    left = max(deadline - time.monotonic(), 0.001)
+                    if others and channel.ranks is not None:
+                        message = encode("send", gid=channel.gid, ids=src, timeout=left)
+                        channel.ranks.command(message, True)
+                    try:
+                        send_shards(channel.group, layout, 0, self.kv_pool, src, TAG_DATA, left)
+                    finally:
+                        receive_acks(
+                            channel.group, others, max(deadline - time.monotonic(), 0.001), channel.device
+                        )
+            except Exception as exc:
+                error = exc if isinstance(exc, TransferError) else PeerLost(first_line(exc))
+                channel.close(error)
+                self._forget(channel)
+                raise error from exc
+        finally:
+            channel.release()
 
     def _send_blocks(self, channel: Channel, src: list[int], seq: int, deadline: float) -> None:
         """Gather ``src`` and send header + blocks as one turn on ``channel``; a failure tears
