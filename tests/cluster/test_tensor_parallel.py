@@ -217,6 +217,42 @@ def test_pools_of_different_tp_answer_token_exact(tmp_path):
 
 
 @pytest.mark.slow
+def test_tp_pools_with_a_cluster_token_ship_rank_to_rank_through_the_gate(tmp_path):
+    """With a cluster token the decode node's rendezvous store sits behind its gate: every
+    prefill rank opens a tunnel of its own with the token's key (transfer.shards), and the
+    transfers still go rank to rank, token-exact, every block given back."""
+    import grpc
+
+    from splitserve.runtime.auth import metadata_for, write_token_file
+    from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
+
+    arch, overrides = SHAPES["llama-bias-tied"]
+    model = write_random_checkpoint(tmp_path / "m", arch, seed=43, with_tokenizer=True, **overrides)
+    token = write_token_file(tmp_path / "token")
+    auth = ("--auth-token-file", str(tmp_path / "token"))
+    prefill = start_node("prefill", model, tmp_path, *_tp(2), *auth)
+    decode = start_node("decode", model, tmp_path, *_tp(2), *auth)
+    router = start_router(model, tmp_path, [prefill.address], [decode.address], *auth)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6] * 3, list(range(40, 77))]
+    try:
+
+        async def run() -> list[list[int]]:
+            return list(await asyncio.gather(*(_greedy(router.address, p, 10) for p in prompts)))
+
+        assert asyncio.run(run()) == [hf_greedy(model, p, 10) for p in prompts]
+        with grpc.insecure_channel(decode.address) as channel:
+            stub = nodes_pb2_grpc.NodeStatsServiceStub(channel)
+            stats = stub.GetStats(
+                nodes_pb2.GetStatsRequest(), timeout=10, metadata=metadata_for(token)
+            )
+        assert stats.counters["transfers_dist"] == len(prompts), dict(stats.counters)
+        assert stats.num_free_blocks == stats.num_blocks
+    finally:
+        for proc in (router, prefill, decode):
+            proc.stop()
+
+
+@pytest.mark.slow
 def test_a_rank_killed_mid_answer_takes_its_node_down_and_streams_resume(tmp_path):
     arch, overrides = SHAPES["llama-bias-tied"]
     model = write_random_checkpoint(tmp_path / "m", arch, seed=42, with_tokenizer=True, **overrides)
