@@ -24,8 +24,9 @@ from support.processes import (
     start_node,
     start_router,
 )
+from support.streams import cancel_at_random_moments
 
-from splitserve.client import AsyncClient, Client
+from splitserve.client import Client
 from splitserve.kvstore import hash_request_tokens
 from splitserve.models.tiny import write_random_checkpoint
 from splitserve.transfer.grpc_bytes.codec import encode_blocks
@@ -161,29 +162,6 @@ def test_abandoned_transfers_and_cancelled_decodes_free_their_blocks(cluster):
     unexpected = [r for r in results if r is not None and not isinstance(r, grpc.aio.AioRpcError)]
     assert not unexpected, unexpected[:3]
     assert_settled([decode], idle)
-
-
-async def cancel_at_random_moments(target: str, rng: random.Random, n: int) -> list:
-    shared = [rng.randrange(250) for _ in range(48)]  # a prefix several prompts ship at once
-
-    async def one(client: AsyncClient, i: int) -> None:
-        tail = [rng.randrange(250) for _ in range(rng.randrange(1, 60))]
-        prompt = [*shared, *tail] if i % 3 == 0 else tail
-        max_tokens = rng.randrange(2, 80)
-        async for _ in client.stream(
-            prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True
-        ):
-            pass
-
-    loop = asyncio.get_running_loop()
-    async with AsyncClient(target) as client:
-        tasks = []
-        for i in range(n):
-            task = asyncio.create_task(one(client, i))
-            loop.call_later(rng.uniform(0, 0.1) if i % 2 else rng.uniform(0.1, 1.5), task.cancel)
-            tasks.append(task)
-            await asyncio.sleep(rng.uniform(0, 0.01))
-        return await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def test_streams_cancelled_through_the_router_leave_no_block_held(cluster):

@@ -26,14 +26,16 @@ from pathlib import Path
 import pytest
 import torch
 from support.processes import (
+    assert_settled,
     children,
+    idle_free_blocks,
     node_stats,
     start_node,
     start_router,
     still_alive,
 )
 from support.reference import hf_greedy
-from support.streams import stream_through
+from support.streams import cancel_at_random_moments, stream_through
 
 from splitserve.client import AsyncClient
 from splitserve.engine.core import LLMEngine
@@ -249,6 +251,34 @@ def test_tp_pools_with_a_cluster_token_ship_rank_to_rank_through_the_gate(tmp_pa
         assert stats.num_free_blocks == stats.num_blocks
     finally:
         for proc in (router, prefill, decode):
+            proc.stop()
+
+
+@pytest.mark.slow
+def test_tp_streams_cancelled_at_random_moments_leave_every_rank_settled(tmp_path):
+    """Prefill TP 2 -> decode TP 2 over dist rank to rank; 60 streams cancelled at random
+    moments (in prefill, mid-transfer, decoding): both pools settle back to idle, and the next
+    request answers token-exact. (A cancel waits for the transfer's ranks to finish writing: no
+    rank writes into blocks a cancel freed.)"""
+    arch, overrides = SHAPES["llama-bias-tied"]
+    model = write_random_checkpoint(tmp_path / "m", arch, seed=47, with_tokenizer=True, **overrides)
+    flags = ("--transfer-deadline-s", "3", "--kv-transfer", "dist", *_tp(2))
+    nodes = [start_node(role, model, tmp_path, *flags) for role in ("prefill", "decode")]
+    router = start_router(model, tmp_path, [nodes[0].address], [nodes[1].address])
+    try:
+        warm = asyncio.run(_greedy(router.address, [1, 2, 3], 2))
+        assert len(warm) == 2
+        idle = idle_free_blocks(nodes)
+        results = asyncio.run(cancel_at_random_moments(router.address, random.Random(13), 60))
+        assert sum(isinstance(r, asyncio.CancelledError) for r in results) >= 30, results
+        errors = [r for r in results if isinstance(r, Exception)]
+        assert not errors, errors[:3]
+        assert_settled(nodes, idle)
+        prompt = [9, 8, 7, 6, 5, 4, 3, 2, 1] * 4
+        assert asyncio.run(_greedy(router.address, prompt, 6)) == hf_greedy(model, prompt, 6)
+        assert node_stats(nodes[1]).counters["transfers_dist"] > 0
+    finally:
+        for proc in (router, *nodes):
             proc.stop()
 
 

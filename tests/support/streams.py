@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Callable
 
 from splitserve.client import AsyncClient
@@ -37,3 +38,29 @@ async def stream_through(
         midway()
         assert not all(t.done() for t in tasks)
         return await asyncio.gather(*tasks)
+
+
+async def cancel_at_random_moments(target: str, rng: random.Random, n: int) -> list:
+    """``n`` greedy streams through the router at ``target``, a third sharing a prefix, each
+    cancelled at a random moment (half within 100 ms: in prefill or the transfer, the others
+    up to 1.5 s: while decoding); what each ended with (``CancelledError`` for a cancelled one)."""
+    shared = [rng.randrange(250) for _ in range(48)]  # a prefix several prompts ship at once
+
+    async def one(client: AsyncClient, i: int) -> None:
+        tail = [rng.randrange(250) for _ in range(rng.randrange(1, 60))]
+        prompt = [*shared, *tail] if i % 3 == 0 else tail
+        max_tokens = rng.randrange(2, 80)
+        async for _ in client.stream(
+            prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+        ):
+            pass
+
+    loop = asyncio.get_running_loop()
+    async with AsyncClient(target) as client:
+        tasks = []
+        for i in range(n):
+            task = asyncio.create_task(one(client, i))
+            loop.call_later(rng.uniform(0, 0.1) if i % 2 else rng.uniform(0.1, 1.5), task.cancel)
+            tasks.append(task)
+            await asyncio.sleep(rng.uniform(0, 0.01))
+        return await asyncio.gather(*tasks, return_exceptions=True)
