@@ -347,7 +347,11 @@ class LocalEngine(NodeEngine):
         res = self._reservations.pop(res_id, None)
         if res is None or side not in self._sides:
             return 0.0
-        return self._sides[side].cancel(res)
+        # In a thread: a tensor-parallel dist receive holds its reservation until every rank
+        # wrote (transfer.shards), and the cancel waits for that, not the event loop. Seen
+        # through to the end whatever cancels the caller (the blocks are freed after it).
+        cancel = asyncio.ensure_future(asyncio.to_thread(self._sides[side].cancel, res))
+        return await settle(cancel)
 
     async def tx_connect(self, side: str, endpoint: bytes) -> str:
         tx = self._side(side)
