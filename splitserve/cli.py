@@ -26,8 +26,10 @@ from collections.abc import Sequence
 
 from splitserve import __version__, cli_tools
 from splitserve.cli_tools import model_path
+from splitserve.cluster_spec import AUTO_PREFILL
 from splitserve.launcher import ClusterSpec
 from splitserve.planner import cli as planner_cli
+from splitserve.planner import layout_cli
 from splitserve.planner.cli import add_policy_options
 from splitserve.runtime.config import NodeConfig, RouterConfig
 from splitserve.runtime.options import EnvParser, add_options, config_kwargs, env_name, flag_of
@@ -218,9 +220,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         if dtype != args.dtype:
             print(f"{path} is stored in float32: serving it in {dtype} on CUDA", flush=True)
             node_args += [flag_of(NodeConfig, "dtype"), dtype]
-        spec = ClusterSpec(
-            **config_kwargs(ClusterSpec, args, model_path=path, node_args=tuple(node_args))
-        )
+        kwargs = config_kwargs(ClusterSpec, args, model_path=path, node_args=tuple(node_args))
+        if kwargs.get("num_prefill") == AUTO_PREFILL:
+            from splitserve.planner.layout_cli import auto_layout
+
+            kwargs = auto_layout(args, kwargs, str(kwargs.get("device") or "cpu"))
+        spec = ClusterSpec(**kwargs)
         if spec.otlp_endpoint:  # said once here, not by every component it would start
             from splitserve.runtime.tracing import check_installed
 
@@ -372,9 +377,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "--min/--max-decode (default: the --num-* counts) to meet --slo (docs/deploy.md, Scaling)",
     )
     add_policy_options(p, slo=False)  # ClusterSpec's --slo: the router's and the planner's
+    layout_cli.add_layout_inputs(p, required=False)  # for --num-prefill auto
     p.set_defaults(func=cmd_up)
 
     planner_cli.add_command(sub)
+    layout_cli.add_commands(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:

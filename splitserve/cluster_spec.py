@@ -23,6 +23,18 @@ MIN_GPU_ROUTERS = 2
 CORES_PER_ROUTER = 4  # a router's core, and room for the nodes' own processes
 
 RouterCount = int  # ``--num-routers``: a number, or ``auto`` (0; ClusterSpec resolves it)
+PrefillCount = int  # ``--num-prefill``: a number, or ``auto`` (AUTO_PREFILL; `up` resolves it)
+AUTO_PREFILL = -1
+
+
+def prefill_count(text: str) -> int:
+    """``--num-prefill``: a number >= 0, or ``auto`` (``AUTO_PREFILL``: the layout search's)."""
+    if text.strip().lower() == "auto":
+        return AUTO_PREFILL
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"give a number or auto, got {text!r}") from None
 
 
 def router_count(text: str) -> int:
@@ -54,8 +66,12 @@ class ClusterSpec:
         flag="--model",
         cli_default=None,
     )
-    num_prefill: int = option(
-        1, "prefill nodes (0: the decode nodes prefill every request themselves, e.g. one GPU)"
+    num_prefill: PrefillCount = option(
+        1,
+        "prefill nodes (0: the decode nodes prefill every request themselves, e.g. one GPU; "
+        "`auto`: the layout that serves --workload best under --slo, from --rates: "
+        "docs/deploy.md, Choosing the layout)",
+        convert=prefill_count,
     )
     num_decode: int = option(1, "decode nodes")
     num_routers: RouterCount = option(
