@@ -147,7 +147,8 @@ class DistSender(ChannelTable, KVSender):
         if not ack["ok"]:
             raise TransferError(f"{peer_id!r} refused the connection: {ack['reason']}")
         receiver_tp = ack.get("tp", 1)
-        if not isinstance(receiver_tp, int) or not 1 <= receiver_tp <= MAX_TP:
+        bad = not isinstance(receiver_tp, int) or isinstance(receiver_tp, bool)
+        if bad or not 1 <= receiver_tp <= MAX_TP:
             raise TransferError(f"{peer_id!r} acknowledged with a bad tensor parallel size")
         layout = ShardGroup(self.num_kv_heads, self.tp, receiver_tp)
         layout.plan()  # (the receiver checked it too)
