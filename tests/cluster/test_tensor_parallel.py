@@ -6,9 +6,7 @@ processes, random checkpoints saved with save_pretrained.
   KV heads replicated past their number (TP 4 over 2 KV heads), a vocabulary TP does not divide,
   q/k/v, o_proj and MLP biases, tied embeddings; and their whole-heads block reads equal TP 1's;
   the embedded model (SmolLM2-135M) at TP 3;
-- nodes: prefill at TP 2 → decode at TP 1, TP 1 → TP 2, TP 4 → TP 2 and TP 2 → TP 2, token-exact
-  end to end, every transfer over dist rank to rank (transfer.shards: each decode rank receives
-  its heads from the prefill rank(s) holding them);
+- nodes of different TP sizes, shipping KV rank to rank: test_tp_kv_transfer.py;
 - a rank killed mid-answer takes its node down (exit status 70, a clear log line), the router
   resumes the streams on another decode node, and the node's other rank processes go with it.
 """
@@ -26,18 +24,16 @@ from pathlib import Path
 import pytest
 import torch
 from support.processes import (
-    assert_settled,
     children,
-    idle_free_blocks,
     node_stats,
     start_node,
     start_router,
     still_alive,
 )
 from support.reference import hf_greedy
-from support.streams import cancel_at_random_moments, stream_through
+from support.streams import stream_through
+from support.tensor_parallel import SHAPES, tp_flags
 
-from splitserve.client import AsyncClient
 from splitserve.engine.core import LLMEngine
 from splitserve.engine.ranks import LOST_EXIT_CODE, RankSpec, start_ranks
 from splitserve.kvstore import ModelIdentity
@@ -51,26 +47,6 @@ from splitserve.models.tiny import write_random_checkpoint
 
 MAX_NEW = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-SHAPES = {
-    # 8 heads over 4 KV heads; every bias Llama can have; tied embeddings; 321 rows: TP 2 pads.
-    "llama-bias-tied": (
-        "LlamaForCausalLM",
-        dict(
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            head_dim=16,
-            vocab_size=321,
-            attention_bias=True,
-            mlp_bias=True,
-            tie_word_embeddings=True,
-        ),
-    ),
-    # Qwen2 (q/k/v biases): 2 KV heads, so at TP 4 each is held by two ranks.
-    "qwen2-gqa": (
-        "Qwen2ForCausalLM",
-        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=322),
-    ),
-}
 
 
 def _engine(path: Path, tp_size: int, lost: list, **kw) -> LLMEngine:
@@ -163,130 +139,14 @@ def _hashes(engine: LLMEngine, prompt: list[int]) -> list:
     return hash_request_tokens(prompt, engine.block_size, engine.root_hash)
 
 
-async def _greedy(address: str, prompt: list[int], max_tokens: int) -> list[int]:
-    async with AsyncClient(address) as client:
-        out = await client.generate(
-            prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True
-        )
-        return list(out.token_ids)
-
-
-def _tp(n: int) -> tuple[str, ...]:
-    return ("--tensor-parallel-size", str(n))
-
-
-@pytest.mark.slow
-def test_pools_of_different_tp_answer_token_exact(tmp_path):
-    arch, overrides = SHAPES["llama-bias-tied"]
-    model = write_random_checkpoint(tmp_path / "m", arch, seed=41, with_tokenizer=True, **overrides)
-    nodes = {
-        "p1": start_node("prefill", model, tmp_path),
-        # (the engine process, a GPU node's default, starts the ranks)
-        "p2": start_node("prefill", model, tmp_path, *_tp(2), "--engine-process", "on"),
-        "p4": start_node("prefill", model, tmp_path, *_tp(4)),
-        "d1": start_node("decode", model, tmp_path),
-        "d2": start_node("decode", model, tmp_path, *_tp(2)),
-    }
-    pairs = [("p2", "d1"), ("p1", "d2"), ("p4", "d2"), ("p2", "d2")]
-    routers = [
-        start_router(model, tmp_path, [nodes[p].address], [nodes[d].address]) for p, d in pairs
-    ]
-    rng = random.Random(9)
-    prompts = [[rng.randrange(250) for _ in range(rng.randrange(5, 50))] for _ in range(4)]
-    max_tokens = 12
-    try:
-
-        async def run() -> list[list[list[int]]]:
-            return [
-                list(await asyncio.gather(*(_greedy(r.address, p, max_tokens) for p in prompts)))
-                for r in routers
-            ]
-
-        answers = asyncio.run(run())
-        expected = [hf_greedy(model, p, max_tokens) for p in prompts]
-        for (p, d), got in zip(pairs, answers, strict=True):
-            assert got == expected, f"prefill {p} -> decode {d}"
-        for name in ("d1", "d2"):
-            stats = node_stats(nodes[name])
-            assert stats.num_free_blocks == stats.num_blocks, name
-        # Rank to rank (dist), not through rank 0 and gRPC bytes.
-        assert node_stats(nodes["d1"]).counters["transfers_dist"] == len(prompts)
-        d2 = node_stats(nodes["d2"]).counters
-        assert d2["transfers"] == d2["transfers_dist"] == 3 * len(prompts), d2
-    finally:
-        for proc in [*routers, *nodes.values()]:
-            proc.stop()
-
-
-@pytest.mark.slow
-def test_tp_pools_with_a_cluster_token_ship_rank_to_rank_through_the_gate(tmp_path):
-    """With a cluster token the decode node's rendezvous store sits behind its gate: every
-    prefill rank opens a tunnel of its own with the token's key (transfer.shards), and the
-    transfers still go rank to rank, token-exact, every block given back."""
-    import grpc
-
-    from splitserve.runtime.auth import metadata_for, write_token_file
-    from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
-
-    arch, overrides = SHAPES["llama-bias-tied"]
-    model = write_random_checkpoint(tmp_path / "m", arch, seed=43, with_tokenizer=True, **overrides)
-    token = write_token_file(tmp_path / "token")
-    auth = ("--auth-token-file", str(tmp_path / "token"))
-    prefill = start_node("prefill", model, tmp_path, *_tp(2), *auth)
-    decode = start_node("decode", model, tmp_path, *_tp(2), *auth)
-    router = start_router(model, tmp_path, [prefill.address], [decode.address], *auth)
-    prompts = [[3, 1, 4, 1, 5, 9, 2, 6] * 3, list(range(40, 77))]
-    try:
-
-        async def run() -> list[list[int]]:
-            return list(await asyncio.gather(*(_greedy(router.address, p, 10) for p in prompts)))
-
-        assert asyncio.run(run()) == [hf_greedy(model, p, 10) for p in prompts]
-        with grpc.insecure_channel(decode.address) as channel:
-            stub = nodes_pb2_grpc.NodeStatsServiceStub(channel)
-            stats = stub.GetStats(
-                nodes_pb2.GetStatsRequest(), timeout=10, metadata=metadata_for(token)
-            )
-        assert stats.counters["transfers_dist"] == len(prompts), dict(stats.counters)
-        assert stats.num_free_blocks == stats.num_blocks
-    finally:
-        for proc in (router, prefill, decode):
-            proc.stop()
-
-
-@pytest.mark.slow
-def test_tp_streams_cancelled_at_random_moments_leave_every_rank_settled(tmp_path):
-    """Prefill TP 2 -> decode TP 2 over dist rank to rank; 60 streams cancelled at random
-    moments (in prefill, mid-transfer, decoding): both pools settle back to idle, and the next
-    request answers token-exact. (A cancel waits for the transfer's ranks to finish writing: no
-    rank writes into blocks a cancel freed.)"""
-    arch, overrides = SHAPES["llama-bias-tied"]
-    model = write_random_checkpoint(tmp_path / "m", arch, seed=47, with_tokenizer=True, **overrides)
-    flags = ("--transfer-deadline-s", "3", "--kv-transfer", "dist", *_tp(2))
-    nodes = [start_node(role, model, tmp_path, *flags) for role in ("prefill", "decode")]
-    router = start_router(model, tmp_path, [nodes[0].address], [nodes[1].address])
-    try:
-        warm = asyncio.run(_greedy(router.address, [1, 2, 3], 2))
-        assert len(warm) == 2
-        idle = idle_free_blocks(nodes)
-        results = asyncio.run(cancel_at_random_moments(router.address, random.Random(13), 60))
-        assert sum(isinstance(r, asyncio.CancelledError) for r in results) >= 30, results
-        errors = [r for r in results if isinstance(r, Exception)]
-        assert not errors, errors[:3]
-        assert_settled(nodes, idle)
-        prompt = [9, 8, 7, 6, 5, 4, 3, 2, 1] * 4
-        assert asyncio.run(_greedy(router.address, prompt, 6)) == hf_greedy(model, prompt, 6)
-        assert node_stats(nodes[1]).counters["transfers_dist"] > 0
-    finally:
-        for proc in (router, *nodes):
-            proc.stop()
-
-
 @pytest.mark.slow
 def test_a_rank_killed_mid_answer_takes_its_node_down_and_streams_resume(tmp_path):
     arch, overrides = SHAPES["llama-bias-tied"]
     model = write_random_checkpoint(tmp_path / "m", arch, seed=42, with_tokenizer=True, **overrides)
-    decode = [start_node("decode", model, tmp_path, *_tp(2)), start_node("decode", model, tmp_path)]
+    decode = [
+        start_node("decode", model, tmp_path, *tp_flags(2)),
+        start_node("decode", model, tmp_path),
+    ]
     router = start_router(model, tmp_path, [], [d.address for d in decode])
     (rank1,) = children(decode[0].popen.pid)  # engine in the node's process on a CPU
     rng = random.Random(3)
