@@ -27,8 +27,10 @@ PrefillCount = int  # ``--num-prefill``: a number, or ``auto`` (AUTO_PREFILL; `u
 AUTO_PREFILL = -1
 
 
-def prefill_count(text: str) -> int:
+def prefill_count(text: str | int) -> int:
     """``--num-prefill``: a number >= 0, or ``auto`` (``AUTO_PREFILL``: the layout search's)."""
+    if isinstance(text, int):  # the default, as is
+        return text
     if text.strip().lower() == "auto":
         return AUTO_PREFILL
     try:

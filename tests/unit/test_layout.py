@@ -170,5 +170,10 @@ def test_workloads_slos_and_rates_files_are_read_or_refused_with_the_syntax(tmp_
     assert counts_of(choose(2, work(36), H200_8B, SLO)[0]) == {
         "num_prefill": 0, "num_decode": 2, "decode_tp": 1
     }  # fmt: skip
+    from splitserve.cluster_spec import AUTO_PREFILL, prefill_count
+
+    assert [prefill_count(v) for v in ("auto", " AUTO", "3", 2)] == [AUTO_PREFILL, -1, 3, 2]
+    with pytest.raises(ValueError, match="a number or auto"):
+        prefill_count("some")
     with pytest.raises(ValueError, match="needs --rates, --workload, --slo"):
         auto_layout(Namespace(rates=None, workload=None), {"num_prefill": -1}, "cpu")
