@@ -236,11 +236,13 @@ class ShardAgent:
 
     def handle(self, payload: bytes) -> None:
         try:
-            message = msgpack.unpackb(payload, raw=False)
-            op, gid = message["op"], str(message["gid"])
-        except Exception as exc:
-            logger.error("a malformed transfer message from rank 0: %s", exc)
-            return
+            self._handle(payload)
+        except Exception as exc:  # never into the rank's loop: its steps go on
+            logger.error("a transfer message from rank 0 could not be taken: %r", exc)
+
+    def _handle(self, payload: bytes) -> None:
+        message = msgpack.unpackb(payload, raw=False)
+        op, gid = message["op"], str(message["gid"])
         if op == "join":
             old = self._members.pop(gid, None)
             if old is not None:

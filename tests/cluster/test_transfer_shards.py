@@ -8,6 +8,7 @@ a loopback store); tests/cluster/test_transfer_dist.py runs the dist path across
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -36,14 +37,22 @@ def _run_ranks(size: int, work, timeout_s: float = 30.0) -> list:
     """``work(pg, group_rank)`` on ``size`` threads, each a rank of one gloo group."""
     store, port = loopback_store(timeout_s)
     results: list = [None] * size
+    # Every rank's group stays alive until all are done, as a node's does (a rank with nothing
+    # to send whose group went early closed its connections under the others' feet).
+    all_done = threading.Barrier(size)
 
     def rank_main(rank: int) -> None:
+        pg = None
         try:
             client = store if rank == 0 else store_client("127.0.0.1", port, timeout_s)
             pg = make_group(client, rank, size, "gloo", timeout_s, host="127.0.0.1")
             results[rank] = work(pg, rank)
         except BaseException as exc:  # handed to the test
             results[rank] = exc
+        finally:
+            with contextlib.suppress(threading.BrokenBarrierError):
+                all_done.wait(timeout_s * 2)
+            del pg
 
     threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(size)]
     for t in threads:
@@ -120,3 +129,16 @@ def test_a_sender_that_never_sends_times_out_and_the_pool_is_untouched():
     results = _run_ranks(group.size, work)
     assert isinstance(results[0], TransferTimeout), results
     assert not receiver.any()  # half the heads had arrived: none written
+
+
+def test_the_rank_agent_takes_bad_messages_without_raising(caplog):
+    """A rank's loop hands every SHARDS message to its agent: nothing it is given may raise
+    there (the rank's steps must go on); a transfer for a group it is not in is refused."""
+    from splitserve.transfer.shards import ShardAgent, encode
+
+    agent = ShardAgent(torch.zeros(NUM_BLOCKS, LAYERS, 2, BLOCK, 2, HEAD_DIM), 1, 2, 4)
+    for payload in (b"\xc1garbage", encode("join", gid="g"), encode("fly", gid="g"),
+                    encode("recv", gid="nowhere", ids=[1], keep=True, timeout=1)):  # fmt: skip
+        agent.handle(payload)
+    agent.close()
+    assert "could not be taken" in caplog.text and "this rank is not in" in caplog.text
