@@ -165,14 +165,7 @@ class AsyncEngine:
         """Queue ``fn(*args)`` on the engine thread now. Cancelling the future drops a job still
         queued behind a step (harmless for a read, a leak for a release): await it with
         ``settle`` or shielded where the job must run."""
-        future: Future = Future()
-        with self._cond:
-            if self._stopping:
-                future.cancel()
-            else:
-                self._jobs.append((future, fn, args))
-                self._cond.notify()
-        return asyncio.wrap_future(future)
+        return asyncio.wrap_future(self.submit_threadsafe(fn, *args))
 
     def submit_threadsafe(self, fn: Callable[..., T], *args) -> Future:
         """``submit`` from any thread but the engine's own (which would wait for itself): a
