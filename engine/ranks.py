@@ -49,6 +49,7 @@ class RankSpec:
     devices: list[str]  # rank r computes on devices[r]
     runner: dict[str, Any] = field(default_factory=dict)  # RunnerConfig's fields
     store_port: int = 0
+    quantization: str | None = None
 
     @property
     def size(self) -> int:
@@ -214,7 +215,12 @@ def run_rank(spec: RankSpec, rank: int) -> None:
     backend = make_group(store, rank, spec.size, spec.backend(), GROUP_TIMEOUT_S, "127.0.0.1")
     tp = TPGroup(rank, spec.size, backend)
     config, model = load_model(
-        spec.model_path, dtype=spec.dtype, device=device, load_format=spec.load_format, tp=tp
+        spec.model_path,
+        dtype=spec.dtype,
+        device=device,
+        load_format=spec.load_format,
+        tp=tp,
+        quantization=spec.quantization,
     )
     runner_config = dict(spec.runner)
     if "graph_batch_sizes" in runner_config:

@@ -68,6 +68,60 @@ def canonical_dtype(dtype: object) -> str:
         raise ValueError(f"unsupported dtype {dtype!r}; use float32, float16 or bfloat16") from None
 
 
+QUANTIZATIONS = ("fp8",)
+"""What ``--quantization`` takes (models.quantization runs it)."""
+
+# quantization_config["quant_method"] of checkpoints published in FP8 that the loader reads.
+_FP8_METHODS = ("fp8", "fbgemm_fp8", "compressed-tensors")
+
+
+def canonical_quantization(name: object) -> str:
+    """``fp8`` for any accepted spelling; ``""`` for none; ``ValueError`` for anything else."""
+    text = str(name or "").strip().lower()
+    if text in ("", "none"):
+        return ""
+    if text not in QUANTIZATIONS:
+        raise ValueError(
+            f"unsupported quantization {name!r}; use one of {', '.join(QUANTIZATIONS)}"
+        )
+    return text
+
+
+def checkpoint_quantization(config: dict) -> str:
+    """The quantization a checkpoint's ``config.json`` (as a dict) is stored in: ``""`` (none)
+    or ``fp8``; ``ValueError`` naming the method for one this engine does not read (GPTQ, AWQ,
+    bitsandbytes, an integer compressed-tensors scheme ...). Torch-free."""
+    qc = config.get("quantization_config")
+    if not qc:
+        return ""
+    if not isinstance(qc, dict):
+        raise ValueError("config.json: quantization_config is not an object")
+    method = qc.get("quant_method")
+    if method not in _FP8_METHODS:
+        raise ValueError(
+            f"checkpoint quantized with {method!r}: splitserve reads FP8 checkpoints "
+            f"(quant_method {', '.join(_FP8_METHODS)}) and 16/32-bit ones (which --quantization "
+            "fp8 quantizes at load)"
+        )
+    if method == "compressed-tensors":
+        groups = qc.get("config_groups") or {}
+        if not isinstance(groups, dict) or not groups:
+            raise ValueError("compressed-tensors quantization_config has no config_groups")
+        for name, group in groups.items():
+            weights = (group or {}).get("weights") or {}
+            if weights.get("type") != "float" or weights.get("num_bits") != 8:
+                raise ValueError(
+                    f"compressed-tensors group {name!r} stores {weights.get('num_bits')}-bit "
+                    f"{weights.get('type')} weights: splitserve reads 8-bit float (FP8) ones"
+                )
+            if qc.get("format") not in (None, "float-quantized", "naive-quantized"):
+                raise ValueError(
+                    f"compressed-tensors format {qc.get('format')!r}: splitserve reads "
+                    "float-quantized (FP8) checkpoints"
+                )
+    return "fp8"
+
+
 @dataclass(frozen=True, slots=True)
 class ModelIdentity:
     """What makes KV bytes of one model incompatible with another's.
@@ -82,6 +136,7 @@ class ModelIdentity:
     dtype: str = "float32"
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_layout: str = KV_LAYOUT
+    quantization: str = ""  # "" or "fp8": the weights' quantization (it changes the KV computed)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -96,11 +151,14 @@ class ModelIdentity:
         dtype: object = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         kv_layout: str = KV_LAYOUT,
+        quantization: object = None,
     ) -> ModelIdentity:
         """The identity of a checkpoint folder served in ``dtype`` with ``block_size``: its name
         and a digest of its ``config.json`` (so the router and every node agree without sharing
         a path). ``dtype`` None is the checkpoint's own, by the model loader's rule: its
-        ``config.json``'s ``dtype`` (or legacy ``torch_dtype``), else float32. Torch-free."""
+        ``config.json``'s ``dtype`` (or legacy ``torch_dtype``), else float32. ``quantization``
+        None is the checkpoint's own (its ``quantization_config``); ``fp8`` also names a 16-bit
+        checkpoint quantized at load. Torch-free."""
         path = Path(path)
         try:
             raw = (path / "config.json").read_bytes()
@@ -111,12 +169,17 @@ class ModelIdentity:
             raise ValueError(f"{path}/config.json is not a JSON object")
         if dtype is None:
             dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+        stored = checkpoint_quantization(config)
+        wanted = canonical_quantization(quantization) if quantization else stored
+        if stored and wanted != stored:
+            raise ValueError(f"{path} is quantized as {stored}, not {wanted or 'none'}")
         return cls(
             path.name or str(path),
             hashlib.sha256(raw).hexdigest()[:16],
             canonical_dtype(dtype),
             block_size,
             kv_layout,
+            wanted,
         )
 
     @property
@@ -132,6 +195,8 @@ class ModelIdentity:
                         self.dtype,
                         self.block_size,
                         self.kv_layout,
+                        # Only when set: the roots of unquantized models stay what they were.
+                        *([self.quantization] if self.quantization else []),
                     ]
                 ),
                 digest_size=_DIGEST,

@@ -10,9 +10,11 @@ from torch import nn
 
 from splitserve.kernels import ops
 from splitserve.models.parallel import SINGLE, RowParallelLinear, Shards, TPGroup
+from splitserve.models.quantization import make_linear
 
 if TYPE_CHECKING:
     from splitserve.models.config import ModelConfig
+    from splitserve.models.quantization import QuantSpec
 
 
 @dataclass(slots=True)
@@ -93,7 +95,8 @@ class PagedAttention(nn.Module):
     """Self-attention whose K/V live only in the paged pool (fused q/k/v projection).
 
     Under tensor parallelism (``tp``, models/parallel.py) this rank computes its query heads and
-    KV heads only (``shards``): qkv_proj holds their rows, o_proj their columns."""
+    KV heads only (``shards``): qkv_proj holds their rows, o_proj their columns. ``quant``: the
+    projections in FP8 (models/quantization.py)."""
 
     def __init__(
         self,
@@ -101,6 +104,7 @@ class PagedAttention(nn.Module):
         layer_idx: int,
         shards: Shards | None = None,
         tp: TPGroup = SINGLE,
+        quant: QuantSpec | None = None,
     ) -> None:
         super().__init__()
         shards = shards or Shards.of(config, tp)
@@ -110,10 +114,12 @@ class PagedAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        self.qkv_proj = make_linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, quant
         )
-        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, config.o_bias, tp)
+        self.o_proj = RowParallelLinear(
+            self.q_size, config.hidden_size, config.o_bias, tp, fp8=quant is not None
+        )
 
     def forward(
         self,
@@ -184,15 +190,23 @@ class PagedAttention(nn.Module):
 
 class GatedMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one projection.
-    ``intermediate_size``: this rank's share under tensor parallelism (down_proj row-parallel)."""
+    ``intermediate_size``: this rank's share under tensor parallelism (down_proj row-parallel).
+    ``quant``: both projections in FP8."""
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, bias: bool, tp: TPGroup = SINGLE
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        tp: TPGroup = SINGLE,
+        quant: QuantSpec | None = None,
     ) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp)
+        self.gate_up_proj = make_linear(hidden_size, 2 * intermediate_size, bias, quant)
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias, tp, fp8=quant is not None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))

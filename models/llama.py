@@ -23,17 +23,25 @@ from splitserve.models.parallel import (
     VocabParallelEmbedding,
     gather_logits,
 )
+from splitserve.models.quantization import QuantSpec
 
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_idx: int, shards: Shards, tp: TPGroup = SINGLE
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        shards: Shards,
+        tp: TPGroup = SINGLE,
+        quant: QuantSpec | None = None,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = PagedAttention(config, layer_idx, shards, tp)
+        self.self_attn = PagedAttention(config, layer_idx, shards, tp, quant)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, len(shards.intermediate), config.mlp_bias, tp)
+        self.mlp = GatedMLP(
+            config.hidden_size, len(shards.intermediate), config.mlp_bias, tp, quant
+        )
 
     def forward(
         self,
@@ -65,16 +73,25 @@ class LlamaForCausalLM(nn.Module):
     ``tp``: this rank's tensor-parallel group (models/parallel.py); the model then holds only
     this rank's shards (``shards``) and its forward takes part in the group's collectives, so
     every rank must run the same forwards in the same order (the runner sees to it).
+
+    ``quant``: the decoder's linear layers in FP8 (models/quantization.py); None: in ``dtype``.
     """
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TPGroup = SINGLE) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        tp: TPGroup = SINGLE,
+        quant: QuantSpec | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.tp = tp
+        self.quant = quant
         self.shards = shards = Shards.of(config, tp)
         self.embed_tokens = VocabParallelEmbedding(shards, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, shards, tp) for i in range(config.num_layers)
+            DecoderLayer(config, i, shards, tp, quant) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None

@@ -11,9 +11,12 @@ from typing import Any, NamedTuple
 
 import torch
 
+from splitserve.kernels import quant as fp8
+from splitserve.models import quantization as quant_format
 from splitserve.models.config import ModelConfig, parse_dtype
 from splitserve.models.llama import LlamaForCausalLM
 from splitserve.models.parallel import SINGLE, TPGroup
+from splitserve.models.quantization import QuantSpec
 
 logger = logging.getLogger(__name__)
 
@@ -38,26 +41,34 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     tp: TPGroup = SINGLE,
+    quantization: str | None = None,
 ) -> tuple[ModelConfig, LlamaForCausalLM]:
     """Read ``config.json`` and the weights of a checkpoint folder into a model on ``device``.
 
     dtype: the checkpoint's own (``config.json``'s ``dtype``) when None. load_format ``dummy``
     draws random weights from ``seed`` (for benchmarks: no weight files needed); ``auto`` is
     ``safetensors``. ``tp``: this rank's tensor-parallel group; the model then holds this rank's
-    shards, each read from the files alone (no rank reads a whole tensor it splits). Raises
-    ``ValueError`` naming any missing, unexpected or misshapen tensor, or a parallel size that
-    cannot split this model.
+    shards, each read from the files alone (no rank reads a whole tensor it splits).
+    ``quantization``: ``fp8`` runs the decoder's linear layers in FP8 (models/quantization.py);
+    None: the checkpoint's own (FP8 if it was published so). Raises ``ValueError`` naming any
+    missing, unexpected or misshapen tensor, a parallel size that cannot split this model, or a
+    quantization this checkpoint or device cannot take.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; use one of {LOAD_FORMATS}")
     config = ModelConfig.from_pretrained(path)
-    dtype = config.checkpoint_dtype if dtype is None else parse_dtype(dtype)
     device = torch.device(device)
+    spec = quant_format.resolve_quantization(quantization, config.hf_config, device)
+    if dtype is None:
+        dtype = config.checkpoint_dtype
+        if spec is not None and dtype == torch.float32 and device.type == "cuda":
+            dtype = torch.bfloat16  # an FP8 checkpoint's config may name no dtype at all
+    dtype = parse_dtype(dtype)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # build the parameters in their final dtype, not fp32 first
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(config, dtype, tp)
+            model = LlamaForCausalLM(config, dtype, tp, spec)
     finally:
         torch.set_default_dtype(previous)
     if load_format == "dummy":
@@ -66,14 +77,15 @@ def load_model(
         _load_safetensors(model, Path(path), device)
     model.eval().requires_grad_(False)
     logger.info(
-        "loaded %s (%s, %d layers, %.2f GB%s) on %s as %s",
+        "loaded %s (%s, %d layers, %.2f GB%s) on %s as %s%s",
         path,
         config.architecture,
         config.num_layers,
-        sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9,
+        sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) / 1e9,
         f", tensor parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "",
         device,
         dtype,
+        f", linear layers {spec.describe()}" if spec is not None else "",
     )
     return config, model
 
@@ -172,8 +184,24 @@ def _read(tensor: Any, place: _Place) -> torch.Tensor:
     return tensor[place.start : end] if place.dim == 0 else tensor[:, place.start : end]
 
 
+def _read_scales(files: list[Path], device: torch.device) -> dict[str, torch.Tensor]:
+    """The weight-scale tensors of the files (small: read whole, before the weights they
+    scale)."""
+    from safetensors import safe_open
+
+    scales: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(file, framework="pt", device=str(device)) as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                if name.endswith(quant_format.SCALE_SUFFIXES):
+                    scales[name] = f.get_tensor(name)
+    return scales
+
+
 def _load_safetensors(model: LlamaForCausalLM, path: Path, device: torch.device) -> None:
-    load_weights(model, _iter_checkpoint(_weight_files(path), device), source=str(path))
+    files = _weight_files(path)
+    scales = _read_scales(files, device) if model.quant is not None else {}
+    load_weights(model, _iter_checkpoint(files, device), source=str(path), scales=scales)
 
 
 @torch.no_grad()
@@ -181,18 +209,31 @@ def load_weights(
     model: LlamaForCausalLM,
     named_tensors: Iterable[tuple[str, Any]],
     source: str = "checkpoint",
+    scales: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Copy tensors named as in a Hugging Face checkpoint (``model.layers.0.self_attn.q_proj.
     weight`` ...) into ``model``, fusing q/k/v and gate/up, converting to the model's dtype.
     Under tensor parallelism each takes only this rank's part (models/parallel.py); a value may
     be a tensor or a safetensors slice (then only that part is read). Every parameter must be
-    filled exactly once; raises ``ValueError`` naming what is wrong."""
+    filled exactly once; raises ``ValueError`` naming what is wrong.
+
+    An FP8 model (``model.quant``) takes 16/32-bit weights (quantized here) or FP8 ones with
+    their scales, which ``scales`` holds by checkpoint name (``...weight_scale`` or
+    ``...weight_scale_inv``; scale tensors among ``named_tensors`` are taken too, if they come
+    before their weight)."""
     params = dict(model.named_parameters())
     cfg = model.config
     fused_parts = {"self_attn.qkv_proj": 3, "mlp.gate_up_proj": 2}
     loaded: set[tuple[str, int | None]] = set()
     unexpected = []
+    scales = dict(scales or {})
     for name, tensor in named_tensors:
+        if name.endswith(quant_format.SCALE_SUFFIXES):
+            if name not in scales:  # (a safetensors checkpoint's are read before: _read_scales)
+                scales[name] = _read(tensor, _Place(None))
+            continue
+        if name.endswith(quant_format.UNUSED_SUFFIXES):
+            continue  # static activation / KV scales: not used (models/quantization.py)
         target = _target(model, name)
         if target is None or target[0] not in params:
             if target and target[0] == "__tied__":
@@ -214,7 +255,15 @@ def load_weights(
             raise ValueError(
                 f"{source}: tensor {name} has shape {shape}, the config implies {tuple(full)}"
             )
-        dest.copy_(_read(tensor, place))
+        if param.dtype == fp8.FP8:
+            _load_fp8(model, pname, dest, tensor, place, shape, f"{source}: {name}", scales)
+        elif quant_format.is_fp8(tensor):  # e.g. an lm_head the checkpoint quantized
+            whole = quant_format.dequantize_checkpoint(
+                _read(tensor, _Place(None)), _scale_of(name, scales), model.quant, name
+            )
+            dest.copy_(_read(whole, place))
+        else:
+            dest.copy_(_read(tensor, place))
         if pname in ("embed_tokens.weight", "lm_head.weight") and dest.shape != param.shape:
             param[dest.shape[0] :].zero_()  # the padding rows of the last vocabulary shard
         loaded.add((pname, shard))
@@ -233,6 +282,49 @@ def load_weights(
         raise ValueError(f"{source}: tensors missing for: {_first(missing)}")
 
 
+def _scale_of(name: str, scales: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    stem = name.removesuffix(".weight")
+    return scales.get(f"{stem}.weight_scale", scales.get(f"{stem}.weight_scale_inv"))
+
+
+def _scale_buffer(model: LlamaForCausalLM, pname: str) -> torch.Tensor:
+    """The ``weight_scale`` of the FP8 layer whose weight is ``pname``."""
+    scale = getattr(model.get_submodule(pname.removesuffix(".weight")), "weight_scale", None)
+    if not isinstance(scale, torch.Tensor):
+        raise RuntimeError(f"{pname} is FP8 but its layer has no weight_scale")
+    return scale
+
+
+def _load_fp8(
+    model: LlamaForCausalLM,
+    pname: str,
+    dest: torch.Tensor,
+    tensor: Any,
+    place: _Place,
+    shape: tuple[int, ...],
+    name: str,
+    scales: dict[str, torch.Tensor],
+) -> None:
+    """Fill an FP8 parameter's part ``dest`` and its scales from a checkpoint tensor (``name``:
+    ``source: tensor name``, for messages)."""
+    spec = model.quant or QuantSpec()
+    data = _read(tensor, place)
+    rows, cols = slice(0, shape[0]), slice(0, shape[1])
+    if place.dim == 0:
+        rows = slice(place.start, place.start + place.length)
+    elif place.dim == 1:
+        cols = slice(place.start, place.start + place.length)
+    stem = name.rpartition(": ")[2]
+    weight, scale = quant_format.weight_from_checkpoint(
+        data, _scale_of(stem, scales), spec, rows, cols, shape[0], name
+    )
+    dest.copy_(weight)
+    scale_dest = _scale_buffer(model, pname)
+    if place.dim == 0:
+        scale_dest = scale_dest.narrow(0, place.dest_start, place.length)
+    scale_dest.copy_(scale)
+
+
 def _first(names: list[str], n: int = 8) -> str:
     more = f" and {len(names) - n} more" if len(names) > n else ""
     return ", ".join(names[:n]) + more
@@ -245,5 +337,10 @@ def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
+        elif param.dtype == fp8.FP8:  # drawn in float32, then quantized as a checkpoint's is
+            drawn = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+            weight, scale = fp8.quantize_weight(drawn.normal_(0.0, 0.02, generator=gen))
+            param.copy_(weight)
+            _scale_buffer(model, name).copy_(scale)
         else:
             param.normal_(0.0, 0.02, generator=gen)

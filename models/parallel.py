@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from splitserve.kernels import quant
 from splitserve.kvstore.tp_shards import check_tp, kv_heads_of
 
 
@@ -143,18 +144,37 @@ class Shards:
 
 class RowParallelLinear(nn.Module):
     """``y = x W^T + b`` where this rank holds the columns of W of its share of x's features:
-    the partial products are summed over the ranks, then the (whole) bias is added."""
+    the partial products are summed over the ranks, then the (whole) bias is added.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+    ``fp8``: W in float8_e4m3fn with ``weight_scale`` (one float32 per output channel, of this
+    rank's columns: models/quantization.py)."""
+
+    weight_scale: torch.Tensor | None
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, tp: TPGroup, fp8: bool = False
+    ) -> None:
         super().__init__()
         self.tp = tp
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        if fp8:
+            self.weight = nn.Parameter(
+                torch.empty(out_features, in_features, dtype=quant.FP8), requires_grad=False
+            )
+            self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32))
+        else:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features))
+            self.weight_scale = None
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.weight_scale is not None:
+            return quant.fp8_linear(x, self.weight, self.weight_scale, bias)
+        return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return self._matmul(x, self.bias)
+        y = self.tp.all_reduce(self._matmul(x, None))
         return y if self.bias is None else y + self.bias
 
 

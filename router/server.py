@@ -79,7 +79,9 @@ def prefix_index(config: RouterConfig) -> PrefixIndex | None:
 def model_identity(config: RouterConfig) -> ModelIdentity:
     """What the nodes must serve: every node's root hash is checked against this one's. Built
     as the nodes build theirs (same checkpoint, dtype - None: the checkpoint's - and block size)."""
-    return ModelIdentity.for_checkpoint(config.model_path, config.dtype, config.block_size)
+    return ModelIdentity.for_checkpoint(
+        config.model_path, config.dtype, config.block_size, quantization=config.quantization
+    )
 
 
 async def start_router(config: RouterConfig, model: ModelInfo) -> tuple[Server, NodeRegistry]:

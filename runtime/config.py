@@ -9,7 +9,12 @@ import ipaddress
 import socket
 from dataclasses import dataclass
 
-from splitserve.kvstore.hashing import DEFAULT_BLOCK_SIZE, ModelIdentity, canonical_dtype
+from splitserve.kvstore.hashing import (
+    DEFAULT_BLOCK_SIZE,
+    QUANTIZATIONS,
+    ModelIdentity,
+    canonical_dtype,
+)
 from splitserve.runtime.options import option
 from splitserve.runtime.slo import SLO_SYNTAX, Slo
 
@@ -75,6 +80,11 @@ _OTLP_HELP = (
 _OTLP_RATIO_HELP = (
     "the share of requests traced, 0..1 (the router decides, the nodes follow; default: the "
     "SDK's OTEL_TRACES_SAMPLER, i.e. every request)"
+)
+_QUANT_HELP = (
+    "fp8: the linear layers in FP8 (per-channel weight scales, per-token activation scales; a "
+    "16-bit checkpoint is quantized at load; needs FP8 tensor cores on CUDA: Ada, Hopper), part "
+    "of the model identity (default: the checkpoint's own: FP8 for one published in FP8)"
 )
 _BLOCK_HELP = "tokens per KV block, part of the model identity (the same everywhere)"
 _TLS_HELP = "mTLS on every gRPC port and channel of this process (all three files, PEM): "
@@ -161,6 +171,7 @@ class NodeConfig:
         "--tls-* nor a token both are offered)",
     )
     dtype: str | None = option(None, "float32, float16 or bfloat16 (default: the checkpoint's)")
+    quantization: str | None = option(None, _QUANT_HELP, choices=QUANTIZATIONS)
     kv_cache_mb: int = option(256, "CPU KV cache size in MiB (on CUDA: sized from free memory)")
     gpu_memory_utilization: float = option(0.9, "share of the GPU's memory this node may use")
     max_num_seqs: int = option(256, "requests in a batch at most")
@@ -374,6 +385,11 @@ class RouterConfig:
     redis_url: str | None = option(None, _REDIS_HELP)
     dtype: str | None = option(
         None, "the nodes' dtype, part of the model identity (default: the checkpoint's)"
+    )
+    quantization: str | None = option(
+        None,
+        "the nodes' --quantization, part of the model identity (default: the checkpoint's)",
+        choices=QUANTIZATIONS,
     )
     metrics_port: int | None = option(None, _METRICS_HELP)
     otlp_endpoint: str | None = option(None, _OTLP_HELP)

@@ -66,12 +66,21 @@ def use_device(device: str, make_current: bool = True) -> torch.device:
     return torch.device("cuda", index)
 
 
+def node_identity(config: NodeConfig) -> ModelIdentity:
+    """The model identity of a node of this config: the router computes the same from its own
+    --model, --dtype, --block-size and --quantization."""
+    from splitserve.kvstore import ModelIdentity
+
+    return ModelIdentity.for_checkpoint(
+        config.model_path, config.dtype, config.block_size, quantization=config.quantization
+    )
+
+
 def build_engine(config: NodeConfig, prefill_only: bool) -> tuple[LLMEngine, ModelIdentity]:
     """Load the model of a node and wrap it in an engine (blocking: call before serving)."""
     import torch
 
     from splitserve.engine.core import LLMEngine
-    from splitserve.kvstore import ModelIdentity
     from splitserve.models.loader import load_model
     from splitserve.models.parallel import SINGLE
     from splitserve.models.runner import ModelRunner, RunnerConfig
@@ -98,6 +107,7 @@ def build_engine(config: NodeConfig, prefill_only: bool) -> tuple[LLMEngine, Mod
             device=device,
             load_format=config.load_format,
             tp=tp,
+            quantization=config.quantization,
         )
         runner = ModelRunner(model_config, model, runner_config)
     except BaseException:
@@ -107,7 +117,7 @@ def build_engine(config: NodeConfig, prefill_only: bool) -> tuple[LLMEngine, Mod
     if ranks is not None:
         runner.closers.append(ranks.stop)
         runner.on_group_error = ranks.group_failed
-    identity = ModelIdentity.for_checkpoint(config.model_path, config.dtype, config.block_size)
+    identity = node_identity(config)
     if identity.dtype != str(runner.dtype).removeprefix("torch."):  # the router computes the same
         raise RuntimeError(f"{identity} does not match the loaded dtype {runner.dtype}")
     engine = LLMEngine(
@@ -145,6 +155,7 @@ def start_tensor_parallel(config: NodeConfig, device: str, runner_config: Any) -
         load_format=config.load_format,
         devices=devices,
         runner=dataclasses.asdict(runner_config),
+        quantization=config.quantization,
     )
     return start_ranks(spec, pass_fds=gpus.held_locks())
 
@@ -195,9 +206,7 @@ async def start_engine(config: NodeConfig, role: str) -> tuple[NodeEngine, Model
     """The node's engine, started: in an engine process of its own (``--engine-process``) or
     on a thread of this one. The model identity is computed here as the router computes it and
     checked against the engine's."""
-    from splitserve.kvstore import ModelIdentity
-
-    identity = ModelIdentity.for_checkpoint(config.model_path, config.dtype, config.block_size)
+    identity = node_identity(config)
     if uses_engine_process(config):
         from splitserve.runtime.engine_process import spawn_engine
 

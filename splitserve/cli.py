@@ -40,6 +40,7 @@ ENV_COMMANDS = ("router", "prefill", "decode")  # their options also read SPLITS
 # The node options `splitserve up` forwards to every node it starts (unset: the node's default).
 UP_NODE_OPTIONS = (
     "dtype",
+    "quantization",
     "kv_cache_mb",
     "max_num_seqs",
     "max_num_batched_tokens",

@@ -9,7 +9,12 @@ import sys
 from splitserve.runtime.config import NodeConfig
 from splitserve.runtime.options import add_options
 
-IDENTITY_OPTIONS = ("model_path", "dtype", "block_size")  # what a node's model identity is of
+IDENTITY_OPTIONS = (
+    "model_path",
+    "dtype",
+    "block_size",
+    "quantization",
+)  # what a node's model identity is of
 
 
 def model_path(path: str | None) -> str:
@@ -25,7 +30,9 @@ def _identity(args: argparse.Namespace):
     """The model identity a node started with the same --model, --dtype, --block-size has."""
     from splitserve.kvstore import ModelIdentity
 
-    return ModelIdentity.for_checkpoint(model_path(args.model_path), args.dtype, args.block_size)
+    return ModelIdentity.for_checkpoint(
+        model_path(args.model_path), args.dtype, args.block_size, quantization=args.quantization
+    )
 
 
 def cmd_hash(args: argparse.Namespace) -> int:
@@ -127,8 +134,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens,
             seed=args.seed,
         )
-        identity = ModelIdentity.for_checkpoint(path, args.dtype)
-        config, model = load_model(path, dtype=args.dtype, device=device)
+        identity = ModelIdentity.for_checkpoint(path, args.dtype, quantization=args.quantization)
+        config, model = load_model(
+            path, dtype=args.dtype, device=device, quantization=args.quantization
+        )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -223,7 +232,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="checkpoint folder, .gguf file or `tiny` (default: SmolLM2-135M-Instruct)",
     )
-    add_options(p, NodeConfig, ("dtype", "kv_cache_mb"))
+    add_options(p, NodeConfig, ("dtype", "quantization", "kv_cache_mb"))
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)

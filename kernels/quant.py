@@ -1,0 +1,107 @@
+"""FP8 (e4m3) linear layers: weights quantized per output channel, activations per token.
+
+``y = (q_x · q_w^T) * s_x * s_w (+ bias)``, where ``q_w`` is the weight in float8_e4m3fn with one
+float32 scale per output channel (``s_w``: ``[N]``) and ``q_x`` the input quantized per token at
+run time (``s_x``: ``[T, 1]``, each row's amax / 448). On a GPU with FP8 tensor cores (compute
+capability 8.9 or more: Ada, Hopper) the product is one ``torch._scaled_mm`` with row-wise scales;
+elsewhere (CPU, or shapes it does not take) the same quantities are computed in float32: the FP8
+values are exactly representable there, so the emulation differs from the GPU's only in the order
+of the float32 sums.
+
+Plain torch: a CPU-only process never loads Triton for these.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+# A row of zeros gets this scale (its values quantize to 0 either way), not 0 (a division by 0).
+_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+
+
+def fp8_supported(device: torch.device | str) -> tuple[bool, str]:
+    """Whether FP8 GEMMs run natively on ``device``, and if not, why (for a message). CPU: False
+    (emulated)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False, f"{device.type} has no FP8 GEMM (emulated in float32)"
+    if not hasattr(torch, "_scaled_mm"):
+        return False, f"torch {torch.__version__} has no torch._scaled_mm"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        return False, f"{name} (compute capability {major}.{minor}) has no FP8 tensor cores"
+    return True, ""
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``[..., K]`` → (float8_e4m3fn ``[..., K]``, float32 scales ``[..., 1]``): each row
+    scaled so that its largest magnitude maps to 448."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True).div_(FP8_MAX).clamp_(min=_MIN_SCALE)
+    return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``[N, K]`` weight → (float8 ``[N, K]``, float32 per-output-channel scales ``[N]``)."""
+    q, scale = quantize_rows(weight)
+    return q, scale.squeeze(-1)
+
+
+def dequantize_weight(
+    weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """float8 ``[N, K]`` with ``[N]`` scales → ``dtype`` ``[N, K]`` (the weight the GEMM means)."""
+    return (weight.float() * scale.float().view(-1, 1)).to(dtype)
+
+
+def _scaled_mm_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    # cuBLAS's FP8 GEMM wants K and N in multiples of 16 (every served model's are).
+    return x.is_cuda and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    native: bool | None = None,
+) -> torch.Tensor:
+    """``x`` ``[..., K]`` (16/32-bit) times an FP8 weight ``[N, K]`` with scales ``[N]``:
+    ``[..., N]`` in ``x``'s dtype. ``native`` None: ``torch._scaled_mm`` where the device and the
+    shapes take it, else the float32 emulation; False forces the emulation (the reference)."""
+    if weight.dtype != FP8 or weight.dim() != 2:
+        raise ValueError(
+            f"fp8_linear: weight must be a 2-D {FP8}, got {weight.dtype} {weight.dim()}-D"
+        )
+    n, k = weight.shape
+    if x.shape[-1] != k or weight_scale.shape != (n,):
+        raise ValueError(
+            f"fp8_linear: x [..., {x.shape[-1]}], weight {tuple(weight.shape)} and scale "
+            f"{tuple(weight_scale.shape)} do not fit (want x [..., {k}], scale ({n},))"
+        )
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] == 0:
+        return x.new_empty(*lead, n)
+    qx, sx = quantize_rows(x2)
+    if native is None:
+        native = _scaled_mm_takes(x2, weight)
+    if native:
+        out = torch._scaled_mm(  # pyright: ignore[reportPrivateImportUsage]
+            qx,
+            weight.t(),
+            scale_a=sx,
+            scale_b=weight_scale.view(1, n),
+            out_dtype=torch.bfloat16,  # row-wise scales: cuBLAS writes bfloat16
+        )
+        out = out.to(x.dtype)
+    else:
+        out = (qx.float() @ weight.float().t()).mul_(sx).mul_(weight_scale.float().view(1, n))
+        out = out.to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.view(*lead, n)

@@ -1,0 +1,52 @@
+"""``--quantization fp8`` across processes: a prefill and a decode node quantizing a 16/32-bit
+checkpoint at load serve, through a router given the same flag, the tokens of the FP8 model run in
+this process; a decode node started without the flag computes other KV (another model identity),
+so the router names it and never routes to it."""
+
+import random
+import time
+
+import torch
+from support.processes import greedy_burst, start_node, start_router
+
+from splitserve.engine.core import LLMEngine
+from splitserve.kvstore import ModelIdentity
+from splitserve.models.loader import load_model
+from splitserve.models.runner import ModelRunner, RunnerConfig
+from splitserve.models.sampling_params import SamplingParams
+from splitserve.models.tiny import write_random_checkpoint
+
+
+def _fp8_greedy(path, prompts, n):
+    config, model = load_model(path, quantization="fp8")
+    kv = RunnerConfig(kv_cache_bytes=64 * 16 * config.kv_bytes_per_token(torch.float32))
+    engine = LLMEngine(ModelRunner(config, model, kv), ModelIdentity(str(path)))
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    return [r.output_token_ids for r in engine.generate(prompts, params)]
+
+
+def test_fp8_nodes_serve_the_fp8_models_tokens_and_an_unquantized_node_is_not_used(tmp_path):
+    model = write_random_checkpoint(tmp_path / "m", seed=11, with_tokenizer=True)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (20, 37, 50)]
+    expected = _fp8_greedy(model, prompts, 6)
+    fp8 = ("--quantization", "fp8")
+    procs = []
+    try:
+        prefill = start_node("prefill", model, tmp_path, *fp8)
+        good = start_node("decode", model, tmp_path, *fp8)
+        plain = start_node("decode", model, tmp_path)
+        procs += [prefill, good, plain]
+        router = start_router(
+            model, tmp_path, [prefill.address], [good.address, plain.address], *fp8
+        )
+        procs.append(router)
+        assert greedy_burst(router.address, prompts, 6, timeout=60) == expected
+        deadline = time.monotonic() + 10
+        while f"decode node {plain.address} is not used" not in router.log.read_text():
+            assert time.monotonic() < deadline, router.log.read_text()[-2000:]
+            time.sleep(0.2)
+        assert "quantization='fp8'" in router.log.read_text()
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
