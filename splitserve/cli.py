@@ -237,6 +237,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     def on_sigterm(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
+    # Ctrl-C stops the cluster however up was started: a process started in the background by a
+    # script (no job control) inherits SIGINT ignored, and Python then installs no handler of
+    # its own (the components handle SIGINT in their event loops either way).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     planner_policy = None
     if args.autoscale:
         try:
