@@ -159,14 +159,15 @@ def main() -> int:
     print(f"{'variant':<8} {'perplexity':>10} {'vs ' + rows[0]['variant']:>9} "
           f"{'same answer':>12} {'shared tokens':>14} {'s':>6}")  # fmt: skip
     for r in rows:
+        change = 100 * (r["perplexity"] / base - 1)
         print(
-            f"{r['variant']:<8} {r['perplexity']:>10.3f} {100 * (r['perplexity'] / base - 1):>+8.2f}% "
+            f"{r['variant']:<8} {r['perplexity']:>10.3f} {change:>+8.2f}% "
             f"{r['identical_answers']:>5}/{r['answers']:<6} {100 * r['shared_prefix']:>13.1f}% "
             f"{r['seconds']:>6.0f}"
         )
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(model=path, device=args.device, dtype=dtype,
-                                                   window=args.window, rows=rows), indent=2))  # fmt: skip
+        figures = dict(model=path, device=args.device, dtype=dtype, window=args.window, rows=rows)
+        Path(args.json).write_text(json.dumps(figures, indent=2))
     return 0
 
 
