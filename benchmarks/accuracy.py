@@ -2,7 +2,7 @@
 agreement on chat questions, each variant against the unquantized model, through the engine's own
 model code (paged KV, the same kernels and GEMMs a node runs).
 
-    python benchmarks/accuracy.py                                   # CPU: float32, FP8 emulated
+    python benchmarks/accuracy.py --variants none,fp8,kv-fp8,fp8+kv-fp8   # CPU: float32
     python benchmarks/accuracy.py --device cuda --dtype bfloat16    # a GPU with FP8: _scaled_mm
 
 The text is tests/unit/data/alice29.txt (Lewis Carroll, Alice's Adventures in Wonderland, public
@@ -33,8 +33,13 @@ from splitserve.models.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ROOT / "tests" / "unit" / "data" / "alice29.txt"
-# Whatever --quantization takes, and "none": the baseline every other variant is compared with.
-VARIANTS = {"none": None, "fp8": "fp8"}
+# name → (--quantization, --kv-cache-dtype); the first variant run is the baseline of the others.
+VARIANTS = {
+    "none": (None, "auto"),
+    "fp8": ("fp8", "auto"),
+    "kv-fp8": (None, "fp8"),
+    "fp8+kv-fp8": ("fp8", "fp8"),
+}
 
 
 def _module(path: Path):
@@ -74,16 +79,20 @@ def perplexity(runner: ModelRunner, tokens: list[int], window: int) -> tuple[flo
     return math.exp(total / count), count
 
 
-def build(path: str, device: str, dtype: str, quantization: str | None, window: int):
+def build(path: str, device: str, dtype: str, variant: str, window: int):
+    quantization, kv_cache_dtype = VARIANTS[variant]
     config, model = load_model(path, dtype=dtype, device=device, quantization=quantization)
     blocks = -(-window // 16) + 64
     runner_config = RunnerConfig(
         kv_cache_bytes=blocks * 16 * config.kv_bytes_per_token(model.embed_tokens.weight.dtype),
         use_cuda_graph=False,
         max_num_batched_tokens=max(window, 2048),
+        kv_cache_dtype=kv_cache_dtype,
     )
     runner = ModelRunner(config, model, runner_config)
-    identity = ModelIdentity.for_checkpoint(path, dtype, quantization=quantization)
+    identity = ModelIdentity.for_checkpoint(
+        path, dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype
+    )
     return runner, LLMEngine(runner, identity)
 
 
@@ -131,7 +140,7 @@ def main() -> int:
         if name not in VARIANTS:
             ap.error(f"unknown variant {name!r}; use {', '.join(VARIANTS)}")
         started = time.monotonic()
-        runner, engine = build(path, args.device, dtype, VARIANTS[name], args.window)
+        runner, engine = build(path, args.device, dtype, name, args.window)
         ppl, scored = perplexity(runner, tokens, args.window)
         answers = [r.output_token_ids for r in engine.generate(chats, greedy)]
         if base_answers is None:

@@ -16,6 +16,7 @@ def _reshape_and_cache_kernel(
     key_cache,
     value_cache,
     slot_mapping,
+    kv_scales,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -31,6 +32,7 @@ def _reshape_and_cache_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    IS_FP8: tl.constexpr,
 ):
     # One program per token: it copies the token's [Hkv, D] K and V rows into its slot.
     token = tl.program_id(0)
@@ -44,6 +46,11 @@ def _reshape_and_cache_kernel(
     mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
     k = tl.load(key + token * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(value + token * stride_vt + h * stride_vh + d, mask=mask)
+    if IS_FP8:  # stored divided by the layer's scale, saturated at e4m3's largest (448)
+        k = tl.clamp(k.to(tl.float32) / tl.load(kv_scales), -448.0, 448.0)
+        v = tl.clamp(v.to(tl.float32) / tl.load(kv_scales + 1), -448.0, 448.0)
+        k = k.to(key_cache.dtype.element_ty)
+        v = v.to(value_cache.dtype.element_ty)
     tl.store(
         key_cache + block * stride_kcb + offset * stride_kcs + h * stride_kch + d, k, mask=mask
     )
@@ -60,9 +67,12 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,
     *,
     validate: bool = True,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """Triton version of `kernels.ops.reshape_and_cache` (see there for shapes)."""
-    checks.check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, validate)
+    checks.check_reshape_and_cache(
+        key, value, key_cache, value_cache, slot_mapping, validate, kv_scales
+    )
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
@@ -74,6 +84,7 @@ def reshape_and_cache(
         key_cache,
         value_cache,
         slot_mapping,
+        slot_mapping if kv_scales is None else kv_scales,  # (not read when not FP8)
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -89,5 +100,6 @@ def reshape_and_cache(
         BLOCK_SIZE=key_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        IS_FP8=kv_scales is not None,
         num_warps=4,  # pyright: ignore[reportCallIssue]
     )

@@ -19,6 +19,10 @@ import torch
 GPU_DTYPES = (torch.float16, torch.bfloat16)
 CPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+# An FP8 KV cache (``--kv-cache-dtype fp8``): e4m3 values times a float32 scale per layer for K
+# and one for V (``kv_scales``, [2]); queries, keys and values computed in the model's dtype.
+KV_FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
 
 
 def contents_checkable(t: torch.Tensor, validate: bool = True) -> bool:
@@ -48,13 +52,33 @@ def check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int
 
 
 def check_dtype(name: str, t: torch.Tensor, cache: torch.Tensor) -> None:
-    if t.dtype != cache.dtype:
+    if t.dtype != cache.dtype and cache.dtype != KV_FP8:
         raise ValueError(f"{name} has dtype {t.dtype} but the KV cache holds {cache.dtype}")
     allowed = GPU_DTYPES if t.is_cuda else CPU_DTYPES
     if t.dtype not in allowed:
         raise ValueError(f"{name}: dtype {t.dtype} not supported on {t.device.type} ({allowed})")
     if t.device != cache.device:
         raise ValueError(f"{name} is on {t.device} but the KV cache is on {cache.device}")
+
+
+def check_kv_scales(cache: torch.Tensor, kv_scales: torch.Tensor | None) -> None:
+    """An FP8 cache takes its ``kv_scales`` (float32 [2]: K's, V's, on the cache's device); a
+    16/32-bit cache none."""
+    if cache.dtype != KV_FP8:
+        if kv_scales is not None:
+            raise ValueError(f"kv_scales are for an FP8 KV cache; this one holds {cache.dtype}")
+        return
+    if (
+        kv_scales is None
+        or kv_scales.dtype != torch.float32
+        or tuple(kv_scales.shape) != (2,)
+        or kv_scales.device != cache.device
+    ):
+        got = "none" if kv_scales is None else f"{kv_scales.dtype} {tuple(kv_scales.shape)}"
+        raise ValueError(
+            f"an FP8 KV cache needs kv_scales: float32 [2] (K's scale, V's) on {cache.device}, "
+            f"got {got}"
+        )
 
 
 def check_heads(query: torch.Tensor, num_kv_heads: int, head_dim: int) -> int:
@@ -140,10 +164,11 @@ def check_block_table_contents(
 
 
 def check_reshape_and_cache(
-    key, value, key_cache, value_cache, slot_mapping, validate: bool = True
+    key, value, key_cache, value_cache, slot_mapping, validate: bool = True, kv_scales=None
 ) -> None:
     """Checks of `reshape_and_cache`'s arguments (see `kernels.ops`)."""
     num_blocks, block_size, num_kv_heads, head_dim = check_cache(key_cache, value_cache)
+    check_kv_scales(key_cache, kv_scales)
     num_tokens = key.shape[0]
     expected = (num_tokens, num_kv_heads, head_dim)
     if key.dim() != 3 or tuple(key.shape) != expected or tuple(value.shape) != expected:
@@ -174,10 +199,19 @@ def check_reshape_and_cache(
 
 
 def check_decode(
-    query, key_cache, value_cache, block_table, seq_lens, scale, out, validate: bool = True
+    query,
+    key_cache,
+    value_cache,
+    block_table,
+    seq_lens,
+    scale,
+    out,
+    validate: bool = True,
+    kv_scales=None,
 ) -> int:
     """Checks of `paged_decode_attention`'s arguments; returns the GQA group size."""
     num_blocks, block_size, num_kv_heads, head_dim = check_cache(key_cache, value_cache)
+    check_kv_scales(key_cache, kv_scales)
     if query.dim() != 3:
         raise ValueError(f"query must be [B, Hq, D], got {tuple(query.shape)}")
     check_dtype("query", query, key_cache)
@@ -206,9 +240,11 @@ def check_prefill(
     scale,
     out,
     validate: bool = True,
+    kv_scales=None,
 ) -> int:
     """Checks of `paged_prefill_attention`'s arguments; returns the GQA group size."""
     num_blocks, block_size, num_kv_heads, head_dim = check_cache(key_cache, value_cache)
+    check_kv_scales(key_cache, kv_scales)
     if query.dim() != 3:
         raise ValueError(f"query must be [T, Hq, D], got {tuple(query.shape)}")
     check_dtype("query", query, key_cache)

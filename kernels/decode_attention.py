@@ -59,6 +59,7 @@ def _decode_kernel(
     out,
     part_out,
     part_lse,
+    kv_scales,
     qk_scale,
     tokens_per_split,
     num_splits,
@@ -81,6 +82,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
+    IS_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -102,6 +104,10 @@ def _decode_kernel(
         other=0.0,
     )
 
+    v_scale = 1.0
+    if IS_FP8:  # K's scale folds into the scores', V's into the output
+        qk_scale = qk_scale * tl.load(kv_scales)
+        v_scale = tl.load(kv_scales + 1)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -120,6 +126,9 @@ def _decode_kernel(
         v = tl.load(
             v_base + blk[:, None] * stride_vb + off[:, None] * stride_vs, mask=kv_mask, other=0.0
         )
+        if IS_FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -131,7 +140,7 @@ def _decode_kernel(
 
     o_mask = h_mask[:, None] & d_mask[None, :]
     if SINGLE_SPLIT:
-        o = acc / l_i[:, None]
+        o = acc / l_i[:, None] * v_scale
         tl.store(
             out + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
             o.to(out.dtype.element_ty),
@@ -139,7 +148,8 @@ def _decode_kernel(
         )
     else:
         row = (b * NUM_HEADS + heads) * num_splits + split
-        tl.store(part_out + row[:, None] * HEAD_DIM + d[None, :], acc / l_i[:, None], mask=o_mask)
+        o = acc / l_i[:, None] * v_scale
+        tl.store(part_out + row[:, None] * HEAD_DIM + d[None, :], o, mask=o_mask)
         tl.store(part_lse + row, m_i + tl.log2(l_i), mask=h_mask)
 
 
@@ -218,11 +228,14 @@ def paged_decode_attention(
     validate: bool = True,
     num_splits: int | None = None,
     config: DecodeConfig = DEFAULT_CONFIG,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of `kernels.ops.paged_decode_attention` (see there for shapes).
 
     `num_splits` overrides `choose_num_splits` (tests and benchmarks); `config` the tiling."""
-    group = check_decode(query, key_cache, value_cache, block_table, seq_lens, scale, out, validate)
+    group = check_decode(
+        query, key_cache, value_cache, block_table, seq_lens, scale, out, validate, kv_scales
+    )
     out = torch.empty_like(query) if out is None else out
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -260,6 +273,7 @@ def paged_decode_attention(
         out,
         part_out,
         part_lse,
+        seq_lens if kv_scales is None else kv_scales,  # (not read when not FP8)
         scale * LOG2E,
         tokens_per_split,
         num_splits,
@@ -282,6 +296,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         SINGLE_SPLIT=num_splits == 1,
+        IS_FP8=kv_scales is not None,
         num_warps=config.num_warps,  # pyright: ignore[reportCallIssue]
         num_stages=config.num_stages,  # pyright: ignore[reportCallIssue]
     )

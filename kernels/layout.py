@@ -94,6 +94,12 @@ def check_block_ids(kv_pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Ten
     return _check_block_ids(kv_pool, block_ids, "block ids")
 
 
+def indexable(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or its bytes for a one-byte float (an FP8 pool): torch has no CPU index kernels for
+    float8, and copying blocks is copying bytes either way."""
+    return t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
+
+
 def gather_blocks(
     kv_pool: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -114,9 +120,12 @@ def gather_blocks(
             f"got {out.dtype} {tuple(out.shape)}"
         )
     if out is not None and out.device != kv_pool.device:
-        out.copy_(kv_pool.index_select(0, block_ids))
+        indexable(out).copy_(indexable(kv_pool).index_select(0, block_ids))
         return out
-    return torch.index_select(kv_pool, 0, block_ids, out=out)
+    if out is not None:
+        torch.index_select(indexable(kv_pool), 0, block_ids, out=indexable(out))
+        return out
+    return torch.index_select(indexable(kv_pool), 0, block_ids).view(kv_pool.dtype)
 
 
 def scatter_blocks(kv_pool: torch.Tensor, block_ids: torch.Tensor, buffer: torch.Tensor) -> None:
@@ -136,7 +145,8 @@ def scatter_blocks(kv_pool: torch.Tensor, block_ids: torch.Tensor, buffer: torch
             raise ValueError("scatter_blocks: block 0 is the reserved null block; never write it")
         if torch.unique(block_ids).numel() != block_ids.numel():
             raise ValueError("scatter_blocks: block_ids must be distinct")
-    kv_pool.index_copy_(0, block_ids, buffer.to(kv_pool.device, non_blocking=True))
+    source = indexable(buffer.to(kv_pool.device, non_blocking=True))
+    indexable(kv_pool).index_copy_(0, block_ids, source)
 
 
 def read_blocks_bytes(kv_pool: torch.Tensor, block_ids: list[int]) -> bytes:

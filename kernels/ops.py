@@ -16,7 +16,9 @@ Shapes (`T` tokens of this step, `B` sequences, `Hq` query heads, `Hkv` KV heads
   order, padded with the null block 0.
 - `seq_lens`: `[B]` int32, context length of each sequence counting every token whose K/V is in the
   cache (for decode: including the current token, already cached by `reshape_and_cache`).
-- dtypes: float16/bfloat16 on CUDA; float32 (also 16-bit) on CPU. Query, caches and out share one.
+- dtypes: float16/bfloat16 on CUDA; float32 (also 16-bit) on CPU. Query, caches and out share one,
+  or the caches are float8_e4m3fn (an FP8 KV cache) with `kv_scales` (float32 [2]: K's scale,
+  V's): each value stored is the computed one divided by its scale.
 """
 
 from __future__ import annotations
@@ -34,20 +36,24 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,
     *,
     validate: bool = True,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """Write this step's K/V into the cache.
 
     key, value: `[T, Hkv, D]`. slot_mapping: `[T]` int32/int64, slot of token t =
     `block_id * block_size + offset`; slots < 0 are padding and skipped. Slots must be distinct
-    and outside the null block 0.
+    and outside the null block 0. An FP8 cache (float8_e4m3fn) stores `key / kv_scales[0]` and
+    `value / kv_scales[1]`, saturated at +-448.
     """
     if key.is_cuda:
         from splitserve.kernels.cache_write import reshape_and_cache as triton_op
 
-        triton_op(key, value, key_cache, value_cache, slot_mapping, validate=validate)
+        triton_op(
+            key, value, key_cache, value_cache, slot_mapping, validate=validate, kv_scales=kv_scales
+        )
     else:
         reference.reshape_and_cache(
-            key, value, key_cache, value_cache, slot_mapping, validate=validate
+            key, value, key_cache, value_cache, slot_mapping, validate=validate, kv_scales=kv_scales
         )
 
 
@@ -61,6 +67,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     *,
     validate: bool = True,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its whole cached context.
 
@@ -72,10 +79,26 @@ def paged_decode_attention(
         from splitserve.kernels.decode_attention import paged_decode_attention as triton_op
 
         return triton_op(
-            query, key_cache, value_cache, block_table, seq_lens, scale, out, validate=validate
+            query,
+            key_cache,
+            value_cache,
+            block_table,
+            seq_lens,
+            scale,
+            out,
+            validate=validate,
+            kv_scales=kv_scales,
         )
     return reference.paged_decode_attention(
-        query, key_cache, value_cache, block_table, seq_lens, scale, out, validate=validate
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        scale,
+        out,
+        validate=validate,
+        kv_scales=kv_scales,
     )
 
 
@@ -91,6 +114,7 @@ def paged_prefill_attention(
     max_query_len: int | None = None,
     *,
     validate: bool = True,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new tokens of a batch of sequences over cached prefix + themselves.
 
@@ -115,6 +139,7 @@ def paged_prefill_attention(
             out,
             max_query_len,
             validate=validate,
+            kv_scales=kv_scales,
         )
     return reference.paged_prefill_attention(
         query,
@@ -127,6 +152,7 @@ def paged_prefill_attention(
         out,
         max_query_len,
         validate=validate,
+        kv_scales=kv_scales,
     )
 
 

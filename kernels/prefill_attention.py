@@ -68,6 +68,7 @@ def _prefill_tile(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
+    IS_FP8: tl.constexpr,
 ):
     tok = n0 + tl.arange(0, BLOCK_N)
     d_mask = tl.arange(0, BLOCK_D)[None, :] < HEAD_DIM
@@ -90,6 +91,9 @@ def _prefill_tile(
     else:
         k = tl.load(k_ptrs, mask=d_mask, other=0.0)
         v = tl.load(v_ptrs, mask=d_mask, other=0.0)
+    if IS_FP8:  # the scales are folded into qk_scale and the output (the caller)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k))
     if CAUSAL:
         s = tl.where((tok[None, :] <= q_pos[:, None]) & t_mask[None, :], s, float("-inf"))
@@ -112,6 +116,7 @@ def _prefill_kernel(
     cu_seqlens_q,
     seq_lens,
     out,
+    kv_scales,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -131,6 +136,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
+    IS_FP8: tl.constexpr,
 ):
     head = tl.program_id(0)
     tile = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -155,6 +161,10 @@ def _prefill_kernel(
         other=0.0,
     )
     q_pos = prefix + rows
+    v_scale = 1.0
+    if IS_FP8:  # K's scale folds into the scores', V's into the output
+        qk_scale = qk_scale * tl.load(kv_scales)
+        v_scale = tl.load(kv_scales + 1)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -187,6 +197,7 @@ def _prefill_kernel(
             BLOCK_SIZE,
             BLOCK_N,
             False,
+            IS_FP8,
         )
     for n0 in range(full_end, causal_end, BLOCK_N):
         acc, l_i, m_i = _prefill_tile(
@@ -210,8 +221,9 @@ def _prefill_kernel(
             BLOCK_SIZE,
             BLOCK_N,
             True,
+            IS_FP8,
         )
-    o = acc / l_i[:, None]
+    o = acc / l_i[:, None] * v_scale
     tl.store(
         out + q_rows[:, None] * stride_ot + head * stride_oh + d[None, :],
         o.to(out.dtype.element_ty),
@@ -232,13 +244,23 @@ def paged_prefill_attention(
     *,
     validate: bool = True,
     config: PrefillConfig | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of `kernels.ops.paged_prefill_attention` (see there for shapes).
 
     `config` overrides the tiling `choose_config` picks (tests and benchmarks). Over 60 lines: see
     the module's docstring."""
     group = check_prefill(
-        query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale, out, validate
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        cu_seqlens_q,
+        seq_lens,
+        scale,
+        out,
+        validate,
+        kv_scales,
     )
     out = torch.empty_like(query) if out is None else out
     num_tokens, num_heads, head_dim = query.shape
@@ -268,6 +290,7 @@ def paged_prefill_attention(
         cu_seqlens_q,
         seq_lens,
         out,
+        seq_lens if kv_scales is None else kv_scales,  # (not read when not FP8)
         scale * LOG2E,
         query.stride(0),
         query.stride(1),
@@ -287,6 +310,7 @@ def paged_prefill_attention(
         BLOCK_M=config.block_m,
         BLOCK_N=block_n,
         WARP_SPECIALIZE=config.warp_specialize,
+        IS_FP8=kv_scales is not None,
         num_warps=config.num_warps,  # pyright: ignore[reportCallIssue]
         num_stages=config.num_stages,  # pyright: ignore[reportCallIssue]
     )

@@ -19,23 +19,39 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,
     *,
     validate: bool = True,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """Write `key`/`value` [T, Hkv, D] into the caches at `slot_mapping` [T] (slot = block_id *
     block_size + offset; slots < 0 are padding and skipped). See `kernels.ops`."""
-    checks.check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, validate)
+    checks.check_reshape_and_cache(
+        key, value, key_cache, value_cache, slot_mapping, validate, kv_scales
+    )
     block_size = key_cache.shape[1]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
-    key_cache[slots // block_size, slots % block_size] = key[valid]
-    value_cache[slots // block_size, slots % block_size] = value[valid]
+    key, value = key[valid], value[valid]
+    if kv_scales is not None:
+        key, value = fp8_quantize(key, kv_scales[0]), fp8_quantize(value, kv_scales[1])
+    key_cache[slots // block_size, slots % block_size] = key
+    value_cache[slots // block_size, slots % block_size] = value
 
 
-def _gather_sequence(cache: torch.Tensor, block_row: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first `seq_len` tokens of one sequence's K or V, [seq_len, Hkv, D]."""
+def fp8_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x / scale`` in e4m3, saturated at +-448 (what the cache-write kernel stores)."""
+    fp8_max = checks.FP8_MAX
+    return (x.float() / scale).clamp(-fp8_max, fp8_max).to(checks.KV_FP8)
+
+
+def _gather_sequence(
+    cache: torch.Tensor, block_row: torch.Tensor, seq_len: int, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The first `seq_len` tokens of one sequence's K or V, [seq_len, Hkv, D] (an FP8 cache's
+    values times ``scale``, in float32)."""
     block_size = cache.shape[1]
     num_used = -(-seq_len // block_size)
     blocks = cache[block_row[:num_used].long()]  # [n, block_size, Hkv, D]
-    return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
+    tokens = blocks.reshape(-1, *cache.shape[2:])[:seq_len]
+    return tokens if scale is None else tokens.float() * scale
 
 
 def _attend(
@@ -61,13 +77,17 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     *,
     validate: bool = True,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference of `kernels.ops.paged_decode_attention` (see there for shapes)."""
-    checks.check_decode(query, key_cache, value_cache, block_table, seq_lens, scale, out, validate)
+    checks.check_decode(
+        query, key_cache, value_cache, block_table, seq_lens, scale, out, validate, kv_scales
+    )
     out = torch.empty_like(query) if out is None else out
+    ks, vs = (None, None) if kv_scales is None else (kv_scales[0], kv_scales[1])
     for b, seq_len in enumerate(seq_lens.tolist()):
-        k = _gather_sequence(key_cache, block_table[b], seq_len)
-        v = _gather_sequence(value_cache, block_table[b], seq_len)
+        k = _gather_sequence(key_cache, block_table[b], seq_len, ks)
+        v = _gather_sequence(value_cache, block_table[b], seq_len, vs)
         pos = torch.tensor([seq_len - 1], device=query.device)
         out[b] = _attend(query[b : b + 1], k, v, scale, pos)[0].to(out.dtype)
     return out
@@ -85,20 +105,31 @@ def paged_prefill_attention(
     max_query_len: int | None = None,
     *,
     validate: bool = True,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference of `kernels.ops.paged_prefill_attention` (see there for shapes)."""
     del max_query_len  # only the Triton launcher needs it (grid size)
     checks.check_prefill(
-        query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale, out, validate
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        cu_seqlens_q,
+        seq_lens,
+        scale,
+        out,
+        validate,
+        kv_scales,
     )
     out = torch.empty_like(query) if out is None else out
+    ks, vs = (None, None) if kv_scales is None else (kv_scales[0], kv_scales[1])
     cu = cu_seqlens_q.tolist()
     for b, seq_len in enumerate(seq_lens.tolist()):
         start, end = cu[b], cu[b + 1]
         if start == end:
             continue
-        k = _gather_sequence(key_cache, block_table[b], seq_len)
-        v = _gather_sequence(value_cache, block_table[b], seq_len)
+        k = _gather_sequence(key_cache, block_table[b], seq_len, ks)
+        v = _gather_sequence(value_cache, block_table[b], seq_len, vs)
         pos = torch.arange(seq_len - (end - start), seq_len, device=query.device)
         out[start:end] = _attend(query[start:end], k, v, scale, pos).to(out.dtype)
     return out

@@ -87,6 +87,20 @@ def canonical_quantization(name: object) -> str:
     return text
 
 
+KV_CACHE_DTYPES = ("auto", "fp8")
+"""What ``--kv-cache-dtype`` takes: the model's dtype, or e4m3 with per-layer scales."""
+
+
+def canonical_kv_cache_dtype(name: object) -> str:
+    """``""`` for the model's dtype (None, ``auto``), ``fp8`` for e4m3; ``ValueError`` else."""
+    text = str(name or "auto").strip().lower()
+    if text not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"unsupported KV cache dtype {name!r}; use one of {', '.join(KV_CACHE_DTYPES)}"
+        )
+    return "" if text == "auto" else text
+
+
 def checkpoint_quantization(config: dict) -> str:
     """The quantization a checkpoint's ``config.json`` (as a dict) is stored in: ``""`` (none)
     or ``fp8``; ``ValueError`` naming the method for one this engine does not read (GPTQ, AWQ,
@@ -137,6 +151,7 @@ class ModelIdentity:
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_layout: str = KV_LAYOUT
     quantization: str = ""  # "" or "fp8": the weights' quantization (it changes the KV computed)
+    kv_cache_dtype: str = ""  # "" (the dtype's) or "fp8": the KV bytes' format
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -152,13 +167,15 @@ class ModelIdentity:
         block_size: int = DEFAULT_BLOCK_SIZE,
         kv_layout: str = KV_LAYOUT,
         quantization: object = None,
+        kv_cache_dtype: str | None = None,
     ) -> ModelIdentity:
         """The identity of a checkpoint folder served in ``dtype`` with ``block_size``: its name
         and a digest of its ``config.json`` (so the router and every node agree without sharing
         a path). ``dtype`` None is the checkpoint's own, by the model loader's rule: its
         ``config.json``'s ``dtype`` (or legacy ``torch_dtype``), else float32. ``quantization``
         None is the checkpoint's own (its ``quantization_config``); ``fp8`` also names a 16-bit
-        checkpoint quantized at load. Torch-free."""
+        checkpoint quantized at load. ``kv_cache_dtype``: ``fp8`` for an FP8 KV cache (None or
+        ``auto``: the dtype's). Torch-free."""
         path = Path(path)
         try:
             raw = (path / "config.json").read_bytes()
@@ -180,6 +197,7 @@ class ModelIdentity:
             block_size,
             kv_layout,
             wanted,
+            canonical_kv_cache_dtype(kv_cache_dtype),
         )
 
     @property
@@ -197,6 +215,7 @@ class ModelIdentity:
                         self.kv_layout,
                         # Only when set: the roots of unquantized models stay what they were.
                         *([self.quantization] if self.quantization else []),
+                        *([f"kv:{self.kv_cache_dtype}"] if self.kv_cache_dtype else []),
                     ]
                 ),
                 digest_size=_DIGEST,

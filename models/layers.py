@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from splitserve.kernels import ops
+from splitserve.kernels.checks import KV_FP8
 from splitserve.models.parallel import SINGLE, RowParallelLinear, Shards, TPGroup
 from splitserve.models.quantization import make_linear
 
@@ -98,6 +99,8 @@ class PagedAttention(nn.Module):
     KV heads only (``shards``): qkv_proj holds their rows, o_proj their columns. ``quant``: the
     projections in FP8 (models/quantization.py)."""
 
+    kv_scales: torch.Tensor
+
     def __init__(
         self,
         config: ModelConfig,
@@ -120,6 +123,9 @@ class PagedAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             self.q_size, config.hidden_size, config.o_bias, tp, fp8=quant is not None
         )
+        # An FP8 KV cache's scales (K's, V's): the cache holds k / kv_scales[0], v / kv_scales[1].
+        # 1.0 unless the checkpoint has them (``self_attn.k_scale``/``v_scale``: models.loader).
+        self.register_buffer("kv_scales", torch.ones(2, dtype=torch.float32), persistent=False)
 
     def forward(
         self,
@@ -137,7 +143,10 @@ class PagedAttention(nn.Module):
         rotary(positions, q, k)
         key_cache, value_cache = kv_cache
         validate = not meta.checked
-        ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, validate=validate)
+        scales = self.kv_scales if key_cache.dtype == KV_FP8 else None
+        ops.reshape_and_cache(
+            k, v, key_cache, value_cache, meta.slot_mapping, validate=validate, kv_scales=scales
+        )
         if meta.is_decode:
             out = ops.paged_decode_attention(
                 q,
@@ -147,6 +156,7 @@ class PagedAttention(nn.Module):
                 meta.seq_lens,
                 self.scale,
                 validate=validate,
+                kv_scales=scales,
             )
         elif meta.num_decodes and meta.prompt_part is not None:
             nd, rest = meta.num_decodes, meta.prompt_part
@@ -160,6 +170,7 @@ class PagedAttention(nn.Module):
                 self.scale,
                 out=out[:nd],
                 validate=validate,
+                kv_scales=scales,
             )
             ops.paged_prefill_attention(
                 q[nd:],
@@ -172,6 +183,7 @@ class PagedAttention(nn.Module):
                 out=out[nd:],
                 max_query_len=rest.max_query_len,
                 validate=validate,
+                kv_scales=scales,
             )
         else:
             out = ops.paged_prefill_attention(
@@ -184,6 +196,7 @@ class PagedAttention(nn.Module):
                 self.scale,
                 max_query_len=meta.max_query_len,
                 validate=validate,
+                kv_scales=scales,
             )
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

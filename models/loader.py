@@ -177,7 +177,7 @@ def _shape(tensor: Any) -> tuple[int, ...]:
 def _read(tensor: Any, place: _Place) -> torch.Tensor:
     """The part ``place`` of a tensor or of a safetensors slice (which reads only that part)."""
     if place.dim is None:
-        return tensor if isinstance(tensor, torch.Tensor) else tensor[:]
+        return tensor if isinstance(tensor, torch.Tensor) else tensor[...]  # (0-dim too)
     if isinstance(tensor, torch.Tensor):
         return tensor.narrow(place.dim, place.start, place.length)
     end = place.start + place.length
@@ -233,7 +233,10 @@ def load_weights(
                 scales[name] = _read(tensor, _Place(None))
             continue
         if name.endswith(quant_format.UNUSED_SUFFIXES):
-            continue  # static activation / KV scales: not used (models/quantization.py)
+            continue  # static activation scales: not used (models/quantization.py)
+        if kv_scale := quant_format.KV_SCALE.match(name):
+            _load_kv_scale(model, kv_scale, _read(tensor, _Place(None)), f"{source}: {name}")
+            continue
         target = _target(model, name)
         if target is None or target[0] not in params:
             if target and target[0] == "__tied__":
@@ -285,6 +288,17 @@ def load_weights(
 def _scale_of(name: str, scales: dict[str, torch.Tensor]) -> torch.Tensor | None:
     stem = name.removesuffix(".weight")
     return scales.get(f"{stem}.weight_scale", scales.get(f"{stem}.weight_scale_inv"))
+
+
+def _load_kv_scale(model: LlamaForCausalLM, match: Any, value: torch.Tensor, name: str) -> None:
+    """A checkpoint's ``self_attn.k_scale``/``v_scale``: the layer's FP8 KV cache scale."""
+    layer, which = int(match.group(1)), match.group(2)
+    if not 0 <= layer < len(model.layers):
+        raise ValueError(f"{name}: the model has {len(model.layers)} layers")
+    if value.numel() != 1 or not bool(torch.isfinite(value).all()) or float(value) <= 0:
+        raise ValueError(f"{name}: a KV cache scale is one finite number > 0, got {value}")
+    scales = model.get_buffer(f"layers.{layer}.self_attn.kv_scales")
+    scales[0 if which == "k" else 1] = float(value)
 
 
 def _scale_buffer(model: LlamaForCausalLM, pname: str) -> torch.Tensor:

@@ -20,8 +20,9 @@ Where the FP8 weights come from (``load_model`` → ``models.loader``):
   128x128 tile) are re-quantized per output channel at load: the GEMM here takes row-wise scales
   only, so a tile whose scale is below its row's largest loses up to one e4m3 rounding (see
   docs/kernels.md). Static activation scales (``input_scale``) are not used: activations are
-  always scaled per token, which is at least as accurate. KV-cache scales (``k_scale``,
-  ``v_scale``) are not used (the KV cache is in the model's dtype).
+  always scaled per token, which is at least as accurate. KV-cache scales (``self_attn.k_scale``,
+  ``v_scale``) are the scales of an FP8 KV cache (``--kv-cache-dtype fp8``), with or without FP8
+  weights.
 
 The torch-free part (which method a ``config.json`` names) is ``kvstore.hashing.
 checkpoint_quantization``: the quantization is part of the model identity the router computes too.
@@ -29,6 +30,7 @@ checkpoint_quantization``: the quantization is part of the model identity the ro
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +55,9 @@ __all__ = [
 # Checkpoint tensors that only scale others (read beside their weight) or that this engine does
 # not use (static activation and KV-cache scales).
 SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv")
-UNUSED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale", ".output_scale", ".kv_scale")
+UNUSED_SUFFIXES = (".input_scale", ".output_scale", ".kv_scale")
+# An FP8 KV cache's per-layer scales as vLLM and llm-compressor write them.
+KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from splitserve.kernels.checks import KV_FP8
 from splitserve.kernels.layout import (
     allocate_kv_pool,
     check_block_ids,
@@ -34,6 +35,8 @@ from splitserve.models.rank_channel import READ, SHARDS, STEP, STOP, WRITE, Rank
 
 logger = logging.getLogger(__name__)
 
+# ``RunnerConfig.kv_cache_dtype`` → the pool's dtype (None: the model's).
+KV_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": KV_FP8}
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
 
@@ -63,8 +66,13 @@ class RunnerConfig:
     kv_cache_bytes: int | None = None  # CPU, or to override the GPU's measured budget
     use_cuda_graph: bool = True
     graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) or fp8 (e4m3, per-layer scales)
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r}: use one of {', '.join(KV_DTYPES)}"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
@@ -94,6 +102,16 @@ class ModelRunner:
         self.rc = runner_config
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
+        # The KV pool's: the model's, or e4m3 (``kv_cache_dtype="fp8"``: each layer's values
+        # divided by its K and V scales, models.layers.PagedAttention.kv_scales).
+        self.kv_dtype = KV_DTYPES[runner_config.kv_cache_dtype] or self.dtype
+        if self.kv_dtype == KV_FP8 and self.device.type == "cuda":
+            major, minor = torch.cuda.get_device_capability(self.device)
+            if (major, minor) < (8, 9):
+                raise ValueError(
+                    f"--kv-cache-dtype fp8 needs a GPU with FP8 (compute capability 8.9 or more: "
+                    f"Ada, Hopper); {torch.cuda.get_device_name(self.device)} is {major}.{minor}"
+                )
         self.block_size = runner_config.block_size
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.num_kv_heads = len(model.shards.kv_heads)  # this rank's
@@ -109,7 +127,7 @@ class ModelRunner:
             self.block_size,
             self.num_kv_heads,
             config.head_dim,
-            self.dtype,
+            self.kv_dtype,
             self.device,
         )
         logger.info(
@@ -135,14 +153,14 @@ class ModelRunner:
         """One block of this rank's pool (its KV heads), over all layers."""
         return (
             self.block_size
-            * self.config.kv_bytes_per_token(self.dtype)
+            * self.config.kv_bytes_per_token(self.kv_dtype)
             // (self.config.num_kv_heads // self.num_kv_heads)
         )
 
     @property
     def transfer_block_bytes(self) -> int:
         """One whole-heads block, as ``read_blocks`` returns it (= ``block_bytes`` at TP 1)."""
-        return self.block_size * self.config.kv_bytes_per_token(self.dtype)
+        return self.block_size * self.config.kv_bytes_per_token(self.kv_dtype)
 
     def _count_kv_blocks(self) -> int:
         budget = self.rc.kv_cache_bytes
@@ -173,7 +191,7 @@ class ModelRunner:
             self.block_size,
             self.num_kv_heads,
             self.config.head_dim,
-            self.dtype,
+            self.kv_dtype,
             self.device,
         )
         # One long sequence whose writes all go to padding slots: only activations count.
@@ -469,7 +487,7 @@ class ModelRunner:
             return
         if bool((ids == 0).any()) or torch.unique(ids).numel() != n:
             raise ValueError("block ids must be distinct and never the null block 0")
-        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype)
+        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.kv_dtype)
         whole = flat.view(n, *self._whole_block_shape())
         channel, step = self.channel, self._group_chunk()
         for first in range(0, n, step):
@@ -495,7 +513,7 @@ class ModelRunner:
         if parts is None:
             return None
         whole = torch.empty(
-            (ids.numel(), *self._whole_block_shape()), dtype=self.dtype, device=self.device
+            (ids.numel(), *self._whole_block_shape()), dtype=self.kv_dtype, device=self.device
         )
         for rank, part in enumerate(parts):
             heads = kv_heads_of(self.config.num_kv_heads, self.tp.size, rank)
@@ -515,7 +533,7 @@ class ModelRunner:
                 )
             ]
         mine = torch.empty(
-            (ids.numel(), *self.kv_pool.shape[1:]), dtype=self.dtype, device=self.device
+            (ids.numel(), *self.kv_pool.shape[1:]), dtype=self.kv_dtype, device=self.device
         )
         self.tp.scatter(parts, mine)
         scatter_blocks(self.kv_pool, ids.to(self.device), mine)

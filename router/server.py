@@ -80,7 +80,11 @@ def model_identity(config: RouterConfig) -> ModelIdentity:
     """What the nodes must serve: every node's root hash is checked against this one's. Built
     as the nodes build theirs (same checkpoint, dtype - None: the checkpoint's - and block size)."""
     return ModelIdentity.for_checkpoint(
-        config.model_path, config.dtype, config.block_size, quantization=config.quantization
+        config.model_path,
+        config.dtype,
+        config.block_size,
+        quantization=config.quantization,
+        kv_cache_dtype=config.kv_cache_dtype,
     )
 
 

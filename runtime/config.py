@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from splitserve.kvstore.hashing import (
     DEFAULT_BLOCK_SIZE,
+    KV_CACHE_DTYPES,
     QUANTIZATIONS,
     ModelIdentity,
     canonical_dtype,
@@ -85,6 +86,11 @@ _QUANT_HELP = (
     "fp8: the linear layers in FP8 (per-channel weight scales, per-token activation scales; a "
     "16-bit checkpoint is quantized at load; needs FP8 tensor cores on CUDA: Ada, Hopper), part "
     "of the model identity (default: the checkpoint's own: FP8 for one published in FP8)"
+)
+_KV_DTYPE_HELP = (
+    "auto: the KV cache in the model's dtype; fp8: in e4m3 with a scale per layer for K and V "
+    "(the checkpoint's self_attn.k_scale/v_scale, else 1.0): twice the tokens per GB and half the "
+    "bytes shipped between the pools. Part of the model identity (the same everywhere)"
 )
 _BLOCK_HELP = "tokens per KV block, part of the model identity (the same everywhere)"
 _TLS_HELP = "mTLS on every gRPC port and channel of this process (all three files, PEM): "
@@ -172,6 +178,7 @@ class NodeConfig:
     )
     dtype: str | None = option(None, "float32, float16 or bfloat16 (default: the checkpoint's)")
     quantization: str | None = option(None, _QUANT_HELP, choices=QUANTIZATIONS)
+    kv_cache_dtype: str = option("auto", _KV_DTYPE_HELP, choices=KV_CACHE_DTYPES)
     kv_cache_mb: int = option(256, "CPU KV cache size in MiB (on CUDA: sized from free memory)")
     gpu_memory_utilization: float = option(0.9, "share of the GPU's memory this node may use")
     max_num_seqs: int = option(256, "requests in a batch at most")
@@ -390,6 +397,11 @@ class RouterConfig:
         None,
         "the nodes' --quantization, part of the model identity (default: the checkpoint's)",
         choices=QUANTIZATIONS,
+    )
+    kv_cache_dtype: str = option(
+        "auto",
+        "the nodes' --kv-cache-dtype, part of the model identity",
+        choices=KV_CACHE_DTYPES,
     )
     metrics_port: int | None = option(None, _METRICS_HELP)
     otlp_endpoint: str | None = option(None, _OTLP_HELP)

@@ -72,7 +72,11 @@ def node_identity(config: NodeConfig) -> ModelIdentity:
     from splitserve.kvstore import ModelIdentity
 
     return ModelIdentity.for_checkpoint(
-        config.model_path, config.dtype, config.block_size, quantization=config.quantization
+        config.model_path,
+        config.dtype,
+        config.block_size,
+        quantization=config.quantization,
+        kv_cache_dtype=config.kv_cache_dtype,
     )
 
 
@@ -96,6 +100,7 @@ def build_engine(config: NodeConfig, prefill_only: bool) -> tuple[LLMEngine, Mod
         gpu_memory_utilization=config.gpu_memory_utilization,
         kv_cache_bytes=None if config.device.startswith("cuda") else config.kv_cache_mb << 20,
         use_cuda_graph=not config.enforce_eager,
+        kv_cache_dtype=config.kv_cache_dtype,
     )
     tp, ranks = SINGLE, None
     if config.tensor_parallel_size > 1:

@@ -41,6 +41,7 @@ ENV_COMMANDS = ("router", "prefill", "decode")  # their options also read SPLITS
 UP_NODE_OPTIONS = (
     "dtype",
     "quantization",
+    "kv_cache_dtype",
     "kv_cache_mb",
     "max_num_seqs",
     "max_num_batched_tokens",

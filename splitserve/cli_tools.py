@@ -14,6 +14,7 @@ IDENTITY_OPTIONS = (
     "dtype",
     "block_size",
     "quantization",
+    "kv_cache_dtype",
 )  # what a node's model identity is of
 
 
@@ -31,7 +32,11 @@ def _identity(args: argparse.Namespace):
     from splitserve.kvstore import ModelIdentity
 
     return ModelIdentity.for_checkpoint(
-        model_path(args.model_path), args.dtype, args.block_size, quantization=args.quantization
+        model_path(args.model_path),
+        args.dtype,
+        args.block_size,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 

@@ -91,7 +91,7 @@ def _set_parent_death_signal() -> None:
 
 # Node flags that enter the model identity: the router must be given the same ones, or it
 # hashes every prompt differently from the nodes and refuses them at registration.
-IDENTITY_FLAGS = ("--dtype", "--block-size", "--quantization")
+IDENTITY_FLAGS = ("--dtype", "--block-size", "--quantization", "--kv-cache-dtype")
 
 
 def _identity_flags(node_args: tuple[str, ...]) -> list[str]:

@@ -25,6 +25,7 @@ from typing import ClassVar
 import msgpack
 import torch
 
+from splitserve.kernels.layout import indexable
 from splitserve.transfer.errors import TransferError
 
 NULL_BLOCK_ID = 0  # kernels.layout.NULL_BLOCK_ID: never written
@@ -101,7 +102,7 @@ def scatter(
     if not block_ids:
         return
     index = torch.tensor(block_ids, dtype=torch.int64, device=kv_pool.device)
-    kv_pool.index_copy_(0, index, buffer.to(kv_pool.device))
+    indexable(kv_pool).index_copy_(0, index, indexable(buffer.to(kv_pool.device)))
     if kv_pool.device.type == "cuda":
         torch.cuda.current_stream(kv_pool.device).synchronize()
 

@@ -7,7 +7,7 @@ import random
 import time
 
 import torch
-from support.processes import greedy_burst, start_node, start_router
+from support.processes import greedy_burst, node_stats, start_node, start_router
 
 from splitserve.engine.core import LLMEngine
 from splitserve.kvstore import ModelIdentity
@@ -47,6 +47,37 @@ def test_fp8_nodes_serve_the_fp8_models_tokens_and_an_unquantized_node_is_not_us
             assert time.monotonic() < deadline, router.log.read_text()[-2000:]
             time.sleep(0.2)
         assert "quantization='fp8'" in router.log.read_text()
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+def test_an_fp8_kv_cache_ships_fp8_blocks_and_serves_its_engines_tokens(tmp_path):
+    """--kv-cache-dtype fp8 on both nodes: KV blocks are e4m3 end to end (a quarter of a float32
+    model's bytes per block shipped), and the tokens are the in-process FP8-KV engine's."""
+    model = write_random_checkpoint(tmp_path / "m", seed=12, with_tokenizer=True)
+    rng = random.Random(6)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (20, 37, 50)]
+    config, weights = load_model(model)
+    kv = RunnerConfig(kv_cache_bytes=64 << 20, kv_cache_dtype="fp8")
+    runner = ModelRunner(config, weights, kv)
+    engine = LLMEngine(runner, ModelIdentity(str(model)))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    expected = [r.output_token_ids for r in engine.generate(prompts, params)]
+    block_bytes = runner.block_bytes
+    assert block_bytes * 4 == 16 * config.kv_bytes_per_token(torch.float32)
+    flag = ("--kv-cache-dtype", "fp8")
+    procs = []
+    try:
+        prefill = start_node("prefill", model, tmp_path, *flag)
+        decode = start_node("decode", model, tmp_path, *flag)
+        procs += [prefill, decode]
+        router = start_router(model, tmp_path, [prefill.address], [decode.address], *flag)
+        procs.append(router)
+        assert greedy_burst(router.address, prompts, 6, timeout=60) == expected
+        # Every block of each prompt, its partial last one too, in FP8.
+        shipped = node_stats(prefill).counters["bytes_shipped"]
+        assert shipped == block_bytes * sum(-(-len(p) // 16) for p in prompts)
     finally:
         for proc in reversed(procs):
             proc.stop()

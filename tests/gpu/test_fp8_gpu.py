@@ -1,7 +1,9 @@
-"""FP8 linear layers on a GPU with FP8 tensor cores: ``torch._scaled_mm`` against the float32
-emulation at real shapes, and an FP8 model served with CUDA graphs giving the tokens of the same
-model run eagerly (skipped without such a GPU; the CPU counterpart, which checks the emulation
-against transformers, is tests/unit/test_fp8_weights.py)."""
+"""FP8 on a GPU with FP8 (compute capability 8.9+): the linear layers' ``torch._scaled_mm``
+against the float32 emulation at real shapes, the KV cache's kernels on an e4m3 cache against the
+references (the cache write's rounding byte for byte), and FP8 models served with CUDA graphs
+giving the tokens of the same model run eagerly (skipped without such a GPU; the CPU
+counterparts: tests/unit/test_fp8_weights.py, which checks the emulation against transformers,
+tests/unit/test_fp8_kv.py and the interpreter's kernel tests in test_kernels_triton.py)."""
 
 import pytest
 import torch
@@ -23,8 +25,8 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
         not _has_fp8(),
-        reason="no CUDA GPU with FP8 (compute capability >= 8.9); CPU counterpart: "
-        "tests/unit/test_fp8_weights.py",
+        reason="no CUDA GPU with FP8 (compute capability >= 8.9); CPU counterparts: "
+        "tests/unit/test_fp8_weights.py, tests/unit/test_fp8_kv.py, test_kernels_triton.py",
     ),
 ]
 
@@ -66,6 +68,85 @@ def test_an_fp8_model_serves_the_same_tokens_with_and_without_cuda_graphs(tmp_pa
             config, model, RunnerConfig(use_cuda_graph=graphs, gpu_memory_utilization=0.3)
         )
         engine = LLMEngine(runner, ModelIdentity(str(path), dtype="bfloat16", quantization="fp8"))
+        outs.append([r.output_token_ids for r in engine.generate(prompts, greedy)])
+        assert engine.pool.num_free_blocks == engine.pool.num_blocks - 1
+    assert outs[0] == outs[1]
+
+
+# ------------------------------------------------------------------ an FP8 KV cache
+
+
+def test_cache_write_rounds_as_torch_does():
+    """Every e4m3 rounding case (the interpreter on CPU cannot check these: its float8
+    conversion mis-rounds carries), saturation included."""
+    from splitserve.kernels import layout, reference
+    from splitserve.kernels.cache_write import reshape_and_cache
+
+    pool = torch.zeros(8, 2, 2, 16, 8, 128, dtype=torch.float8_e4m3fn, device="cuda")
+    want = pool.clone()
+    k, v = layout.layer_kv_views(pool, 1)
+    wk, wv = layout.layer_kv_views(want, 1)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    key = torch.randn(64, 8, 128, device="cuda", generator=gen, dtype=torch.bfloat16) * 3
+    value = torch.randn(64, 8, 128, device="cuda", generator=gen, dtype=torch.bfloat16) * 3
+    key[0, 0, :2] = torch.tensor([1e4, -1e4])
+    scales = torch.tensor([0.01, 0.02], device="cuda")
+    slots = torch.arange(16, 80, device="cuda")
+    reference.reshape_and_cache(key, value, wk, wv, slots, kv_scales=scales)
+    reshape_and_cache(key, value, k, v, slots, kv_scales=scales)
+    assert torch.equal(pool.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("lens", [[1, 17, 300, 4000], [8192] * 4])
+def test_attention_kernels_read_an_fp8_cache_at_real_shapes(lens):
+    from support.paged_kv import make_paged_kv
+
+    from splitserve.kernels import layout, reference
+    from splitserve.kernels.decode_attention import paged_decode_attention
+    from splitserve.kernels.prefill_attention import paged_prefill_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(len(lens))
+    kv = make_paged_kv(lens, 8, 128, 16, torch.bfloat16, "cuda", gen)
+    scales = torch.tensor([0.01, 0.004], device="cuda")
+    pool = torch.empty_like(kv.kv_pool, dtype=torch.float8_e4m3fn)
+    for i in (0, 1):
+        pool[:, :, i] = reference.fp8_quantize(kv.kv_pool[:, :, i], scales[i])
+    k8, v8 = layout.layer_kv_views(pool, 1)
+    q = torch.randn(len(lens), 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    want = reference.paged_decode_attention(
+        q, k8, v8, kv.block_table, kv.seq_lens, 128**-0.5, kv_scales=scales
+    )
+    got = paged_decode_attention(
+        q, k8, v8, kv.block_table, kv.seq_lens, 128**-0.5, kv_scales=scales
+    )
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    new = [min(n, 512) for n in lens]
+    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    qp = torch.randn(sum(new), 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    want = reference.paged_prefill_attention(
+        qp, k8, v8, kv.block_table, cu, kv.seq_lens, 128**-0.5, kv_scales=scales
+    )
+    got = paged_prefill_attention(
+        qp, k8, v8, kv.block_table, cu, kv.seq_lens, 128**-0.5, kv_scales=scales
+    )
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+def test_an_fp8_kv_engine_serves_the_same_tokens_with_and_without_cuda_graphs(tmp_path):
+    path = write_random_checkpoint(
+        tmp_path, seed=6, vocab_size=2048, hidden_size=1024, intermediate_size=2816,
+        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+        initializer_range=0.02,
+    )  # fmt: skip
+    prompts = [[(5 * i + j) % 2048 for j in range(n)] for i, n in enumerate((5, 33, 100, 250))]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = []
+    for graphs in (False, True):
+        config, model = load_model(path, dtype="bfloat16", device="cuda")
+        rc = RunnerConfig(use_cuda_graph=graphs, gpu_memory_utilization=0.3, kv_cache_dtype="fp8")
+        runner = ModelRunner(config, model, rc)
+        assert runner.kv_pool.dtype == torch.float8_e4m3fn
+        engine = LLMEngine(runner, ModelIdentity(str(path), dtype="bfloat16", kv_cache_dtype="fp8"))
         outs.append([r.output_token_ids for r in engine.generate(prompts, greedy)])
         assert engine.pool.num_free_blocks == engine.pool.num_blocks - 1
     assert outs[0] == outs[1]

@@ -12,6 +12,7 @@ from datetime import timedelta
 import msgpack
 import torch
 
+from splitserve.kernels.layout import indexable
 from splitserve.transfer.base import BlockIds, KVSender, PathOptions, as_endpoint, own_ticket
 from splitserve.transfer.dist.channel import (
     MAGIC,
@@ -244,7 +245,7 @@ class DistSender(ChannelTable, KVSender):
         the pair down (the receiver cannot resynchronize a half-sent transfer)."""
         with self._device_guard():
             index = torch.tensor(src, dtype=torch.int64, device=self.kv_pool.device)
-            buffer = self.kv_pool.index_select(0, index)
+            buffer = indexable(self.kv_pool).index_select(0, index).view(self.kv_pool.dtype)
             head = header(channel.gen, seq, len(src), self.kv_pool, channel.device)
             if not channel.lock.acquire(timeout=max(deadline - time.monotonic(), 0)):
                 raise TransferTimeout(f"the channel to {channel.peer_id!r} stayed busy")

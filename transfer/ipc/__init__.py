@@ -17,6 +17,7 @@ import threading
 
 import torch
 
+from splitserve.kernels.layout import indexable
 from splitserve.transfer.base import (
     BlockIds,
     KVSender,
@@ -176,10 +177,10 @@ class IpcSender(KVSender):
             src_index = torch.tensor(src, dtype=torch.int64, device=src_dev)
             src_stream.wait_stream(torch.cuda.current_stream(src_dev))
             with torch.cuda.stream(src_stream):
-                buffer = self.kv_pool.index_select(0, src_index)
+                buffer = indexable(self.kv_pool).index_select(0, src_index)
                 if dst_dev == src_dev:
                     dst_index = torch.tensor(dst, dtype=torch.int64, device=dst_dev)
-                    dst_pool.index_copy_(0, dst_index, buffer)
+                    indexable(dst_pool).index_copy_(0, dst_index, buffer)
                     done = torch.cuda.Event()
                     done.record(src_stream)
                     return done
@@ -190,7 +191,7 @@ class IpcSender(KVSender):
             with torch.cuda.stream(dst_stream):
                 moved = buffer.to(dst_dev)
                 dst_index = torch.tensor(dst, dtype=torch.int64, device=dst_dev)
-                dst_pool.index_copy_(0, dst_index, moved)
+                indexable(dst_pool).index_copy_(0, dst_index, moved)
                 done = torch.cuda.Event()
                 done.record(dst_stream)
         return done

@@ -32,6 +32,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
+from splitserve.kernels.layout import indexable
 from splitserve.transfer.base import BlockIds, KVSender, PathOptions, as_endpoint, own_ticket
 from splitserve.transfer.endpoint import TCP, Endpoint, TcpAddress
 from splitserve.transfer.errors import NotConnected, PeerLost, TransferError, TransferTimeout
@@ -228,10 +229,11 @@ class TcpSender(KVSender):
         data = scratch[: chunk.num_blocks * (chunk.hi - chunk.lo) * self.layer_nbytes]
         index = torch.tensor(chunk.ids, dtype=torch.int64)
         if self._stream is None:
-            torch.index_select(pool, 0, index, out=_blocks_of(data, pool))
+            torch.index_select(indexable(pool), 0, index, out=indexable(_blocks_of(data, pool)))
             return data
         with torch.cuda.device(pool.device), torch.cuda.stream(self._stream):
-            blocks = pool.index_select(0, index.to(pool.device, non_blocking=True))
+            blocks = indexable(pool).index_select(0, index.to(pool.device, non_blocking=True))
+            blocks = blocks.view(pool.dtype)
             _blocks_of(data, pool).copy_(blocks, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(self._stream)
