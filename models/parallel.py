@@ -80,7 +80,8 @@ class TPGroup:
         opts = GatherOptions()
         opts.rootRank = 0
         out = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else []
-        self.backend.gather([out] if out else [], [x.contiguous()], opts).wait()
+        sent = _wire(x.contiguous())
+        self.backend.gather([[_wire(o) for o in out]] if out else [], [sent], opts).wait()
         return out or None
 
     def scatter(self, parts: list[torch.Tensor] | None, out: torch.Tensor) -> torch.Tensor:
@@ -92,8 +93,10 @@ class TPGroup:
 
         opts = ScatterOptions()
         opts.rootRank = 0
-        given = [[p.contiguous() for p in parts]] if self.rank == 0 and parts is not None else []
-        self.backend.scatter([out], given, opts).wait()
+        given = (
+            [[_wire(p.contiguous()) for p in parts]] if self.rank == 0 and parts is not None else []
+        )
+        self.backend.scatter([_wire(out)], given, opts).wait()
         return out
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,6 +104,12 @@ class TPGroup:
         if self.size > 1:
             self.backend.broadcast(x, 0).wait()
         return x
+
+
+def _wire(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the collectives move it: a one-byte float (an FP8 KV block) as its bytes, which
+    gloo takes (it has no float8 type); anything else as it is."""
+    return x.view(torch.uint8) if x.dtype.is_floating_point and x.element_size() == 1 else x
 
 
 SINGLE = TPGroup()

@@ -81,3 +81,35 @@ def test_an_fp8_kv_cache_ships_fp8_blocks_and_serves_its_engines_tokens(tmp_path
     finally:
         for proc in reversed(procs):
             proc.stop()
+
+
+def test_a_tensor_parallel_engine_on_an_fp8_kv_cache(tmp_path):
+    """TP 2 (two rank processes, gloo) on an FP8 pool: the tokens of TP 1, and whole-head
+    blocks read and written through rank 0 (what a transfer ships) byte-equal to TP 1's."""
+    from splitserve.runtime.config import NodeConfig
+    from splitserve.runtime.node import build_engine
+
+    model = write_random_checkpoint(tmp_path / "m", seed=13, num_attention_heads=4)
+    rng = random.Random(8)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (45, 60)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tokens, blocks = [], []
+    for tp in (1, 2):
+        config = NodeConfig(
+            model_path=str(model),
+            kv_cache_dtype="fp8",
+            kv_transfer="none",
+            tensor_parallel_size=tp,
+            kv_cache_mb=16,
+        )
+        engine, _ = build_engine(config, prefill_only=False)
+        try:
+            tokens.append([r.output_token_ids for r in engine.generate(prompts, params)])
+            data = engine.runner.read_blocks([1, 2, 3])
+            engine.runner.write_blocks([5, 6, 7], data)
+            assert engine.runner.read_blocks([5, 6, 7]) == data
+            blocks.append(data)
+        finally:
+            engine.runner.close()
+    assert tokens[0] == tokens[1]
+    assert blocks[0] == blocks[1] and len(blocks[0]) == 3 * 16 * 2 * 2 * 2 * 32
