@@ -18,6 +18,7 @@ import functools
 import itertools
 import logging
 import os
+import threading
 import uuid
 from typing import Any
 
@@ -56,11 +57,16 @@ class LocalEngine(NodeEngine):
         profile_path: str | None = None,
         deliver: Any = None,
         fail: Any = None,
+        stop_timeout_s: float | None = None,
     ) -> None:
         """``deliver``/``fail``: where step outputs go, on the engine thread (an engine
-        process); default: this node's ``subscribe`` queues, on its event loop."""
+        process); default: this node's ``subscribe`` queues, on its event loop.
+        ``stop_timeout_s``: how long ``stop`` waits for a step to end before it ends the
+        tensor-parallel ranks and leaves the engine thread (None: as long as it takes; an
+        engine process's node kills it instead)."""
         super().__init__()
         self.core = core
+        self._stop_timeout_s = stop_timeout_s
         self.port = core.kv_port
         on_thread = deliver is not None
         self.loop_engine = AsyncEngine(
@@ -106,11 +112,27 @@ class LocalEngine(NodeEngine):
             part = self._sides.pop(side, None)
             if part is not None:
                 await asyncio.to_thread(part.shutdown if side == RX else part.close_all)
+        if self._stop_timeout_s is None:
+            await self._stop_steps()
+            return
+        try:
+            # Bounded: a step or the ranks' stop stuck in a collective (a rank stopped) never
+            # ends; the node must.
+            await asyncio.wait_for(self._stop_steps(), self._stop_timeout_s)
+        except TimeoutError:
+            logger.warning(
+                "the engine did not stop within %.0f s (stuck in a collective: a tensor-parallel "
+                "rank stopped?); its ranks are ended and its thread left",
+                self._stop_timeout_s,
+            )
+            await in_daemon_thread(self.core.runner.abandon)
+
+    async def _stop_steps(self) -> None:
         await self.loop_engine.stop()
         if self.core.layer_streams is not None:  # (the engine thread no longer touches them)
             self.core.layer_streams.close()
         # The steps are over: a tensor-parallel engine's other ranks may go.
-        await asyncio.to_thread(self.core.runner.close)
+        await in_daemon_thread(self.core.runner.close)
 
     # ------------------------------------------------------------------ requests
 
@@ -386,6 +408,26 @@ class LocalEngine(NodeEngine):
         finally:
             if future.done():
                 self._streams.pop(request_id, None)
+
+
+async def in_daemon_thread(fn: Any) -> None:
+    """``fn()`` on a daemon thread, awaited by polling: one that never returns (a collective
+    that never completes) holds no executor thread that the event loop's shutdown, or the
+    interpreter's exit, would wait on."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name=getattr(fn, "__name__", "stop"), daemon=True)
+    thread.start()
+    while thread.is_alive():
+        await asyncio.sleep(0.01)
+    if errors:
+        raise errors[0]
 
 
 def engine_figures(core: LLMEngine, counters: dict[str, float] | None = None) -> EngineFigures:

@@ -54,6 +54,7 @@ T = TypeVar("T")
 # A step that scheduled nothing although requests wait (the pool is held by transfers in flight):
 # the thread waits this long, or until a job comes, instead of spinning.
 IDLE_WAIT_S = 0.002
+STOP_POLL_S = 0.01
 MIN_STEP_VARIABLE = "SPLITSERVE_MIN_STEP_MS"
 
 
@@ -147,7 +148,10 @@ class AsyncEngine:
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        await asyncio.to_thread(self._thread.join)
+        # Polled, not joined in an executor thread: a step stuck for good (a tensor-parallel
+        # rank stopped) must not leave a thread that the event loop's shutdown would wait on.
+        while self._thread.is_alive():
+            await asyncio.sleep(STOP_POLL_S)
         while self._jobs:
             self._jobs.popleft()[0].cancel()
         if self._profile is not None and self._profile_path:

@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 # ``RunnerConfig.kv_cache_dtype`` → the pool's dtype (None: the model's).
 KV_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": KV_FP8}
+ABANDON_TIMEOUT_S = 1.0  # ``abandon``: how long a rank gets to see its stdin close before a kill
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
 
@@ -116,7 +117,9 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.num_kv_heads = len(model.shards.kv_heads)  # this rank's
         self.channel = RankChannel(self.tp, self.device) if self.tp.size > 1 else None
-        self.closers: list[Callable[[], None]] = []  # run by ``close`` (the ranks' processes)
+        # run by ``close`` (the ranks' processes); each takes ``timeout`` (``abandon``'s, short)
+        self.closers: list[Callable[..., None]] = []
+        self._abandoned = False
         # Rank 0: called with the error when an operation of the group fails (a rank went; the
         # group cannot compute any more), before the error propagates.
         self.on_group_error: Callable[[BaseException], None] | None = None
@@ -568,6 +571,20 @@ class ModelRunner:
                     self._scatter_heads(msg.block_ids, None)
                 elif msg.op == SHARDS and on_shards is not None:
                     on_shards(msg.payload)
+
+    def abandon(self) -> None:
+        """On rank 0 of a parallel group that cannot stop in order (a step stuck in a collective,
+        a rank stopped): end the other ranks now, sending nothing over the group (idempotent).
+        The thread stuck in the step is left to fail or to the process's exit."""
+        if self.tp.rank != 0 or self._abandoned:
+            return
+        self._abandoned = True
+        self.channel = None  # (``close`` may be stuck sending the stop: it took it already)
+        for close in self.closers:
+            try:
+                close(timeout=ABANDON_TIMEOUT_S)
+            except Exception as exc:
+                logger.warning("ending the tensor-parallel ranks: %s", exc)
 
     def close(self) -> None:
         """On rank 0 of a parallel group: let the other ranks go (idempotent)."""

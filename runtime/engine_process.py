@@ -109,7 +109,7 @@ async def _serve(cmd_fd: int, out_fd: int) -> int:
         role, fields = str(start[2]), start[3]
         config = NodeConfig(**fields)
         out = OutputWriter(socket.socket(fileno=out_fd))
-        engine = local_engine(config, role, deliver=out.deliver, fail=out.fail)
+        engine = local_engine(config, role, deliver=out.deliver, fail=out.fail, bounded_stop=False)
     except Exception as exc:
         logger.exception("engine process: cannot start")
         writer.write(frame([REPLY, 0, False, error_value(exc)]))

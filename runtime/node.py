@@ -234,11 +234,17 @@ def uses_engine_process(config: NodeConfig) -> bool:
     return config.engine_process == "on"
 
 
-def local_engine(config: NodeConfig, role: str, deliver=None, fail=None) -> LocalEngine:
+def local_engine(
+    config: NodeConfig, role: str, deliver=None, fail=None, bounded_stop: bool = True
+) -> LocalEngine:
     """Load the model and start an engine on a thread of this process (steps run once the
     loop is this one). ``deliver``/``fail``: an engine process's sinks (``LocalEngine``)."""
+    from splitserve.engine.client import stop_timeout_s
     from splitserve.engine.local import LocalEngine
 
+    # In the node's own process its stop is bounded (engine.client's timeout; a bad value fails
+    # here, before the model loads); an engine process is bounded by its node, which kills it.
+    timeout = stop_timeout_s() if bounded_stop else None
     core, _ = build_engine(config, prefill_only=role == "prefill")
     set_gil_switch_interval()
     # SPLITSERVE_STEP_PROFILE=PATH: the engine thread times every step's phases and writes them
@@ -246,7 +252,7 @@ def local_engine(config: NodeConfig, role: str, deliver=None, fail=None) -> Loca
     # it keeps a row (and two CUDA events) per step until then.
     profile = os.environ.get("SPLITSERVE_STEP_PROFILE")
     profile_path = f"{profile}.{role}.{os.getpid()}.json" if profile else None
-    engine = LocalEngine(core, profile_path, deliver=deliver, fail=fail)
+    engine = LocalEngine(core, profile_path, deliver=deliver, fail=fail, stop_timeout_s=timeout)
     engine.start()
     return engine
 

@@ -21,18 +21,20 @@ from splitserve.engine.client import STOP_TIMEOUT_S
 from splitserve.launcher import ClusterSpec, LocalCluster, free_port
 from splitserve.models.tiny import write_random_checkpoint
 
-TP2_ENGINE_PROCESS = ("--tensor-parallel-size", "2", "--engine-process", "on")
 GONE_WITHIN_S = 30.0  # a hang guard: the kernel's SIGKILL takes milliseconds
 
 
 @contextlib.contextmanager
-def _node_with_rank1_stopped(model, tmp_path, *flags: str):
-    """A prefill node at TP 2 with an engine process, its rank 1 stopped (as in a collective that
-    never returns); yields the node and the processes below it (killed at the end, whatever)."""
-    node = start_node("prefill", model, tmp_path, *TP2_ENGINE_PROCESS, *flags)
+def _node_with_rank1_stopped(model, tmp_path, *flags: str, engine_process: str = "on"):
+    """A prefill node at TP 2 (with an engine process, or the engine on a thread of the node),
+    its rank 1 stopped (as in a collective that never returns); yields the node and the
+    processes below it (killed at the end, whatever)."""
+    tp2 = ("--tensor-parallel-size", "2", "--engine-process", engine_process)
+    node = start_node("prefill", model, tmp_path, *tp2, *flags)
     helpers = descendants(node.popen.pid)
     try:
-        assert len(helpers) == 2, f"expected the engine process and rank 1, found {helpers}"
+        expected = 2 if engine_process == "on" else 1  # (the engine process,) rank 1
+        assert len(helpers) == expected, f"expected {expected} processes below, found {helpers}"
         (rank1,) = [p for p in helpers if "splitserve.engine.ranks" in cmdline(p)]
         os.kill(rank1, signal.SIGSTOP)
         yield node, helpers
@@ -129,5 +131,22 @@ def test_a_node_with_a_rank_stuck_obeys_sigterm_and_takes_its_helpers(model, tmp
         # A hang guard: its drain (1 s), the engine's stop, start-up slack.
         node.popen.wait(1 + STOP_TIMEOUT_S + 30)
         assert "did not stop: killed" in node.log.read_text()
+        left = still_alive(helpers, GONE_WITHIN_S)
+        assert not left, f"processes outlived their node: {left}"
+
+
+@pytest.mark.slow
+def test_a_node_running_its_engine_itself_with_a_rank_stuck_obeys_sigterm(
+    model, tmp_path, monkeypatch
+):
+    """The same with the engine on a thread of the node (``--engine-process off``, a CPU's
+    default): its stop waits SPLITSERVE_ENGINE_STOP_TIMEOUT_S for the stuck step, then ends the
+    ranks and exits; nothing is left."""
+    monkeypatch.setenv("SPLITSERVE_ENGINE_STOP_TIMEOUT_S", "3")
+    flags = ("--drain-timeout-s", "1")
+    with _node_with_rank1_stopped(model, tmp_path, *flags, engine_process="off") as (node, helpers):
+        node.popen.terminate()
+        node.popen.wait(1 + STOP_TIMEOUT_S + 30)  # a hang guard
+        assert "the engine did not stop within 3 s" in node.log.read_text()
         left = still_alive(helpers, GONE_WITHIN_S)
         assert not left, f"processes outlived their node: {left}"
