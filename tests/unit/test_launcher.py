@@ -56,10 +56,13 @@ def test_router_flags():
     free = _router_flags(spec(http_port=0))
     assert _value(free, "--http-port") == "0"
     assert _value(free, "--http-port-file").endswith("router-0.http-port")
-    # the nodes' dtype and block size are part of the model identity the router checks
+    # the nodes' dtype, block size, quantization and KV format are part of the model identity the
+    # router checks
     node_args = ("--kv-cache-mb", "64", "--dtype", "bfloat16", "--block-size", "32")
+    node_args += ("--quantization", "fp8", "--kv-cache-dtype", "fp8")
     shared = _router_flags(spec(node_args=node_args))
     assert _value(shared, "--dtype") == "bfloat16" and _value(shared, "--block-size") == "32"
+    assert _value(shared, "--quantization") == "fp8" and _value(shared, "--kv-cache-dtype") == "fp8"
     assert "--kv-cache-mb" not in shared
 
 
