@@ -3,7 +3,8 @@
     python benchmarks/engine.py --device cuda --make-8b /tmp/llama8b [--requests 256]
         [--prompt-range 128 1024] [--gen 128] [--repeats 2]
     python benchmarks/engine.py --device cpu --tiny --requests 8 --prompt-range 16 64 --gen 8
-    python benchmarks/engine.py --device cuda --make-8b /tmp/llama8b --quantization fp8
+    python benchmarks/engine.py --device cuda --make-8b /tmp/llama8b --quantization fp8 \
+        [--kv-cache-dtype fp8]
 
 The engine is built as a decode node builds it (``runtime.node.build_engine``: the real loader,
 ``--load-format dummy`` for the 8B shape, prefix caching on). Requests: the prompts of
@@ -151,6 +152,12 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="the node's --quantization (fp8: the linear layers in FP8, quantized at load)",
     )
+    ap.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8"],
+        default="auto",
+        help="the node's --kv-cache-dtype (fp8: the KV cache in e4m3)",
+    )
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--prompt-range", type=int, nargs=2, default=[128, 1024])
     ap.add_argument("--gen", type=int, default=128)
@@ -199,6 +206,7 @@ def main() -> None:
         kv_transfer="none",
         tensor_parallel_size=args.tensor_parallel_size,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     engine, _ = build_engine(config, prefill_only=False)
     lo, hi = args.prompt_range
