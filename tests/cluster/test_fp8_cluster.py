@@ -6,6 +6,7 @@ so the router names it and never routes to it."""
 import random
 import time
 
+import pytest
 import torch
 from support.processes import greedy_burst, node_stats, start_node, start_router
 
@@ -52,7 +53,16 @@ def test_fp8_nodes_serve_the_fp8_models_tokens_and_an_unquantized_node_is_not_us
             proc.stop()
 
 
-def test_an_fp8_kv_cache_ships_fp8_blocks_and_serves_its_engines_tokens(tmp_path):
+@pytest.mark.parametrize(
+    "path",
+    [
+        ("--kv-transfer", "dist"),
+        # tcp, every prompt streamed layer by layer while the prefill runs
+        ("--kv-transfer", "tcp", "--kv-stream-min-tokens", "1"),
+    ],
+    ids=["dist", "tcp-layer-stream"],
+)
+def test_an_fp8_kv_cache_ships_fp8_blocks_and_serves_its_engines_tokens(tmp_path, path):
     """--kv-cache-dtype fp8 on both nodes: KV blocks are e4m3 end to end (a quarter of a float32
     model's bytes per block shipped), and the tokens are the in-process FP8-KV engine's."""
     model = write_random_checkpoint(tmp_path / "m", seed=12, with_tokenizer=True)
@@ -69,15 +79,18 @@ def test_an_fp8_kv_cache_ships_fp8_blocks_and_serves_its_engines_tokens(tmp_path
     flag = ("--kv-cache-dtype", "fp8")
     procs = []
     try:
-        prefill = start_node("prefill", model, tmp_path, *flag)
-        decode = start_node("decode", model, tmp_path, *flag)
+        prefill = start_node("prefill", model, tmp_path, *flag, *path)
+        decode = start_node("decode", model, tmp_path, *flag, *path)
         procs += [prefill, decode]
         router = start_router(model, tmp_path, [prefill.address], [decode.address], *flag)
         procs.append(router)
         assert greedy_burst(router.address, prompts, 6, timeout=60) == expected
-        # Every block of each prompt, its partial last one too, in FP8.
-        shipped = node_stats(prefill).counters["bytes_shipped"]
-        assert shipped == block_bytes * sum(-(-len(p) // 16) for p in prompts)
+        # Every block of each prompt, its partial last one too, in FP8, over the path given.
+        counters = node_stats(prefill).counters
+        assert counters["bytes_shipped"] == block_bytes * sum(-(-len(p) // 16) for p in prompts)
+        assert counters[f"transfers_{path[1]}"] == len(prompts), dict(counters)
+        if "--kv-stream-min-tokens" in path:
+            assert counters["transfers_streamed"] == len(prompts)
     finally:
         for proc in reversed(procs):
             proc.stop()
