@@ -122,7 +122,9 @@ def checkpoint_quantization(config: dict) -> str:
         if not isinstance(groups, dict) or not groups:
             raise ValueError("compressed-tensors quantization_config has no config_groups")
         for name, group in groups.items():
-            weights = (group or {}).get("weights") or {}
+            weights = group.get("weights") if isinstance(group, dict) else None
+            if not isinstance(weights, dict):
+                raise ValueError(f"compressed-tensors group {name!r} describes no weights")
             if weights.get("type") != "float" or weights.get("num_bits") != 8:
                 raise ValueError(
                     f"compressed-tensors group {name!r} stores {weights.get('num_bits')}-bit "

@@ -19,10 +19,10 @@ Where the FP8 weights come from (``load_model`` → ``models.loader``):
   Per-channel and per-tensor weights are used bit for bit. Block-scaled weights (a scale per
   128x128 tile) are re-quantized per output channel at load: the GEMM here takes row-wise scales
   only, so a tile whose scale is below its row's largest loses up to one e4m3 rounding (see
-  docs/kernels.md). Static activation scales (``input_scale``) are not used: activations are
-  always scaled per token, which is at least as accurate. KV-cache scales (``self_attn.k_scale``,
-  ``v_scale``) are the scales of an FP8 KV cache (``--kv-cache-dtype fp8``), with or without FP8
-  weights.
+  docs/deploy.md, "FP8 weights"). Static activation scales (``input_scale``) are not used:
+  activations are always scaled per token, which is at least as accurate. KV-cache scales
+  (``self_attn.k_scale``, ``v_scale``) are the scales of an FP8 KV cache (``--kv-cache-dtype
+  fp8``), with or without FP8 weights.
 
 The torch-free part (which method a ``config.json`` names) is ``kvstore.hashing.
 checkpoint_quantization``: the quantization is part of the model identity the router computes too.
@@ -171,10 +171,17 @@ def make_linear(
 
 
 def is_fp8(tensor: Any) -> bool:
-    """Whether a tensor (or a safetensors slice) holds float8_e4m3fn."""
+    """Whether a tensor (or a safetensors slice) holds float8_e4m3fn; ``ValueError`` for another
+    8-bit float (e5m2: its values would be read as e4m3's)."""
     if isinstance(tensor, torch.Tensor):
-        return tensor.dtype == quant.FP8
-    return str(tensor.get_dtype()).upper() in ("F8_E4M3", "F8_E4M3FN")
+        name = str(tensor.dtype).removeprefix("torch.").upper()
+    else:
+        name = str(tensor.get_dtype()).upper()
+    if name in ("F8_E4M3", "F8_E4M3FN", "FLOAT8_E4M3FN"):
+        return True
+    if name.startswith(("F8", "FLOAT8")):
+        raise ValueError(f"weights stored as {name}: splitserve reads FP8 weights in e4m3 only")
+    return False
 
 
 def block_dequantize(
@@ -217,6 +224,8 @@ def weight_from_checkpoint(
     if scale is None:
         raise ValueError(f"FP8 tensor {name} has no weight_scale or weight_scale_inv beside it")
     scale = scale.float().to(data.device)
+    if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
+        raise ValueError(f"{name}: its weight scales must be finite and > 0")
     n = data.shape[0]
     if scale.numel() == 1:
         return data, scale.reshape(1).expand(n).contiguous()

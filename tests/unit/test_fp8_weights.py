@@ -301,9 +301,13 @@ def test_broken_fp8_tensors_are_refused_with_their_name(source, tmp_path):
     path = ckpts.write_compressed_tensors(source, tmp_path / "ok", "channel")
     tensors = load_file(path / "model.safetensors")
     name = "model.layers.1.mlp.up_proj.weight_scale"
+    weight = "model.layers.0.self_attn.o_proj.weight"
     for broken, message in (
         ({k: v for k, v in tensors.items() if k != name}, "up_proj.weight has no weight_scale"),
         ({**tensors, name: tensors[name][:7]}, "weight scale of shape \\(7, 1\\)"),
+        ({**tensors, name: -tensors[name]}, "weight scales must be finite and > 0"),
+        ({**tensors, name: tensors[name] * float("inf")}, "weight scales must be finite and > 0"),
+        ({**tensors, weight: tensors[weight].to(torch.float8_e5m2)}, "FP8 weights in e4m3 only"),
     ):
         save_file(broken, path / "model.safetensors")
         with pytest.raises(ValueError, match=message):
