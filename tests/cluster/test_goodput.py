@@ -59,9 +59,13 @@ def test_goodput_holds_past_the_knee(tmp_path, monkeypatch):
     )
     with LocalCluster(spec) as cluster:
         target = cluster.addresses.router
-        # Capacity: a closed loop that keeps every decode slot (and the router's overcommit) busy.
-        closed = _bench(target, tmp_path, "capacity", "--num-requests 48 --max-concurrency 12")
-        assert closed["completed"] == 48, closed
+        # Capacity: a closed loop of as many requests as the decode node has slots, so none
+        # queues (a queued request's predicted TTFT, on a machine loaded by another suite, could
+        # pass the target and be refused: a bet on the machine's speed, seen once at concurrency
+        # 12). A refusal here is admission at work, not an error: the capacity is what completed.
+        closed = _bench(target, tmp_path, "capacity", "--num-requests 48 --max-concurrency 8")
+        assert closed["failed"] == 0 and closed["completed"] > 0, closed
+        assert set(closed["refusals"]) <= {"RESOURCE_EXHAUSTED"}, closed["refusals"]
         capacity = closed["request_throughput"]
         low = _bench(target, tmp_path, "low", f"--request-rate {0.4 * capacity:.2f} --duration 10")
         high = _bench(target, tmp_path, "high", f"--request-rate {3 * capacity:.2f} --duration 10")
