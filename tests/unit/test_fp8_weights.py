@@ -1,7 +1,7 @@
 """FP8 weights (``--quantization fp8``, models/quantization.py, kernels/quant.py) on CPU: the
 quantization's error bounds, the emulated GEMM against its definition, checkpoints in the layouts
 they are published in read bit for bit (or within one re-rounding for block scales), tensor
-parallel shards, a tiny FP8 model token-exact with a transformers twin computing the same FP8
+parallel shards, a tiny FP8 model's logits against a transformers twin computing the same FP8
 arithmetic, and every bad input refused with a message that says what is wrong.
 
 On a GPU the same layers run ``torch._scaled_mm``: tests/gpu/test_fp8_gpu.py checks it against
@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from support import fp8_checkpoints as ckpts
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM
 
 from splitserve.engine.core import LLMEngine
 from splitserve.kernels import quant
@@ -24,7 +24,7 @@ from splitserve.kvstore.hashing import checkpoint_quantization
 from splitserve.models import quantization
 from splitserve.models.loader import load_model
 from splitserve.models.parallel import TPGroup
-from splitserve.models.runner import ModelRunner, RunnerConfig
+from splitserve.models.runner import ModelRunner, RunnerConfig, SequenceInput
 from splitserve.models.sampling_params import SamplingParams
 from splitserve.models.tiny import write_random_checkpoint
 
@@ -163,44 +163,55 @@ def test_fine_grained_blocks_are_read_as_transformers_means_them(source, tmp_pat
             assert ((mine - meant).abs() <= bound).all(), (layer, ours)
 
 
-def test_an_fp8_model_is_token_exact_with_a_transformers_twin_doing_fp8_arithmetic(
-    source, tmp_path
-):
-    """The FP8 model (a compressed-tensors checkpoint, and the same weights quantized at load)
-    against transformers' Llama with the dequantized weights and per-token e4m3 inputs."""
-    path = ckpts.write_compressed_tensors(source, tmp_path, "channel")
+def test_an_fp8_model_computes_what_a_transformers_twin_doing_fp8_arithmetic_computes(tmp_path):
+    """The FP8 model (a compressed-tensors checkpoint) against transformers' Llama given the
+    dequantized weights and per-token e4m3 inputs: logits of whole prompts far closer to the twin
+    than the unquantized model is. Not token-exact over many steps: the two sum in different
+    orders, and an activation one float32 ulp apart can round to the neighbouring e4m3 value, so
+    on some random models greedy paths part at near-ties (about half, tried over seeds). The
+    engine's greedy tokens are the same from the published checkpoint and from the same weights
+    quantized at load (bit-for-bit equal weights: test above), every block freed."""
+    source = write_random_checkpoint(
+        tmp_path / "src", seed=random.randrange(1 << 30), initializer_range=0.02
+    )  # real models' scale: one flipped rounding is not amplified layer after layer
+    path = ckpts.write_compressed_tensors(source, tmp_path / "ct", "channel")
     stored = load_file(path / "model.safetensors")
     weights = {
         name: stored[name].float() * stored[name.removesuffix(".weight") + ".weight_scale"]
         for name in stored
         if ckpts.LINEAR.match(name)
     }
-    hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-    twin = ckpts.fp8_twin(hf, weights)
+    twin = ckpts.fp8_twin(
+        AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32), weights
+    )
+    plain = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    config, model = load_model(path, dtype="float32")
+    kv = RunnerConfig(kv_cache_bytes=96 * 16 * config.kv_bytes_per_token(torch.float32))
+    runner = ModelRunner(config, model, kv)
     rng = random.Random(7)
     prompts = [[rng.randrange(320) for _ in range(n)] for n in (1, 9, 16, 23, 40)]
-    config = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
-    expected = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            out = twin.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-            expected.append(out[0, len(p) :].tolist())
+    for tokens in prompts:
+        ids, pos, meta, _ = runner.prepare([SequenceInput(tokens, 0, [1, 2, 3])])
+        with torch.inference_mode():
+            ours = model.compute_logits(model(ids, pos, runner.kv_pool, meta))
+            theirs = twin(torch.tensor([tokens])).logits[0]
+            unquantized = plain(torch.tensor([tokens])).logits[0]
+        # Measured over seeds: ours vs the twin <= 5e-3 (1e-6 where no rounding flips); the
+        # unquantized model vs the twin >= 5e-2 (FP8's own effect).
+        assert _rel(ours, theirs) < 2e-2, (len(tokens), _rel(ours, theirs))
+        assert _rel(unquantized, theirs) > 3e-2, (len(tokens), _rel(unquantized, theirs))
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = []
     for served, how in ((path, None), (source, "fp8")):
-        config_, model = load_model(served, dtype="float32", quantization=how)
-        kv = RunnerConfig(kv_cache_bytes=96 * 16 * config_.kv_bytes_per_token(torch.float32))
-        engine = LLMEngine(ModelRunner(config_, model, kv), ModelIdentity(str(served)))
-        got = [r.output_token_ids for r in engine.generate(prompts, greedy)]
-        assert got == expected, how
+        config_, model_ = load_model(served, dtype="float32", quantization=how)
+        engine = LLMEngine(ModelRunner(config_, model_, kv), ModelIdentity(str(served)))
+        outs.append([r.output_token_ids for r in engine.generate(prompts, greedy)])
         assert engine.pool.num_free_blocks == engine.pool.num_blocks - 1
-    # ... and it differs from the unquantized model (the twin is not vacuous), though not by much
-    # (how much on a real model: benchmarks/accuracy.py; this random one has wide activations).
-    plain = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-    with torch.no_grad():
-        ids = torch.tensor([prompts[-1]])
-        a, b = plain(ids).logits, twin(ids).logits
-    assert not torch.equal(a, b) and ((a - b).norm() / a.norm()).item() < 0.5
+    assert outs[0] == outs[1]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
 
 
 @pytest.mark.parametrize("n", [2, 4])
