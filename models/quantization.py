@@ -62,13 +62,11 @@ KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
 
 @dataclass(frozen=True, slots=True)
 class QuantSpec:
-    """How this model's linear layers are quantized and how the checkpoint stores them.
+    """How this model's linear layers are quantized (FP8, the one method) and how the checkpoint
+    stores them. ``stored``: ``None`` when the checkpoint holds 16/32-bit weights (quantized at
+    load), else the checkpoint's weight scheme: ``channel``, ``tensor`` or ``block``
+    (``block``: the tile, rows x columns)."""
 
-    ``method``: ``fp8``. ``stored``: ``None`` when the checkpoint holds 16/32-bit weights
-    (quantized at load), else the checkpoint's weight scheme: ``channel``, ``tensor`` or
-    ``block`` (``block``: the tile, rows x columns)."""
-
-    method: str = "fp8"
     stored: str | None = None
     block: tuple[int, int] | None = None
 
