@@ -214,3 +214,65 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         num_warps=4,  # pyright: ignore[reportCallIssue]
     )
     return out
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x,
+    q,
+    scales,
+    stride_x,
+    stride_q,
+    K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros([BLOCK], tl.float32)
+    for k0 in range(0, K, BLOCK):
+        cols = k0 + tl.arange(0, BLOCK)
+        v = tl.load(x + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
+    # IEEE divisions (div_rn), as torch's: the same scales and FP8 values as the reference.
+    scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), FP8_MAX), MIN_SCALE)
+    tl.store(scales + row, scale)
+    for k0 in range(0, K, BLOCK):  # the second read of the row comes from L1/L2
+        cols = k0 + tl.arange(0, BLOCK)
+        mask = cols < K
+        v = tl.load(x + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        v = tl.clamp(tl.math.div_rn(v, scale), -FP8_MAX, FP8_MAX)
+        tl.store(q + row * stride_q + cols, v.to(q.dtype.element_ty), mask=mask)
+
+
+def quantize_rows_fp8(
+    x: torch.Tensor, fp8_max: float, min_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [T, K]`` → (float8_e4m3fn ``[T, K]``, float32 ``[T, 1]``): each row divided by
+    ``max(amax / fp8_max, min_scale)`` (rounded to nearest even, saturated): one launch for what
+    ``kernels.quant.quantize_rows`` does in eight torch kernels (the same values)."""
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(
+            f"quantize_rows_fp8 expects x [T, K] with a contiguous last dim, got "
+            f"{tuple(x.shape)} strides {x.stride()}"
+        )
+    t, k = x.shape
+    q = torch.empty((t, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty((t, 1), dtype=torch.float32, device=x.device)
+    if t == 0 or k == 0:
+        scales.fill_(min_scale)
+        return q, scales
+    block = min(4096, triton.next_power_of_2(k))
+    _quantize_rows_kernel[(t,)](
+        x,
+        q,
+        scales,
+        x.stride(0),
+        q.stride(0),
+        K=k,
+        BLOCK=block,
+        FP8_MAX=fp8_max,
+        MIN_SCALE=min_scale,
+        num_warps=8 if block >= 2048 else 4,  # pyright: ignore[reportCallIssue]
+    )
+    return q, scales

@@ -8,7 +8,10 @@ elsewhere (CPU, or shapes it does not take) the same quantities are computed in 
 values are exactly representable there, so the emulation differs from the GPU's only in the order
 of the float32 sums.
 
-Plain torch: a CPU-only process never loads Triton for these.
+The per-token quantization of the activations is one Triton kernel on CUDA
+(``kernels.elementwise.quantize_rows_fp8``, the same values as the eight torch kernels of the
+reference below, which CPU tensors take); Triton is imported on first CUDA use only, so a CPU-only
+process never loads it.
 """
 
 from __future__ import annotations
@@ -36,9 +39,20 @@ def fp8_supported(device: torch.device | str) -> tuple[bool, str]:
     return True, ""
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(
+    x: torch.Tensor, *, native: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` ``[..., K]`` → (float8_e4m3fn ``[..., K]``, float32 scales ``[..., 1]``): each row
-    scaled so that its largest magnitude maps to 448."""
+    scaled so that its largest magnitude maps to 448. ``native`` None: the Triton kernel for a
+    CUDA tensor, torch otherwise; False: torch (the reference)."""
+    if native is None:
+        native = x.is_cuda
+    if native and x.dim() >= 1:
+        from splitserve.kernels.elementwise import quantize_rows_fp8
+
+        k = x.shape[-1]
+        q, scale = quantize_rows_fp8(x.reshape(-1, k).contiguous(), FP8_MAX, _MIN_SCALE)
+        return q.view(x.shape), scale.view(*x.shape[:-1], 1)
     xf = x.float()
     scale = xf.abs().amax(dim=-1, keepdim=True).div_(FP8_MAX).clamp_(min=_MIN_SCALE)
     return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
@@ -87,7 +101,8 @@ def fp8_linear(
     x2 = x.reshape(-1, k)
     if x2.shape[0] == 0:
         return x.new_empty(*lead, n)
-    qx, sx = quantize_rows(x2)
+    # The reference (native False) quantizes with torch too.
+    qx, sx = quantize_rows(x2, native=None if native is not False else False)
     if native is None:
         native = _scaled_mm_takes(x2, weight)
     if native:

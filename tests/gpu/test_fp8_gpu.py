@@ -46,6 +46,17 @@ def test_scaled_mm_matches_the_emulation(m, n, k):
     assert rel < 1e-2, rel
 
 
+@pytest.mark.parametrize("t, k", [(1, 4096), (240, 4096), (240, 14336), (3000, 4096), (5, 100)])
+def test_the_quantize_kernel_gives_torch_s_fp8_values_bit_for_bit(t, k):
+    gen = torch.Generator(device="cuda").manual_seed(t + k)
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 3
+    x[0] = 0
+    q, s = quant.quantize_rows(x)  # the Triton kernel on CUDA
+    want_q, want_s = quant.quantize_rows(x, native=False)
+    assert torch.equal(s, want_s)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
 def test_an_fp8_model_serves_the_same_tokens_with_and_without_cuda_graphs(tmp_path):
     path = write_random_checkpoint(
         tmp_path,

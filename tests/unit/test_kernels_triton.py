@@ -321,3 +321,39 @@ def test_cache_write_kernel_stores_fp8_divided_by_the_scales(gen):
     assert torch.equal(pool.view(torch.uint8), want.view(torch.uint8))
     written = k8[slots[0] // BS, slots[0] % BS, 0, :4].float()
     assert written.tolist() == [448.0, -448.0, 448.0, -448.0]
+
+
+# ------------------------------------------------------------------ FP8 activations
+
+
+@pytest.mark.parametrize("k", [1, 100, 4096, 5000])
+def test_quantize_rows_kernel_matches_the_torch_quantization(gen, k):
+    """The per-token FP8 quantization of the linear layers' inputs (one launch on CUDA) against
+    `kernels.quant.quantize_rows`'s torch path: the scales bit for bit (IEEE divisions), rows of
+    zeros included, and every value the same wherever the quotient is exact (e4m3 values times
+    the row's scale). Rounding itself is checked on the GPU, bit for bit
+    (tests/gpu/test_fp8_gpu.py): the interpreter's float8 conversion mis-rounds carries into the
+    next power of two (see the cache-write test above)."""
+    from splitserve.kernels import quant
+    from splitserve.kernels.elementwise import quantize_rows_fp8
+
+    rows = 6
+    e4m3 = (torch.randn(rows, k, generator=gen) * 100).clamp(-448, 448).to(quant.FP8).float()
+    e4m3[:, 0] = 448.0  # each row's amax is 448 x its scale, so every quotient is exact
+    row_scales = torch.tensor([1.0, 2.0**-7, 2.0**5, 0.0, 2.0**-3, 1.0]).view(rows, 1)
+    x = e4m3 * row_scales  # row 3: all zeros
+    x[5] = torch.randn(k, generator=gen) * 3  # a random row: only its scale is compared
+    q, scales = quantize_rows_fp8(x, quant.FP8_MAX, quant._MIN_SCALE)
+    want_q, want_scales = quant.quantize_rows(x, native=False)
+    assert q.dtype == quant.FP8 and q.shape == x.shape and scales.shape == (rows, 1)
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(q[:5].view(torch.uint8), want_q[:5].view(torch.uint8))
+    assert q[3].float().abs().sum() == 0 and scales[3, 0] > 0
+
+
+def test_quantize_rows_kernel_refuses_a_strided_row():
+    from splitserve.kernels import quant
+    from splitserve.kernels.elementwise import quantize_rows_fp8
+
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        quantize_rows_fp8(torch.zeros(4, 8).t(), quant.FP8_MAX, quant._MIN_SCALE)
