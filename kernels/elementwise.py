@@ -226,6 +226,7 @@ def _quantize_rows_kernel(
     K: tl.constexpr,
     BLOCK: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    INV_FP8_MAX: tl.constexpr,
     MIN_SCALE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -234,8 +235,9 @@ def _quantize_rows_kernel(
         cols = k0 + tl.arange(0, BLOCK)
         v = tl.load(x + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(v))
-    # IEEE divisions (div_rn), as torch's: the same scales and FP8 values as the reference.
-    scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), FP8_MAX), MIN_SCALE)
+    # As the reference computes them: amax times float32(1 / 448) (torch on CUDA turns a division
+    # by a number into that product), then IEEE divisions (div_rn; Triton's `/` is approximate).
+    scale = tl.maximum(tl.max(amax, 0) * INV_FP8_MAX, MIN_SCALE)
     tl.store(scales + row, scale)
     for k0 in range(0, K, BLOCK):  # the second read of the row comes from L1/L2
         cols = k0 + tl.arange(0, BLOCK)
@@ -249,8 +251,8 @@ def quantize_rows_fp8(
     x: torch.Tensor, fp8_max: float, min_scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [T, K]`` → (float8_e4m3fn ``[T, K]``, float32 ``[T, 1]``): each row divided by
-    ``max(amax / fp8_max, min_scale)`` (rounded to nearest even, saturated): one launch for what
-    ``kernels.quant.quantize_rows`` does in eight torch kernels (the same values)."""
+    ``max(amax * (1 / fp8_max), min_scale)`` (rounded to nearest even, saturated): one launch
+    for what ``kernels.quant.quantize_rows`` does in eight torch kernels (the same values)."""
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(
             f"quantize_rows_fp8 expects x [T, K] with a contiguous last dim, got "
@@ -272,6 +274,7 @@ def quantize_rows_fp8(
         K=k,
         BLOCK=block,
         FP8_MAX=fp8_max,
+        INV_FP8_MAX=1.0 / fp8_max,
         MIN_SCALE=min_scale,
         num_warps=8 if block >= 2048 else 4,  # pyright: ignore[reportCallIssue]
     )

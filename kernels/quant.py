@@ -54,14 +54,21 @@ def quantize_rows(
         q, scale = quantize_rows_fp8(x.reshape(-1, k).contiguous(), FP8_MAX, _MIN_SCALE)
         return q.view(x.shape), scale.view(*x.shape[:-1], 1)
     xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True).div_(FP8_MAX).clamp_(min=_MIN_SCALE)
+    # times float32(1 / 448), not / 448: what torch on CUDA computes for a division by a number
+    # (a reciprocal), so that CPU, CUDA and the Triton kernel agree bit for bit.
+    scale = xf.abs().amax(dim=-1, keepdim=True).mul_(1.0 / FP8_MAX).clamp_(min=_MIN_SCALE)
     return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A ``[N, K]`` weight → (float8 ``[N, K]``, float32 per-output-channel scales ``[N]``)."""
-    q, scale = quantize_rows(weight)
-    return q, scale.squeeze(-1)
+    """A ``[N, K]`` weight → (float8 ``[N, K]``, float32 per-output-channel scales ``[N]``): each
+    row's amax / 448, an IEEE division on every device (as quantization tools write the scales of
+    published checkpoints; a tensor by a tensor, which torch on CUDA does not turn into a
+    reciprocal), so a checkpoint quantized at load is the same on CPU and GPU."""
+    w = weight.float()
+    amax = w.abs().amax(dim=-1, keepdim=True)
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp_(min=_MIN_SCALE)
+    return (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale.squeeze(-1)
 
 
 def dequantize_weight(

@@ -135,7 +135,8 @@ def block_dequantize(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Ten
 
 def fake_quant_rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` quantized to e4m3 per row (its last dim) and back: what an FP8 GEMM's input is."""
-    scale = x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX
+    # times float32(1 / 448), as kernels.quant.quantize_rows computes activation scales
+    scale = x.float().abs().amax(dim=-1, keepdim=True) * (1.0 / FP8_MAX)
     return ((x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale).to(x.dtype)
 
 
