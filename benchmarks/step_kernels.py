@@ -3,7 +3,8 @@ layer GEMMs run at the row counts of those steps (cuBLAS against the Triton tili
 
     python benchmarks/step_kernels.py --make-8b /tmp/llama8b [--decode-batch 240]
         [--context-range 128 1152] [--prefill-tokens 8192] [--gemm-rows 240 256 8192]
-        [--gemm] [--attention-sweep] [--out FILE.json]
+        [--gemm] [--attention-sweep] [--quantization fp8] [--kv-cache-dtype fp8]
+        [--out FILE.json]
 
 The model is built as a node builds it (``runtime.node.build_engine``, ``--load-format dummy``
 for the 8B shape, CUDA graphs as configured). A decode step: ``--decode-batch`` sequences with
@@ -13,7 +14,9 @@ step: prompts of 128-1024 tokens filling ``--prefill-tokens`` (the engine's 8,19
 Each is profiled over 5 repetitions with torch.profiler; kernels are grouped by what they do
 (GEMM, attention, norm, rotary, activation, cache write, sampling, copies, other) and the table
 gives ms per step and the share of the step. ``--gemm`` times each layer GEMM shape at each of
-``--gemm-rows`` with cuBLAS; ``--attention-sweep`` the decode attention kernel's tilings.
+``--gemm-rows`` with cuBLAS; ``--attention-sweep`` the decode attention kernel's tilings, in KV
+bytes read per second and as a share of a device copy of as many bytes (the memory floor).
+``--quantization fp8`` / ``--kv-cache-dtype fp8``: the node options of the same names.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ CATEGORIES = (
     ("norm", ("rms_norm",)),
     ("rotary", ("rotary",)),
     ("activation", ("silu",)),
+    ("fp8 quantize", ("quantize",)),
     ("cache write", ("reshape_and_cache",)),
     ("sampling", ("argmax", "reduce_kernel", "softmax", "topk", "sort")),
     ("copies", ("memcpy", "memset", "copy", "fill", "index", "gather", "cat")),
@@ -200,17 +204,27 @@ def attention_sweep(engine, batch: int, lo: int, hi: int) -> list[dict]:
     # As in a CUDA graph: the table as wide as the longest sequence allowed.
     table = torch.zeros((batch, runner.max_blocks_per_seq), dtype=torch.int32, device="cuda")
     table[:, : meta.block_table.shape[1]] = meta.block_table
-    kv_bytes = sum(ctx) * cfg.num_kv_heads * cfg.head_dim * 2 * runner.dtype.itemsize
+    kv_bytes = sum(ctx) * cfg.num_kv_heads * cfg.head_dim * 2 * runner.kv_pool.element_size()
+    fp8 = runner.kv_pool.dtype == torch.float8_e4m3fn
+    scales = torch.ones(2, device="cuda") if fp8 else None
+    # The floor: a device copy of as many bytes, its rate counting what it reads and writes.
+    src = torch.empty(int(kv_bytes), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_ms = cuda_ms(lambda s=src, d=dst: [d.copy_(s) for _ in range(20)], reps=5) / 20
+    copy_tb_s = 2 * kv_bytes / (copy_ms / 1e3) / 1e12
+    print(json.dumps({"copy_us": copy_ms * 1e3, "copy_tb_s": copy_tb_s}), flush=True)
+    del src, dst
     rows = []
-    for block_n in (32, 64, 128):
+    for block_n in (32, 64, 128, 256):
         for warps in (2, 4, 8):
-            for stages in (2, 3, 4):
+            for stages in (2, 3, 4, 5):
                 config = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages)
 
                 def call(c=config) -> None:
                     paged_decode_attention(
-                        q, k_cache, v_cache, table, meta.seq_lens, 0.088, validate=False, config=c
-                    )
+                        q, k_cache, v_cache, table, meta.seq_lens, 0.088, validate=False,
+                        config=c, kv_scales=scales,
+                    )  # fmt: skip
 
                 try:
                     ms = cuda_ms(lambda: [call() for _ in range(20)], reps=5) / 20
@@ -219,6 +233,7 @@ def attention_sweep(engine, batch: int, lo: int, hi: int) -> list[dict]:
                     continue
                 row = {"block_n": block_n, "warps": warps, "stages": stages, "us": ms * 1e3}
                 row["tb_s"] = kv_bytes / (ms / 1e3) / 1e12
+                row["of_copy"] = row["tb_s"] / copy_tb_s
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     return rows
@@ -234,6 +249,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--gemm", action="store_true", help="the cuBLAS table of the layer GEMMs")
     ap.add_argument("--attention-sweep", action="store_true")
     ap.add_argument("--no-graphs", action="store_true", help="decode steps eager")
+    ap.add_argument("--quantization", default=None, help="fp8: FP8 weights (quantized at load)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="fp8: an e4m3 KV cache")
     ap.add_argument("--out", help="write every figure here as JSON")
     return ap.parse_args()
 
@@ -261,6 +278,8 @@ def main() -> None:
         device="cuda",
         load_format="dummy",
         kv_transfer="none",
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     engine, _ = build_engine(config, prefill_only=False)
     if args.no_graphs:
@@ -289,12 +308,12 @@ def main() -> None:
                 )
         if args.attention_sweep:
             result["attention"] = attention_sweep(engine, args.decode_batch, *args.context_range)
-            print("\n| decode attention (one layer) | µs | KV TB/s |")
-            print("|---|---|---|")
-            for r in sorted(result["attention"], key=lambda r: r["us"]):
+            print("\n| decode attention (one layer) | µs | KV TB/s | of copy |")
+            print("|---|---|---|---|")
+            for r in sorted(result["attention"], key=lambda r: r["us"])[:12]:
                 print(
                     f"| block_n {r['block_n']}, {r['warps']} warps, {r['stages']} stages | "
-                    f"{r['us']:.1f} | {r['tb_s']:.2f} |"
+                    f"{r['us']:.1f} | {r['tb_s']:.2f} | {r['of_copy']:.0%} |"
                 )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
