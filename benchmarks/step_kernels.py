@@ -187,7 +187,9 @@ def gemm_table(engine, rows: list[int]) -> list[dict]:
     return out
 
 
-def attention_sweep(engine, batch: int, lo: int, hi: int) -> list[dict]:
+def attention_sweep(
+    engine, batch: int, lo: int, hi: int, grid: tuple[list[int], list[int], list[int]]
+) -> list[dict]:
     """The decode attention kernel of one layer at the decode step's shapes, per tiling: 20
     calls between two CUDA events (GPU-bound), KV bytes read per second."""
     from splitserve.kernels.decode_attention import DecodeConfig, paged_decode_attention
@@ -215,9 +217,9 @@ def attention_sweep(engine, batch: int, lo: int, hi: int) -> list[dict]:
     print(json.dumps({"copy_us": copy_ms * 1e3, "copy_tb_s": copy_tb_s}), flush=True)
     del src, dst
     rows = []
-    for block_n in (32, 64, 128, 256):
-        for warps in (2, 4, 8):
-            for stages in (2, 3, 4, 5):
+    for block_n in grid[0]:
+        for warps in grid[1]:
+            for stages in grid[2]:
                 config = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages)
 
                 def call(c=config) -> None:
@@ -248,6 +250,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--gemm-rows", type=int, nargs="+", default=[240, 256, 8192])
     ap.add_argument("--gemm", action="store_true", help="the cuBLAS table of the layer GEMMs")
     ap.add_argument("--attention-sweep", action="store_true")
+    ap.add_argument("--sweep-block-n", type=int, nargs="+", default=[32, 64, 128, 256])
+    ap.add_argument("--sweep-warps", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--sweep-stages", type=int, nargs="+", default=[2, 3, 4])
     ap.add_argument("--no-graphs", action="store_true", help="decode steps eager")
     ap.add_argument("--quantization", default=None, help="fp8: FP8 weights (quantized at load)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="fp8: an e4m3 KV cache")
@@ -307,7 +312,12 @@ def main() -> None:
                     f"{r['tflops']} | {r['weight_tb_s']} |"
                 )
         if args.attention_sweep:
-            result["attention"] = attention_sweep(engine, args.decode_batch, *args.context_range)
+            result["attention"] = attention_sweep(
+                engine,
+                args.decode_batch,
+                *args.context_range,
+                (args.sweep_block_n, args.sweep_warps, args.sweep_stages),
+            )
             print("\n| decode attention (one layer) | µs | KV TB/s | of copy |")
             print("|---|---|---|---|")
             for r in sorted(result["attention"], key=lambda r: r["us"])[:12]:

@@ -21,6 +21,7 @@ of both kernels.
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -44,6 +45,44 @@ class DecodeConfig(NamedTuple):
 
 
 DEFAULT_CONFIG = DecodeConfig()
+FP8_CONFIG = DecodeConfig()
+"""The tiling for an e4m3 KV cache (half the bytes a token). For now bfloat16's: on the H200 the
+FP8 cache made the decode kernel no quicker (docs/benchmarks.md); `benchmarks/step_kernels.py
+--attention-sweep --kv-cache-dtype fp8` is the sweep to choose it from."""
+
+CONFIG_ENV = "SPLITSERVE_DECODE_ATTENTION_CONFIG"
+
+
+def _config_from_env() -> DecodeConfig | None:
+    """`SPLITSERVE_DECODE_ATTENTION_CONFIG=block_n,num_warps,num_stages` (e.g. ``128,4,3``)
+    replaces the default tiling of both KV dtypes: for trying a tiling on other GPUs or shapes
+    without editing code. Read once, at import."""
+    raw = os.environ.get(CONFIG_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        block_n, warps, stages = (int(x) for x in raw.split(","))
+    except ValueError:
+        raise ValueError(
+            f"{CONFIG_ENV}={raw!r}: expected three integers block_n,num_warps,num_stages, "
+            "e.g. 64,4,3"
+        ) from None
+    if block_n < 1 or block_n & (block_n - 1) or warps not in (1, 2, 4, 8, 16) or stages < 1:
+        raise ValueError(
+            f"{CONFIG_ENV}={raw!r}: block_n must be a power of two, num_warps 1/2/4/8/16, "
+            "num_stages >= 1"
+        )
+    return DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages)
+
+
+_ENV_CONFIG = _config_from_env()
+
+
+def default_config(kv_dtype: torch.dtype) -> DecodeConfig:
+    """The tiling `paged_decode_attention` uses when given none, by the KV cache's dtype."""
+    if _ENV_CONFIG is not None:
+        return _ENV_CONFIG
+    return FP8_CONFIG if kv_dtype == torch.float8_e4m3fn else DEFAULT_CONFIG
 
 
 # NOTE: no value specialisation of the arguments that change with every batch (table width,
@@ -227,17 +266,19 @@ def paged_decode_attention(
     *,
     validate: bool = True,
     num_splits: int | None = None,
-    config: DecodeConfig = DEFAULT_CONFIG,
+    config: DecodeConfig | None = None,
     kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of `kernels.ops.paged_decode_attention` (see there for shapes).
 
-    `num_splits` overrides `choose_num_splits` (tests and benchmarks); `config` the tiling."""
+    `num_splits` overrides `choose_num_splits` (tests and benchmarks); `config` the tiling
+    (default: `default_config` of the cache's dtype)."""
     group = check_decode(
         query, key_cache, value_cache, block_table, seq_lens, scale, out, validate, kv_scales
     )
     out = torch.empty_like(query) if out is None else out
     batch, num_heads, head_dim = query.shape
+    config = default_config(key_cache.dtype) if config is None else config
     _, block_size, num_kv_heads, _ = key_cache.shape
     if batch == 0:
         return out

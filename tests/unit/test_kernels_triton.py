@@ -153,6 +153,25 @@ def test_split_heuristic(batch, context, splits):
     assert choose_num_splits(batch, 8, context, 132, DecodeConfig()) == splits
 
 
+
+def test_decode_tiling_from_the_environment(monkeypatch):
+    from splitserve.kernels import decode_attention as da
+
+    monkeypatch.setenv(da.CONFIG_ENV, "128,8,2")
+    assert da._config_from_env() == DecodeConfig(block_n=128, num_warps=8, num_stages=2)
+    monkeypatch.setenv(da.CONFIG_ENV, "")
+    assert da._config_from_env() is None
+    for bad in ("128,8", "a,b,c", "96,4,3", "64,3,3", "64,4,0"):
+        monkeypatch.setenv(da.CONFIG_ENV, bad)
+        with pytest.raises(ValueError, match=da.CONFIG_ENV):
+            da._config_from_env()
+    # With no override, each KV dtype gets its own default.
+    monkeypatch.setattr(da, "_ENV_CONFIG", None)
+    assert da.default_config(torch.bfloat16) is da.DEFAULT_CONFIG
+    assert da.default_config(torch.float8_e4m3fn) is da.FP8_CONFIG
+    monkeypatch.setattr(da, "_ENV_CONFIG", DecodeConfig(block_n=32))
+    assert da.default_config(torch.float8_e4m3fn) == DecodeConfig(block_n=32)
+
 def _prefill_case(gen, shapes, heads, dtype, block_size=BS):
     """shapes: (context length, new tokens) per sequence."""
     hq, hkv, d = heads
