@@ -43,8 +43,7 @@ VARIANTS = {
 
 
 def _module(path: Path):
-    """A script's module by its file (not through sys.path: benchmarks/kernels.py would shadow
-    the ``kernels`` package transformers imports)."""
+    """A script's module loaded from its file (examples/ is on no import path)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(path.stem, path)

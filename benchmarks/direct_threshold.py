@@ -26,8 +26,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from local_cluster import add_model_args, cluster_spec
 
 from splitserve.cluster_spec import free_port

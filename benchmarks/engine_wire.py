@@ -21,12 +21,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import socket
-import sys
 import threading
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from splitserve.engine.client import EngineClient
 from splitserve.engine.core import FirstFacts, StepOutput

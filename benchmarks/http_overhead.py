@@ -15,11 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import aiohttp
 import grpc

@@ -1,4 +1,4 @@
-"""The tables benchmarks/kernels.py prints from its rows (one dict per measurement)."""
+"""The tables benchmarks/attention_kernels.py prints from its rows (one dict per measurement)."""
 
 from __future__ import annotations
 

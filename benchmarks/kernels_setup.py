@@ -1,4 +1,4 @@
-"""Shapes, timing and the paged KV copies benchmarks/kernels.py measures on."""
+"""Shapes, timing and the paged KV copies benchmarks/attention_kernels.py measures on."""
 
 from __future__ import annotations
 

@@ -16,15 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from shapes import llama3_8b_config
 
 from splitserve.engine.core import LLMEngine

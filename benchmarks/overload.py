@@ -46,8 +46,6 @@ import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import grpc
 
 from splitserve.cluster_spec import ClusterSpec, auto_routers, free_port, router_count

@@ -26,8 +26,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from pipeline import prefill_counters
 
 from splitserve.client import AsyncClient, SplitserveError

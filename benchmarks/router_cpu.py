@@ -20,8 +20,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from local_cluster import add_model_args, cluster_spec
 from pipeline import cpu_seconds
 

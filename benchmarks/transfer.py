@@ -42,21 +42,22 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The tests' pools and certificates (tests/support: not part of the installed package).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import torch
-from transfer_cases import RECEIVER_SEED, SENDER_SEED, Case, pick_ids, verify
-from transfer_grpc import run_grpc
-
-from splitserve.transfer import DIST, GRPC, IPC, NIXL, TCP, open_receiver
-from splitserve.transfer.reservation import block_nbytes
-from tests.support.kv_pools import (
+from support.kv_pools import (
     SenderProcess,
     block_checksums,
     fill_pool,
     make_pool,
     security_of,
 )
+from transfer_cases import RECEIVER_SEED, SENDER_SEED, Case, pick_ids, verify
+from transfer_grpc import run_grpc
+
+from splitserve.transfer import DIST, GRPC, IPC, NIXL, TCP, open_receiver
+from splitserve.transfer.reservation import block_nbytes
 
 
 def kv_shape(small: bool) -> dict:
@@ -169,7 +170,7 @@ def make_certificates() -> tuple[str, str, str]:
     import shutil
     import tempfile
 
-    from tests.support.pki import HAVE_OPENSSL, make_pki, tls_triple
+    from support.pki import HAVE_OPENSSL, make_pki, tls_triple
 
     if not HAVE_OPENSSL:
         sys.exit("--tls: making the certificates needs the openssl CLI")

@@ -10,11 +10,11 @@ import random
 import time
 
 import torch
+from support.kv_pools import block_checksums, fill_pool, make_pool
 from transfer_cases import RECEIVER_SEED, SENDER_SEED, Case, pick_ids, verify
 
 from splitserve.transfer import GRPC
 from splitserve.transfer.reservation import block_nbytes
-from tests.support.kv_pools import block_checksums, fill_pool, make_pool
 
 GRPC_METHOD = "/splitserve.bench.KVTransfer/Ship"
 

@@ -22,10 +22,7 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import NamedTuple
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.multiprocessing as mp

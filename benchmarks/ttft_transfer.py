@@ -22,11 +22,8 @@ import asyncio
 import json
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc
 

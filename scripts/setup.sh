@@ -51,7 +51,7 @@ fi
 # NOTE: the editable install above is setuptools' default ("lenient") one: an import hook maps
 # splitserve.router to router/, ... at run time, so a module added to a folder imports at once,
 # and the hook still answers when the repository root is first on sys.path (`python -m pytest`
-# from the root, the benchmarks' sys.path.insert) and its splitserve/ folder shadows the package.
+# from the root, `python -c` there) and its splitserve/ folder shadows the package.
 # Static tools (pyright, mypy, jedi) cannot run an import hook. The strict editable mode
 # (`--config-settings editable_mode=strict`) would make them resolve, but it links files into a
 # tree on sys.path: a module added later does not import until the next install, and with the

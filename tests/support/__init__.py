@@ -2,6 +2,6 @@
 ``sys.path``): ``processes`` starts components as real processes, ``reference`` runs transformers'
 greedy decoding, ``router_helpers`` builds router requests, ``transfer_common`` the block pools'
 spec and seeds, ``kv_pools`` deterministic pools and a sender process (benchmarks import it too,
-as ``tests.support.kv_pools``), ``paged_kv`` the kernels' NaN-poisoned paged batches, ``metrics``
+with tests/ on ``sys.path``), ``paged_kv`` the kernels' NaN-poisoned paged batches, ``metrics``
 the /metrics name checks, ``bench_schema`` docs/bench.md's JSON schema, ``pki`` test certificates
 made with the openssl CLI, ``wiretap`` a recording TCP relay (what the wire carries)."""

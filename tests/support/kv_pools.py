@@ -1,6 +1,6 @@
 """Helpers for tests and benchmarks: deterministic pools and a sender process driven by a pipe.
 Not part of the installed package: tests import it as ``support.kv_pools``, benchmarks/transfer.py
-and transfer_grpc.py (which put the checkout's root on ``sys.path``) as ``tests.support.kv_pools``.
+and transfer_grpc.py the same way (transfer.py puts tests/ on ``sys.path``).
 
 ``sender_main`` runs in a child process (``multiprocessing`` spawn) and answers commands sent
 over a ``Connection``; each answer is ``("ok", result)`` or ``("error", "Type: message")``.

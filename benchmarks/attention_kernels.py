@@ -1,6 +1,6 @@
 """Benchmark of the paged KV kernels on one CUDA GPU against torch SDPA on contiguous KV.
 
-    python benchmarks/kernels.py [--json] [--sweep {decode,prefill,splits} ...]
+    python benchmarks/attention_kernels.py [--json] [--sweep {decode,prefill,splits} ...]
 
 Llama-3-8B attention shapes (32 query heads, 8 KV heads, head_dim 128), bf16, block_size 16,
 KV in a 2-layer block-major pool (strided per-layer views) with shuffled block tables.
@@ -20,15 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
+import kernels_report as report
 import torch
 import torch.nn.functional as F
 import triton
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import kernels_report as report
 from kernels_setup import DTYPE, HKV, HQ, SCALE, D, bench, graphed, paged_copy, rel_err
 
 from splitserve.kernels.decode_attention import DecodeConfig, paged_decode_attention
@@ -252,7 +248,7 @@ def measure(sweeps: list[str], emit) -> None:
 def main() -> None:
     args = parse_args()
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/kernels.py needs a CUDA GPU")
+        sys.exit("benchmarks/attention_kernels.py needs a CUDA GPU")
     if args.once:
         run_once()
         return
