@@ -1,6 +1,7 @@
 """Test certificates made with the openssl CLI: a CA and one certificate it signs, for 127.0.0.1
 and localhost, as server and client (what every component of a test cluster presents). Used by
-the TLS tests and by benchmarks/transfer.py's ``--tls`` (as ``support.pki``, with tests/ on ``sys.path``)."""
+the TLS tests and by benchmarks/transfer.py's ``--tls`` (as ``support.pki``, tests/ on
+``sys.path``)."""
 
 from __future__ import annotations
 
