@@ -153,7 +153,6 @@ def test_split_heuristic(batch, context, splits):
     assert choose_num_splits(batch, 8, context, 132, DecodeConfig()) == splits
 
 
-
 def test_decode_tiling_from_the_environment(monkeypatch):
     from splitserve.kernels import decode_attention as da
 
@@ -171,6 +170,7 @@ def test_decode_tiling_from_the_environment(monkeypatch):
     assert da.default_config(torch.float8_e4m3fn) is da.FP8_CONFIG
     monkeypatch.setattr(da, "_ENV_CONFIG", DecodeConfig(block_n=32))
     assert da.default_config(torch.float8_e4m3fn) == DecodeConfig(block_n=32)
+
 
 def _prefill_case(gen, shapes, heads, dtype, block_size=BS):
     """shapes: (context length, new tokens) per sequence."""
