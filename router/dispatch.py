@@ -45,6 +45,9 @@ from splitserve.runtime.slo import Slo
 logger = logging.getLogger(__name__)
 
 
+TRANSFER_PATHS = frozenset({"ipc", "nixl", "dist", "tcp", "grpc"})
+
+
 class Dispatcher:
     def __init__(
         self,
@@ -182,7 +185,13 @@ class Dispatcher:
         self._stage("prefill", seconds)
         self._stage("compute", first.compute_s)
         if first.transfer_path:  # (nothing shipped: it ended at its first token)
-            self._stage("transfer", first.transfer_s, first.transfer_path)
+            # A label from another node: bounded to the paths there are (transfer/chooser.py's,
+            # named here because the router imports no torch), anything else as "other".
+            path = first.transfer_path if first.transfer_path in TRANSFER_PATHS else "other"
+            self._stage("transfer", first.transfer_s, path)
+            self._metrics.kv_transfers.labels(path=path).inc()
+            self._metrics.kv_shipped_blocks.labels(path=path).inc(first.blocks_shipped)
+            self._metrics.kv_shipped_bytes.labels(path=path).inc(first.bytes_shipped)
 
     async def _attempt(
         self,

@@ -24,6 +24,8 @@ class FirstToken(NamedTuple):
     compute_s: float = 0.0
     transfer_s: float = 0.0
     transfer_path: str = ""
+    blocks_shipped: int = 0  # as P reported them: blocks sent with data, and their bytes
+    bytes_shipped: int = 0
 
 
 class Started(NamedTuple):

@@ -91,6 +91,8 @@ class PrefillStage:
                 compute_s=response.compute_seconds,
                 transfer_s=response.transfer_seconds,
                 transfer_path=response.transfer_path,
+                blocks_shipped=response.blocks_shipped,
+                bytes_shipped=response.bytes_shipped,
             )
         except grpc.aio.AioRpcError as exc:
             # NOTE: classified while p and d still count this request: a probe may take a while.

@@ -267,6 +267,27 @@ class RouterMetrics:
             "timed out or cancelled after their prefill)",
             registry=r,
         )
+        self.kv_shipped_bytes = Counter(
+            "splitserve_router_kv_shipped_bytes",
+            "KV bytes prefill nodes shipped to decode nodes for this router's requests (whole "
+            "blocks in the pools' dtype: an FP8 KV cache ships half of bfloat16's), by path",
+            ["path"],
+            registry=r,
+        )
+        self.kv_shipped_blocks = Counter(
+            "splitserve_router_kv_shipped_blocks",
+            "KV blocks prefill nodes shipped with data for this router's requests, by path "
+            "(blocks the decode node already held are not counted)",
+            ["path"],
+            registry=r,
+        )
+        self.kv_transfers = Counter(
+            "splitserve_router_kv_transfers",
+            "This router's requests whose KV a prefill node shipped, by path (bytes per request: "
+            "kv_shipped_bytes / kv_transfers)",
+            ["path"],
+            registry=r,
+        )
         self.ttft_prediction_error = Histogram(
             "splitserve_router_ttft_prediction_error_seconds",
             "Admission's time-to-first-token prediction error: actual less predicted (before "

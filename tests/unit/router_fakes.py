@@ -206,6 +206,7 @@ class FakeNodes:
         self.relays: list[FakeRelay] = []  # every Relay stream opened
         self.probe_ok = True  # what grpc.health.v1 says of every node
         self.cached_tokens = 3
+        self.shipped = ("", 0, 0)  # what Prefill reports it shipped: path, blocks, bytes
 
     async def pause(self) -> None:
         if self.max_delay_s:
@@ -229,8 +230,14 @@ class FakeNodes:
             finish = "stop" if answer[0] == EOS else "length"
         else:  # shipped: D holds the KV until Decode or Release claims it
             self.held[request.request_id] = answer[1:]
+        path, blocks, nbytes = self.shipped if not finish else ("", 0, 0)
         return nodes_pb2.PrefillResponse(
-            first_token_id=answer[0], finish_reason=finish, cached_tokens=self.cached_tokens
+            first_token_id=answer[0],
+            finish_reason=finish,
+            cached_tokens=self.cached_tokens,
+            transfer_path=path,
+            blocks_shipped=blocks,
+            bytes_shipped=nbytes,
         )
 
     async def decode(self, request: nodes_pb2.DecodeRequest):

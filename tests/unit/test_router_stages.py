@@ -303,6 +303,43 @@ def test_a_request_is_relayed_as_text_with_usage():
     asyncio.run(main())
 
 
+def test_the_kv_a_prefill_node_ships_is_counted_by_path_and_a_strange_path_is_bounded():
+    async def main():
+        nodes = FakeNodes()
+        registry = FakeRegistry(nodes, 2, 2)
+        config = RouterConfig(
+            "unused",
+            tuple(n.address for n in registry.prefill.nodes),
+            tuple(n.address for n in registry.decode.nodes),
+        )
+        metrics = RouterMetrics()
+        front = build_front(config, MODEL, registry, metrics=metrics)
+
+        def value(name: str, path: str) -> float | None:
+            return metrics.registry.get_sample_value(
+                f"splitserve_router_{name}_total", {"path": path}
+            )
+
+        nodes.shipped = ("dist", 3, 3 * 4096)
+        for prompt in ("hello", "world"):
+            await collect(front, prompt=prompt)
+        assert value("kv_transfers", "dist") == 2
+        assert value("kv_shipped_blocks", "dist") == 6
+        assert value("kv_shipped_bytes", "dist") == 6 * 4096
+        # The label comes from another node: a path no transfer has is counted as "other".
+        nodes.shipped = ("x" * 200, 1, 10)
+        await collect(front, prompt="again")
+        assert value("kv_shipped_bytes", "other") == 10
+        assert value("kv_shipped_bytes", "x" * 200) is None
+        # A request that ended at its first token shipped nothing and counts nowhere.
+        await collect(front, prompt="z", sampling={"max_tokens": 1})
+        assert value("kv_transfers", "dist") == 2 and value("kv_transfers", "other") == 1
+        await settle()
+        assert not all_given_back(registry)
+
+    asyncio.run(main())
+
+
 def test_a_stop_string_in_the_first_token_releases_d_blocks_at_once():
     async def main():
         nodes = FakeNodes()
