@@ -27,6 +27,11 @@ def _rms_norm_kernel(
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    scales,
+    QUANTIZE: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    INV_FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -42,7 +47,23 @@ def _rms_norm_kernel(
     inv = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / N + eps)
     normed = (hf * inv).to(h.dtype).to(tl.float32)
     w = tl.load(weight + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out + row * stride_o + cols, (w * normed).to(h.dtype), mask=mask)
+    y = (w * normed).to(h.dtype)
+    if QUANTIZE:  # the row is whole in registers: its FP8 form and scale, as _quantize_row does
+        _quantize_row(y.to(tl.float32), out, row * stride_o + cols, scales + row, mask,
+                      FP8_MAX, INV_FP8_MAX, MIN_SCALE)  # fmt: skip
+    else:
+        tl.store(out + row * stride_o + cols, y, mask=mask)
+
+
+@triton.jit
+def _quantize_row(v, q, offs, scale_ptr, mask, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
+                  MIN_SCALE: tl.constexpr):  # fmt: skip
+    """Store float32 ``v`` (one whole row, masked lanes 0) as e4m3 at ``q + offs`` and its scale
+    at ``scale_ptr``: the arithmetic of `_quantize_rows_kernel`, bit for bit."""
+    scale = tl.maximum(tl.max(tl.abs(v), 0) * INV_FP8_MAX, MIN_SCALE)
+    tl.store(scale_ptr, scale)
+    v = tl.clamp(tl.math.div_rn(v, scale), -FP8_MAX, FP8_MAX)
+    tl.store(q + offs, v.to(q.dtype.element_ty), mask=mask)
 
 
 def rms_norm(
@@ -52,6 +73,31 @@ def rms_norm(
 
     With ``residual`` (same shape), ``x + residual`` is first written back into ``residual`` (the
     residual stream of the next sub-layer) and normalised. Returns a new ``[T, N]`` tensor."""
+    return _rms_norm(x, weight, eps, residual, None)[0]
+
+
+def rms_norm_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    fp8_max: float,
+    min_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rms_norm`, its output quantized per row in the same pass: (float8_e4m3fn ``[T, N]``,
+    float32 ``[T, 1]``), the values `quantize_rows_fp8` gives for `rms_norm`'s output."""
+    out, scales = _rms_norm(x, weight, eps, residual, (fp8_max, min_scale))
+    assert scales is not None
+    return out, scales
+
+
+def _rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    fp8: tuple[float, float] | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     if x.dim() != 2 or x.stride(-1) != 1 or weight.shape != (x.shape[1],):
         raise ValueError(
             f"rms_norm expects x [T, N] with a contiguous last dim and weight [N]; "
@@ -59,12 +105,16 @@ def rms_norm(
         )
     if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
         raise ValueError(f"residual must match x {tuple(x.shape)}, got {tuple(residual.shape)}")
-    out = torch.empty_like(x)
+    out = torch.empty_like(x, dtype=torch.float8_e4m3fn if fp8 else x.dtype)
+    scales = None
+    if fp8 is not None:
+        scales = torch.full((x.shape[0], 1), fp8[1], dtype=torch.float32, device=x.device)
     if x.shape[0] == 0:
-        return out
+        return out, scales
     n = x.shape[1]
     block = triton.next_power_of_2(n)
     res = residual if residual is not None else x
+    fp8_max, min_scale = fp8 if fp8 is not None else (448.0, 0.0)
     # NOTE: the launch options (num_warps, num_stages) are not in the kernel's signature, the
     # only call type Triton's annotations give a launch: hence the checker's ignores.
     _rms_norm_kernel[(x.shape[0],)](
@@ -79,9 +129,14 @@ def rms_norm(
         N=n,
         BLOCK=block,
         HAS_RESIDUAL=residual is not None,
+        scales=scales if scales is not None else out,  # (not read unless QUANTIZE)
+        QUANTIZE=fp8 is not None,
+        FP8_MAX=fp8_max,
+        INV_FP8_MAX=1.0 / fp8_max,
+        MIN_SCALE=min_scale,
         num_warps=min(16, max(1, block // 256)),  # pyright: ignore[reportCallIssue]
     )
-    return out
+    return out, scales
 
 
 @triton.jit
@@ -214,6 +269,79 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         num_warps=4,  # pyright: ignore[reportCallIssue]
     )
     return out
+
+
+@triton.jit
+def _silu_and_mul_quant_kernel(
+    gate_up,
+    q,
+    scales,
+    stride_in,
+    stride_q,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    INV_FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros([BLOCK], tl.float32)
+    for c0 in range(0, N, BLOCK):
+        col = c0 + tl.arange(0, BLOCK)
+        v = _silu_mul(gate_up + row * stride_in, col, col < N, N)
+        amax = tl.maximum(amax, tl.abs(v))
+    scale = tl.maximum(tl.max(amax, 0) * INV_FP8_MAX, MIN_SCALE)
+    tl.store(scales + row, scale)
+    for c0 in range(0, N, BLOCK):  # again: the second read of the row comes from L2
+        col = c0 + tl.arange(0, BLOCK)
+        mask = col < N
+        v = _silu_mul(gate_up + row * stride_in, col, mask, N)
+        v = tl.clamp(tl.math.div_rn(v, scale), -FP8_MAX, FP8_MAX)
+        tl.store(q + row * stride_q + col, v.to(q.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_mul(base, col, mask, N: tl.constexpr):
+    """``silu(gate) * up`` at columns ``col`` of one row, rounded to the input's dtype as
+    `_silu_and_mul_kernel` stores it, returned in float32."""
+    g = tl.load(base + col, mask=mask, other=0.0)
+    u = tl.load(base + N + col, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+    return (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
+
+
+def silu_and_mul_fp8(
+    gate_up: torch.Tensor, fp8_max: float, min_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`silu_and_mul`, quantized per row on the way out: (float8_e4m3fn ``[T, N]``, float32
+    ``[T, 1]``), the values `quantize_rows_fp8` gives for `silu_and_mul`'s output, in one launch
+    that never writes the 16-bit activation."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(-1) != 1:
+        raise ValueError(
+            f"silu_and_mul_fp8 expects [T, 2N] with a contiguous last dim, got "
+            f"{tuple(gate_up.shape)}"
+        )
+    t, n = gate_up.shape[0], gate_up.shape[1] // 2
+    q = torch.empty((t, n), dtype=torch.float8_e4m3fn, device=gate_up.device)
+    scales = torch.full((t, 1), min_scale, dtype=torch.float32, device=gate_up.device)
+    if t == 0 or n == 0:
+        return q, scales
+    block = min(2048, triton.next_power_of_2(n))
+    _silu_and_mul_quant_kernel[(t,)](
+        gate_up,
+        q,
+        scales,
+        gate_up.stride(0),
+        q.stride(0),
+        N=n,
+        BLOCK=block,
+        FP8_MAX=fp8_max,
+        INV_FP8_MAX=1.0 / fp8_max,
+        MIN_SCALE=min_scale,
+        num_warps=8 if block >= 2048 else 4,  # pyright: ignore[reportCallIssue]
+    )
+    return q, scales
 
 
 @triton.jit

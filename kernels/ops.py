@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from splitserve.kernels import reference
+from splitserve.kernels import quant, reference
+from splitserve.kernels.quant import QuantizedRows
 
 
 def reshape_and_cache(
@@ -168,6 +169,19 @@ def rms_norm(
     return reference.rms_norm(x, weight, eps, residual)
 
 
+def rms_norm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> QuantizedRows:
+    """`rms_norm`, its output quantized per token for an FP8 linear layer: on CUDA in the same
+    kernel (the values `quant.quantize_rows` gives for `rms_norm`'s output, one pass less)."""
+    if x.is_cuda:
+        from splitserve.kernels.elementwise import rms_norm_fp8 as triton_op
+
+        q, scale = triton_op(x, weight, eps, residual, quant.FP8_MAX, quant.MIN_SCALE)
+        return QuantizedRows(q, scale, x.dtype)
+    return QuantizedRows.of(reference.rms_norm(x, weight, eps, residual))
+
+
 def rotary_embedding(
     positions: torch.Tensor,
     q: torch.Tensor,
@@ -191,3 +205,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
         return triton_op(gate_up)
     return reference.silu_and_mul(gate_up)
+
+
+def silu_and_mul_fp8(gate_up: torch.Tensor) -> QuantizedRows:
+    """`silu_and_mul`, quantized per token for an FP8 linear layer: on CUDA one kernel that never
+    writes the 16-bit activation (the values `quant.quantize_rows` gives for `silu_and_mul`'s)."""
+    if gate_up.is_cuda:
+        from splitserve.kernels.elementwise import silu_and_mul_fp8 as triton_op
+
+        q, scale = triton_op(gate_up, quant.FP8_MAX, quant.MIN_SCALE)
+        return QuantizedRows(q, scale, gate_up.dtype)
+    return QuantizedRows.of(reference.silu_and_mul(gate_up))

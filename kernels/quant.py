@@ -11,17 +11,41 @@ of the float32 sums.
 The per-token quantization of the activations is one Triton kernel on CUDA
 (``kernels.elementwise.quantize_rows_fp8``, the same values as the eight torch kernels of the
 reference below, which CPU tensors take); Triton is imported on first CUDA use only, so a CPU-only
-process never loads it.
+process never loads it. Where the kernel before a linear layer can quantize its own output
+(RMSNorm, SiLU-and-mul: ``kernels.ops.rms_norm_fp8`` / ``silu_and_mul_fp8``), the layer takes
+``QuantizedRows`` and the separate pass goes.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 # A row of zeros gets this scale (its values quantize to 0 either way), not 0 (a division by 0).
-_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+
+
+class QuantizedRows(NamedTuple):
+    """Activations already quantized per token (by a kernel that produced them: RMSNorm's or
+    SiLU-and-mul's FP8 form, kernels/ops.py), for `fp8_linear`: ``data`` float8_e4m3fn
+    ``[T, K]``, ``scale`` float32 ``[T, 1]``, ``dtype`` the dtype they had (the output's)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @classmethod
+    def of(cls, x: torch.Tensor) -> QuantizedRows:
+        """``x [T, K]`` quantized by `quantize_rows` (the Triton kernel on CUDA, else torch)."""
+        q, scale = quantize_rows(x)
+        return cls(q, scale, x.dtype)
 
 
 def fp8_supported(device: torch.device | str) -> tuple[bool, str]:
@@ -51,12 +75,12 @@ def quantize_rows(
         from splitserve.kernels.elementwise import quantize_rows_fp8
 
         k = x.shape[-1]
-        q, scale = quantize_rows_fp8(x.reshape(-1, k).contiguous(), FP8_MAX, _MIN_SCALE)
+        q, scale = quantize_rows_fp8(x.reshape(-1, k).contiguous(), FP8_MAX, MIN_SCALE)
         return q.view(x.shape), scale.view(*x.shape[:-1], 1)
     xf = x.float()
     # times float32(1 / 448), not / 448: what torch on CUDA computes for a division by a number
     # (a reciprocal), so that CPU, CUDA and the Triton kernel agree bit for bit.
-    scale = xf.abs().amax(dim=-1, keepdim=True).mul_(1.0 / FP8_MAX).clamp_(min=_MIN_SCALE)
+    scale = xf.abs().amax(dim=-1, keepdim=True).mul_(1.0 / FP8_MAX).clamp_(min=MIN_SCALE)
     return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
@@ -67,7 +91,7 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     reciprocal), so a checkpoint quantized at load is the same on CPU and GPU."""
     w = weight.float()
     amax = w.abs().amax(dim=-1, keepdim=True)
-    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp_(min=_MIN_SCALE)
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp_(min=MIN_SCALE)
     return (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale.squeeze(-1)
 
 
@@ -84,7 +108,7 @@ def _scaled_mm_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def fp8_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | QuantizedRows,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
@@ -92,8 +116,9 @@ def fp8_linear(
     native: bool | None = None,
 ) -> torch.Tensor:
     """``x`` ``[..., K]`` (16/32-bit) times an FP8 weight ``[N, K]`` with scales ``[N]``:
-    ``[..., N]`` in ``x``'s dtype. ``native`` None: ``torch._scaled_mm`` where the device and the
-    shapes take it, else the float32 emulation; False forces the emulation (the reference)."""
+    ``[..., N]`` in ``x``'s dtype. ``x`` may come quantized already (`QuantizedRows`, ``[T, K]``).
+    ``native`` None: ``torch._scaled_mm`` where the device and the shapes take it, else the
+    float32 emulation; False forces the emulation (the reference)."""
     if weight.dtype != FP8 or weight.dim() != 2:
         raise ValueError(
             f"fp8_linear: weight must be a 2-D {FP8}, got {weight.dtype} {weight.dim()}-D"
@@ -105,13 +130,24 @@ def fp8_linear(
             f"{tuple(weight_scale.shape)} do not fit (want x [..., {k}], scale ({n},))"
         )
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    if x2.shape[0] == 0:
-        return x.new_empty(*lead, n)
-    # The reference (native False) quantizes with torch too.
-    qx, sx = quantize_rows(x2, native=None if native is not False else False)
+    if isinstance(x, QuantizedRows):
+        if x.data.dim() != 2 or x.data.dtype != FP8 or x.scale.shape != (x.data.shape[0], 1):
+            raise ValueError(
+                f"fp8_linear: quantized rows must be {FP8} [T, K] with float32 scales [T, 1], "
+                f"got {x.data.dtype} {tuple(x.data.shape)} and {tuple(x.scale.shape)}"
+            )
+        qx, sx, dtype = x.data, x.scale, x.dtype
+    else:
+        x2 = x.reshape(-1, k)
+        if x2.shape[0] == 0:
+            return x.new_empty(*lead, n)
+        # The reference (native False) quantizes with torch too.
+        qx, sx = quantize_rows(x2, native=None if native is not False else False)
+        dtype = x.dtype
+    if qx.shape[0] == 0:
+        return torch.empty(*lead, n, dtype=dtype, device=qx.device)
     if native is None:
-        native = _scaled_mm_takes(x2, weight)
+        native = _scaled_mm_takes(qx, weight)
     if native:
         out = torch._scaled_mm(  # pyright: ignore[reportPrivateImportUsage]
             qx,
@@ -120,10 +156,10 @@ def fp8_linear(
             scale_b=weight_scale.view(1, n),
             out_dtype=torch.bfloat16,  # row-wise scales: cuBLAS writes bfloat16
         )
-        out = out.to(x.dtype)
+        out = out.to(dtype)
     else:
         out = (qx.float() @ weight.float().t()).mul_(sx).mul_(weight_scale.float().view(1, n))
-        out = out.to(x.dtype)
+        out = out.to(dtype)
     if bias is not None:
         out = out + bias
     return out.view(*lead, n)

@@ -10,6 +10,7 @@ from torch import nn
 
 from splitserve.kernels import ops
 from splitserve.kernels.checks import KV_FP8
+from splitserve.kernels.quant import QuantizedRows
 from splitserve.models.parallel import SINGLE, RowParallelLinear, Shards, TPGroup
 from splitserve.models.quantization import make_linear
 
@@ -51,14 +52,22 @@ class AttentionMetadata:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    """``fp8_out``: the output goes to an FP8 linear layer only, so it leaves quantized per token
+    (`QuantizedRows`, quantized in the norm's own kernel on GPU)."""
+
+    def __init__(self, hidden_size: int, eps: float, fp8_out: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.fp8_out = fp8_out
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | QuantizedRows:
         """Normalise ``x``; with ``residual``, normalise ``x + residual`` and leave that sum in
         ``residual`` (one fused kernel on GPU; transformers' exact arithmetic on CPU)."""
+        if self.fp8_out:
+            return ops.rms_norm_fp8(x, self.weight, self.eps, residual)
         return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
@@ -129,7 +138,7 @@ class PagedAttention(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor | QuantizedRows,
         positions: torch.Tensor,
         rotary: RotaryEmbedding,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -221,5 +230,8 @@ class GatedMLP(nn.Module):
             intermediate_size, hidden_size, bias, tp, fp8=quant is not None
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if self.down_proj.weight_scale is not None:  # FP8: quantized in the activation's kernel
+            return self.down_proj(ops.silu_and_mul_fp8(gate_up))
+        return self.down_proj(ops.silu_and_mul(gate_up))

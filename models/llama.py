@@ -36,9 +36,13 @@ class DecoderLayer(nn.Module):
         quant: QuantSpec | None = None,
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # FP8 layers: each norm's output feeds one FP8 projection only, so it leaves quantized.
+        fp8 = quant is not None
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fp8_out=fp8)
         self.self_attn = PagedAttention(config, layer_idx, shards, tp, quant)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, fp8_out=fp8
+        )
         self.mlp = GatedMLP(
             config.hidden_size, len(shards.intermediate), config.mlp_bias, tp, quant
         )

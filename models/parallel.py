@@ -175,12 +175,15 @@ class RowParallelLinear(nn.Module):
             self.weight_scale = None
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _matmul(
+        self, x: torch.Tensor | quant.QuantizedRows, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         if self.weight_scale is not None:
             return quant.fp8_linear(x, self.weight, self.weight_scale, bias)
+        assert isinstance(x, torch.Tensor), "quantized rows need an FP8 weight"
         return F.linear(x, self.weight, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | quant.QuantizedRows) -> torch.Tensor:
         if self.tp.size == 1:
             return self._matmul(x, self.bias)
         y = self.tp.all_reduce(self._matmul(x, None))

@@ -149,7 +149,7 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | quant.QuantizedRows) -> torch.Tensor:
         return quant.fp8_linear(x, self.weight, self.weight_scale, self.bias)
 
     def extra_repr(self) -> str:

@@ -59,6 +59,40 @@ def test_the_quantize_kernel_gives_torch_s_fp8_values_bit_for_bit(t, k):
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
 
+@pytest.mark.parametrize("t", [1, 240, 3000])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_quantized_in_its_kernel_gives_the_unfused_bytes(t, with_residual):
+    """The norm's FP8 form (what feeds qkv and gate_up) against the norm kernel then torch's
+    quantization of its output, bit for bit, at Llama-3-8B's width."""
+    from splitserve.kernels import ops
+
+    gen = torch.Generator(device="cuda").manual_seed(t)
+    x = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.rand(4096, device="cuda", dtype=torch.bfloat16, generator=gen) + 0.5
+    res = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
+    res_fused = res.clone()
+    fused = ops.rms_norm_fp8(x, w, 1e-5, res_fused if with_residual else None)
+    normed = ops.rms_norm(x, w, 1e-5, res if with_residual else None)
+    want_q, want_s = quant.quantize_rows(normed, native=False)
+    assert fused.dtype == torch.bfloat16 and torch.equal(fused.scale, want_s)
+    assert torch.equal(fused.data.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(res_fused, res)
+
+
+@pytest.mark.parametrize("t", [1, 240, 3000])
+def test_silu_and_mul_quantized_in_its_kernel_gives_the_unfused_bytes(t):
+    """SiLU-and-mul's FP8 form (the down projection's input) against the activation kernel then
+    torch's quantization, bit for bit, at Llama-3-8B's intermediate width (14,336)."""
+    from splitserve.kernels import ops
+
+    gen = torch.Generator(device="cuda").manual_seed(t)
+    gate_up = torch.randn(t, 2 * 14336, device="cuda", dtype=torch.bfloat16, generator=gen) * 3
+    fused = ops.silu_and_mul_fp8(gate_up)
+    want_q, want_s = quant.quantize_rows(ops.silu_and_mul(gate_up), native=False)
+    assert torch.equal(fused.scale, want_s)
+    assert torch.equal(fused.data.view(torch.uint8), want_q.view(torch.uint8))
+
+
 def _fp8_checkpoint(tmp_path, seed):
     return write_random_checkpoint(
         tmp_path, seed=seed, vocab_size=2048, hidden_size=1024, intermediate_size=2816,

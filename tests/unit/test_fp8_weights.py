@@ -210,6 +210,48 @@ def test_an_fp8_model_computes_what_a_transformers_twin_doing_fp8_arithmetic_com
     assert outs[0] == outs[1]
 
 
+def test_the_norms_and_the_activation_hand_fp8_projections_rows_already_quantized(
+    source, monkeypatch
+):
+    """In an FP8 model the two RMSNorms and SiLU-and-mul quantize their own output (one kernel
+    each on GPU, no separate quantization pass): qkv, gate_up and down receive `QuantizedRows`,
+    o_proj (after attention) quantizes its input itself; the logits are those of quantizing
+    inside every projection."""
+    from splitserve.kernels import quant
+
+    config, model = load_model(source, quantization="fp8")
+    kv = RunnerConfig(kv_cache_bytes=32 * 16 * config.kv_bytes_per_token(torch.float32))
+    runner = ModelRunner(config, model, kv)
+    ids, pos, meta, _ = runner.prepare([SequenceInput([5, 9, 2, 7, 1, 3], 0, [1])])
+    real = quant.fp8_linear
+    kinds: list[tuple[int, bool]] = []
+
+    def spy(x, weight, *args, **kwargs):
+        kinds.append((weight.shape[0], isinstance(x, quant.QuantizedRows)))
+        return real(x, weight, *args, **kwargs)
+
+    monkeypatch.setattr(quant, "fp8_linear", spy)
+    with torch.inference_mode():
+        fused = model.compute_logits(model(ids, pos, runner.kv_pool, meta))
+    attn = model.layers[0].self_attn
+    mlp = model.layers[0].mlp
+    qkv, o = attn.qkv_proj.weight.shape[0], attn.o_proj.weight.shape[0]
+    gate_up, down = mlp.gate_up_proj.weight.shape[0], mlp.down_proj.weight.shape[0]
+    assert kinds[:4] == [(qkv, True), (o, False), (gate_up, True), (down, True)]
+    assert len(kinds) == 4 * config.num_layers
+    # The same model handing every projection plain rows (each quantizes them itself).
+    from splitserve.kernels import ops
+
+    for layer in model.layers:
+        layer.input_layernorm.fp8_out = layer.post_attention_layernorm.fp8_out = False
+    monkeypatch.setattr(ops, "silu_and_mul_fp8", ops.silu_and_mul)
+    kinds.clear()
+    with torch.inference_mode():
+        plain = model.compute_logits(model(ids, pos, runner.kv_pool, meta))
+    assert not any(pre for _, pre in kinds) and len(kinds) == 4 * config.num_layers
+    assert torch.equal(fused, plain)
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 

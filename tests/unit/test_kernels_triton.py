@@ -362,7 +362,7 @@ def test_quantize_rows_kernel_matches_the_torch_quantization(gen, k):
     row_scales = torch.tensor([1.0, 2.0**-7, 2.0**5, 0.0, 2.0**-3, 1.0]).view(rows, 1)
     x = e4m3 * row_scales  # row 3: all zeros
     x[5] = torch.randn(k, generator=gen) * 3  # a random row: only its scale is compared
-    q, scales = quantize_rows_fp8(x, quant.FP8_MAX, quant._MIN_SCALE)
+    q, scales = quantize_rows_fp8(x, quant.FP8_MAX, quant.MIN_SCALE)
     want_q, want_scales = quant.quantize_rows(x, native=False)
     assert q.dtype == quant.FP8 and q.shape == x.shape and scales.shape == (rows, 1)
     assert torch.equal(scales, want_scales)
@@ -375,4 +375,52 @@ def test_quantize_rows_kernel_refuses_a_strided_row():
     from splitserve.kernels.elementwise import quantize_rows_fp8
 
     with pytest.raises(ValueError, match="contiguous last dim"):
-        quantize_rows_fp8(torch.zeros(4, 8).t(), quant.FP8_MAX, quant._MIN_SCALE)
+        quantize_rows_fp8(torch.zeros(4, 8).t(), quant.FP8_MAX, quant.MIN_SCALE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_quantized_in_its_kernel_is_the_norm_then_the_quantization(
+    gen, dtype, with_residual
+):
+    """RMSNorm with its output quantized in the same kernel (what feeds an FP8 projection): the
+    bytes and scales of the unfused pair of kernels, and the same residual stream. (Against
+    torch's rounding: on the GPU, tests/gpu/test_fp8_gpu.py; the interpreter mis-rounds e4m3
+    carries, see the cache-write test above.)"""
+    from splitserve.kernels import elementwise, quant
+
+    x = torch.randn(5, 96, generator=gen).to(dtype)
+    x[2] = 0  # a row of zeros: the smallest scale, zeros out
+    weight = (torch.rand(96, generator=gen) + 0.5).to(dtype)
+    res = torch.randn(5, 96, generator=gen).to(dtype) if with_residual else None
+    res_fused = res.clone() if res is not None else None
+    q, scales = elementwise.rms_norm_fp8(x, weight, 1e-6, res_fused, quant.FP8_MAX, quant.MIN_SCALE)
+    normed = elementwise.rms_norm(x, weight, 1e-6, res)
+    want_q, want_scales = elementwise.quantize_rows_fp8(normed, quant.FP8_MAX, quant.MIN_SCALE)
+    assert q.dtype == quant.FP8 and scales.shape == (5, 1)
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    if res is not None:
+        assert res_fused is not None and torch.equal(res_fused, res)
+    empty_q, empty_scales = elementwise.rms_norm_fp8(x[:0], weight, 1e-6, None, 448.0, 1e-5)
+    assert empty_q.shape == (0, 96) and empty_scales.shape == (0, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [40, 3000])
+def test_silu_and_mul_quantized_in_its_kernel_is_the_activation_then_the_quantization(
+    gen, dtype, n
+):
+    """SiLU-and-mul quantized on the way out (the down projection's FP8 input, one launch, the
+    16-bit activation never written): the unfused pair's bytes and scales, rows wider than one
+    block (n 3000: two passes of 2048) included."""
+    from splitserve.kernels import elementwise, quant
+
+    gate_up = (torch.randn(4, 2 * n, generator=gen) * 4).to(dtype)
+    q, scales = elementwise.silu_and_mul_fp8(gate_up, quant.FP8_MAX, quant.MIN_SCALE)
+    act = elementwise.silu_and_mul(gate_up)
+    want_q, want_scales = elementwise.quantize_rows_fp8(act, quant.FP8_MAX, quant.MIN_SCALE)
+    assert q.shape == (4, n) and torch.equal(scales, want_scales)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    with pytest.raises(ValueError, match="silu_and_mul_fp8"):
+        elementwise.silu_and_mul_fp8(gate_up[:, :-1], quant.FP8_MAX, quant.MIN_SCALE)
