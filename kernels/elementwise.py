@@ -108,7 +108,8 @@ def _rms_norm(
     out = torch.empty_like(x, dtype=torch.float8_e4m3fn if fp8 else x.dtype)
     scales = None
     if fp8 is not None:
-        scales = torch.full((x.shape[0], 1), fp8[1], dtype=torch.float32, device=x.device)
+        # (no fill: the kernel writes every row's scale)
+        scales = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
     if x.shape[0] == 0:
         return out, scales
     n = x.shape[1]
@@ -324,9 +325,9 @@ def silu_and_mul_fp8(
         )
     t, n = gate_up.shape[0], gate_up.shape[1] // 2
     q = torch.empty((t, n), dtype=torch.float8_e4m3fn, device=gate_up.device)
-    scales = torch.full((t, 1), min_scale, dtype=torch.float32, device=gate_up.device)
+    scales = torch.empty((t, 1), dtype=torch.float32, device=gate_up.device)  # the kernel fills it
     if t == 0 or n == 0:
-        return q, scales
+        return q, scales.fill_(min_scale)
     block = min(2048, triton.next_power_of_2(n))
     _silu_and_mul_quant_kernel[(t,)](
         gate_up,
