@@ -340,6 +340,14 @@ def test_the_kv_a_prefill_node_ships_is_counted_by_path_and_a_strange_path_is_bo
     asyncio.run(main())
 
 
+def test_the_routers_list_of_transfer_paths_is_the_transfer_layers():
+    """The router names the paths itself (it imports no torch, the transfer layer does)."""
+    from splitserve.router.dispatch import TRANSFER_PATHS
+    from splitserve.transfer import PATHS
+
+    assert frozenset(PATHS) == TRANSFER_PATHS
+
+
 def test_a_stop_string_in_the_first_token_releases_d_blocks_at_once():
     async def main():
         nodes = FakeNodes()
