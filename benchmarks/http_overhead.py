@@ -21,7 +21,7 @@ import aiohttp
 import grpc
 
 from splitserve.client import AsyncClient
-from splitserve.launcher import ClusterSpec, LocalCluster, free_port
+from splitserve.launcher import ClusterSpec, LocalCluster
 from splitserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18]
@@ -110,7 +110,7 @@ def main() -> None:
         args.model = str(ensure_tiny_model())
     spec = ClusterSpec(
         model_path=args.model,
-        port=free_port(),
+        port=0,  # the router binds a free port itself
         device=args.device,
         http_port=0,
         auth_token_file=None,

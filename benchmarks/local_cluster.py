@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pipeline import make_8b
 
-from splitserve.cluster_spec import ClusterSpec, free_port
+from splitserve.cluster_spec import ClusterSpec
 
 
 def add_model_args(ap: argparse.ArgumentParser) -> None:
@@ -32,7 +32,7 @@ def cluster_spec(args: argparse.Namespace, num_prefill: int, num_decode: int = 1
         model_path=str(model),
         num_prefill=num_prefill,
         num_decode=num_decode,
-        port=free_port(),
+        port=0,  # the router binds a free port itself
         device=args.device,
         node_args=node_args,
         node_hostnames=args.node_hostnames,

@@ -428,7 +428,7 @@ def main() -> None:
         model_path=model,
         num_prefill=args.num_prefill,
         num_decode=args.num_decode,
-        port=free_port(),
+        port=0,  # the router binds a free port itself
         device=args.device,
         gpu_memory_utilization=args.gpu_memory_utilization,
         node_args=(*node_args, *args.node_arg),

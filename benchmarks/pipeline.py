@@ -32,7 +32,7 @@ from shapes import llama3_8b_config
 
 from splitserve.client import AsyncClient, SplitserveError
 from splitserve.cluster_spec import router_count
-from splitserve.launcher import ClusterSpec, LocalCluster, free_port
+from splitserve.launcher import ClusterSpec, LocalCluster
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 
@@ -219,7 +219,7 @@ def cluster_spec(args) -> ClusterSpec:
         num_prefill=args.num_prefill,
         num_decode=args.num_decode,
         num_routers=args.num_routers,
-        port=free_port(),
+        port=0,  # the router binds a free port itself
         device=args.device,
         node_args=node_args,
         redis_url=args.redis_url,

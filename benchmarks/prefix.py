@@ -29,7 +29,7 @@ from pathlib import Path
 from pipeline import prefill_counters
 
 from splitserve.client import AsyncClient, SplitserveError
-from splitserve.launcher import ClusterSpec, LocalCluster, free_port
+from splitserve.launcher import ClusterSpec, LocalCluster
 
 COUNTERS = ("bytes_shipped", "transfer_seconds", "prefix_blocks_fetched", "blocks_shipped")
 
@@ -89,7 +89,7 @@ def run_mode(args, mode, model, node_args, warm, prompts) -> dict:
         model_path=str(model),
         num_prefill=args.num_prefill,
         num_decode=args.num_decode,
-        port=free_port(),
+        port=0,  # the router binds a free port itself
         device=args.device,
         node_args=(*node_args, *extra),
         prefix_index=mode == "on",

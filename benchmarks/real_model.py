@@ -20,7 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from splitserve.client import Client
-from splitserve.launcher import ClusterSpec, LocalCluster, free_port
+from splitserve.launcher import ClusterSpec, LocalCluster
 from splitserve.models.embedded import resolve_model_path
 
 PROMPTS = [
@@ -93,7 +93,7 @@ def main() -> int:
         model_path=model,
         num_prefill=args.num_prefill,
         num_decode=args.num_decode,
-        port=free_port(),
+        port=0,  # the router binds a free port itself
         http_port=0,
         metrics_port=0,
         device=args.device,

@@ -28,7 +28,7 @@ from pathlib import Path
 import grpc
 
 from splitserve.client import AsyncClient
-from splitserve.launcher import ClusterSpec, LocalCluster, free_port
+from splitserve.launcher import ClusterSpec, LocalCluster
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 
@@ -87,7 +87,7 @@ def main() -> None:
                 model_path=str(model),
                 num_prefill=1,
                 num_decode=1,
-                port=free_port(),
+                port=0,  # the router binds a free port itself
                 device=args.device,
                 node_args=(*node_args, "--kv-transfer", path, *stream),
                 prefix_index=False,

@@ -21,7 +21,7 @@ import time
 import urllib.request
 
 from splitserve.client import AsyncClient, Client
-from splitserve.launcher import ClusterSpec, LocalCluster, free_port
+from splitserve.launcher import ClusterSpec, LocalCluster
 from splitserve.models.embedded import resolve_model_path
 
 QUESTIONS = [
@@ -99,7 +99,7 @@ def main() -> None:
         model_path=model,
         num_prefill=args.num_prefill,
         num_decode=args.num_decode,
-        port=free_port(),
+        port=0,  # the router binds a free port itself
         http_port=0,
         api_key_file="auto",
         device=args.device,

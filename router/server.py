@@ -109,7 +109,9 @@ async def _serve(config: RouterConfig, model: ModelInfo) -> None:
     lag = asyncio.create_task(front.loop_lag.run()) if front.loop_lag is not None else None
     polls = None
     if config.metrics_port is not None:
-        serve_metrics(config.metrics_port, metrics.registry, config.host)
+        port = serve_metrics(config.metrics_port, metrics.registry, config.host)
+        if config.metrics_port_file:
+            write_port_file(config.metrics_port_file, port)
         polls = asyncio.create_task(registry.run_load_polls(metrics.nodes))
     logger.info(
         "router on %s (prefill: %s; decode: %s)",

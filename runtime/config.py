@@ -73,6 +73,7 @@ _MODEL_HELP = (
 )
 _PORT_FILE_HELP = "write the bound port here once serving (for launchers)"
 _METRICS_HELP = "serve Prometheus /metrics on this port (0: any free one; default: none)"
+_METRICS_FILE_HELP = "write the bound /metrics port here once serving (with --metrics-port 0)"
 _REDIS_HELP = "node registry + prefix index: discovery and cache-aware routing (default: none)"
 _OTLP_HELP = (
     "send OpenTelemetry traces of requests to this OTLP collector (HTTP/protobuf to URL/v1/traces; "
@@ -141,6 +142,7 @@ class NodeConfig:
         30.0, "on SIGTERM, how long in-flight requests may take to finish"
     )
     metrics_port: int | None = option(None, _METRICS_HELP)
+    metrics_port_file: str | None = option(None, _METRICS_FILE_HELP)
     otlp_endpoint: str | None = option(None, _OTLP_HELP)
     otlp_sample_ratio: float | None = option(None, _OTLP_RATIO_HELP)
     auth_token_file: str | None = option(None, _AUTH_HELP)
@@ -404,6 +406,7 @@ class RouterConfig:
         choices=KV_CACHE_DTYPES,
     )
     metrics_port: int | None = option(None, _METRICS_HELP)
+    metrics_port_file: str | None = option(None, _METRICS_FILE_HELP)
     otlp_endpoint: str | None = option(None, _OTLP_HELP)
     otlp_sample_ratio: float | None = option(None, _OTLP_RATIO_HELP)
     auth_token_file: str | None = option(None, _AUTH_HELP)

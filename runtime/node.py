@@ -328,7 +328,11 @@ def serve_node_metrics(
         return {**zeros, **service.all_counters()}
 
     registry.register(NodeCollector(role, service.load, counters, fixed))
-    serve_metrics(config.metrics_port, registry, config.host)
+    port = serve_metrics(config.metrics_port, registry, config.host)
+    if config.metrics_port_file:
+        from splitserve.runtime.server import write_port_file
+
+        write_port_file(config.metrics_port_file, port)
 
 
 def transfer_paths(config: NodeConfig) -> tuple[str, ...]:

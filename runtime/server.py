@@ -40,7 +40,7 @@ SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
 
 def write_port_file(path: str, port: int) -> None:
     """Write a bound port for a launcher, atomically: a poller never reads half a number."""
-    tmp = Path(path).with_suffix(".tmp")
+    tmp = Path(f"{path}.tmp")  # its own: a component writes several port files
     tmp.write_text(str(port))
     tmp.replace(path)
 

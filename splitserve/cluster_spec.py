@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import collections
-import contextlib
 import os
 import socket
 from collections.abc import Mapping
@@ -202,13 +201,13 @@ class ClusterSpec:
 
     def metrics_ports(self) -> list[int] | None:
         """The /metrics port of the first router, then of each node (prefill nodes first), then
-        of the other routers: from ``metrics_port`` on, or free ones for 0; None without
-        ``metrics_port``."""
+        of the other routers: from ``metrics_port`` on, or 0 for each (each binds a free one
+        itself) for 0; None without ``metrics_port``."""
         if self.metrics_port is None:
             return None
         count = self.num_routers + self.num_prefill + self.num_decode
         if self.metrics_port == 0:
-            return free_ports(self.host, count)
+            return [0] * count
         return [self.metrics_port + i for i in range(count)]
 
     def placement(self, num_gpus: int) -> list[tuple[str, float | None]]:
@@ -286,15 +285,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
-
-
-def free_ports(host: str, count: int) -> list[int]:
-    """``count`` different ports free now (bound together, so none repeats)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in socks:
-            sock.bind((host, 0))
-        return [sock.getsockname()[1] for sock in socks]
 
 
 def metrics_url(host: str, port: int) -> str:

@@ -4,7 +4,9 @@
 ``--port 0 --port-file F``; the launcher waits for every port file and for grpc.health.v1 to
 answer SERVING before it starts what depends on it, and on stop sends SIGTERM (router first,
 then the nodes, then Redis), waits, and SIGKILLs what is left. With ``--metrics-port`` every
-component serves Prometheus ``/metrics`` on a port the launcher gives it (ClusterAddresses.metrics).
+component serves Prometheus ``/metrics`` (ClusterAddresses.metrics): on ports from P on, or, with 0,
+on a free one it binds itself and writes to ``--metrics-port-file`` (picking one for it would race
+other processes on the machine for the port between the pick and the bind).
 
 Over 300 lines: the whole life of a local cluster (start order, the elastic pools the planner grows
 and drains under one lock, stop order) is one object; moving the elastic part out would split that
@@ -16,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -33,7 +36,6 @@ from splitserve.cluster_spec import (
     ClusterAddresses,
     ClusterSpec,
     free_port,
-    free_ports,
     metrics_url,
     parse_gpus,
 )
@@ -45,7 +47,6 @@ __all__ = [
     "ClusterSpec",
     "LocalCluster",
     "free_port",
-    "free_ports",
     "metrics_url",
     "parse_gpus",
 ]
@@ -58,6 +59,8 @@ class _Process:
     name: str
     popen: subprocess.Popen
     port_file: Path | None = None
+    metrics_port: int | None = None  # its /metrics port; 0: bound by it, in metrics_port_file
+    metrics_port_file: Path | None = None
     device: str = "cpu"
     elastic: bool = False  # started at run time (add_node): its exit does not stop the cluster
     drained_at: float | None = None  # when drain_node sent it SIGTERM
@@ -135,11 +138,19 @@ class LocalCluster:
         self._procs.append(proc)
         return proc
 
-    def _component(self, role: str, index: int, extra: list[str]) -> _Process:
+    def _component(
+        self, role: str, index: int, extra: list[str], metrics_port: int | None = None
+    ) -> _Process:
         name = f"{role}-{index}"
         if role != "router":
             self._started[role] = max(self._started[role], index + 1)
         port_file = self._workdir / f"{name}.port"
+        metrics_file = None
+        if metrics_port is not None:
+            extra = [*extra, "--metrics-port", str(metrics_port)]
+            if metrics_port == 0:
+                metrics_file = self._workdir / f"{name}.metrics-port"
+                extra += ["--metrics-port-file", str(metrics_file)]
         # -P: the working directory is not put on sys.path; run from a checkout, its top-level
         # folders (kernels/, models/, ...) would shadow installed packages of the same name.
         argv = [sys.executable, "-P", "-m", "splitserve.cli", role, "--model", self.spec.model_path]
@@ -149,9 +160,12 @@ class LocalCluster:
             # still shares the kernel, loopback and GPUs, like a container with host networking.
             argv = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', name, *argv]
         if self.spec.log_file is None:
-            return self._spawn(name, argv, port_file)
-        with open(self.spec.log_file, "ab") as log:  # the child keeps its own descriptor
-            return self._spawn(name, argv, port_file, stdout=log, stderr=subprocess.STDOUT)
+            proc = self._spawn(name, argv, port_file)
+        else:
+            with open(self.spec.log_file, "ab") as log:  # the child keeps its own descriptor
+                proc = self._spawn(name, argv, port_file, stdout=log, stderr=subprocess.STDOUT)
+        proc.metrics_port, proc.metrics_port_file = metrics_port, metrics_file
+        return proc
 
     def start(self) -> ClusterAddresses:
         """Start every component (``with LocalCluster(spec) as cluster`` calls this; then read
@@ -184,12 +198,11 @@ class LocalCluster:
             flags = ["--port", "0", "--device", device, *index_flags]
             if share is not None:
                 flags += ["--gpu-memory-utilization", str(share)]
-            if metrics:
-                flags += ["--metrics-port", str(metrics[1 + i])]
             index = i if role == "prefill" else i - spec.num_prefill
             if spec.tp_of(role) > 1:
                 flags += ["--tensor-parallel-size", str(spec.tp_of(role))]
-            procs.append(self._component(role, index, [*flags, *spec.node_args]))
+            metrics_port = metrics[1 + i] if metrics else None
+            procs.append(self._component(role, index, [*flags, *spec.node_args], metrics_port))
             procs[-1].device = device
         prefill, decode = procs[: spec.num_prefill], procs[spec.num_prefill :]
         prefill_addrs = tuple(self._wait_ready(p, deadline) for p in prefill)
@@ -200,13 +213,17 @@ class LocalCluster:
         api_key_file = self._api_key_file()  # both doors: the gRPC API and the HTTP API
         nodes = spec.num_prefill + spec.num_decode
         router_metrics = [metrics[0], *metrics[1 + nodes :]] if metrics else []
-        routers = []
-        shared = self._shared_ports() if spec.num_routers > 1 else None
+        routers: list[_Process] = []
+        # --num-routers: one gRPC and one HTTP port, each router binding it with SO_REUSEPORT
+        shared = (spec.port, spec.http_port) if spec.num_routers > 1 else None
         for i in range(spec.num_routers):
-            flags = self.router_flags(*static, router_metrics[i] if metrics else None, shared)
+            if i == 1 and shared is not None:
+                shared = self._ports_bound_by(routers[0], shared, deadline)
+            flags = self.router_flags(*static, shared)
             if api_key_file:
                 flags += ["--api-key-file", api_key_file]
-            routers.append(self._component("router", i, [*flags, *index_flags]))
+            metrics_port = router_metrics[i] if metrics else None
+            routers.append(self._component("router", i, [*flags, *index_flags], metrics_port))
         router_addr, *_ = [self._wait_ready(r, deadline) for r in routers]  # one address
         http = None
         if spec.http_port is not None:
@@ -214,11 +231,12 @@ class LocalCluster:
             if not http_port:
                 http_port = self._read_port_file(routers[0], self._http_port_file, deadline)
             http = f"{spec.host}:{http_port}"
-        urls = {}
+        urls, router_urls = {}, []
         if metrics:
             components = (router_addr, *prefill_addrs, *decode_addrs)
-            ports = metrics[: len(components)]  # the other routers' are in router_metrics
+            ports = [self._metrics_port(p, deadline) for p in (routers[0], *procs)]
             urls = {a: metrics_url(spec.host, p) for a, p in zip(components, ports, strict=True)}
+            router_urls = [metrics_url(spec.host, self._metrics_port(r, deadline)) for r in routers]
         self.addresses = ClusterAddresses(
             router_addr,
             prefill_addrs,
@@ -228,7 +246,7 @@ class LocalCluster:
             http,
             urls,
             api_key_file,
-            tuple(metrics_url(spec.host, p) for p in router_metrics),
+            tuple(router_urls),
         )
         return self.addresses
 
@@ -236,22 +254,26 @@ class LocalCluster:
     def _http_port_file(self) -> Path:
         return self._workdir / "router-0.http-port"
 
-    def _shared_ports(self) -> tuple[int, int | None]:
-        """The gRPC and HTTP ports several routers share: fixed before the first binds."""
-        spec = self.spec
-        port = spec.port or free_port(spec.host)
-        http = None if spec.http_port is None else spec.http_port or free_port(spec.host)
+    def _ports_bound_by(
+        self, first: _Process, shared: tuple[int, int | None], deadline: float
+    ) -> tuple[int, int | None]:
+        """The gRPC and HTTP ports the other routers share with the first: those given, or
+        (for 0) those it bound (a port picked for them all could be taken before one binds)."""
+        port, http = shared
+        if not port:
+            port = int(self._wait_ready(first, deadline).rsplit(":", 1)[1])
+        if http == 0:
+            http = self._read_port_file(first, self._http_port_file, deadline)
         return port, http
 
     def router_flags(
         self,
         prefill: tuple[str, ...],
         decode: tuple[str, ...],
-        metrics_port: int | None,
         shared: tuple[int, int | None] | None = None,
     ) -> list[str]:
-        """A router's own flags (those of Redis, the token and TLS come on top); ``shared``:
-        the gRPC and HTTP ports of ``--num-routers`` routers."""
+        """A router's own flags (those of Redis, the token, TLS and /metrics come on top);
+        ``shared``: the gRPC and HTTP ports of ``--num-routers`` routers."""
         spec = self.spec
         port, http_port = shared or (spec.port, spec.http_port)
         flags = ["--port", str(port)]
@@ -271,8 +293,6 @@ class LocalCluster:
             flags += ["--direct-prefill-tokens", str(spec.direct_prefill_tokens)]
         if spec.slo:
             flags += ["--slo", spec.slo]
-        if metrics_port is not None:
-            flags += ["--metrics-port", str(metrics_port)]
         return flags + _identity_flags(spec.node_args)
 
     def _token_file(self) -> str | None:
@@ -323,22 +343,27 @@ class LocalCluster:
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError("redis-server not found: install Redis or pass --redis-url")
-        port = free_port(self.spec.host)
-        log = open(self._workdir / "redis.log", "wb")  # noqa: SIM115 (closed with the process)
-        argv = [exe, "--port", str(port), "--bind", self.spec.host]
-        argv += ["--save", "", "--appendonly", "no"]
-        proc = self._spawn("redis", argv, None, stdout=log, stderr=subprocess.STDOUT)
-        log.close()  # the child holds its own descriptor
-        while True:
-            self._check_alive(proc)
-            try:
-                with socket.create_connection((self.spec.host, port), timeout=1) as sock:
-                    sock.sendall(b"PING\r\n")
-                    if sock.recv(16).startswith(b"+PONG"):
-                        return f"redis://{self.spec.host}:{port}"
-            except OSError:
-                pass
-            self._sleep_until(deadline, proc)
+        # NOTE: Redis cannot bind a free port itself and say which (its port 0 turns TCP off): a
+        # port picked here may be taken before it binds. It then exits, and it is started again
+        # on another; until then a PONG on that port may come from the other process (the PID
+        # in INFO tells).
+        log_path = self._workdir / "redis.log"
+        for attempt in range(1, 4):
+            port = free_port(self.spec.host)
+            log = open(log_path, "wb")  # noqa: SIM115 (closed with the process)
+            argv = [exe, "--port", str(port), "--bind", self.spec.host]
+            argv += ["--save", "", "--appendonly", "no"]
+            proc = self._spawn("redis", argv, None, stdout=log, stderr=subprocess.STDOUT)
+            log.close()  # the child holds its own descriptor
+            while proc.popen.poll() is None:
+                if _redis_pid(self.spec.host, port) == proc.popen.pid:
+                    return f"redis://{self.spec.host}:{port}"
+                self._sleep_until(deadline, proc)
+            if attempt == 3 or b"Address already in use" not in log_path.read_bytes():
+                self._check_alive(proc)
+            logger.info("redis: port %d was taken before it bound it; trying another", port)
+            self._procs.remove(proc)
+        raise AssertionError("unreachable")
 
     def _read_port_file(self, proc: _Process, path: Path, deadline: float) -> int:
         """The port ``proc`` writes to ``path`` once it serves (waiting for it)."""
@@ -351,6 +376,13 @@ class LocalCluster:
             if text:
                 return int(text)
             self._sleep_until(deadline, proc)
+
+    def _metrics_port(self, proc: _Process, deadline: float) -> int:
+        """The port ``proc`` serves /metrics on: the one it was given, or the one it bound."""
+        if proc.metrics_port_file is not None:
+            return self._read_port_file(proc, proc.metrics_port_file, deadline)
+        assert proc.metrics_port is not None
+        return proc.metrics_port
 
     def _wait_ready(self, proc: _Process, deadline: float) -> str:
         """Wait for the port file, then for health SERVING; return host:port."""
@@ -447,9 +479,9 @@ class LocalCluster:
             flags += ["--device", device]
             if share is not None:
                 flags += ["--gpu-memory-utilization", str(share)]
-            if self.spec.metrics_port is not None:
-                flags += ["--metrics-port", str(free_port(self.spec.host))]
-            proc = self._component(role, self._started[role], [*flags, *self.spec.node_args])
+            metrics_port = None if self.spec.metrics_port is None else 0  # it binds a free one
+            extra = [*flags, *self.spec.node_args]
+            proc = self._component(role, self._started[role], extra, metrics_port)
             proc.device, proc.elastic = device, True
             return proc.name
 
@@ -535,3 +567,20 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _redis_pid(host: str, port: int) -> int | None:
+    """The process ID of the Redis server answering on ``host:port`` (None: none answers)."""
+    reply, found = b"", None
+    try:
+        with socket.create_connection((host, port), timeout=1) as sock:
+            sock.sendall(b"INFO server\r\n")
+            while found is None:
+                chunk = sock.recv(65536)
+                if not chunk or len(reply) > 1 << 16:  # INFO server is about 1 kB
+                    return None
+                reply += chunk
+                found = re.search(rb"process_id:(\d+)\r\n", reply)
+    except OSError:
+        return None
+    return int(found[1])

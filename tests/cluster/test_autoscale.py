@@ -16,7 +16,6 @@ import urllib.request
 import pytest
 from support.processes import Traffic
 
-from splitserve.launcher import free_port
 from splitserve.planner.scrape import parse
 
 COOLDOWN_S = 6
@@ -38,9 +37,8 @@ def _wait_for(what, timeout: float, every: float = 0.5):
 
 @pytest.mark.timeout(300)
 def test_up_autoscale_grows_the_short_pool_and_drains_it_back(tmp_path):
-    port = free_port()
     log = (tmp_path / "up.log").open("w")
-    argv = [sys.executable, "-m", "splitserve.cli", "up", "--model", "tiny", "--port", str(port)]
+    argv = [sys.executable, "-m", "splitserve.cli", "up", "--model", "tiny", "--port", "0"]
     argv += ["--api-key-file", "none"]  # open APIs: the keys are test_cluster_up's
     argv += ["--max-num-seqs", "2", "--autoscale", "--max-prefill", "2", "--max-decode", "2"]
     argv += ["--interval", "1", "--scale-out-after", "1", "--cooldown", str(COOLDOWN_S)]
@@ -58,6 +56,7 @@ def test_up_autoscale_grows_the_short_pool_and_drains_it_back(tmp_path):
             assert line, f"up exited; see {tmp_path / 'up.log'}"
             lines.append(line.split())
         urls = {w[0]: w[-1] for w in lines if "metrics" in w}
+        target = next(w[1] for w in lines if w[0] == "router")  # the port its router bound
         router, planner = urls["router"], urls["planner"]
 
         def nodes(role: str) -> float:
@@ -67,7 +66,6 @@ def test_up_autoscale_grows_the_short_pool_and_drains_it_back(tmp_path):
             return _scrape(planner).get(f'splitserve_planner_wanted_nodes{{role="{role}"}}', 0.0)
 
         assert _wait_for(lambda: nodes("decode") == 1 and nodes("prefill") == 1, 30)
-        target = f"127.0.0.1:{port}"
         # low: one client, decode load 0.5
         low = Traffic(target, 1, prompt_len=24, max_tokens=16, timeout=120)
         time.sleep(4)

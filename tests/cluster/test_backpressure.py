@@ -26,7 +26,6 @@ from support.processes import (
 from support.reference import hf_greedy
 
 from splitserve.client import SplitserveError
-from splitserve.launcher import free_port
 from splitserve.models.tiny import write_random_checkpoint
 
 SEED = random.randrange(1 << 30)
@@ -68,9 +67,8 @@ def _burst(address, prompts):
 
 def test_a_burst_far_beyond_the_decode_kv_waits_at_the_router_and_nothing_is_recomputed(pools):
     model, tmp, url, prefill, decode = pools
-    metrics_port = free_port()
     router = start_router(model, tmp, [p.address for p in prefill], [decode.address],
-                          "--redis-url", url, "--metrics-port", str(metrics_port))  # fmt: skip
+                          "--redis-url", url, "--metrics-port", "0")  # fmt: skip
     try:
         rng = random.Random(SEED)
         prompts = [[rng.randrange(256) for _ in range(rng.randrange(180, 420))] for _ in range(20)]
@@ -94,7 +92,7 @@ def test_a_burst_far_beyond_the_decode_kv_waits_at_the_router_and_nothing_is_rec
             "transfers_waited_for_blocks", 0
         ), "a transfer reached the decode node before it had room for it"
         assert d.num_free_blocks == d.num_blocks  # nothing leaked
-        figures = scrape_metrics(metrics_port)
+        figures = scrape_metrics(router.metrics_port)
         waited = figures["splitserve_router_queue_wait_seconds_count"]
         assert waited >= 10, "most of the burst should have waited in the router's queue"
         assert figures['splitserve_router_decode_kv_blocks{state="charged"}'] == 0
@@ -111,11 +109,10 @@ def test_a_burst_far_beyond_the_decode_kv_waits_at_the_router_and_nothing_is_rec
 
 def test_refusals_come_at_once_with_a_retry_hint_and_a_reason(pools):
     model, tmp, _, prefill, decode = pools
-    metrics_port = free_port()
-    http_port = free_port()
     router = start_router(model, tmp, [p.address for p in prefill], [decode.address],
-                          "--max-queue", "1", "--metrics-port", str(metrics_port),
-                          "--http-port", str(http_port))  # fmt: skip
+                          "--max-queue", "1", "--metrics-port", "0",
+                          "--http-port", "0")  # fmt: skip
+    http_port = router.http_port
     try:
         # A prompt larger than the decode node's whole KV (31 blocks): refused before any prefill.
         before, _ = _prefill_work(prefill)
@@ -159,7 +156,7 @@ def test_refusals_come_at_once_with_a_retry_hint_and_a_reason(pools):
         assert limited, answers
         assert all(a[1] is not None and int(a[1]) >= 1 for a in limited)
         assert all(a[2] < 30 for a in limited), "a refusal must come at once, not at its timeout"
-        figures = scrape_metrics(metrics_port)
+        figures = scrape_metrics(router.metrics_port)
         assert figures['splitserve_router_refused_total{reason="prompt_too_large"}'] == 1
         assert figures['splitserve_router_refused_total{reason="queue_full"}'] == len(
             refused

@@ -17,7 +17,7 @@ from support.processes import node_stats, start_node, start_router
 from support.reference import hf_greedy
 
 from splitserve.client import AsyncClient
-from splitserve.launcher import ClusterSpec, LocalCluster, free_port
+from splitserve.launcher import ClusterSpec, LocalCluster
 from splitserve.models.tiny import write_random_checkpoint
 
 MAX_NEW = 6
@@ -47,7 +47,7 @@ def _decode_only(model_dir) -> LocalCluster:
         model_path=str(model_dir),
         num_prefill=0,
         num_decode=1,
-        port=free_port(),
+        port=0,  # the router binds a free one (a port picked here could be taken first)
         node_args=("--kv-cache-mb", "32", "--max-num-batched-tokens", "48"),
     )
     return LocalCluster(spec).__enter__()
@@ -61,17 +61,16 @@ def _mixed(model_dir, tmp):
                 pool.submit(start_node, role, model_dir, tmp) for role in ("prefill", "decode")
             ]
             procs += [f.result() for f in started]
-        metrics_port = free_port()
         router = start_router(
             model_dir, tmp, [procs[0].address], [procs[1].address],
-            "--direct-prefill-tokens", str(DIRECT_TOKENS), "--metrics-port", str(metrics_port),
+            "--direct-prefill-tokens", str(DIRECT_TOKENS), "--metrics-port", "0",
         )  # fmt: skip
         procs.append(router)
     except BaseException:
         for proc in procs:
             proc.stop()
         raise
-    return SimpleNamespace(procs=procs, metrics=f"http://127.0.0.1:{metrics_port}/metrics")
+    return SimpleNamespace(procs=procs, metrics=f"http://127.0.0.1:{router.metrics_port}/metrics")
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from support.processes import greedy_burst, node_stats, scrape_metrics, start_no
 
 from splitserve.engine.core import LLMEngine
 from splitserve.kvstore import ModelIdentity
-from splitserve.launcher import free_port
 from splitserve.models.loader import load_model
 from splitserve.models.runner import ModelRunner, RunnerConfig
 from splitserve.models.sampling_params import SamplingParams
@@ -83,11 +82,9 @@ def test_an_fp8_kv_cache_ships_fp8_blocks_and_serves_its_engines_tokens(tmp_path
         prefill = start_node("prefill", model, tmp_path, *flag, *path)
         decode = start_node("decode", model, tmp_path, *flag, *path)
         procs += [prefill, decode]
-        metrics_port = free_port()
         router = start_router(
-            model, tmp_path, [prefill.address], [decode.address], *flag,
-            "--metrics-port", str(metrics_port),
-        )  # fmt: skip
+            model, tmp_path, [prefill.address], [decode.address], *flag, "--metrics-port", "0"
+        )
         procs.append(router)
         assert greedy_burst(router.address, prompts, 6, timeout=60) == expected
         # Every block of each prompt, its partial last one too, in FP8, over the path given.
@@ -95,7 +92,7 @@ def test_an_fp8_kv_cache_ships_fp8_blocks_and_serves_its_engines_tokens(tmp_path
         shipped = block_bytes * sum(-(-len(p) // 16) for p in prompts)
         assert counters["bytes_shipped"] == shipped
         # The router's own books say the same, by path, per request.
-        router_figures = scrape_metrics(metrics_port)
+        router_figures = scrape_metrics(router.metrics_port)
         label = f'{{path="{path[1]}"}}'
         assert router_figures[f"splitserve_router_kv_shipped_bytes_total{label}"] == shipped
         assert router_figures[f"splitserve_router_kv_transfers_total{label}"] == len(prompts)

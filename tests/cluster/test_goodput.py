@@ -23,7 +23,7 @@ import grpc
 import pytest
 from support.processes import scrape_metrics
 
-from splitserve.launcher import ClusterSpec, LocalCluster, free_port
+from splitserve.launcher import ClusterSpec, LocalCluster
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 TTFT_S = 2.0
@@ -49,7 +49,7 @@ def test_goodput_holds_past_the_knee(tmp_path, monkeypatch):
         model_path="tiny",
         num_prefill=1,
         num_decode=1,
-        port=free_port(),
+        port=0,  # the router binds a free one (a port picked here could be taken first)
         slo=f"ttft={TTFT_S:g}",
         auth_token_file="none",
         metrics_port=0,

@@ -12,7 +12,6 @@ import sys
 
 import pytest
 
-from splitserve.launcher import free_port
 from splitserve.planner.calibrate import load_rates
 
 CLI = [sys.executable, "-P", "-m", "splitserve.cli"]
@@ -61,7 +60,7 @@ def test_up_num_prefill_auto_starts_the_layout_the_slo_needs(tmp_path):
     rates.write_text(json.dumps(H200_8B))
     # A TPOT target that stretched colocated steps miss: one prefill node and one decode node.
     argv = [
-        *CLI, "up", "--model", "tiny", "--port", str(free_port()), "--api-key-file", "none",
+        *CLI, "up", "--model", "tiny", "--port", "0", "--api-key-file", "none",
         "--num-prefill", "auto", "--num-decode", "2", "--rates", str(rates),
         "--workload", "rate=28,prompt=1152,output=128", "--slo", "ttft=1,tpot=10ms",
     ]  # fmt: skip

@@ -15,7 +15,6 @@ from support.processes import node_stats, start_cli, start_node, start_router
 from support.reference import hf_greedy
 
 from splitserve.client import Client, SplitserveError
-from splitserve.launcher import free_port
 from splitserve.models.tiny import write_random_checkpoint
 from splitserve.runtime.server import CHANNEL_OPTIONS
 
@@ -27,14 +26,14 @@ def test_a_restarted_decode_node_is_used_within_seconds_of_ready(tmp_path):
     model = write_random_checkpoint(
         tmp_path / "m", seed=4, with_tokenizer=True, num_hidden_layers=1
     )
-    port = free_port()
 
-    def decode_on_port():
+    def decode_on_port(port: int = 0):
         args = ["decode", "--model", str(model), "--kv-cache-mb", "64"]
         return start_cli("decode", args, tmp_path, port=port)
 
     prefill = start_node("prefill", model, tmp_path)
-    decode = decode_on_port()
+    decode = decode_on_port()  # on a port it binds; restarted on the same one
+    port = int(decode.address.rsplit(":", 1)[1])
     router = start_router(model, tmp_path, [prefill.address], [decode.address])
     procs = [router, prefill, decode]
     try:
@@ -46,7 +45,7 @@ def test_a_restarted_decode_node_is_used_within_seconds_of_ready(tmp_path):
                 with contextlib.suppress(SplitserveError):
                     client.generate(prompt_token_ids=[6] * 20, max_tokens=2, timeout=5)
             time.sleep(DOWN_S)
-            decode = decode_on_port()  # SERVING when this returns
+            decode = decode_on_port(port)  # SERVING when this returns
             procs.append(decode)
             ready = time.monotonic()
             while True:

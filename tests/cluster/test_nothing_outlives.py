@@ -18,7 +18,7 @@ import pytest
 from support.processes import cmdline, descendants, kill_all, start_node, still_alive
 
 from splitserve.engine.client import STOP_TIMEOUT_S
-from splitserve.launcher import ClusterSpec, LocalCluster, free_port
+from splitserve.launcher import ClusterSpec, LocalCluster
 from splitserve.models.tiny import write_random_checkpoint
 
 GONE_WITHIN_S = 30.0  # a hang guard: the kernel's SIGKILL takes milliseconds
@@ -94,7 +94,7 @@ def test_up_stopped_with_a_rank_stuck_leaves_nothing_running(model, tmp_path):
         model_path=str(model),
         num_prefill=1,
         num_decode=1,
-        port=free_port(),
+        port=0,  # the router binds a free one (a port picked here could be taken first)
         node_args=("--kv-cache-mb", "64", "--engine-process", "on"),
         prefill_tp=2,
         decode_tp=1,

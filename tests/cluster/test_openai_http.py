@@ -25,7 +25,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from support.processes import node_stats, start_node, start_router
 
 from splitserve.client import AsyncClient, Client, SplitserveError
-from splitserve.launcher import free_port
 from splitserve.models.tiny import write_random_checkpoint
 
 CHAT = [
@@ -93,10 +92,10 @@ def cluster(model_dir, tmp_path_factory):
         procs.append(prefill)
         decode = start_node("decode", model_dir, tmp)
         procs.append(decode)
-        metrics = free_port()
-        router, http = http_router(model_dir, tmp, prefill, decode, "--metrics-port", str(metrics))
+        router, http = http_router(model_dir, tmp, prefill, decode, "--metrics-port", "0")
         procs.append(router)
-        yield Cluster(router, prefill, decode, http, f"http://127.0.0.1:{metrics}/metrics")
+        metrics = f"http://127.0.0.1:{router.metrics_port}/metrics"
+        yield Cluster(router, prefill, decode, http, metrics)
     finally:
         for proc in reversed(procs):
             proc.stop()

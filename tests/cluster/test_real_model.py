@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from splitserve.client import Client
-from splitserve.launcher import ClusterSpec, LocalCluster, free_port
+from splitserve.launcher import ClusterSpec, LocalCluster
 from splitserve.models.embedded import default_model_file, resolve_model_path
 
 pytestmark = pytest.mark.slow
@@ -78,7 +78,7 @@ def cluster(model, tmp_path_factory):
         model_path=str(model),
         num_prefill=1,
         num_decode=1,
-        port=free_port(),
+        port=0,  # the router binds a free one (a port picked here could be taken first)
         http_port=0,
         node_args=("--kv-cache-mb", "256"),
         log_file=str(tmp_path_factory.mktemp("real-model") / "components.log"),

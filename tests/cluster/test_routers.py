@@ -13,7 +13,7 @@ import pytest
 from support.processes import scrape_metrics
 from support.reference import hf_greedy
 
-from splitserve.launcher import ClusterSpec, LocalCluster, free_port
+from splitserve.launcher import ClusterSpec, LocalCluster
 from splitserve.models.tiny import write_random_checkpoint
 from splitserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -26,7 +26,7 @@ def test_two_routers_share_one_address_and_split_the_pools(tmp_path):
         num_prefill=1,
         num_decode=1,
         num_routers=2,
-        port=free_port(),
+        port=0,  # the router binds a free one (a port picked here could be taken first)
         metrics_port=0,
         auth_token_file="none",
         node_args=("--max-num-seqs", "4"),

@@ -17,7 +17,6 @@ from support.processes import (
 )
 
 from splitserve.client import Client, SplitserveError
-from splitserve.launcher import free_port
 from splitserve.models.tiny import write_random_checkpoint
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
@@ -58,11 +57,9 @@ def test_scale_out_and_drain_lose_no_request(model_dir, tmp_path):
         p1 = start_node("prefill", model_dir, tmp_path, *flags)
         d1 = start_node("decode", model_dir, tmp_path, *flags)
         procs += [p1, d1]
-        router_metrics, node_metrics = free_port(), free_port()
-        router = start_router_discovering(
-            model_dir, tmp_path, redis.address, "--metrics-port", str(router_metrics)
-        )
+        router = start_router_discovering(model_dir, tmp_path, redis.address, "--metrics-port", "0")
         procs.append(router)
+        router_metrics = router.metrics_port
         with Client(router.address) as client:
             wait_for(lambda: _ok(client), 20)
         before = scrape_metrics(router_metrics)
@@ -70,8 +67,9 @@ def test_scale_out_and_drain_lose_no_request(model_dir, tmp_path):
         wait_for(lambda: traffic.ok >= 5, 30)
 
         # Scale out decode: the new node gets transfers within 5 s of serving.
-        d2 = start_node("decode", model_dir, tmp_path, *flags, "--metrics-port", str(node_metrics))
+        d2 = start_node("decode", model_dir, tmp_path, *flags, "--metrics-port", "0")
         procs.append(d2)
+        node_metrics = d2.metrics_port
         wait_for(lambda: counter(d2.address, "decode", "transfers") > 0, 5)
 
         # Drain the first decode node mid-stream: it exits 0, nothing fails.

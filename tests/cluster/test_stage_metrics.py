@@ -18,7 +18,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from support.processes import scrape_metrics, start_node, start_redis, start_router
 
 from splitserve.client import Client
-from splitserve.launcher import free_port
 from splitserve.models.tiny import write_random_checkpoint
 from splitserve.runtime.metrics import STAGES
 
@@ -31,15 +30,12 @@ def cluster(tmp_path_factory):
     try:
         url = f"redis://{redis.address}"
         flags = ("--redis-url", url, "--kv-transfer", "tcp")
-        ports = [free_port() for _ in range(3)]  # router, prefill, decode /metrics
-        streamed = ("--kv-stream-min-tokens", "1", "--metrics-port", str(ports[1]))
+        streamed = ("--kv-stream-min-tokens", "1", "--metrics-port", "0")
         procs.append(prefill := start_node("prefill", model, tmp, *flags, *streamed))
-        procs.append(
-            decode := start_node("decode", model, tmp, *flags, "--metrics-port", str(ports[2]))
-        )
-        args = ("--redis-url", url, "--metrics-port", str(ports[0]), "--direct-prefill-tokens", "8")
+        procs.append(decode := start_node("decode", model, tmp, *flags, "--metrics-port", "0"))
+        args = ("--redis-url", url, "--metrics-port", "0", "--direct-prefill-tokens", "8")
         procs.append(router := start_router(model, tmp, [prefill.address], [decode.address], *args))
-        yield router, ports
+        yield router, [p.metrics_port for p in (router, prefill, decode)]
     finally:
         for proc in reversed(procs):
             proc.stop()

@@ -23,6 +23,9 @@ from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 class Proc:
     def __init__(self, popen: subprocess.Popen, address: str, log: Path) -> None:
         self.popen, self.address, self.log = popen, address, log
+        # The ports it bound for ``--metrics-port 0`` and ``--http-port 0`` (start_cli)
+        self.metrics_port: int | None = None
+        self.http_port: int | None = None
 
     def stop(self, timeout: float = 20.0) -> None:
         if self.popen.poll() is None:
@@ -74,9 +77,17 @@ def start_cli(
     """``python -m splitserve.cli ARGS --port 0 --port-file F``; returns once it is SERVING.
     ``prefix``: a command it runs under (e.g. ``ip netns exec NS``); ``host``: where it is
     reached (it must listen there); ``credentials``: to ask its health over TLS; ``port``: a
-    fixed one (0: any free one)."""
+    fixed one (0: any free one). With ``--metrics-port 0`` or ``--http-port 0`` in ``args`` it
+    is given a file to write the port it binds to, read into ``metrics_port``/``http_port`` (a
+    port picked here and passed on could be taken by another process before it binds)."""
     port_file = tmp / f"{name}-{time.monotonic_ns()}.port"
     log = port_file.with_suffix(".log")
+    bound = {}  # attribute -> the file the process writes its port to
+    for flag, attribute in (("--metrics-port", "metrics_port"), ("--http-port", "http_port")):
+        given = f"{flag}-file" in args  # (the caller reads its own file)
+        if flag in args and args[args.index(flag) + 1] == "0" and not given:
+            bound[attribute] = port_file.with_suffix(f".{attribute}")
+            args = [*args, f"{flag}-file", str(bound[attribute])]
     cmd = [
         *prefix,
         sys.executable,
@@ -97,6 +108,12 @@ def start_cli(
         time.sleep(0.1)
     proc = Proc(popen, f"{host}:{port_file.read_text().strip()}", log)
     wait_healthy(proc.address, credentials=credentials)
+    for attribute, path in bound.items():
+        while not path.exists():  # a router serves /metrics just after it serves gRPC
+            if popen.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{name} wrote no {path.name}:\n{log.read_text()[-3000:]}")
+            time.sleep(0.05)
+        setattr(proc, attribute, int(path.read_text()))
     return proc
 
 
@@ -132,40 +149,49 @@ def start_router_discovering(model: Path, tmp: Path, redis_url: str, *flags: str
 
 
 def start_redis(tmp: Path, port: int | None = None) -> Proc:
-    """A private redis-server on loopback (no persistence)."""
+    """A private redis-server on loopback (no persistence). Without ``port`` a free one: picked
+    here, it may be taken before Redis binds it, so a Redis that cannot bind is started again on
+    another, and the one answering must have this one's PID (not a Redis of another test)."""
     from splitserve.launcher import free_port
 
-    port = port or free_port()
-    log = tmp / f"redis-{port}.log"
-    popen = subprocess.Popen(
-        [
-            "redis-server",
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ],
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-    )
+    for attempt in range(1, 4):
+        chosen = port or free_port()
+        log = tmp / f"redis-{chosen}.log"
+        argv = ["redis-server", "--port", str(chosen), "--bind", "127.0.0.1"]
+        popen = subprocess.Popen(
+            [*argv, "--save", "", "--appendonly", "no"],
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+        )
+        if _wait_for_redis(popen, chosen):
+            return Proc(popen, f"redis://127.0.0.1:{chosen}", log)
+        taken = "Address already in use" in log.read_text()
+        if port or not taken or attempt == 3:
+            raise RuntimeError(f"redis-server did not start:\n{log.read_text()}")
+    raise AssertionError("unreachable")
+
+
+def _wait_for_redis(popen: subprocess.Popen, port: int) -> bool:
+    """Wait until the Redis ``popen`` answers on ``port`` (True) or exits (False)."""
     import redis
 
-    client = redis.Redis(port=port, socket_connect_timeout=0.5)
+    client = redis.Redis(port=port, socket_connect_timeout=0.5, socket_timeout=2)
     deadline = time.monotonic() + 20
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.RedisError:
-            if popen.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not start:\n{log.read_text()}") from None
+    try:
+        while popen.poll() is None:
+            try:
+                if client.info("server")["process_id"] == popen.pid:
+                    return True
+            except redis.RedisError:
+                pass
+            if time.monotonic() > deadline:
+                popen.kill()
+                popen.wait()
+                return False
             time.sleep(0.05)
-    client.close()
-    return Proc(popen, f"redis://127.0.0.1:{port}", log)
+        return False
+    finally:
+        client.close()
 
 
 def greedy_burst(address: str, prompts, max_tokens: int, timeout: float | None = None) -> list:

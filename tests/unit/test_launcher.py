@@ -17,12 +17,12 @@ def spec(**kw) -> ClusterSpec:
     return ClusterSpec(model_path="m", **kw)
 
 
-def test_metrics_ports_follow_the_routers_or_are_free_ones():
+def test_metrics_ports_follow_the_routers_or_are_bound_by_each_component():
     assert spec().metrics_ports() is None
     given = spec(metrics_port=9100, num_prefill=2, num_decode=3).metrics_ports()
     assert given == [9100, 9101, 9102, 9103, 9104, 9105]  # the router's, 2 prefill, 3 decode
-    free = spec(metrics_port=0, num_prefill=2, num_decode=2).metrics_ports()
-    assert len(free) == len(set(free)) == 5 and 0 not in free
+    # 0: each binds a free one itself (a port picked for it could be taken before it binds)
+    assert spec(metrics_port=0, num_prefill=2, num_decode=2).metrics_ports() == [0] * 5
 
 
 def test_bad_ports_are_refused():
@@ -34,10 +34,10 @@ def test_bad_ports_are_refused():
         spec(http_port=70000)
 
 
-def _router_flags(cluster_spec: ClusterSpec, metrics_port: int | None = None) -> list[str]:
+def _router_flags(cluster_spec: ClusterSpec) -> list[str]:
     cluster = LocalCluster(cluster_spec)
     try:
-        return cluster.router_flags(("p:1",), ("d:1", "d:2"), metrics_port)
+        return cluster.router_flags(("p:1",), ("d:1", "d:2"))
     finally:
         cluster.stop()  # removes its run folder
 
@@ -49,10 +49,9 @@ def _value(flags: list[str], flag: str) -> str | None:
 def test_router_flags():
     plain = _router_flags(spec(port=8001))
     assert plain == ["--port", "8001", "--prefill", "p:1", "--decode", "d:1,d:2"]
-    given = _router_flags(spec(http_port=8080, tokenizer_path="/tok"), metrics_port=9100)
+    given = _router_flags(spec(http_port=8080, tokenizer_path="/tok"))
     assert _value(given, "--http-port") == "8080" and "--http-port-file" not in given
     assert _value(given, "--tokenizer") == "/tok"
-    assert _value(given, "--metrics-port") == "9100"
     free = _router_flags(spec(http_port=0))
     assert _value(free, "--http-port") == "0"
     assert _value(free, "--http-port-file").endswith("router-0.http-port")
@@ -121,7 +120,7 @@ def test_a_decode_only_cluster_and_the_direct_prefill_threshold(capsys):
             spec(**bad)
     cluster = LocalCluster(spec(num_prefill=0, direct_prefill_tokens=32))
     try:
-        flags = cluster.router_flags((), ("d:1",), None)
+        flags = cluster.router_flags((), ("d:1",))
     finally:
         cluster.stop()
     assert _value(flags, "--prefill") == "" and _value(flags, "--direct-prefill-tokens") == "32"
@@ -136,14 +135,15 @@ def test_a_decode_only_cluster_and_the_direct_prefill_threshold(capsys):
 def test_several_routers_share_one_port_and_lease_the_nodes_capacity():
     cluster = LocalCluster(spec(num_routers=4, port=0, http_port=0))
     try:
-        ports = cluster._shared_ports()
-        flags = cluster.router_flags(("p:1",), ("d:1",), None, ports)
+        # The first binds free ports and says which (its port files); the others share them.
+        first = cluster.router_flags(("p:1",), ("d:1",), (0, 0))
+        flags = cluster.router_flags(("p:1",), ("d:1",), (8123, 8124))
     finally:
         cluster.stop()
-    grpc_port, http_port = ports
-    assert grpc_port and http_port  # fixed before any router binds: they must all bind the same
-    assert _value(flags, "--port") == str(grpc_port) and "--reuse-port" in flags
-    assert _value(flags, "--http-port") == str(http_port) and "--http-port-file" not in flags
+    assert _value(first, "--port") == "0" and "--reuse-port" in first
+    assert _value(first, "--http-port-file").endswith("router-0.http-port")
+    assert _value(flags, "--port") == "8123" and "--reuse-port" in flags
+    assert _value(flags, "--http-port") == "8124" and "--http-port-file" not in flags
     # No static split: the decode nodes lease their capacity to the routers as each needs it.
     assert "--capacity-share" not in flags
     with pytest.raises(ValueError, match="--num-routers"):
