@@ -122,6 +122,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     IS_FP8: tl.constexpr,
+    DOT_FP16: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -143,6 +144,8 @@ def _decode_kernel(
         other=0.0,
     )
 
+    if DOT_FP16:  # (a 16-bit query on an e4m3 cache: see paged_decode_attention)
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     v_scale = 1.0
     if IS_FP8:  # K's scale folds into the scores', V's into the output
         qk_scale = qk_scale * tl.load(kv_scales)
@@ -338,6 +341,12 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         SINGLE_SPLIT=num_splits == 1,
         IS_FP8=kv_scales is not None,
+        # NOTE: e4m3 pairs convert to float16 in one instruction on sm_89+, to bfloat16 by way
+        # of float32: with bfloat16 dots the kernel ran at 59% of copy on an H100 (a bfloat16
+        # cache: ~90% on an H200; docs/benchmarks.md). So a 16-bit query takes its dots in float16
+        # against an e4m3 cache: its 10-bit mantissa holds bfloat16's 8, and e4m3 values and
+        # softmax weights fit its range (the query is clamped to it).
+        DOT_FP16=kv_scales is not None and query.dtype in (torch.bfloat16, torch.float16),
         num_warps=config.num_warps,  # pyright: ignore[reportCallIssue]
         num_stages=config.num_stages,  # pyright: ignore[reportCallIssue]
     )

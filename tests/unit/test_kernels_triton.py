@@ -281,19 +281,22 @@ FP8_SCALES = torch.tensor([0.01, 0.004])  # K and V values up to ~4: e4m3 values
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_kernel_reads_an_fp8_cache(gen, num_splits):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_kernel_reads_an_fp8_cache(gen, num_splits, dtype):
+    # A 16-bit query takes its dots in float16 against the e4m3 cache (DOT_FP16; bfloat16's
+    # run on the GPU: tests/gpu/test_fp8_gpu.py).
     lens = _lens(gen, 2)
     kv = make_paged_kv(lens, 2, 64, BS, torch.float32, "cpu", gen)
     _, k8, v8 = _fp8_pool(kv, FP8_SCALES)
-    q = torch.randn(len(lens), 8, 64, generator=gen)
+    q = torch.randn(len(lens), 8, 64, generator=gen).to(dtype)
     want = reference.paged_decode_attention(
-        q, k8, v8, kv.block_table, kv.seq_lens, 0.125, kv_scales=FP8_SCALES
+        q.float(), k8, v8, kv.block_table, kv.seq_lens, 0.125, kv_scales=FP8_SCALES
     )
     out = torch.full_like(q, float("nan"))
     paged_decode_attention(q, k8, v8, kv.block_table, kv.seq_lens, 0.125, out=out,
                            num_splits=num_splits, config=DecodeConfig(block_n=32),
                            kv_scales=FP8_SCALES)  # fmt: skip
-    torch.testing.assert_close(out, want, **TOLERANCES[torch.float32])
+    torch.testing.assert_close(out.float(), want, **TOLERANCES[dtype])
 
 
 def test_prefill_kernel_reads_an_fp8_cache(gen):
