@@ -49,6 +49,7 @@ __all__ = [
     "free_port",
     "metrics_url",
     "parse_gpus",
+    "start_redis_server",
 ]
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,14 @@ def _kill_leftovers(proc: _Process) -> None:
     The group's id cannot be reused while any member lives."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.popen.pid, signal.SIGKILL)
+
+
+def _child_options() -> dict[str, Any]:
+    """``subprocess.Popen`` options of every process the launcher starts."""
+    return {
+        "start_new_session": True,  # Ctrl-C reaches the launcher only; it stops them in order
+        "preexec_fn": _set_parent_death_signal if sys.platform == "linux" else None,
+    }
 
 
 def _set_parent_death_signal() -> None:
@@ -128,12 +137,7 @@ class LocalCluster:
 
     def _spawn(self, name: str, argv: list[str], port_file: Path | None, **kw) -> _Process:
         logger.info("starting %s: %s", name, " ".join(argv))
-        popen = subprocess.Popen(
-            argv,
-            start_new_session=True,  # Ctrl-C reaches the launcher only; it stops them in order
-            preexec_fn=_set_parent_death_signal if sys.platform == "linux" else None,
-            **kw,
-        )
+        popen = subprocess.Popen(argv, **_child_options(), **kw)
         proc = _Process(name, popen, port_file)
         self._procs.append(proc)
         return proc
@@ -340,30 +344,10 @@ class LocalCluster:
         return metadata_for(read_token_file(token_file)) if token_file else None
 
     def _start_redis(self, deadline: float) -> str:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise RuntimeError("redis-server not found: install Redis or pass --redis-url")
-        # NOTE: Redis cannot bind a free port itself and say which (its port 0 turns TCP off): a
-        # port picked here may be taken before it binds. It then exits, and it is started again
-        # on another; until then a PONG on that port may come from the other process (the PID
-        # in INFO tells).
-        log_path = self._workdir / "redis.log"
-        for attempt in range(1, 4):
-            port = free_port(self.spec.host)
-            log = open(log_path, "wb")  # noqa: SIM115 (closed with the process)
-            argv = [exe, "--port", str(port), "--bind", self.spec.host]
-            argv += ["--save", "", "--appendonly", "no"]
-            proc = self._spawn("redis", argv, None, stdout=log, stderr=subprocess.STDOUT)
-            log.close()  # the child holds its own descriptor
-            while proc.popen.poll() is None:
-                if _redis_pid(self.spec.host, port) == proc.popen.pid:
-                    return f"redis://{self.spec.host}:{port}"
-                self._sleep_until(deadline, proc)
-            if attempt == 3 or b"Address already in use" not in log_path.read_bytes():
-                self._check_alive(proc)
-            logger.info("redis: port %d was taken before it bound it; trying another", port)
-            self._procs.remove(proc)
-        raise AssertionError("unreachable")
+        log = self._workdir / "redis.log"
+        popen, port = start_redis_server(self.spec.host, log, deadline, **_child_options())
+        self._procs.append(_Process("redis", popen))
+        return f"redis://{self.spec.host}:{port}"
 
     def _read_port_file(self, proc: _Process, path: Path, deadline: float) -> int:
         """The port ``proc`` writes to ``path`` once it serves (waiting for it)."""
@@ -567,6 +551,41 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def start_redis_server(
+    host: str, log: Path, deadline: float, port: int = 0, **popen_options: Any
+) -> tuple[subprocess.Popen, int]:
+    """A private ``redis-server`` (no persistence) on ``host:port``, or on a free port for 0;
+    returns the process and its port once it answers. ``RuntimeError`` if it exits while
+    starting (its output is in ``log``), ``TimeoutError`` past ``deadline`` (it is killed)."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RuntimeError("redis-server not found: install Redis or pass --redis-url")
+    # NOTE: Redis cannot bind a free port itself and say which (its port 0 turns TCP off): a
+    # port picked here may be taken before it binds. It then exits, and it is started again on
+    # another; until then an answer on that port may come from the other process (the PID in
+    # INFO tells).
+    for attempt in range(1, 4):
+        chosen = port or free_port(host)
+        argv = [exe, "--port", str(chosen), "--bind", host, "--save", "", "--appendonly", "no"]
+        logger.info("starting redis: %s", " ".join(argv))
+        with open(log, "wb") as out:  # the child holds its own descriptor
+            popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, **popen_options)
+        while popen.poll() is None:
+            if _redis_pid(host, chosen) == popen.pid:
+                return popen, chosen
+            if time.monotonic() > deadline:
+                popen.kill()
+                popen.wait()
+                raise TimeoutError(f"redis-server not answering on {host}:{chosen} (see {log})")
+            time.sleep(0.05)
+        text = log.read_text(errors="replace")
+        if port or "Address already in use" not in text or attempt == 3:
+            tail = "\n".join(text.splitlines()[-5:])
+            raise RuntimeError(f"redis-server exited with status {popen.returncode}:\n{tail}")
+        logger.info("redis: port %d was taken before it bound it; trying another", chosen)
+    raise AssertionError("unreachable")
 
 
 def _redis_pid(host: str, port: int) -> int | None:

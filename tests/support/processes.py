@@ -149,49 +149,14 @@ def start_router_discovering(model: Path, tmp: Path, redis_url: str, *flags: str
 
 
 def start_redis(tmp: Path, port: int | None = None) -> Proc:
-    """A private redis-server on loopback (no persistence). Without ``port`` a free one: picked
-    here, it may be taken before Redis binds it, so a Redis that cannot bind is started again on
-    another, and the one answering must have this one's PID (not a Redis of another test)."""
-    from splitserve.launcher import free_port
+    """A private redis-server on loopback (no persistence), on ``port`` or a free one
+    (``splitserve.launcher.start_redis_server``: a free port taken before Redis binds it is
+    given up for another, and only this Redis's answers count)."""
+    from splitserve.launcher import start_redis_server
 
-    for attempt in range(1, 4):
-        chosen = port or free_port()
-        log = tmp / f"redis-{chosen}.log"
-        argv = ["redis-server", "--port", str(chosen), "--bind", "127.0.0.1"]
-        popen = subprocess.Popen(
-            [*argv, "--save", "", "--appendonly", "no"],
-            stdout=log.open("w"),
-            stderr=subprocess.STDOUT,
-        )
-        if _wait_for_redis(popen, chosen):
-            return Proc(popen, f"redis://127.0.0.1:{chosen}", log)
-        taken = "Address already in use" in log.read_text()
-        if port or not taken or attempt == 3:
-            raise RuntimeError(f"redis-server did not start:\n{log.read_text()}")
-    raise AssertionError("unreachable")
-
-
-def _wait_for_redis(popen: subprocess.Popen, port: int) -> bool:
-    """Wait until the Redis ``popen`` answers on ``port`` (True) or exits (False)."""
-    import redis
-
-    client = redis.Redis(port=port, socket_connect_timeout=0.5, socket_timeout=2)
-    deadline = time.monotonic() + 20
-    try:
-        while popen.poll() is None:
-            try:
-                if client.info("server")["process_id"] == popen.pid:
-                    return True
-            except redis.RedisError:
-                pass
-            if time.monotonic() > deadline:
-                popen.kill()
-                popen.wait()
-                return False
-            time.sleep(0.05)
-        return False
-    finally:
-        client.close()
+    log = tmp / f"redis-{time.monotonic_ns()}.log"
+    popen, bound = start_redis_server("127.0.0.1", log, time.monotonic() + 20, port or 0)
+    return Proc(popen, f"redis://127.0.0.1:{bound}", log)
 
 
 def greedy_burst(address: str, prompts, max_tokens: int, timeout: float | None = None) -> list:
