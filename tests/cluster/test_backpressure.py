@@ -40,7 +40,7 @@ def pools(tmp_path_factory):
     # usable blocks, 496 tokens, one or two of the prompts below.
     model = write_random_checkpoint(tmp / "m", seed=23, with_tokenizer=True, num_hidden_layers=4)
     redis = start_redis(tmp)
-    url = f"redis://{redis.address}"
+    url = redis.address  # (already redis://host:port)
     prefill = [start_node("prefill", model, tmp, "--redis-url", url) for _ in range(2)]
     decode = start_node("decode", model, tmp, "--kv-cache-mb", "1", "--redis-url", url)
     procs = [redis, *prefill, decode]

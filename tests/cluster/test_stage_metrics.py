@@ -28,7 +28,7 @@ def cluster(tmp_path_factory):
     model = write_random_checkpoint(tmp / "m", seed=8, with_tokenizer=True)
     procs = [redis := start_redis(tmp)]
     try:
-        url = f"redis://{redis.address}"
+        url = redis.address  # (already redis://host:port)
         flags = ("--redis-url", url, "--kv-transfer", "tcp")
         streamed = ("--kv-stream-min-tokens", "1", "--metrics-port", "0")
         procs.append(prefill := start_node("prefill", model, tmp, *flags, *streamed))
