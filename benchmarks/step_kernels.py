@@ -3,7 +3,8 @@ layer GEMMs run at the row counts of those steps (cuBLAS against the Triton tili
 
     python benchmarks/step_kernels.py --make-8b /tmp/llama8b [--decode-batch 240]
         [--context-range 128 1152] [--prefill-tokens 8192] [--gemm-rows 240 256 8192]
-        [--gemm] [--attention-sweep] [--quantization fp8] [--kv-cache-dtype fp8]
+        [--gemm] [--attention-sweep [--sweep-registers 0 128] [--sweep-fp8-dots fp16 bf16]]
+        [--quantization fp8] [--kv-cache-dtype fp8]
         [--out FILE.json]
 
 The model is built as a node builds it (``runtime.node.build_engine``, ``--load-format dummy``
@@ -22,6 +23,7 @@ bytes read per second and as a share of a device copy of as many bytes (the memo
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 from collections import defaultdict
@@ -185,10 +187,12 @@ def gemm_table(engine, rows: list[int]) -> list[dict]:
 
 
 def attention_sweep(
-    engine, batch: int, lo: int, hi: int, grid: tuple[list[int], list[int], list[int]]
+    engine, batch: int, lo: int, hi: int, grid: list[list[int]], dots: list[str]
 ) -> list[dict]:
-    """The decode attention kernel of one layer at the decode step's shapes, per tiling: 20
-    calls between two CUDA events (GPU-bound), KV bytes read per second."""
+    """The decode attention kernel of one layer at the decode step's shapes, per tiling
+    (`grid`: block_n, warps, stages and register caps, 0 for none) and, on an e4m3 cache, per
+    dot dtype: 20 calls between two CUDA events (GPU-bound), KV bytes read per second."""
+    from splitserve.kernels import decode_attention
     from splitserve.kernels.decode_attention import DecodeConfig, paged_decode_attention
     from splitserve.kernels.layout import layer_kv_views
 
@@ -214,27 +218,30 @@ def attention_sweep(
     print(json.dumps({"copy_us": copy_ms * 1e3, "copy_tb_s": copy_tb_s}), flush=True)
     del src, dst
     rows = []
-    for block_n in grid[0]:
-        for warps in grid[1]:
-            for stages in grid[2]:
-                config = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages)
+    tilings = list(itertools.product(*grid))
+    for dot, (block_n, warps, stages, regs) in itertools.product(dots if fp8 else ["-"], tilings):
+        config = DecodeConfig(
+            block_n=block_n, num_warps=warps, num_stages=stages, max_registers=regs or None
+        )
+        decode_attention.FP8_DOTS_IN_FP16 = dot != "bf16"
 
-                def call(c=config) -> None:
-                    paged_decode_attention(
-                        q, k_cache, v_cache, table, meta.seq_lens, 0.088, validate=False,
-                        config=c, kv_scales=scales,
-                    )  # fmt: skip
+        def call(c=config) -> None:
+            paged_decode_attention(
+                q, k_cache, v_cache, table, meta.seq_lens, 0.088, validate=False,
+                config=c, kv_scales=scales,
+            )  # fmt: skip
 
-                try:
-                    ms = cuda_ms(lambda: [call() for _ in range(20)], reps=5) / 20
-                except Exception as exc:  # a tiling that does not fit
-                    print(f"decode attention {config}: {type(exc).__name__}", flush=True)
-                    continue
-                row = {"block_n": block_n, "warps": warps, "stages": stages, "us": ms * 1e3}
-                row["tb_s"] = kv_bytes / (ms / 1e3) / 1e12
-                row["of_copy"] = row["tb_s"] / copy_tb_s
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+        try:
+            ms = cuda_ms(lambda: [call() for _ in range(20)], reps=5) / 20
+        except Exception as exc:  # a tiling that does not fit
+            print(f"decode attention {config}: {type(exc).__name__}", flush=True)
+            continue
+        tb_s = kv_bytes / ms / 1e9
+        row = {"block_n": block_n, "warps": warps, "stages": stages, "max_registers": regs}
+        row |= {"dots": dot, "us": ms * 1e3, "tb_s": tb_s, "of_copy": tb_s / copy_tb_s}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    decode_attention.FP8_DOTS_IN_FP16 = True
     return rows
 
 
@@ -250,6 +257,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--sweep-block-n", type=int, nargs="+", default=[32, 64, 128, 256])
     ap.add_argument("--sweep-warps", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--sweep-stages", type=int, nargs="+", default=[2, 3, 4])
+    ap.add_argument(
+        "--sweep-registers", type=int, nargs="+", default=[0], help="register caps, 0: none"
+    )
+    ap.add_argument(
+        "--sweep-fp8-dots", nargs="+", default=["fp16"], choices=["fp16", "bf16"],
+        help="an e4m3 cache: the dtype of the dots (float16 is the default path)",
+    )  # fmt: skip
     ap.add_argument("--no-graphs", action="store_true", help="decode steps eager")
     ap.add_argument("--quantization", default=None, help="fp8: FP8 weights (quantized at load)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="fp8: an e4m3 KV cache")
@@ -312,15 +326,18 @@ def main() -> None:
             result["attention"] = attention_sweep(
                 engine,
                 args.decode_batch,
-                *args.context_range,
-                (args.sweep_block_n, args.sweep_warps, args.sweep_stages),
+                args.context_range[0],
+                args.context_range[1],
+                [args.sweep_block_n, args.sweep_warps, args.sweep_stages, args.sweep_registers],
+                args.sweep_fp8_dots,
             )
-            print("\n| decode attention (one layer) | µs | KV TB/s | of copy |")
-            print("|---|---|---|---|")
-            for r in sorted(result["attention"], key=lambda r: r["us"])[:12]:
+            print("\n| decode attention (one layer) | dots | µs | KV TB/s | of copy |")
+            print("|---|---|---|---|---|")
+            for r in sorted(result["attention"], key=lambda r: r["us"])[:16]:
+                regs = f", {r['max_registers']} registers" if r["max_registers"] else ""
                 print(
-                    f"| block_n {r['block_n']}, {r['warps']} warps, {r['stages']} stages | "
-                    f"{r['us']:.1f} | {r['tb_s']:.2f} | {r['of_copy']:.0%} |"
+                    f"| block_n {r['block_n']}, {r['warps']} warps, {r['stages']} stages{regs} | "
+                    f"{r['dots']} | {r['us']:.1f} | {r['tb_s']:.2f} | {r['of_copy']:.0%} |"
                 )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

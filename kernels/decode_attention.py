@@ -42,6 +42,9 @@ class DecodeConfig(NamedTuple):
     # Programs one SM runs at once with this tiling: num_splits fills at most one such wave.
     programs_per_sm: int = 4
     min_tokens_per_split: int = 256
+    # A cap on registers per thread (Triton's `maxnreg`), None for the compiler's choice: more
+    # programs resident per SM, so more K/V bytes in flight (see `FP8_CONFIG`).
+    max_registers: int | None = None
 
 
 DEFAULT_CONFIG = DecodeConfig()
@@ -50,29 +53,40 @@ FP8_CONFIG = DecodeConfig()
 FP8 cache made the decode kernel no quicker (docs/benchmarks.md); `benchmarks/step_kernels.py
 --attention-sweep --kv-cache-dtype fp8` is the sweep to choose it from."""
 
+FP8_DOTS_IN_FP16 = True
+"""On an e4m3 cache, a bfloat16 query takes its dots in float16 (see `paged_decode_attention`);
+False keeps them in bfloat16 (`benchmarks/step_kernels.py --sweep-fp8-dots` compares the two)."""
+
 CONFIG_ENV = "SPLITSERVE_DECODE_ATTENTION_CONFIG"
 
 
 def _config_from_env() -> DecodeConfig | None:
-    """`SPLITSERVE_DECODE_ATTENTION_CONFIG=block_n,num_warps,num_stages` (e.g. ``128,4,3``)
+    """`SPLITSERVE_DECODE_ATTENTION_CONFIG=block_n,num_warps,num_stages[,max_registers]` (e.g.
+    ``128,4,3`` or ``64,4,5,128``)
     replaces the default tiling of both KV dtypes: for trying a tiling on other GPUs or shapes
     without editing code. Read once, at import."""
     raw = os.environ.get(CONFIG_ENV, "").strip()
     if not raw:
         return None
     try:
-        block_n, warps, stages = (int(x) for x in raw.split(","))
+        values = [int(x) for x in raw.split(",")]
     except ValueError:
+        values = []
+    if len(values) not in (3, 4):
         raise ValueError(
-            f"{CONFIG_ENV}={raw!r}: expected three integers block_n,num_warps,num_stages, "
-            "e.g. 64,4,3"
-        ) from None
+            f"{CONFIG_ENV}={raw!r}: expected three or four integers "
+            "block_n,num_warps,num_stages[,max_registers], e.g. 64,4,3"
+        )
+    block_n, warps, stages = values[:3]
+    regs = values[3] if len(values) == 4 else None
     if block_n < 1 or block_n & (block_n - 1) or warps not in (1, 2, 4, 8, 16) or stages < 1:
         raise ValueError(
             f"{CONFIG_ENV}={raw!r}: block_n must be a power of two, num_warps 1/2/4/8/16, "
             "num_stages >= 1"
         )
-    return DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages)
+    if regs is not None and not 24 <= regs <= 255:
+        raise ValueError(f"{CONFIG_ENV}={raw!r}: max_registers must be 24-255")
+    return DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, max_registers=regs)
 
 
 _ENV_CONFIG = _config_from_env()
@@ -230,6 +244,14 @@ def _decode_reduce_kernel(
     tl.store(out + b * stride_ob + head * stride_oh + d, res.to(out.dtype.element_ty), mask=d_mask)
 
 
+def _register_cap(config: DecodeConfig, device: torch.device) -> dict[str, int]:
+    """The launch option for `config.max_registers` (none for the interpreter, which has no
+    registers to cap)."""
+    if config.max_registers is None or device.type != "cuda":
+        return {}
+    return {"maxnreg": config.max_registers}
+
+
 def _cdiv(x: int, y: int) -> int:
     """``triton.cdiv`` for host ints (Triton's is a constexpr function, typed ``constexpr``)."""
     return (x + y - 1) // y
@@ -346,9 +368,11 @@ def paged_decode_attention(
         # cache: ~90% on an H200; docs/benchmarks.md). So a 16-bit query takes its dots in float16
         # against an e4m3 cache: its 10-bit mantissa holds bfloat16's 8, and e4m3 values and
         # softmax weights fit its range (the query is clamped to it).
-        DOT_FP16=kv_scales is not None and query.dtype in (torch.bfloat16, torch.float16),
+        DOT_FP16=kv_scales is not None
+        and (query.dtype == torch.float16 or (FP8_DOTS_IN_FP16 and query.dtype == torch.bfloat16)),
         num_warps=config.num_warps,  # pyright: ignore[reportCallIssue]
         num_stages=config.num_stages,  # pyright: ignore[reportCallIssue]
+        **_register_cap(config, query.device),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](

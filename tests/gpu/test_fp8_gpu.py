@@ -211,6 +211,38 @@ def test_attention_kernels_read_an_fp8_cache_at_real_shapes(lens):
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("fp16_dots", [True, False])
+@pytest.mark.parametrize(
+    "tiling", [(64, 4, 3, None), (64, 4, 5, 128), (128, 8, 5, 128), (32, 4, 5, 96)]
+)
+def test_every_decode_tiling_and_dot_dtype_reads_an_fp8_cache_alike(monkeypatch, tiling, fp16_dots):
+    """The tilings and register caps the sweep (benchmarks/step_kernels.py) chooses from, with
+    float16 and bfloat16 dots: each within the kernels' tolerance of the reference."""
+    from support.paged_kv import make_paged_kv
+
+    from splitserve.kernels import decode_attention, layout, reference
+
+    monkeypatch.setattr(decode_attention, "FP8_DOTS_IN_FP16", fp16_dots)
+    lens = [1, 15, 16, 17, 300, 1088, 4000, *range(192, 1088, 37)]
+    kv = make_paged_kv(lens, 8, 128, 16, torch.bfloat16, "cuda", torch.Generator().manual_seed(2))
+    scales = torch.tensor([0.01, 0.004], device="cuda")
+    pool = torch.empty_like(kv.kv_pool, dtype=torch.float8_e4m3fn)
+    for i in (0, 1):
+        pool[:, :, i] = reference.fp8_quantize(kv.kv_pool[:, :, i], scales[i])
+    k8, v8 = layout.layer_kv_views(pool, 0)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(len(lens), 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    want = reference.paged_decode_attention(
+        q, k8, v8, kv.block_table, kv.seq_lens, 128**-0.5, kv_scales=scales
+    )
+    block_n, warps, stages, regs = tiling
+    config = decode_attention.DecodeConfig(block_n, warps, stages, max_registers=regs)
+    got = decode_attention.paged_decode_attention(
+        q, k8, v8, kv.block_table, kv.seq_lens, 128**-0.5, kv_scales=scales, config=config
+    )
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
 def test_an_fp8_kv_cache_replays_its_decode_step_from_a_cuda_graph(tmp_path):
     _graph_replay_against_eager(_fp8_checkpoint(tmp_path, 6), kv_cache_dtype="fp8")
 

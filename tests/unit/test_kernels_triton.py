@@ -158,9 +158,13 @@ def test_decode_tiling_from_the_environment(monkeypatch):
 
     monkeypatch.setenv(da.CONFIG_ENV, "128,8,2")
     assert da._config_from_env() == DecodeConfig(block_n=128, num_warps=8, num_stages=2)
+    monkeypatch.setenv(da.CONFIG_ENV, "64,4,5,128")
+    assert da._config_from_env() == DecodeConfig(
+        block_n=64, num_warps=4, num_stages=5, max_registers=128
+    )
     monkeypatch.setenv(da.CONFIG_ENV, "")
     assert da._config_from_env() is None
-    for bad in ("128,8", "a,b,c", "96,4,3", "64,3,3", "64,4,0"):
+    for bad in ("128,8", "a,b,c", "96,4,3", "64,3,3", "64,4,0", "64,4,3,16", "64,4,3,128,1"):
         monkeypatch.setenv(da.CONFIG_ENV, bad)
         with pytest.raises(ValueError, match=da.CONFIG_ENV):
             da._config_from_env()
@@ -170,6 +174,15 @@ def test_decode_tiling_from_the_environment(monkeypatch):
     assert da.default_config(torch.float8_e4m3fn) is da.FP8_CONFIG
     monkeypatch.setattr(da, "_ENV_CONFIG", DecodeConfig(block_n=32))
     assert da.default_config(torch.float8_e4m3fn) == DecodeConfig(block_n=32)
+
+
+def test_register_cap_is_a_launch_option_on_cuda_only():
+    from splitserve.kernels import decode_attention as da
+
+    capped = DecodeConfig(max_registers=128)
+    assert da._register_cap(capped, torch.device("cuda")) == {"maxnreg": 128}
+    assert da._register_cap(DecodeConfig(), torch.device("cuda")) == {}
+    assert da._register_cap(capped, torch.device("cpu")) == {}  # the interpreter has no registers
 
 
 def _prefill_case(gen, shapes, heads, dtype, block_size=BS):
