@@ -8,6 +8,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from splitserve.kvstore.hashing import (
     DEFAULT_BLOCK_SIZE,
@@ -46,6 +47,37 @@ def parse_addresses(value: str) -> tuple[str, ...]:
     if not addresses:
         raise ValueError("give at least one host:port")
     return addresses
+
+
+def check_redis_url(url: str | None, flag: str = "--redis-url") -> None:
+    """``ValueError`` saying what to fix unless `url` is None or a Redis URL the client reads as
+    written: ``redis://host[:port][/db]``, ``rediss://...`` or ``unix:///path``. The client
+    itself drops what it cannot place (``redis://redis://h:6379`` would connect to a host named
+    "redis"), so a typo would leave a node without its index, quietly."""
+    if url is None:
+        return
+    hint = "give redis://host:port[/db], rediss://host:port[/db] or unix:///path/to/socket"
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        if not parts.path or parts.netloc:
+            raise ValueError(f"{flag} {url!r}: a unix socket URL is unix:///path; {hint}")
+        return
+    if parts.scheme not in ("redis", "rediss"):
+        raise ValueError(f"{flag} {url!r}: unknown scheme {parts.scheme!r}; {hint}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if port == -1 or (port is not None and not 0 < port <= 65535):
+        raise ValueError(f"{flag} {url!r}: the port is not a number in 1..65535; {hint}")
+    if not parts.hostname:
+        raise ValueError(f"{flag} {url!r}: no host; {hint}")
+    db = parts.path[1:] if parts.path.startswith("/") else parts.path
+    if parts.path and (parts.path[0] != "/" or (db and not db.isdigit())):
+        raise ValueError(
+            f"{flag} {url!r}: after the address only /<database number> may follow, "
+            f"not {parts.path!r}; {hint}"
+        )
 
 
 def parse_weights(text: str | None) -> dict[str, float]:
@@ -250,6 +282,7 @@ class NodeConfig:
             raise ValueError(
                 f"--max-kv-share-per-peer: in (0, 1], got {self.max_kv_share_per_peer}"
             )
+        check_redis_url(self.redis_url)
 
     @property
     def address(self) -> str:
@@ -433,6 +466,7 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.max_loop_lag_s < 0:
             raise ValueError(f"--max-loop-lag-s: >= 0, got {self.max_loop_lag_s}")
+        check_redis_url(self.redis_url)
         if not 0.0 < self.capacity_share <= 1.0:
             raise ValueError(f"--capacity-share: in (0, 1], got {self.capacity_share}")
         if self.direct_prefill_tokens < 0 or self.direct_prefill_backlog_tokens < 0:

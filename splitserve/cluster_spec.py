@@ -9,6 +9,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from splitserve.runtime.config import check_redis_url
 from splitserve.runtime.options import option
 from splitserve.runtime.slo import Slo
 
@@ -178,6 +179,7 @@ class ClusterSpec:
             object.__setattr__(self, "num_routers", routers)
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
             raise ValueError(f"--http-port {self.http_port}: give 0..65535")
+        check_redis_url(self.redis_url)
         # the first router's, then one per node, then the other routers'
         last = 65536 - self.num_prefill - self.num_decode - self.num_routers
         if self.metrics_port is not None and not 0 <= self.metrics_port <= last:

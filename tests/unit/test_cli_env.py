@@ -222,3 +222,42 @@ def test_up_forwards_its_node_options_switches_as_bare_flags():
     node = parse("decode", *forwarded)
     assert node.trust_kv_network is True and node.async_scheduling == "off"
     assert cli.up_node_args(parse("up")) == []
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("redis://redis://127.0.0.1:6379", "only /<database number> may follow"),
+        ("redis://host:6379/cache", "only /<database number> may follow"),
+        ("http://host:6379", "unknown scheme 'http'"),
+        ("host:6379", "unknown scheme 'host'"),
+        ("redis://host:port", "not a number in 1..65535"),
+        ("redis://host:70000", "not a number in 1..65535"),
+        ("redis://", "no host"),
+        ("unix://host/tmp/redis.sock", "unix:///path"),
+    ],
+)
+def test_a_malformed_redis_url_is_refused_at_start(url, says):
+    """The Redis client reads `redis://redis://h:6379` as a host named "redis" and drops the
+    rest: a node or router given it would run without its index and say nothing."""
+    from splitserve.cluster_spec import ClusterSpec
+
+    for make in (
+        lambda: NodeConfig(model_path="tiny", redis_url=url),
+        lambda: RouterConfig(
+            model_path="tiny", prefill_addresses=(), decode_addresses=("h:1",), redis_url=url
+        ),
+        lambda: ClusterSpec(model_path="tiny", redis_url=url),
+    ):
+        with pytest.raises(ValueError, match="--redis-url") as err:
+            make()
+        assert says in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["redis://127.0.0.1:6379", "redis://redis:6379/2", "rediss://u:pw@cache.internal:6380/0",
+     "redis://[::1]:6379", "unix:///run/redis.sock", "redis://localhost"],
+)  # fmt: skip
+def test_well_formed_redis_urls_are_taken(url):
+    assert NodeConfig(model_path="tiny", redis_url=url).redis_url == url
