@@ -48,9 +48,11 @@ class DecodeConfig(NamedTuple):
 
 
 DEFAULT_CONFIG = DecodeConfig()
-FP8_CONFIG = DecodeConfig()
-"""The tiling for an e4m3 KV cache (half the bytes a token). For now bfloat16's: on the H200 the
-FP8 cache made the decode kernel no quicker (docs/benchmarks.md); `benchmarks/step_kernels.py
+FP8_CONFIG = DecodeConfig(num_stages=5)
+"""The tiling for an e4m3 KV cache (half the bytes a token): 5 stages give the indirect K/V loads
+two buffers (at 3-4 Triton's pipeliner gives them one, so a program's next tile is not in flight
+while it computes). One H100, one layer of W's decode step (docs/benchmarks.md): 156.6 us against
+170.5 at 3 stages; a 128-register cap (`max_registers`) 160.5. `benchmarks/step_kernels.py
 --attention-sweep --kv-cache-dtype fp8` is the sweep to choose it from."""
 
 FP8_DOTS_IN_FP16 = True

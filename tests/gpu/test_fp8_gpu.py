@@ -229,7 +229,7 @@ def test_every_decode_tiling_and_dot_dtype_reads_an_fp8_cache_alike(monkeypatch,
     pool = torch.empty_like(kv.kv_pool, dtype=torch.float8_e4m3fn)
     for i in (0, 1):
         pool[:, :, i] = reference.fp8_quantize(kv.kv_pool[:, :, i], scales[i])
-    k8, v8 = layout.layer_kv_views(pool, 0)
+    k8, v8 = layout.layer_kv_views(pool, 1)  # (make_paged_kv fills layer 1, layer 0 is NaN)
     gen = torch.Generator(device="cuda").manual_seed(3)
     q = torch.randn(len(lens), 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
     want = reference.paged_decode_attention(

@@ -423,14 +423,16 @@ def test_rms_norm_quantized_in_its_kernel_is_the_norm_then_the_quantization(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n", [40, 3000])
+@pytest.mark.parametrize(("n", "one_pass_max"), [(40, 16384), (3000, 16384), (3000, 1024)])
 def test_silu_and_mul_quantized_in_its_kernel_is_the_activation_then_the_quantization(
-    gen, dtype, n
+    gen, monkeypatch, dtype, n, one_pass_max
 ):
     """SiLU-and-mul quantized on the way out (the down projection's FP8 input, one launch, the
-    16-bit activation never written): the unfused pair's bytes and scales, rows wider than one
-    block (n 3000: two passes of 2048) included."""
+    16-bit activation never written): the unfused pair's bytes and scales, a row in one pass
+    and rows wider than `ONE_PASS_MAX` (two passes of 2048) both."""
     from splitserve.kernels import elementwise, quant
+
+    monkeypatch.setattr(elementwise, "ONE_PASS_MAX", one_pass_max)
 
     gate_up = (torch.randn(4, 2 * n, generator=gen) * 4).to(dtype)
     q, scales = elementwise.silu_and_mul_fp8(gate_up, quant.FP8_MAX, quant.MIN_SCALE)
