@@ -30,7 +30,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-from splitserve.launcher import free_port
 from splitserve.planner.scrape import parse
 
 ROLES = ("prefill", "decode")
@@ -69,8 +68,7 @@ class Sampler(threading.Thread):
 
 
 def start_up(args: argparse.Namespace, out: Path) -> tuple[subprocess.Popen, str, str, str]:
-    port = free_port()
-    argv = [sys.executable, "-m", "splitserve.cli", "up", "--port", str(port), "--autoscale"]
+    argv = [sys.executable, "-m", "splitserve.cli", "up", "--port", "0", "--autoscale"]
     argv += ["--api-key-file", "none"]
     argv += ["--device", args.device, "--max-prefill", str(args.max_prefill)]
     argv += ["--max-decode", str(args.max_decode), "--slo", args.slo]
@@ -83,13 +81,16 @@ def start_up(args: argparse.Namespace, out: Path) -> tuple[subprocess.Popen, str
     up = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     assert up.stdout is not None
     urls: dict[str, str] = {}
+    router = ""
     while not (line := up.stdout.readline()).startswith("ready:"):
         if not line:
             raise SystemExit(f"splitserve up exited: see {out / 'up.log'}")
         words = line.split()
+        if words[:1] == ["router"] and "router" not in urls:
+            router = words[1]  # the address the router bound (up --port 0)
         if "metrics" in words:
             urls[words[0]] = words[-1]
-    return up, f"127.0.0.1:{port}", urls["router"], urls["planner"]
+    return up, router, urls["router"], urls["planner"]
 
 
 def phases(requests: list[dict], timeline: list[dict], slo: dict[str, float]) -> list[tuple]:

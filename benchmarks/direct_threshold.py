@@ -28,7 +28,6 @@ from pathlib import Path
 
 from local_cluster import add_model_args, cluster_spec
 
-from splitserve.cluster_spec import free_port
 from splitserve.launcher import LocalCluster
 
 
@@ -58,7 +57,9 @@ def scrape_routes(url: str) -> dict[str, float]:
 
 def one_threshold(args, cluster, threshold: int, out: Path) -> dict:
     port_file = out / f"router-{threshold}.port"
-    metrics_port = free_port()
+    metrics_file = out / f"router-{threshold}.metrics-port"
+    for stale in (port_file, metrics_file):  # a run before into the same --out left them
+        stale.unlink(missing_ok=True)
     router = subprocess.Popen(
         [
             sys.executable,
@@ -74,7 +75,9 @@ def one_threshold(args, cluster, threshold: int, out: Path) -> dict:
             "--port-file",
             str(port_file),
             "--metrics-port",
-            str(metrics_port),
+            "0",
+            "--metrics-port-file",
+            str(metrics_file),
             "--direct-prefill-tokens",
             str(threshold),
         ],
@@ -83,11 +86,12 @@ def one_threshold(args, cluster, threshold: int, out: Path) -> dict:
     )
     try:
         deadline = time.monotonic() + 120
-        while not (port_file.exists() and port_file.read_text().strip()):
+        while not all(f.exists() and f.read_text().strip() for f in (port_file, metrics_file)):
             if router.poll() is not None or time.monotonic() > deadline:
                 sys.exit(f"router with threshold {threshold} did not start: see {out}")
             time.sleep(0.2)
         target = f"127.0.0.1:{port_file.read_text().strip()}"
+        metrics_port = int(metrics_file.read_text())
         time.sleep(3)  # it discovers both nodes through Redis
         result = out / f"threshold-{threshold}.json"
         bench = [

@@ -48,8 +48,8 @@ from pathlib import Path
 
 import grpc
 
-from splitserve.cluster_spec import ClusterSpec, auto_routers, free_port, router_count
-from splitserve.launcher import LocalCluster
+from splitserve.cluster_spec import ClusterSpec, auto_routers, router_count
+from splitserve.launcher import LocalCluster, free_port
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 # The multi-tenant workload of the overload issue: 512 system prompts of 2,048 tokens, 8
@@ -131,39 +131,64 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def start_routers(
-    cluster, model: str, index: str, out: Path, tag: str, extra: list[str], n: int, env=None
+    cluster,
+    model: str,
+    index: str,
+    out: Path,
+    tag: str,
+    extra: list[str],
+    n: int,
+    env=None,
+    legacy: bool = False,
 ):
     """``n`` routers on one address (n > 1: SO_REUSEPORT): their processes, the address, and
-    each one's /metrics base URL."""
+    each one's /metrics base URL. Each binds its own free ports and writes them to files;
+    `legacy` (an older router, without ``--metrics-port-file``): its /metrics port is picked
+    here, which another process may take first."""
     addr = cluster.addresses
     nodes = ["--redis-url", addr.redis_url] if index == "on" else []
     nodes += ["--prefill", ",".join(addr.prefill)] if addr.prefill else []
-    port = "0" if n == 1 else str(free_port())
     shared = [] if n == 1 else ["--reuse-port"]
-    procs, urls, port_files = [], [], []
+    procs, files = [], []
+    deadline = time.monotonic() + 120
+    port = "0"  # router 0 binds a free port; the others (SO_REUSEPORT) join it
     for i in range(n):
         name = tag if n == 1 else f"{tag}-{i}"
-        port_file = out / f"router-{name}.port"
-        port_file.unlink(missing_ok=True)  # a run before into the same --out left one
-        metrics_port = free_port()
+        port_file, metrics_file = out / f"router-{name}.port", out / f"router-{name}.metrics-port"
+        for stale in (port_file, metrics_file):  # a run before into the same --out left them
+            stale.unlink(missing_ok=True)
+        if legacy:
+            metrics_file.write_text(str(free_port()))
+            metrics = ["--metrics-port", metrics_file.read_text()]
+        else:
+            metrics = ["--metrics-port", "0", "--metrics-port-file", str(metrics_file)]
         cmd = [
             sys.executable, "-m", "splitserve.cli", "router", "--model", model,
             "--decode", ",".join(addr.decode), *nodes, "--port", port, "--port-file",
-            str(port_file), "--metrics-port", str(metrics_port), "--max-requests-per-client",
-            "100000", *shared, *extra,
+            str(port_file), *metrics, "--max-requests-per-client", "100000", *shared, *extra,
         ]  # fmt: skip
         log = (out / f"router-{name}.log").open("w")
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
-        urls.append(f"http://127.0.0.1:{metrics_port}")
-        port_files.append(port_file)
-    deadline = time.monotonic() + 120
-    for proc, port_file in zip(procs, port_files, strict=True):
-        while not (port_file.exists() and port_file.read_text().strip()):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                sys.exit(f"router {tag} did not start: see {out}")
-            time.sleep(0.2)
+        files.append((port_file, metrics_file))
+        if i == 0:
+            port = _wait_for(procs[0], port_file, deadline, f"router {tag}", out)
+    urls = [
+        f"http://127.0.0.1:{_wait_for(proc, metrics_file, deadline, f'router {tag}', out)}"
+        for proc, (_, metrics_file) in zip(procs, files, strict=True)
+    ]
+    for proc, (port_file, _) in zip(procs, files, strict=True):
+        _wait_for(proc, port_file, deadline, f"router {tag}", out)
     time.sleep(2.0)  # health checks and the nodes' GetStats (capacities) answered
-    return procs, f"127.0.0.1:{port_files[0].read_text().strip()}", urls
+    return procs, f"127.0.0.1:{port}", urls
+
+
+def _wait_for(proc: subprocess.Popen, path: Path, deadline: float, what: str, out: Path) -> str:
+    """The port a process wrote to `path` once it bound it (exits if it died or took too long)."""
+    while not (path.exists() and path.read_text().strip()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            sys.exit(f"{what} did not start: see {out}")
+        time.sleep(0.2)
+    return path.read_text().strip()
 
 
 def scrape_all(urls: list[str]) -> dict[str, float]:
@@ -229,7 +254,9 @@ def one_rate(args, cluster, model: str, rate: float, index: str, out: Path, env=
         n = auto_routers(args.device, decode_gpus, os.cpu_count())
     if n > 1:
         label += f", {n} routers"
-    routers, target, metrics = start_routers(cluster, model, index, out, tag, extra, n, env)
+    routers, target, metrics = start_routers(
+        cluster, model, index, out, tag, extra, n, env, legacy=bare
+    )
     prefill, decode = cluster.addresses.prefill, cluster.addresses.decode
     benches = {"heavy": (rate, tag)}  # tenant: its rate, the name of its files and cache salt
     if args.light_share:
