@@ -59,6 +59,14 @@ if "TRITON_INTERPRET" not in os.environ:
 # setting (`splitserve up` forks likewise).
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
+# Every router the tests start serves every request it is sent. Past --max-loop-lag-s (0.5 s by
+# default) a router refuses new requests (RESOURCE_EXHAUSTED, router_busy) while its event loop
+# runs late, and on the 2-core machine, two workers' clusters at once, a loop can lag that long
+# (a CI run, 2026-12-05: test_direct_route refused at 505 ms). That refusal answers the machine's
+# load, not the code under test; tests/unit/test_loop_lag.py tests it with explicit thresholds. A
+# test may still pass --max-loop-lag-s (the flag wins over the variable).
+os.environ.setdefault("SPLITSERVE_MAX_LOOP_LAG_S", "0")
+
 LAYERS = {
     "unit": "no processes, no sockets (tests/unit/)",
     "cluster": "real processes, loopback servers or Redis (tests/cluster/)",
