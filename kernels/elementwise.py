@@ -357,7 +357,7 @@ def silu_and_mul_fp8(
         INV_FP8_MAX=1.0 / fp8_max,
         MIN_SCALE=min_scale,
         ONE_PASS=one_pass,
-        num_warps=min(16, max(4, block // 1024)),  # pyright: ignore[reportCallIssue]
+        num_warps=min(16, max(4, block // 1024)) if one_pass else 8,  # pyright: ignore[reportCallIssue]
     )
     return q, scales
 

@@ -65,15 +65,14 @@ def check_redis_url(url: str | None, flag: str = "--redis-url") -> None:
     if parts.scheme not in ("redis", "rediss"):
         raise ValueError(f"{flag} {url!r}: unknown scheme {parts.scheme!r}; {hint}")
     try:
-        port = parts.port
+        port = parts.port  # (a ValueError for a port that is no number or out of range)
     except ValueError:
-        port = -1
-    if port == -1 or (port is not None and not 0 < port <= 65535):
+        port = 0
+    if port == 0:
         raise ValueError(f"{flag} {url!r}: the port is not a number in 1..65535; {hint}")
     if not parts.hostname:
         raise ValueError(f"{flag} {url!r}: no host; {hint}")
-    db = parts.path[1:] if parts.path.startswith("/") else parts.path
-    if parts.path and (parts.path[0] != "/" or (db and not db.isdigit())):
+    if parts.path not in ("", "/") and not parts.path[1:].isdigit():
         raise ValueError(
             f"{flag} {url!r}: after the address only /<database number> may follow, "
             f"not {parts.path!r}; {hint}"

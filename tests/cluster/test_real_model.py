@@ -83,12 +83,9 @@ def cluster(model, tmp_path_factory):
         node_args=("--kv-cache-mb", "256"),
         log_file=str(tmp_path_factory.mktemp("real-model") / "components.log"),
     )
-    # Its router takes every request: these tests check tokens, and a router refusing work while
-    # its loop lags (--max-loop-lag-s) did so here under a second suite (RESOURCE_EXHAUSTED).
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("SPLITSERVE_MAX_LOOP_LAG_S", "0")  # the components started below inherit it
-        with LocalCluster(spec) as c:
-            yield c.addresses
+    # (Its router takes every request: tests/conftest.py turns --max-loop-lag-s off.)
+    with LocalCluster(spec) as c:
+        yield c.addresses
 
 
 def _chat_ids(tokenizer, question: str) -> list[int]:
