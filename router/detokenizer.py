@@ -86,7 +86,11 @@ def tokenizers_decode(tokenizer: Any) -> Callable[[Sequence[int]], str] | None:
 
 
 class StopStringMatcher:
-    """Cuts the text stream at the first occurrence of any stop string.
+    """Cuts the text stream at the stop string that is complete first.
+
+    A stream cannot wait on a longer stop string that began earlier: the first stop string to
+    be complete ends the request (as in vLLM and transformers' stop criteria), cut where it
+    starts; of several complete in the same piece of text, the one that starts first.
 
     ``add`` returns ``(text safe to emit, stopped)``. The longest suffix of the text that is
     the start of a stop string is held back until later text rules it out (or completes the

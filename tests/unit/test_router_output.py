@@ -90,17 +90,43 @@ def test_stop_string_with_a_multibyte_character_split_across_tokens():
     assert out.finish_reason == "stop"
 
 
+def first_stop_cut(text: str, stops: Sequence[str]) -> int | None:
+    """Where a plain search cuts ``text``: at the start of the stop string that is complete
+    first (the smallest end); of those complete at the same character, the longest."""
+    ends = [(i + len(s), -len(s)) for s in stops if (i := text.find(s)) >= 0]
+    if not ends:
+        return None
+    end, minus_len = min(ends)
+    return end + minus_len
+
+
 @pytest.mark.parametrize("trial", range(5))
 def test_random_text_and_stop_strings_match_a_plain_search(trial, rng):
     text = random_text(rng, 120)
     stops = [random_text(rng, rng.randint(1, 3)) for _ in range(rng.randint(1, 3))]
     out, deltas = run_assembler(byte_ids(text), stops, batch=rng.randint(1, 4))
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    cut = first_stop_cut(text, stops)
     got = "".join(d.text for d in deltas)
-    if hits:
-        assert got == text[: min(hits)] and out.finish_reason == "stop"
+    if cut is not None:
+        assert got == text[:cut] and out.finish_reason == "stop"
     else:
         assert got == text and out.finish_reason == "length"
+
+
+def test_the_stop_string_complete_first_wins_over_one_that_started_earlier():
+    """A stream cannot wait for a longer stop string that began earlier: in "xab", the stop
+    strings "xab" and "a" both occur, "a" is complete one character sooner, and generation ends
+    there (as vLLM and transformers' stop criteria do). This case once failed a CI run of the
+    random test above, whose search then cut at the earliest start."""
+    out, deltas = run_assembler(byte_ids("zxab tail"), ["xab", "a"])
+    assert "".join(d.text for d in deltas) == "zx" and out.finish_reason == "stop"
+    assert bytes(t for d in deltas for t in d.token_ids) == b"zxa"
+    assert first_stop_cut("zxab tail", ["xab", "a"]) == 2
+    assert first_stop_cut("zxab tail", ["b", "xab"]) == 1  # same end: the longer one cuts
+    # the failing draw, as it was: '\n a' starts first, ' ' is complete first
+    text = "bbé\n\n abbé"
+    out, deltas = run_assembler(byte_ids(text), ["\n a", " ", "日日"], batch=4)
+    assert "".join(d.text for d in deltas) == "bbé\n\n"
 
 
 def test_stop_matcher_without_stop_strings_holds_nothing_back():
