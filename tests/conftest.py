@@ -15,7 +15,8 @@ Random draws are seeded. A run picks one seed, ``SPLITSERVE_TEST_SEED`` when set
 (pytest's header prints it). Before each test's setup, ``random``, ``numpy.random`` and ``torch``
 are seeded with it (so fixtures, also those a module shares, draw the same whichever test sets them
 up first); before the test itself, with a seed of its own, derived from the run's and the test's
-id (so parametrized trials differ). The ``rng`` fixture is a ``random.Random`` with that seed. A
+id (so parametrized trials differ). The ``rng`` fixture is a ``random.Random`` with that seed;
+Hypothesis draws from the run's seed as well (``--hypothesis-seed`` unless given). A
 failing test's report has a "random seed" section with the line that repeats it, e.g.:
 
     SPLITSERVE_TEST_SEED=1234 .venv/bin/python -m pytest 'tests/unit/test_scheduler.py::test_x'
@@ -40,6 +41,7 @@ os.environ.setdefault("PYTHONSAFEPATH", "1")  # and so for the processes the tes
 import numpy  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 # Triton chooses interpreter or compiler when a kernel is *defined* (its module imported), from
 # TRITON_INTERPRET at that moment, once per process: so the suite picks one before any test
@@ -96,10 +98,24 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+# Hypothesis: no deadline and no too-slow health check in any test (a test's own @settings may
+# set others). Its 200 ms default deadline and its data-generation timing measure the machine,
+# and on the 2-core machine, beside two workers' clusters, they fail tests whose properties hold.
+settings.register_profile(
+    "splitserve", deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
+)
+settings.load_profile("splitserve")
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
     for name, meaning in LAYERS.items():
         config.addinivalue_line("markers", f"{name}: {meaning}")
     _seed_everything(RUN_SEED)  # what test modules draw when they are imported
+    # Hypothesis draws from the run's seed too, unless --hypothesis-seed says otherwise (read by
+    # its plugin's pytest_configure, which runs after this one).
+    if config.getoption("hypothesis_seed", default=None) is None:
+        config.option.hypothesis_seed = str(RUN_SEED)
 
 
 def pytest_report_header(config):
