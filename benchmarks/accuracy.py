@@ -10,7 +10,8 @@ domain; ~39k tokens with SmolLM2's tokenizer), cut into windows of --window toke
 from an empty cache; the perplexity is exp of the mean next-token negative log-likelihood over
 every window's tokens but its first. The questions are examples/quickstart.py's (the main job's)
 and benchmarks/real_model.py's, through the tokenizer's chat template, --max-new greedy tokens
-each. Prints a table; --json writes the figures.
+each. Prints a table; --json writes the figures. --kv-scales runs each FP8-KV variant once per
+per-tensor scale (row ``kv-fp8@0.75``): the spread between them is what the rounding alone moves.
 """
 
 from __future__ import annotations
@@ -114,6 +115,13 @@ def main() -> int:
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--max-tokens", type=int, default=50_000, help="of the text, at most")
     ap.add_argument("--max-new", type=int, default=48)
+    ap.add_argument(
+        "--kv-scales",
+        default=None,
+        help="comma-separated per-tensor scales, e.g. 1,0.75,1.25: each variant with an FP8 KV "
+        "cache is run once per scale (K's and V's set to it in every layer), for the spread that "
+        "the choice of scale alone makes",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from transformers import AutoTokenizer
@@ -135,11 +143,20 @@ def main() -> int:
     ]
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_new, ignore_eos=True)
     rows, base_answers = [], None
+    kv_scales = [float(x) for x in args.kv_scales.split(",")] if args.kv_scales else [None]
+    runs = []
     for name in args.variants.split(","):
         if name not in VARIANTS:
             ap.error(f"unknown variant {name!r}; use {', '.join(VARIANTS)}")
+        fp8_kv = VARIANTS[name][1] == "fp8"
+        runs += [(name, scale) for scale in (kv_scales if fp8_kv else [None])]
+    for name, kv_scale in runs:
         started = time.monotonic()
         runner, engine = build(path, args.device, dtype, name, args.window)
+        if kv_scale is not None:
+            for layer in runner.model.layers:
+                layer.self_attn.kv_scales.fill_(kv_scale)
+            name = f"{name}@{kv_scale:g}"
         ppl, scored = perplexity(runner, tokens, args.window)
         answers = [r.output_token_ids for r in engine.generate(chats, greedy)]
         if base_answers is None:
@@ -164,12 +181,12 @@ def main() -> int:
         f"scored in windows of {args.window}; {len(base_answers or [])} chat questions, "
         f"{args.max_new} greedy tokens each\n"
     )
-    print(f"{'variant':<8} {'perplexity':>10} {'vs ' + rows[0]['variant']:>9} "
+    print(f"{'variant':<16} {'perplexity':>10} {'vs ' + rows[0]['variant']:>9} "
           f"{'same answer':>12} {'shared tokens':>14} {'s':>6}")  # fmt: skip
     for r in rows:
         change = 100 * (r["perplexity"] / base - 1)
         print(
-            f"{r['variant']:<8} {r['perplexity']:>10.3f} {change:>+8.2f}% "
+            f"{r['variant']:<16} {r['perplexity']:>10.3f} {change:>+8.2f}% "
             f"{r['identical_answers']:>5}/{r['answers']:<6} {100 * r['shared_prefix']:>13.1f}% "
             f"{r['seconds']:>6.0f}"
         )
