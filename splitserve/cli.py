@@ -211,7 +211,7 @@ def serving_dtype(path: str, device: str, dtype: str | None) -> str | None:
 def cmd_up(args: argparse.Namespace) -> int:
     """Start a local cluster (Redis, prefill and decode nodes, router) until Ctrl-C."""
     import signal
-    import time
+    import threading
 
     from splitserve.launcher import LocalCluster
 
@@ -286,8 +286,15 @@ def cmd_up(args: argparse.Namespace) -> int:
             )
             key_flag = f" --api-key-file {a.api_key_file}"
         print(f"ready: splitserve generate --target {a.router}{key_flag} 'Hello'", flush=True)
+        # Serving, Ctrl-C and SIGTERM only ask the loop to stop: an exception raised by a signal
+        # handler in the middle of a poll could leave a lock of the launcher's or of a
+        # subprocess.Popen held, and the stop below needs them (a CI run's stop hung so).
+        stopping = threading.Event()
+        signal.signal(signal.SIGINT, lambda signum, frame: stopping.set())
+        signal.signal(signal.SIGTERM, lambda signum, frame: stopping.set())
         while (dead := cluster.poll()) is None:
-            time.sleep(0.5)
+            if stopping.wait(0.5):
+                return 0
         return _error(f"{dead} exited; stopping the cluster", 1)
     except (RuntimeError, TimeoutError, ValueError) as exc:
         return _error(str(exc), 1)

@@ -82,6 +82,31 @@ def _kill_leftovers(proc: _Process) -> None:
         os.killpg(proc.popen.pid, signal.SIGKILL)
 
 
+KILL_WAIT_S = 10.0  # how long stop() waits for a process it sent SIGKILL
+
+
+def _exited(popen: subprocess.Popen, timeout: float) -> bool:
+    """Whether ``popen``'s process exits within ``timeout`` seconds (reaped here if so).
+
+    It reaps with ``os.waitpid`` itself, not ``Popen.wait``: an exception that a signal handler
+    raises (Ctrl-C; ``up``'s SIGTERM) just after a ``Popen.poll`` took that Popen's internal lock
+    leaves the lock held for good, and every later ``wait()`` without a timeout blocks on it. A
+    CI run of ``up`` hung so after SIGTERM ("decode-0 ignored SIGTERM", then nothing for 3 min)."""
+    end = time.monotonic() + timeout
+    while popen.returncode is None:
+        try:
+            pid, status = os.waitpid(popen.pid, os.WNOHANG)
+        except ChildProcessError:
+            return True  # reaped already, by the Popen's own poll in another thread: gone
+        if pid == popen.pid:
+            popen.returncode = os.waitstatus_to_exitcode(status)
+            return True
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def _child_options() -> dict[str, Any]:
     """``subprocess.Popen`` options of every process the launcher starts."""
     return {
@@ -531,12 +556,11 @@ class LocalCluster:
                     proc.popen.send_signal(signal.SIGTERM)
             end = time.monotonic() + self.spec.stop_grace_s
             for proc in group:
-                try:
-                    proc.popen.wait(timeout=max(end - time.monotonic(), 0))
-                except subprocess.TimeoutExpired:
+                if not _exited(proc.popen, max(end - time.monotonic(), 0)):
                     logger.warning("%s ignored SIGTERM; killing it", proc.name)
                     proc.popen.kill()
-                    proc.popen.wait()
+                    if not _exited(proc.popen, KILL_WAIT_S):  # never a wait without an end
+                        logger.error("%s (pid %d) outlived SIGKILL", proc.name, proc.popen.pid)
                 _kill_leftovers(proc)  # exited: nothing it started outlives it
         self._procs.clear()
         shutil.rmtree(self._workdir, ignore_errors=True)
