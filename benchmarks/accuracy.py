@@ -143,7 +143,12 @@ def main() -> int:
     ]
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_new, ignore_eos=True)
     rows, base_answers = [], None
-    kv_scales = [float(x) for x in args.kv_scales.split(",")] if args.kv_scales else [None]
+    try:
+        kv_scales = [float(x) for x in args.kv_scales.split(",")] if args.kv_scales else [None]
+    except ValueError:
+        ap.error(f"--kv-scales {args.kv_scales!r}: numbers separated by commas, e.g. 1,0.75")
+    if not all(s is None or (math.isfinite(s) and s > 0) for s in kv_scales):
+        ap.error(f"--kv-scales {args.kv_scales!r}: every scale must be a finite number > 0")
     runs = []
     for name in args.variants.split(","):
         if name not in VARIANTS:
