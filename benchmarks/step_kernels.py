@@ -3,8 +3,7 @@ layer GEMMs run at the row counts of those steps (cuBLAS against the Triton tili
 
     python benchmarks/step_kernels.py --make-8b /tmp/llama8b [--decode-batch 240]
         [--context-range 128 1152] [--prefill-tokens 8192] [--gemm-rows 240 256 8192]
-        [--gemm] [--attention-sweep [--sweep-registers 0 128] [--sweep-fp8-dots fp16 bf16]
-                                    [--sweep-kv-heads 1 2]]
+        [--gemm] [--attention-sweep [--sweep-registers 0 128] [--sweep-fp8-dots fp16 bf16]]
         [--quantization fp8] [--kv-cache-dtype fp8]
         [--out FILE.json]
 
@@ -191,8 +190,7 @@ def attention_sweep(
     engine, batch: int, lo: int, hi: int, grid: list[list[int]], dots: list[str]
 ) -> list[dict]:
     """The decode attention kernel of one layer at the decode step's shapes, per tiling
-    (`grid`: block_n, warps, stages, register caps (0 for none) and KV heads per program) and,
-    on an e4m3 cache, per
+    (`grid`: block_n, warps, stages and register caps, 0 for none) and, on an e4m3 cache, per
     dot dtype: 20 calls between two CUDA events (GPU-bound), KV bytes read per second."""
     from splitserve.kernels import decode_attention
     from splitserve.kernels.decode_attention import DecodeConfig, paged_decode_attention
@@ -221,12 +219,10 @@ def attention_sweep(
     del src, dst
     rows = []
     tilings = list(itertools.product(*grid))
-    for dot, tiling in itertools.product(dots if fp8 else ["-"], tilings):
-        block_n, warps, stages, regs, kv_heads = tiling
+    for dot, (block_n, warps, stages, regs) in itertools.product(dots if fp8 else ["-"], tilings):
         config = DecodeConfig(
-            block_n=block_n, num_warps=warps, num_stages=stages, max_registers=regs or None,
-            kv_heads=kv_heads,
-        )  # fmt: skip
+            block_n=block_n, num_warps=warps, num_stages=stages, max_registers=regs or None
+        )
         decode_attention.FP8_DOTS_IN_FP16 = dot != "bf16"
 
         def call(c=config) -> None:
@@ -242,7 +238,6 @@ def attention_sweep(
             continue
         tb_s = kv_bytes / ms / 1e9
         row = {"block_n": block_n, "warps": warps, "stages": stages, "max_registers": regs}
-        row["kv_heads"] = kv_heads
         row |= {"dots": dot, "us": ms * 1e3, "tb_s": tb_s, "of_copy": tb_s / copy_tb_s}
         print(json.dumps(row), flush=True)
         rows.append(row)
@@ -268,10 +263,6 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--sweep-fp8-dots", nargs="+", default=["fp16"], choices=["fp16", "bf16"],
         help="an e4m3 cache: the dtype of the dots (float16 is the default path)",
-    )  # fmt: skip
-    ap.add_argument(
-        "--sweep-kv-heads", type=int, nargs="+", default=[1],
-        help="KV heads per program (DecodeConfig.kv_heads)",
     )  # fmt: skip
     ap.add_argument("--no-graphs", action="store_true", help="decode steps eager")
     ap.add_argument("--quantization", default=None, help="fp8: FP8 weights (quantized at load)")
@@ -337,20 +328,13 @@ def main() -> None:
                 args.decode_batch,
                 args.context_range[0],
                 args.context_range[1],
-                [
-                    args.sweep_block_n,
-                    args.sweep_warps,
-                    args.sweep_stages,
-                    args.sweep_registers,
-                    args.sweep_kv_heads,
-                ],
+                [args.sweep_block_n, args.sweep_warps, args.sweep_stages, args.sweep_registers],
                 args.sweep_fp8_dots,
             )
             print("\n| decode attention (one layer) | dots | µs | KV TB/s | of copy |")
             print("|---|---|---|---|---|")
             for r in sorted(result["attention"], key=lambda r: r["us"])[:16]:
                 regs = f", {r['max_registers']} registers" if r["max_registers"] else ""
-                regs += f", {r['kv_heads']} KV heads" if r["kv_heads"] > 1 else ""
                 print(
                     f"| block_n {r['block_n']}, {r['warps']} warps, {r['stages']} stages{regs} | "
                     f"{r['dots']} | {r['us']:.1f} | {r['tb_s']:.2f} | {r['of_copy']:.0%} |"

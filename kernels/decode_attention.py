@@ -1,17 +1,13 @@
 """Triton kernels: paged decode attention (one query token per sequence), split-KV.
 
-Grid `(batch, num_kv_heads / kv_heads, num_splits)`. A program owns one sequence, `kv_heads`
-adjacent KV heads (`DecodeConfig.kv_heads`, 1 or more) with the `GROUP = Hq // Hkv` query heads
-that share each (GQA: the K/V tiles are read once for the whole group, the rows padded to 16 for
-`tl.dot`), and one contiguous range of `tokens_per_split` context tokens. With `kv_heads` > 1 a
-K/V tile holds the heads side by side (`kv_heads * head_dim` columns, one contiguous run of the
-cache's row) and the query is block-diagonal: row r of the `GROUP * kv_heads` rows keeps only its
-own head's columns, zero elsewhere, so one dot gives every row its own head's scores, and the
-output's row r keeps only its own head's columns of `p @ V`. It walks that range `BLOCK_N`
-tokens at a time, gathering each token's K/V row through the block table, with an online softmax
-(float32 running max, sum and accumulator, base-2 exponentials). With one split it writes the
-output directly; otherwise it writes a normalised partial output and its log-sum-exp, and a
-second kernel (grid `(batch, Hq)`) combines the splits of each sequence (flash-decoding).
+Grid `(batch, num_kv_heads, num_splits)`. A program owns one sequence, one KV head with the
+`GROUP = Hq // Hkv` query heads that share it (GQA: the K/V tiles are read once for the whole
+group, the group padded to 16 rows for `tl.dot`), and one contiguous range of
+`tokens_per_split` context tokens. It walks that range `BLOCK_N` tokens at a time, gathering
+each token's K/V row through the block table, with an online softmax (float32 running max,
+sum and accumulator, base-2 exponentials). With one split it writes the output directly;
+otherwise it writes a normalised partial output and its log-sum-exp, and a second kernel
+(grid `(batch, Hq)`) combines the splits of each sequence (flash-decoding).
 
 `_decode_kernel` and its launcher `paged_decode_attention` stay single functions over 60 lines:
 one kernel is one launch (a Triton helper is inlined anyway, and splitting the body would cost
@@ -49,9 +45,6 @@ class DecodeConfig(NamedTuple):
     # A cap on registers per thread (Triton's `maxnreg`), None for the compiler's choice: more
     # programs resident per SM, so more K/V bytes in flight (see `FP8_CONFIG`).
     max_registers: int | None = None
-    # Adjacent KV heads per program (a power of two; halved until it divides the model's KV
-    # heads): an e4m3 head row is 128 bytes, two side by side read as a bfloat16 row does.
-    kv_heads: int = 1
 
 
 DEFAULT_CONFIG = DecodeConfig()
@@ -70,10 +63,10 @@ CONFIG_ENV = "SPLITSERVE_DECODE_ATTENTION_CONFIG"
 
 
 def _config_from_env() -> DecodeConfig | None:
-    """`SPLITSERVE_DECODE_ATTENTION_CONFIG=block_n,num_warps,num_stages[,max_registers[,kv_heads]]`
-    (e.g. ``128,4,3``, ``64,4,5,128`` or ``64,4,5,0,2``; a register cap of 0 is none) replaces
-    the default tiling of both KV dtypes: for trying a tiling on other GPUs or shapes without
-    editing code. Read once, at import."""
+    """`SPLITSERVE_DECODE_ATTENTION_CONFIG=block_n,num_warps,num_stages[,max_registers]` (e.g.
+    ``128,4,3`` or ``64,4,5,128``)
+    replaces the default tiling of both KV dtypes: for trying a tiling on other GPUs or shapes
+    without editing code. Read once, at import."""
     raw = os.environ.get(CONFIG_ENV, "").strip()
     if not raw:
         return None
@@ -81,26 +74,21 @@ def _config_from_env() -> DecodeConfig | None:
         values = [int(x) for x in raw.split(",")]
     except ValueError:
         values = []
-    if len(values) not in (3, 4, 5):
+    if len(values) not in (3, 4):
         raise ValueError(
-            f"{CONFIG_ENV}={raw!r}: expected three to five integers "
-            "block_n,num_warps,num_stages[,max_registers[,kv_heads]], e.g. 64,4,3"
+            f"{CONFIG_ENV}={raw!r}: expected three or four integers "
+            "block_n,num_warps,num_stages[,max_registers], e.g. 64,4,3"
         )
     block_n, warps, stages = values[:3]
-    regs = values[3] if len(values) >= 4 and values[3] else None
-    kv_heads = values[4] if len(values) == 5 else 1
+    regs = values[3] if len(values) == 4 else None
     if block_n < 1 or block_n & (block_n - 1) or warps not in (1, 2, 4, 8, 16) or stages < 1:
         raise ValueError(
             f"{CONFIG_ENV}={raw!r}: block_n must be a power of two, num_warps 1/2/4/8/16, "
             "num_stages >= 1"
         )
     if regs is not None and not 24 <= regs <= 255:
-        raise ValueError(f"{CONFIG_ENV}={raw!r}: max_registers must be 24-255 (0: no cap)")
-    if kv_heads < 1 or kv_heads & (kv_heads - 1):
-        raise ValueError(f"{CONFIG_ENV}={raw!r}: kv_heads must be a power of two")
-    return DecodeConfig(
-        block_n=block_n, num_warps=warps, num_stages=stages, max_registers=regs, kv_heads=kv_heads
-    )
+        raise ValueError(f"{CONFIG_ENV}={raw!r}: max_registers must be 24-255")
+    return DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, max_registers=regs)
 
 
 _ENV_CONFIG = _config_from_env()
@@ -151,10 +139,9 @@ def _decode_kernel(
     SINGLE_SPLIT: tl.constexpr,
     IS_FP8: tl.constexpr,
     DOT_FP16: tl.constexpr,
-    KV_HEADS: tl.constexpr,
 ):
     b = tl.program_id(0)
-    kv0 = tl.program_id(1) * KV_HEADS  # the program's first KV head
+    kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + b)
     start = split * tokens_per_split
@@ -163,16 +150,13 @@ def _decode_kernel(
     end = tl.minimum(start + tokens_per_split, seq_len)
 
     h = tl.arange(0, BLOCK_H)
-    heads = kv0 * GROUP + h
-    h_mask = h < GROUP * KV_HEADS
-    c = tl.arange(0, KV_HEADS * BLOCK_D)  # a tile's columns: KV_HEADS heads side by side
-    c_head = c // BLOCK_D
-    d = c % BLOCK_D
+    heads = kv_head * GROUP + h
+    h_mask = h < GROUP
+    d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
-    own = (h // GROUP)[:, None] == c_head[None, :]  # row r's own head's columns
     q = tl.load(
         query + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-        mask=h_mask[:, None] & d_mask[None, :] & own,
+        mask=h_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
 
@@ -184,10 +168,10 @@ def _decode_kernel(
         v_scale = tl.load(kv_scales + 1)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, KV_HEADS * BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     bt_row = block_table + b.to(tl.int64) * stride_bt
-    k_base = key_cache + (kv0 + c_head[None, :]) * stride_kh + d[None, :]
-    v_base = value_cache + (kv0 + c_head[None, :]) * stride_vh + d[None, :]
+    k_base = key_cache + kv_head * stride_kh + d[None, :]
+    v_base = value_cache + kv_head * stride_vh + d[None, :]
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         t_mask = tok < end
@@ -212,7 +196,7 @@ def _decode_kernel(
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
 
-    o_mask = h_mask[:, None] & d_mask[None, :] & own  # other heads' columns: not this row's
+    o_mask = h_mask[:, None] & d_mask[None, :]
     if SINGLE_SPLIT:
         o = acc / l_i[:, None] * v_scale
         tl.store(
@@ -281,30 +265,18 @@ def num_sms(device: torch.device) -> int:
     return 132  # interpreter runs: pretend to be an H100/H200 so the split path is exercised
 
 
-def heads_per_program(config: DecodeConfig, num_kv_heads: int) -> int:
-    """`config.kv_heads`, halved until it divides `num_kv_heads` (a model with 3 KV heads takes
-    them one at a time)."""
-    kv_heads = config.kv_heads
-    if kv_heads < 1 or kv_heads & (kv_heads - 1):
-        raise ValueError(f"DecodeConfig.kv_heads must be a power of two >= 1, got {kv_heads}")
-    while num_kv_heads % kv_heads:
-        kv_heads //= 2
-    return kv_heads
-
-
 def choose_num_splits(
     batch: int, num_kv_heads: int, max_context: int, sms: int, config: DecodeConfig
 ) -> int:
-    """Splits per sequence: the most that keep `batch * (num_kv_heads / kv_heads) * splits`
-    programs (`kv_heads` from `heads_per_program`) within one wave of `config.programs_per_sm`
-    programs per SM, each split at least `min_tokens_per_split` tokens long; 1 when the batch
-    alone fills the wave.
+    """Splits per sequence: the most that keep `batch * num_kv_heads * splits` programs within
+    one wave of `config.programs_per_sm` programs per SM, each split at least
+    `min_tokens_per_split` tokens long; 1 when the batch alone fills the wave.
 
     NOTE: floor, not ceil. On the H200 (docs/kernels.md) a partial second wave costs more than
     the parallelism it adds: B=16, ctx 4k ran 3.33 TB/s with 512 programs, 2.75 with 640.
     `max_context` is an upper bound known without a device sync (block_table columns *
     block_size); shorter sequences simply leave their trailing splits empty."""
-    base = batch * (num_kv_heads // heads_per_program(config, num_kv_heads))
+    base = batch * num_kv_heads
     want = config.programs_per_sm * sms // base
     most = math.ceil(max_context / config.min_tokens_per_split)
     return max(1, min(want, most, MAX_SPLITS))
@@ -360,8 +332,7 @@ def paged_decode_attention(
     block_d = triton.next_power_of_2(head_dim)
     # NOTE: the launch options (num_warps, num_stages) are not in the kernel's signature, the
     # only call type Triton's annotations give a launch: hence the checker's ignores.
-    kv_heads = heads_per_program(config, num_kv_heads)
-    _decode_kernel[(batch, num_kv_heads // kv_heads, num_splits)](
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
         query,
         key_cache,
         value_cache,
@@ -387,7 +358,7 @@ def paged_decode_attention(
         out.stride(1),
         NUM_HEADS=num_heads,
         GROUP=group,
-        BLOCK_H=max(16, triton.next_power_of_2(group * kv_heads)),
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_SIZE=block_size,
@@ -401,7 +372,6 @@ def paged_decode_attention(
         # softmax weights fit its range (the query is clamped to it).
         DOT_FP16=kv_scales is not None
         and (query.dtype == torch.float16 or (FP8_DOTS_IN_FP16 and query.dtype == torch.bfloat16)),
-        KV_HEADS=kv_heads,
         num_warps=config.num_warps,  # pyright: ignore[reportCallIssue]
         num_stages=config.num_stages,  # pyright: ignore[reportCallIssue]
         **_register_cap(config, query.device),

@@ -213,21 +213,11 @@ def test_attention_kernels_read_an_fp8_cache_at_real_shapes(lens):
 
 @pytest.mark.parametrize("fp16_dots", [True, False])
 @pytest.mark.parametrize(
-    "tiling",
-    [
-        (64, 4, 3, None, 1),
-        (64, 4, 5, 128, 1),
-        (128, 8, 5, 128, 1),
-        (32, 4, 5, 96, 1),
-        (64, 4, 5, None, 2),
-        (128, 8, 3, None, 2),
-        (32, 4, 4, None, 4),
-    ],
+    "tiling", [(64, 4, 3, None), (64, 4, 5, 128), (128, 8, 5, 128), (32, 4, 5, 96)]
 )
 def test_every_decode_tiling_and_dot_dtype_reads_an_fp8_cache_alike(monkeypatch, tiling, fp16_dots):
-    """The tilings, register caps and KV heads per program the sweep (benchmarks/step_kernels.py)
-    chooses from, with float16 and bfloat16 dots: each within the kernels' tolerance of the
-    reference."""
+    """The tilings and register caps the sweep (benchmarks/step_kernels.py) chooses from, with
+    float16 and bfloat16 dots: each within the kernels' tolerance of the reference."""
     from support.paged_kv import make_paged_kv
 
     from splitserve.kernels import decode_attention, layout, reference
@@ -245,10 +235,8 @@ def test_every_decode_tiling_and_dot_dtype_reads_an_fp8_cache_alike(monkeypatch,
     want = reference.paged_decode_attention(
         q, k8, v8, kv.block_table, kv.seq_lens, 128**-0.5, kv_scales=scales
     )
-    block_n, warps, stages, regs, kv_heads = tiling
-    config = decode_attention.DecodeConfig(
-        block_n, warps, stages, max_registers=regs, kv_heads=kv_heads
-    )
+    block_n, warps, stages, regs = tiling
+    config = decode_attention.DecodeConfig(block_n, warps, stages, max_registers=regs)
     got = decode_attention.paged_decode_attention(
         q, k8, v8, kv.block_table, kv.seq_lens, 128**-0.5, kv_scales=scales, config=config
     )

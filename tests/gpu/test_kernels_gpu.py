@@ -13,7 +13,7 @@ from support.paged_kv import make_paged_kv
 
 from splitserve import kernels
 from splitserve.kernels import layout, reference
-from splitserve.kernels.decode_attention import DEFAULT_CONFIG, paged_decode_attention
+from splitserve.kernels.decode_attention import paged_decode_attention
 from splitserve.kernels.prefill_attention import paged_prefill_attention
 
 pytestmark = [
@@ -58,13 +58,12 @@ def cpu_float(kv):
     )
 
 
-@pytest.mark.parametrize("kv_heads", [1, 2])  # KV heads per program (DecodeConfig.kv_heads)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("heads", "num_splits"),
     [((32, 8, 128), None), ((32, 8, 128), 1), ((16, 2, 64), None), ((8, 8, 128), 7)],
 )
-def test_decode_gpu(gen, dtype, heads, num_splits, kv_heads):
+def test_decode_gpu(gen, dtype, heads, num_splits):
     hq, hkv, d = heads
     lens = [1, BS - 1, BS, BS + 1, 8192, *torch.randint(1, 4097, (11,), generator=gen).tolist()]
     kv = make_paged_kv(lens, hkv, d, BS, dtype, "cuda", gen, spare_blocks=50)
@@ -80,7 +79,6 @@ def test_decode_gpu(gen, dtype, heads, num_splits, kv_heads):
         d**-0.5,
         out=out,
         num_splits=num_splits,
-        config=DEFAULT_CONFIG._replace(kv_heads=kv_heads),
     )
     assert_close(out, want, dtype)
 

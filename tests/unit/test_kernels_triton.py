@@ -130,47 +130,6 @@ def test_decode_kernel(gen, dtype, heads, num_splits):
     torch.testing.assert_close(got, want, **TOLERANCES[dtype])
 
 
-@pytest.mark.parametrize(
-    ("heads", "kv_heads", "num_splits"),
-    [
-        ((8, 2, 64), 2, 1),  # both KV heads in one program, output written directly
-        ((16, 4, 64), 2, 3),  # two programs of two heads each, uneven splits
-        ((12, 4, 32), 4, 2),  # group 3: 12 of 16 rows, four heads side by side
-        ((4, 4, 128), 4, None),  # MHA: one row per head, head_dim 128
-        ((6, 3, 32), 2, 2),  # 3 KV heads: 2 does not divide them, one head a program
-    ],
-)
-def test_decode_kernel_reads_kv_heads_side_by_side(gen, heads, kv_heads, num_splits):
-    """`DecodeConfig.kv_heads`: the block-diagonal query gives each row its own head's scores,
-    and each row keeps only its own head's columns of the output."""
-    hq, hkv, d = heads
-    lens = _lens(gen, 2)
-    kv = make_paged_kv(lens, hkv, d, BS, torch.float32, "cpu", gen)
-    q = torch.randn(len(lens), hq, d, generator=gen)
-    want = reference.paged_decode_attention(
-        q, kv.key_cache, kv.value_cache, kv.block_table, kv.seq_lens, d**-0.5
-    )
-    out = torch.full_like(q, float("nan"))
-    paged_decode_attention(q, kv.key_cache, kv.value_cache, kv.block_table, kv.seq_lens, d**-0.5,
-                           out=out, num_splits=num_splits,
-                           config=DecodeConfig(block_n=32, kv_heads=kv_heads))  # fmt: skip
-    torch.testing.assert_close(out, want, **TOLERANCES[torch.float32])
-
-
-def test_kv_heads_per_program():
-    from splitserve.kernels.decode_attention import heads_per_program
-
-    assert heads_per_program(DecodeConfig(kv_heads=2), 8) == 2
-    assert heads_per_program(DecodeConfig(kv_heads=4), 2) == 2
-    assert heads_per_program(DecodeConfig(kv_heads=2), 3) == 1
-    assert heads_per_program(DecodeConfig(), 8) == 1
-    for bad in (0, 3):
-        with pytest.raises(ValueError, match="kv_heads"):
-            heads_per_program(DecodeConfig(kv_heads=bad), 8)
-    # Fewer programs a sequence: the same wave takes more splits.
-    assert choose_num_splits(16, 8, 4096, 132, DecodeConfig(kv_heads=2)) == 8
-
-
 def test_decode_kernel_block_size_32(gen):
     lens = [1, 31, 32, 33, 70]
     kv = make_paged_kv(lens, 2, 64, 32, torch.float32, "cpu", gen)
@@ -203,12 +162,9 @@ def test_decode_tiling_from_the_environment(monkeypatch):
     assert da._config_from_env() == DecodeConfig(
         block_n=64, num_warps=4, num_stages=5, max_registers=128
     )
-    monkeypatch.setenv(da.CONFIG_ENV, "64,4,5,0,2")
-    assert da._config_from_env() == DecodeConfig(block_n=64, num_warps=4, num_stages=5, kv_heads=2)
     monkeypatch.setenv(da.CONFIG_ENV, "")
     assert da._config_from_env() is None
-    for bad in ("128,8", "a,b,c", "96,4,3", "64,3,3", "64,4,0", "64,4,3,16", "64,4,3,128,3",
-                "64,4,3,0,0", "64,4,3,128,2,1"):  # fmt: skip
+    for bad in ("128,8", "a,b,c", "96,4,3", "64,3,3", "64,4,0", "64,4,3,16", "64,4,3,128,1"):
         monkeypatch.setenv(da.CONFIG_ENV, bad)
         with pytest.raises(ValueError, match=da.CONFIG_ENV):
             da._config_from_env()
@@ -337,10 +293,9 @@ def _fp8_pool(kv, scales):
 FP8_SCALES = torch.tensor([0.01, 0.004])  # K and V values up to ~4: e4m3 values up to ~450
 
 
-@pytest.mark.parametrize("kv_heads", [1, 2])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_decode_kernel_reads_an_fp8_cache(gen, num_splits, dtype, kv_heads):
+def test_decode_kernel_reads_an_fp8_cache(gen, num_splits, dtype):
     # A 16-bit query takes its dots in float16 against the e4m3 cache (DOT_FP16; bfloat16's
     # run on the GPU: tests/gpu/test_fp8_gpu.py).
     lens = _lens(gen, 2)
@@ -352,8 +307,7 @@ def test_decode_kernel_reads_an_fp8_cache(gen, num_splits, dtype, kv_heads):
     )
     out = torch.full_like(q, float("nan"))
     paged_decode_attention(q, k8, v8, kv.block_table, kv.seq_lens, 0.125, out=out,
-                           num_splits=num_splits,
-                           config=DecodeConfig(block_n=32, kv_heads=kv_heads),
+                           num_splits=num_splits, config=DecodeConfig(block_n=32),
                            kv_scales=FP8_SCALES)  # fmt: skip
     torch.testing.assert_close(out.float(), want, **TOLERANCES[dtype])
 
