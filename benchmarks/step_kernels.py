@@ -3,7 +3,8 @@ layer GEMMs run at the row counts of those steps (cuBLAS against the Triton tili
 
     python benchmarks/step_kernels.py --make-8b /tmp/llama8b [--decode-batch 240]
         [--context-range 128 1152] [--prefill-tokens 8192] [--gemm-rows 240 256 8192]
-        [--gemm] [--attention-sweep [--sweep-registers 0 128] [--sweep-fp8-dots fp16 bf16]]
+        [--gemm] [--attention-sweep [--sweep-registers 0 128] [--sweep-fp8-dots fp16 bf16]
+                                    [--sweep-fp8-v pairs bytes]]
         [--quantization fp8] [--kv-cache-dtype fp8]
         [--out FILE.json]
 
@@ -187,11 +188,12 @@ def gemm_table(engine, rows: list[int]) -> list[dict]:
 
 
 def attention_sweep(
-    engine, batch: int, lo: int, hi: int, grid: list[list[int]], dots: list[str]
+    engine, batch: int, lo: int, hi: int, grid: list[list[int]], dots: list[str], v_reads: list[str]
 ) -> list[dict]:
     """The decode attention kernel of one layer at the decode step's shapes, per tiling
     (`grid`: block_n, warps, stages and register caps, 0 for none) and, on an e4m3 cache, per
-    dot dtype: 20 calls between two CUDA events (GPU-bound), KV bytes read per second."""
+    dot dtype and way of reading V (`FP8_V_PAIRS`): 20 calls between two CUDA events
+    (GPU-bound), KV bytes read per second."""
     from splitserve.kernels import decode_attention
     from splitserve.kernels.decode_attention import DecodeConfig, paged_decode_attention
     from splitserve.kernels.layout import layer_kv_views
@@ -219,11 +221,13 @@ def attention_sweep(
     del src, dst
     rows = []
     tilings = list(itertools.product(*grid))
-    for dot, (block_n, warps, stages, regs) in itertools.product(dots if fp8 else ["-"], tilings):
+    variants = itertools.product(dots if fp8 else ["-"], v_reads if fp8 else ["-"], tilings)
+    for dot, v_read, (block_n, warps, stages, regs) in variants:
         config = DecodeConfig(
             block_n=block_n, num_warps=warps, num_stages=stages, max_registers=regs or None
         )
         decode_attention.FP8_DOTS_IN_FP16 = dot != "bf16"
+        decode_attention.FP8_V_PAIRS = v_read != "bytes"
 
         def call(c=config) -> None:
             paged_decode_attention(
@@ -238,10 +242,11 @@ def attention_sweep(
             continue
         tb_s = kv_bytes / ms / 1e9
         row = {"block_n": block_n, "warps": warps, "stages": stages, "max_registers": regs}
-        row |= {"dots": dot, "us": ms * 1e3, "tb_s": tb_s, "of_copy": tb_s / copy_tb_s}
+        row |= {"dots": dot, "v": v_read, "us": ms * 1e3, "tb_s": tb_s, "of_copy": tb_s / copy_tb_s}
         print(json.dumps(row), flush=True)
         rows.append(row)
     decode_attention.FP8_DOTS_IN_FP16 = True
+    decode_attention.FP8_V_PAIRS = True
     return rows
 
 
@@ -263,6 +268,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--sweep-fp8-dots", nargs="+", default=["fp16"], choices=["fp16", "bf16"],
         help="an e4m3 cache: the dtype of the dots (float16 is the default path)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--sweep-fp8-v", nargs="+", default=["pairs"], choices=["pairs", "bytes"],
+        help="an e4m3 cache: V read as int16 pairs (the default path) or byte by byte",
     )  # fmt: skip
     ap.add_argument("--no-graphs", action="store_true", help="decode steps eager")
     ap.add_argument("--quantization", default=None, help="fp8: FP8 weights (quantized at load)")
@@ -330,14 +339,16 @@ def main() -> None:
                 args.context_range[1],
                 [args.sweep_block_n, args.sweep_warps, args.sweep_stages, args.sweep_registers],
                 args.sweep_fp8_dots,
+                args.sweep_fp8_v,
             )
-            print("\n| decode attention (one layer) | dots | µs | KV TB/s | of copy |")
-            print("|---|---|---|---|---|")
+            print("\n| decode attention (one layer) | dots | V read | µs | KV TB/s | of copy |")
+            print("|---|---|---|---|---|---|")
             for r in sorted(result["attention"], key=lambda r: r["us"])[:16]:
                 regs = f", {r['max_registers']} registers" if r["max_registers"] else ""
                 print(
                     f"| block_n {r['block_n']}, {r['warps']} warps, {r['stages']} stages{regs} | "
-                    f"{r['dots']} | {r['us']:.1f} | {r['tb_s']:.2f} | {r['of_copy']:.0%} |"
+                    f"{r['dots']} | {r['v']} | {r['us']:.1f} | {r['tb_s']:.2f} | "
+                    f"{r['of_copy']:.0%} |"
                 )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

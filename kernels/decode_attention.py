@@ -59,6 +59,10 @@ FP8_DOTS_IN_FP16 = True
 """On an e4m3 cache, a bfloat16 query takes its dots in float16 (see `paged_decode_attention`);
 False keeps them in bfloat16 (`benchmarks/step_kernels.py --sweep-fp8-dots` compares the two)."""
 
+FP8_V_PAIRS = True
+"""On an e4m3 cache, V is read as int16 pairs of head dims (see `paged_decode_attention`); False
+reads it byte by byte (`benchmarks/step_kernels.py --sweep-fp8-v` compares the two)."""
+
 CONFIG_ENV = "SPLITSERVE_DECODE_ATTENTION_CONFIG"
 
 
@@ -139,6 +143,7 @@ def _decode_kernel(
     SINGLE_SPLIT: tl.constexpr,
     IS_FP8: tl.constexpr,
     DOT_FP16: tl.constexpr,
+    V_PAIRS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -169,9 +174,16 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    # V_PAIRS: `value_cache` is the e4m3 cache seen as int16, each element two adjacent head
+    # dims; the accumulator is kept as its even and odd columns.
+    acc_lo = tl.zeros([BLOCK_H, BLOCK_D // 2], tl.float32)
+    acc_hi = tl.zeros([BLOCK_H, BLOCK_D // 2], tl.float32)
     bt_row = block_table + b.to(tl.int64) * stride_bt
     k_base = key_cache + kv_head * stride_kh + d[None, :]
-    v_base = value_cache + kv_head * stride_vh + d[None, :]
+    if V_PAIRS:
+        v_base = value_cache + kv_head * stride_vh + tl.arange(0, BLOCK_D // 2)[None, :]
+    else:
+        v_base = value_cache + kv_head * stride_vh + d[None, :]
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         t_mask = tok < end
@@ -181,20 +193,38 @@ def _decode_kernel(
         k = tl.load(
             k_base + blk[:, None] * stride_kb + off[:, None] * stride_ks, mask=kv_mask, other=0.0
         )
-        v = tl.load(
-            v_base + blk[:, None] * stride_vb + off[:, None] * stride_vs, mask=kv_mask, other=0.0
-        )
         if IS_FP8:
             k = k.to(q.dtype)
-            v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        if V_PAIRS:
+            v2 = tl.load(
+                v_base + blk[:, None] * stride_vb + off[:, None] * stride_vs,
+                mask=t_mask[:, None],
+                other=0,
+            )
+            v_lo = v2.to(tl.int8).to(tl.float8e4nv, bitcast=True).to(q.dtype)
+            v_hi = (v2 >> 8).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(q.dtype)
+            p16 = p.to(q.dtype)
+            acc_lo = tl.dot(p16, v_lo, acc_lo * alpha[:, None])
+            acc_hi = tl.dot(p16, v_hi, acc_hi * alpha[:, None])
+        else:
+            v = tl.load(
+                v_base + blk[:, None] * stride_vb + off[:, None] * stride_vs,
+                mask=kv_mask,
+                other=0.0,
+            )
+            if IS_FP8:
+                v = v.to(q.dtype)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
+
+    if V_PAIRS:  # even and odd columns back in order
+        acc = tl.reshape(tl.join(acc_lo, acc_hi), [BLOCK_H, BLOCK_D])
 
     o_mask = h_mask[:, None] & d_mask[None, :]
     if SINGLE_SPLIT:
@@ -332,10 +362,15 @@ def paged_decode_attention(
     block_d = triton.next_power_of_2(head_dim)
     # NOTE: the launch options (num_warps, num_stages) are not in the kernel's signature, the
     # only call type Triton's annotations give a launch: hence the checker's ignores.
+    # NOTE: e4m3 V read as int16 pairs (two adjacent head dims): P @ V's operand wants V's
+    # tokens adjacent, and Triton reads an 8-bit tile across its rows one byte at a time; 16-bit
+    # elements go through `ldmatrix.trans` instead.
+    v_pairs = kv_scales is not None and FP8_V_PAIRS and head_dim == triton.next_power_of_2(head_dim)
+    v_cache = value_cache.view(torch.int16) if v_pairs else value_cache
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         query,
         key_cache,
-        value_cache,
+        v_cache,
         block_table,
         seq_lens,
         out,
@@ -350,9 +385,9 @@ def paged_decode_attention(
         key_cache.stride(0),
         key_cache.stride(1),
         key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_table.stride(0),
         out.stride(0),
         out.stride(1),
@@ -372,6 +407,7 @@ def paged_decode_attention(
         # softmax weights fit its range (the query is clamped to it).
         DOT_FP16=kv_scales is not None
         and (query.dtype == torch.float16 or (FP8_DOTS_IN_FP16 and query.dtype == torch.bfloat16)),
+        V_PAIRS=v_pairs,
         num_warps=config.num_warps,  # pyright: ignore[reportCallIssue]
         num_stages=config.num_stages,  # pyright: ignore[reportCallIssue]
         **_register_cap(config, query.device),

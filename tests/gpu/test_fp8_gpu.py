@@ -211,18 +211,23 @@ def test_attention_kernels_read_an_fp8_cache_at_real_shapes(lens):
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("v_pairs", [True, False])
 @pytest.mark.parametrize("fp16_dots", [True, False])
 @pytest.mark.parametrize(
     "tiling", [(64, 4, 3, None), (64, 4, 5, 128), (128, 8, 5, 128), (32, 4, 5, 96)]
 )
-def test_every_decode_tiling_and_dot_dtype_reads_an_fp8_cache_alike(monkeypatch, tiling, fp16_dots):
+def test_every_decode_tiling_and_dot_dtype_reads_an_fp8_cache_alike(
+    monkeypatch, tiling, fp16_dots, v_pairs
+):
     """The tilings and register caps the sweep (benchmarks/step_kernels.py) chooses from, with
-    float16 and bfloat16 dots: each within the kernels' tolerance of the reference."""
+    float16 and bfloat16 dots, V read as int16 pairs or bytes: each within the kernels'
+    tolerance of the reference."""
     from support.paged_kv import make_paged_kv
 
     from splitserve.kernels import decode_attention, layout, reference
 
     monkeypatch.setattr(decode_attention, "FP8_DOTS_IN_FP16", fp16_dots)
+    monkeypatch.setattr(decode_attention, "FP8_V_PAIRS", v_pairs)
     lens = [1, 15, 16, 17, 300, 1088, 4000, *range(192, 1088, 37)]
     kv = make_paged_kv(lens, 8, 128, 16, torch.bfloat16, "cuda", torch.Generator().manual_seed(2))
     scales = torch.tensor([0.01, 0.004], device="cuda")

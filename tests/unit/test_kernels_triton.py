@@ -293,11 +293,16 @@ def _fp8_pool(kv, scales):
 FP8_SCALES = torch.tensor([0.01, 0.004])  # K and V values up to ~4: e4m3 values up to ~450
 
 
+@pytest.mark.parametrize("v_pairs", [True, False])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_decode_kernel_reads_an_fp8_cache(gen, num_splits, dtype):
+def test_decode_kernel_reads_an_fp8_cache(gen, monkeypatch, num_splits, dtype, v_pairs):
     # A 16-bit query takes its dots in float16 against the e4m3 cache (DOT_FP16; bfloat16's
-    # run on the GPU: tests/gpu/test_fp8_gpu.py).
+    # run on the GPU: tests/gpu/test_fp8_gpu.py). V is read as int16 pairs of head dims
+    # (FP8_V_PAIRS, the default) or byte by byte.
+    from splitserve.kernels import decode_attention as da
+
+    monkeypatch.setattr(da, "FP8_V_PAIRS", v_pairs)
     lens = _lens(gen, 2)
     kv = make_paged_kv(lens, 2, 64, BS, torch.float32, "cpu", gen)
     _, k8, v8 = _fp8_pool(kv, FP8_SCALES)
