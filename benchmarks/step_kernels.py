@@ -221,6 +221,7 @@ def attention_sweep(
     del src, dst
     rows = []
     tilings = list(itertools.product(*grid))
+    v_pairs_default = decode_attention.FP8_V_PAIRS
     variants = itertools.product(dots if fp8 else ["-"], v_reads if fp8 else ["-"], tilings)
     for dot, v_read, (block_n, warps, stages, regs) in variants:
         config = DecodeConfig(
@@ -246,7 +247,7 @@ def attention_sweep(
         print(json.dumps(row), flush=True)
         rows.append(row)
     decode_attention.FP8_DOTS_IN_FP16 = True
-    decode_attention.FP8_V_PAIRS = True
+    decode_attention.FP8_V_PAIRS = v_pairs_default
     return rows
 
 
@@ -270,8 +271,8 @@ def parse_args() -> argparse.Namespace:
         help="an e4m3 cache: the dtype of the dots (float16 is the default path)",
     )  # fmt: skip
     ap.add_argument(
-        "--sweep-fp8-v", nargs="+", default=["pairs"], choices=["pairs", "bytes"],
-        help="an e4m3 cache: V read as int16 pairs (the default path) or byte by byte",
+        "--sweep-fp8-v", nargs="+", default=["bytes"], choices=["pairs", "bytes"],
+        help="an e4m3 cache: V read as int16 pairs of head dims or byte by byte (the default)",
     )  # fmt: skip
     ap.add_argument("--no-graphs", action="store_true", help="decode steps eager")
     ap.add_argument("--quantization", default=None, help="fp8: FP8 weights (quantized at load)")

@@ -7,7 +7,8 @@ group, the group padded to 16 rows for `tl.dot`), and one contiguous range of
 each token's K/V row through the block table, with an online softmax (float32 running max,
 sum and accumulator, base-2 exponentials). With one split it writes the output directly;
 otherwise it writes a normalised partial output and its log-sum-exp, and a second kernel
-(grid `(batch, Hq)`) combines the splits of each sequence (flash-decoding).
+(grid `(batch, Hq)`) combines the splits of each sequence (flash-decoding). An e4m3 cache's V can
+be read as int16 pairs of head dims (`FP8_V_PAIRS`, off by default until measured on a GPU).
 
 `_decode_kernel` and its launcher `paged_decode_attention` stay single functions over 60 lines:
 one kernel is one launch (a Triton helper is inlined anyway, and splitting the body would cost
@@ -59,9 +60,12 @@ FP8_DOTS_IN_FP16 = True
 """On an e4m3 cache, a bfloat16 query takes its dots in float16 (see `paged_decode_attention`);
 False keeps them in bfloat16 (`benchmarks/step_kernels.py --sweep-fp8-dots` compares the two)."""
 
-FP8_V_PAIRS = True
-"""On an e4m3 cache, V is read as int16 pairs of head dims (see `paged_decode_attention`); False
-reads it byte by byte (`benchmarks/step_kernels.py --sweep-fp8-v` compares the two)."""
+FP8_V_PAIRS = False
+"""On an e4m3 cache, read V as int16 pairs of head dims (see `paged_decode_attention`) instead of
+byte by byte. Off until measured on a GPU: compiled for sm_90 (Triton 3.6, ptxas) the pairs
+kernel has no byte-wide shared-memory loads (64 a tile before) and holds 96 registers a thread
+against 160; `benchmarks/step_kernels.py --attention-sweep --kv-cache-dtype fp8 --sweep-fp8-v
+pairs bytes` is the measurement that decides (docs/benchmarks.md)."""
 
 CONFIG_ENV = "SPLITSERVE_DECODE_ATTENTION_CONFIG"
 
@@ -193,15 +197,24 @@ def _decode_kernel(
         k = tl.load(
             k_base + blk[:, None] * stride_kb + off[:, None] * stride_ks, mask=kv_mask, other=0.0
         )
+        if not V_PAIRS:
+            v = tl.load(
+                v_base + blk[:, None] * stride_vb + off[:, None] * stride_vs,
+                mask=kv_mask,
+                other=0.0,
+            )
         if IS_FP8:
             k = k.to(q.dtype)
+            if not V_PAIRS:
+                v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if V_PAIRS:
+        if V_PAIRS:  # the low bytes are the even head dims, the high bytes the odd ones
+            # (loaded here, not beside K: 96 registers a thread against 118, sm_90 ptxas)
             v2 = tl.load(
                 v_base + blk[:, None] * stride_vb + off[:, None] * stride_vs,
                 mask=t_mask[:, None],
@@ -213,13 +226,6 @@ def _decode_kernel(
             acc_lo = tl.dot(p16, v_lo, acc_lo * alpha[:, None])
             acc_hi = tl.dot(p16, v_hi, acc_hi * alpha[:, None])
         else:
-            v = tl.load(
-                v_base + blk[:, None] * stride_vb + off[:, None] * stride_vs,
-                mask=kv_mask,
-                other=0.0,
-            )
-            if IS_FP8:
-                v = v.to(q.dtype)
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
 
@@ -365,7 +371,12 @@ def paged_decode_attention(
     # NOTE: e4m3 V read as int16 pairs (two adjacent head dims): P @ V's operand wants V's
     # tokens adjacent, and Triton reads an 8-bit tile across its rows one byte at a time; 16-bit
     # elements go through `ldmatrix.trans` instead.
-    v_pairs = kv_scales is not None and FP8_V_PAIRS and head_dim == triton.next_power_of_2(head_dim)
+    v_pairs = (
+        kv_scales is not None
+        and FP8_V_PAIRS
+        and head_dim >= 32  # (each half a dot's operand: >= 16 columns)
+        and head_dim == triton.next_power_of_2(head_dim)
+    )
     v_cache = value_cache.view(torch.int16) if v_pairs else value_cache
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         query,

@@ -293,25 +293,26 @@ def _fp8_pool(kv, scales):
 FP8_SCALES = torch.tensor([0.01, 0.004])  # K and V values up to ~4: e4m3 values up to ~450
 
 
-@pytest.mark.parametrize("v_pairs", [True, False])
+@pytest.mark.parametrize(("v_pairs", "head_dim"), [(True, 64), (False, 64), (True, 16)])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_decode_kernel_reads_an_fp8_cache(gen, monkeypatch, num_splits, dtype, v_pairs):
+def test_decode_kernel_reads_an_fp8_cache(gen, monkeypatch, num_splits, dtype, v_pairs, head_dim):
     # A 16-bit query takes its dots in float16 against the e4m3 cache (DOT_FP16; bfloat16's
     # run on the GPU: tests/gpu/test_fp8_gpu.py). V is read as int16 pairs of head dims
-    # (FP8_V_PAIRS, the default) or byte by byte.
+    # (FP8_V_PAIRS) or byte by byte (the default; also head dims < 32 with FP8_V_PAIRS on).
     from splitserve.kernels import decode_attention as da
 
     monkeypatch.setattr(da, "FP8_V_PAIRS", v_pairs)
     lens = _lens(gen, 2)
-    kv = make_paged_kv(lens, 2, 64, BS, torch.float32, "cpu", gen)
+    kv = make_paged_kv(lens, 2, head_dim, BS, torch.float32, "cpu", gen)
     _, k8, v8 = _fp8_pool(kv, FP8_SCALES)
-    q = torch.randn(len(lens), 8, 64, generator=gen).to(dtype)
+    q = torch.randn(len(lens), 8, head_dim, generator=gen).to(dtype)
+    scale = head_dim**-0.5
     want = reference.paged_decode_attention(
-        q.float(), k8, v8, kv.block_table, kv.seq_lens, 0.125, kv_scales=FP8_SCALES
+        q.float(), k8, v8, kv.block_table, kv.seq_lens, scale, kv_scales=FP8_SCALES
     )
     out = torch.full_like(q, float("nan"))
-    paged_decode_attention(q, k8, v8, kv.block_table, kv.seq_lens, 0.125, out=out,
+    paged_decode_attention(q, k8, v8, kv.block_table, kv.seq_lens, scale, out=out,
                            num_splits=num_splits, config=DecodeConfig(block_n=32),
                            kv_scales=FP8_SCALES)  # fmt: skip
     torch.testing.assert_close(out.float(), want, **TOLERANCES[dtype])
