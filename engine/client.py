@@ -23,6 +23,7 @@ import subprocess
 from collections.abc import Callable
 from typing import Any
 
+from splitserve.engine import lifeline
 from splitserve.engine.api import (
     EngineFigures,
     EngineInfo,
@@ -89,13 +90,9 @@ async def _read(reader: asyncio.StreamReader) -> Any:
 
 
 def reap(process: subprocess.Popen, timeout: float) -> None:
-    """Wait for the engine process to exit; kill it after ``timeout`` seconds."""
-    try:
-        process.wait(timeout)
-    except subprocess.TimeoutExpired:
-        logger.warning("the engine process %d did not stop: killed", process.pid)
-        process.kill()
-        process.wait()
+    """Wait for the engine process to exit; kill it after ``timeout`` seconds, and give up on it
+    (an error logged) if it outlives the kill by ``lifeline.KILL_WAIT_S``."""
+    lifeline.reap(process, timeout, "the engine process")
 
 
 class EngineClient(NodeEngine):

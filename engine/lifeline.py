@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 from collections.abc import Mapping
@@ -32,6 +33,33 @@ PARENT_VARIABLE = "SPLITSERVE_PARENT_PID"  # internal: the pid a helper must die
 ORPHAN_EXIT_CODE = 71  # a helper whose parent was already gone when it started (EX_OSERR)
 _PR_SET_PDEATHSIG = 1
 POLL_S = 0.5  # the fallback thread's interval
+
+
+KILL_WAIT_S = 10.0  # how long a helper sent SIGKILL is waited for before it is given up on
+
+
+def reap(process: subprocess.Popen, timeout: float, name: str) -> bool:
+    """Wait ``timeout`` seconds for the helper ``process`` to exit, SIGKILL it if it has not,
+    then wait at most ``KILL_WAIT_S`` more: never a wait without an end (a process stuck in the
+    kernel, e.g. in a GPU driver call, outlives SIGKILL until that call returns). False, with an
+    error logged, if it is still there."""
+    try:
+        process.wait(timeout)
+        return True
+    except subprocess.TimeoutExpired:
+        logger.warning("%s (pid %d) did not stop in %.1f s: killing it", name, process.pid, timeout)
+    process.kill()
+    try:
+        process.wait(KILL_WAIT_S)
+        return True
+    except subprocess.TimeoutExpired:
+        logger.error(
+            "%s (pid %d) outlived SIGKILL for %.0f s; left to the kernel",
+            name,
+            process.pid,
+            KILL_WAIT_S,
+        )
+        return False
 
 
 def child_env(env: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from splitserve.engine import lifeline
 from splitserve.models.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -122,12 +123,7 @@ class Ranks:
         for proc in self.procs:
             if proc.stdin is not None and not proc.stdin.closed:
                 proc.stdin.close()  # a rank blocked on a collective exits on this EOF
-            try:
-                proc.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                logger.warning("tensor-parallel rank (pid %d) did not stop: killing it", proc.pid)
-                proc.kill()
-                proc.wait()
+            lifeline.reap(proc, max(deadline - time.monotonic(), 0.1), "tensor-parallel rank")
 
 
 def _exit_lost(rank: int, code: int) -> None:
@@ -153,7 +149,6 @@ def start_ranks(
     gloo; NCCL connects at the first collective). ``pass_fds``: descriptors the ranks inherit
     (the node's GPU locks). ``on_lost(rank, status)``: what to do when a rank goes (default:
     log and exit this process)."""
-    from splitserve.engine import lifeline
     from splitserve.transfer import loopback_store, make_group
 
     store, port = loopback_store(GROUP_TIMEOUT_S)
@@ -242,7 +237,6 @@ def main(argv: list[str]) -> int:
     if len(argv) != 3:
         print("usage: python -m splitserve.engine.ranks SPEC_JSON RANK", file=sys.stderr)
         return 2
-    from splitserve.engine import lifeline
 
     # First: a rank whose rank 0 ends any way (killed, or stuck while this one is stopped) is
     # SIGKILLed by the kernel; the stdin watch below is the orderly end.
