@@ -55,6 +55,14 @@ PREFILL_VARIANTS = {
     "m256_n128_w8_s2": PrefillConfig(256, 128, 8, 2),
     "m256_n64_w16_s3": PrefillConfig(256, 64, 16, 3),
     "m128_n64_w4_s4": PrefillConfig(128, 64, 4, 4),
+    # Triton 3.6 compiles 3 and 4 stages of this kernel alike: two K/V buffers and a wait for
+    # every copy in flight at the top of each key step (no prefetch past the PV dot); 5 stages
+    # give three buffers and a real prefetch (docs/kernels.md). Unmeasured as yet.
+    "m256_n64_w8_s5": PrefillConfig(256, 64, 8, 5),
+    "m256_n64_w16_s5": PrefillConfig(256, 64, 16, 5),
+    "m128_n128_w8_s5": PrefillConfig(128, 128, 8, 5),
+    "m128_n64_w8_s5": PrefillConfig(128, 64, 8, 5),
+    "m64_n64_w4_s5": PrefillConfig(64, 64, 4, 5),
 }
 # `--sweep splits` times explicit split counts with the default tiling on these shapes.
 SPLIT_SWEEP_SHAPES = [*DECODE_SHAPES, (4, 8192), (8, 2048), (32, 2048), (2, 131072), (128, 512)]

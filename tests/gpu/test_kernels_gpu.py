@@ -14,7 +14,7 @@ from support.paged_kv import make_paged_kv
 from splitserve import kernels
 from splitserve.kernels import layout, reference
 from splitserve.kernels.decode_attention import paged_decode_attention
-from splitserve.kernels.prefill_attention import paged_prefill_attention
+from splitserve.kernels.prefill_attention import PrefillConfig, paged_prefill_attention
 
 pytestmark = [
     pytest.mark.gpu,
@@ -119,6 +119,32 @@ def test_prefill_gpu(gen, dtype, heads, max_new):
         out=out,
     )
     assert_close(out, want, dtype)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        PrefillConfig(256, 64, 8, 5),
+        PrefillConfig(256, 64, 16, 5),
+        PrefillConfig(128, 128, 8, 5),
+        PrefillConfig(128, 64, 8, 5),
+        PrefillConfig(64, 64, 4, 5),
+    ],
+)
+def test_prefill_gpu_five_stage_tilings(gen, config):
+    """The 5-stage tilings of benchmarks/attention_kernels.py's prefill sweep (three K/V buffers:
+    another pipeline than 3-4 stages compile to) against the reference."""
+    shapes = [(1, 1), (BS + 1, BS + 1), (2048, 2048), (1500, 333), (4096, 1000)]
+    kv = make_paged_kv([c for c, _ in shapes], 8, 128, BS, torch.bfloat16, "cuda", gen)
+    q_lens = torch.tensor([n for _, n in shapes])
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)]).to(torch.int32)
+    q = torch.randn(int(cu[-1]), 32, 128, generator=gen).to(torch.bfloat16)
+    key, value, table, seq_lens = cpu_float(kv)
+    want = reference.paged_prefill_attention(q.float(), key, value, table, cu, seq_lens, 128**-0.5)
+    out = torch.full_like(q, float("nan"), device="cuda")
+    paged_prefill_attention(q.cuda(), kv.key_cache, kv.value_cache, kv.block_table, cu.cuda(),
+                            kv.seq_lens, 128**-0.5, out=out, config=config)  # fmt: skip
+    assert_close(out, want, torch.bfloat16)
 
 
 def test_reshape_and_cache_gpu_byte_exact(gen):
