@@ -211,9 +211,8 @@ def serving_dtype(path: str, device: str, dtype: str | None) -> str | None:
 def cmd_up(args: argparse.Namespace) -> int:
     """Start a local cluster (Redis, prefill and decode nodes, router) until Ctrl-C."""
     import signal
-    import threading
 
-    from splitserve.launcher import LocalCluster
+    from splitserve.launcher import LocalCluster, StartInterrupted
 
     node_args = up_node_args(args)
     try:
@@ -240,7 +239,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     # Ctrl-C stops the cluster however up was started: a process started in the background by a
     # script (no job control) inherits SIGINT ignored, and Python then installs no handler of
-    # its own (the components handle SIGINT in their event loops either way).
+    # its own (the components handle SIGINT in their event loops either way). Until the cluster
+    # exists nothing is running, so an exception is safe; from then on the handlers only set
+    # an event (cluster.interrupt, then `stopping`).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     planner_policy = None
     if args.autoscale:
@@ -255,6 +256,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         planner_policy[0].max_prefill + planner_policy[0].max_decode if planner_policy else None
     )
     cluster = LocalCluster(spec) if max_nodes is None else LocalCluster(spec, max_nodes)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda signum, frame: cluster.interrupt())
     stop_planner = None
     try:
         a = cluster.start()
@@ -286,19 +289,19 @@ def cmd_up(args: argparse.Namespace) -> int:
             )
             key_flag = f" --api-key-file {a.api_key_file}"
         print(f"ready: splitserve generate --target {a.router}{key_flag} 'Hello'", flush=True)
-        # Serving, Ctrl-C and SIGTERM only ask the loop to stop: an exception raised by a signal
-        # handler in the middle of a poll could leave a lock of the launcher's or of a
-        # subprocess.Popen held, and the stop below needs them (a CI run's stop hung so).
-        stopping = threading.Event()
-        signal.signal(signal.SIGINT, lambda signum, frame: stopping.set())
-        signal.signal(signal.SIGTERM, lambda signum, frame: stopping.set())
+        # Serving, Ctrl-C and SIGTERM still only call cluster.interrupt(), which this loop
+        # checks: an exception raised by a signal handler in the middle of a poll could leave a
+        # lock of the launcher's or of a subprocess.Popen held, and the stop below needs them
+        # (a CI run's stop hung so).
         while (dead := cluster.poll()) is None:
-            if stopping.wait(0.5):
+            if cluster.interrupted(0.5):
                 return 0
         return _error(f"{dead} exited; stopping the cluster", 1)
     except (RuntimeError, TimeoutError, ValueError) as exc:
         return _error(str(exc), 1)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, StartInterrupted) as exc:
+        if isinstance(exc, StartInterrupted):
+            print(f"{exc}; stopping what was started", file=sys.stderr, flush=True)
         return 0
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut cleanup

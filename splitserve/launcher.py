@@ -140,6 +140,10 @@ def _identity_flags(node_args: tuple[str, ...]) -> list[str]:
     return out
 
 
+class StartInterrupted(Exception):
+    """``LocalCluster.start`` gave up because ``interrupt()`` was called (Ctrl-C, SIGTERM)."""
+
+
 class LocalCluster:
     """Start with ``start()`` (or ``with``); ``stop()`` ends every process it started.
 
@@ -159,6 +163,18 @@ class LocalCluster:
         self._workdir = Path(tempfile.mkdtemp(prefix="splitserve-up-"))
         self.addresses: ClusterAddresses | None = None
         self._tls: TlsFiles | None = None  # set by start(): mTLS files every component uses
+        self._interrupted = threading.Event()
+
+    def interrupt(self) -> None:
+        """Make a ``start()`` in progress raise ``StartInterrupted`` at its next check (within
+        about a second). Only sets an event, so a signal handler may call it: an exception
+        raised by the handler itself could land while a lock of the launcher's or of a
+        ``subprocess.Popen`` is held, and ``stop()`` needs them."""
+        self._interrupted.set()
+
+    def interrupted(self, timeout: float = 0.0) -> bool:
+        """Whether ``interrupt()`` has been called (waiting up to ``timeout`` seconds for it)."""
+        return self._interrupted.wait(timeout)
 
     def _spawn(self, name: str, argv: list[str], port_file: Path | None, **kw) -> _Process:
         logger.info("starting %s: %s", name, " ".join(argv))
@@ -422,12 +438,14 @@ class LocalCluster:
             raise RuntimeError(f"{proc.name} exited with status {rc} while starting ({where})")
 
     def _sleep_until(self, deadline: float, proc: _Process) -> None:
+        if self._interrupted.is_set():
+            raise StartInterrupted(f"interrupted while waiting for {proc.name} to start")
         if time.monotonic() > deadline:
             raise TimeoutError(
                 f"{proc.name} not ready after {self.spec.startup_timeout_s:.0f} s "
                 "(raise --startup-timeout for large models)"
             )
-        time.sleep(0.1)
+        self._interrupted.wait(0.1)
 
     def _gpus(self) -> list[int] | None:
         """The GPUs nodes are placed on (None: not ``--device cuda``)."""
