@@ -240,8 +240,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     # Ctrl-C stops the cluster however up was started: a process started in the background by a
     # script (no job control) inherits SIGINT ignored, and Python then installs no handler of
     # its own (the components handle SIGINT in their event loops either way). Until the cluster
-    # exists nothing is running, so an exception is safe; from then on the handlers only set
-    # an event (cluster.interrupt, then `stopping`).
+    # exists nothing is running, so an exception is safe; from then on the handlers only call
+    # cluster.interrupt() (an event that start() and the serving loop below check).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     planner_policy = None
     if args.autoscale:
