@@ -619,7 +619,7 @@ def start_redis_server(
                 return popen, chosen
             if time.monotonic() > deadline:
                 popen.kill()
-                popen.wait()
+                _exited(popen, KILL_WAIT_S)  # never a wait without an end
                 raise TimeoutError(f"redis-server not answering on {host}:{chosen} (see {log})")
             time.sleep(0.05)
         text = log.read_text(errors="replace")
