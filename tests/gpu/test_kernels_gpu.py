@@ -18,7 +18,10 @@ from splitserve.kernels.prefill_attention import PrefillConfig, paged_prefill_at
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="no CUDA GPU; CPU counterpart: tests/unit/test_kernels_triton.py (the interpreter)",
+    ),
     pytest.mark.skipif(
         os.environ.get("TRITON_INTERPRET") == "1",
         reason="TRITON_INTERPRET=1 was set by hand: the GPU tests need the compiled kernels",
