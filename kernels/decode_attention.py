@@ -60,12 +60,26 @@ FP8_DOTS_IN_FP16 = True
 """On an e4m3 cache, a bfloat16 query takes its dots in float16 (see `paged_decode_attention`);
 False keeps them in bfloat16 (`benchmarks/step_kernels.py --sweep-fp8-dots` compares the two)."""
 
-FP8_V_PAIRS = False
+V_READ_ENV = "SPLITSERVE_DECODE_FP8_V"
+
+
+def _v_pairs_from_env() -> bool:
+    """`SPLITSERVE_DECODE_FP8_V=pairs` (or ``bytes``, the default): how the decode kernel reads an
+    e4m3 cache's V, for measuring the two in a whole engine without editing code. Read once, at
+    import."""
+    raw = os.environ.get(V_READ_ENV, "").strip() or "bytes"
+    if raw not in ("pairs", "bytes"):
+        raise ValueError(f"{V_READ_ENV}={raw!r}: expected pairs or bytes")
+    return raw == "pairs"
+
+
+FP8_V_PAIRS = _v_pairs_from_env()
 """On an e4m3 cache, read V as int16 pairs of head dims (see `paged_decode_attention`) instead of
 byte by byte. Off until measured on a GPU: compiled for sm_90 (Triton 3.6, ptxas) the pairs
 kernel has no byte-wide shared-memory loads (64 a tile before) and holds 96 registers a thread
 against 160; `benchmarks/step_kernels.py --attention-sweep --kv-cache-dtype fp8 --sweep-fp8-v
-pairs bytes` is the measurement that decides (docs/benchmarks.md)."""
+pairs bytes` (one layer) and `SPLITSERVE_DECODE_FP8_V=pairs python3 benchmarks/engine.py ...` (the
+engine) are the measurements that decide (docs/benchmarks.md)."""
 
 CONFIG_ENV = "SPLITSERVE_DECODE_ATTENTION_CONFIG"
 

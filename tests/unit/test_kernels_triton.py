@@ -176,6 +176,19 @@ def test_decode_tiling_from_the_environment(monkeypatch):
     assert da.default_config(torch.float8_e4m3fn) == DecodeConfig(block_n=32)
 
 
+def test_fp8_v_read_from_the_environment(monkeypatch):
+    from splitserve.kernels import decode_attention as da
+
+    for raw, want in (("pairs", True), ("bytes", False), ("", False), (" pairs ", True)):
+        monkeypatch.setenv(da.V_READ_ENV, raw)
+        assert da._v_pairs_from_env() is want
+    monkeypatch.delenv(da.V_READ_ENV)
+    assert da._v_pairs_from_env() is False
+    monkeypatch.setenv(da.V_READ_ENV, "int16")
+    with pytest.raises(ValueError, match=da.V_READ_ENV):
+        da._v_pairs_from_env()
+
+
 def test_register_cap_is_a_launch_option_on_cuda_only():
     from splitserve.kernels import decode_attention as da
 
