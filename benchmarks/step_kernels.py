@@ -222,6 +222,7 @@ def attention_sweep(
     rows = []
     tilings = list(itertools.product(*grid))
     v_pairs_default = decode_attention.FP8_V_PAIRS
+    v_reads = v_reads or ["pairs" if v_pairs_default else "bytes"]  # none given: this process's
     variants = itertools.product(dots if fp8 else ["-"], v_reads if fp8 else ["-"], tilings)
     for dot, v_read, (block_n, warps, stages, regs) in variants:
         config = DecodeConfig(
@@ -271,8 +272,9 @@ def parse_args() -> argparse.Namespace:
         help="an e4m3 cache: the dtype of the dots (float16 is the default path)",
     )  # fmt: skip
     ap.add_argument(
-        "--sweep-fp8-v", nargs="+", default=["bytes"], choices=["pairs", "bytes"],
-        help="an e4m3 cache: V read as int16 pairs of head dims or byte by byte (the default)",
+        "--sweep-fp8-v", nargs="+", default=[], choices=["pairs", "bytes"],
+        help="an e4m3 cache: V read as int16 pairs of head dims or byte by byte "
+        "(default: the process's, SPLITSERVE_DECODE_FP8_V)",
     )  # fmt: skip
     ap.add_argument("--no-graphs", action="store_true", help="decode steps eager")
     ap.add_argument("--quantization", default=None, help="fp8: FP8 weights (quantized at load)")

@@ -46,6 +46,7 @@ __all__ = [
     "ClusterAddresses",
     "ClusterSpec",
     "LocalCluster",
+    "StartInterrupted",
     "free_port",
     "metrics_url",
     "parse_gpus",
