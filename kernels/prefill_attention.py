@@ -16,6 +16,7 @@ the one place that checks inputs, picks the tiling and launches.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -35,15 +36,35 @@ class PrefillConfig(NamedTuple):
     warp_specialize: bool = False  # Triton's automatic warp specialization of the key loop
 
 
+STAGES_ENV = "SPLITSERVE_PREFILL_ATTENTION_STAGES"
+
+
+def _stages_from_env() -> int | None:
+    """`SPLITSERVE_PREFILL_ATTENTION_STAGES=N` (1-8) replaces the pipeline depth of every tiling
+    `choose_config` picks: for measuring another depth in a whole engine without editing code
+    (Triton 3.6 compiles 3 and 4 alike; 5 prefetches, docs/kernels.md). Read once, at import."""
+    raw = os.environ.get(STAGES_ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or not 1 <= int(raw) <= 8:
+        raise ValueError(f"{STAGES_ENV}={raw!r}: expected a number of stages from 1 to 8")
+    return int(raw)
+
+
+_ENV_STAGES = _stages_from_env()
+
+
 def choose_config(max_query_len: int) -> PrefillConfig:
     """Tiling by the longest new-token run: big query tiles for long prompts (H200, head_dim
     128: 403 TFLOP/s at 8192 tokens with 256x64 against 383 with 128x128, see docs/kernels.md),
-    small ones so that short chunks do not waste a mostly masked 256-row tile."""
+    small ones so that short chunks do not waste a mostly masked 256-row tile. 3 stages unless
+    `SPLITSERVE_PREFILL_ATTENTION_STAGES` says otherwise."""
+    stages = _ENV_STAGES or 3
     if max_query_len >= 1024:
-        return PrefillConfig(block_m=256, block_n=64, num_warps=8, num_stages=3)
+        return PrefillConfig(block_m=256, block_n=64, num_warps=8, num_stages=stages)
     if max_query_len >= 128:
-        return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
-    return PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+        return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=stages)
+    return PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=stages)
 
 
 @triton.jit

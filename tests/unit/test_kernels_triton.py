@@ -189,6 +189,25 @@ def test_fp8_v_read_from_the_environment(monkeypatch):
         da._v_pairs_from_env()
 
 
+def test_prefill_stages_from_the_environment(monkeypatch):
+    from splitserve.kernels import prefill_attention as pa
+
+    monkeypatch.setenv(pa.STAGES_ENV, "5")
+    assert pa._stages_from_env() == 5
+    for raw in ("", "  "):
+        monkeypatch.setenv(pa.STAGES_ENV, raw)
+        assert pa._stages_from_env() is None
+    for bad in ("0", "9", "-1", "five", "3.5"):
+        monkeypatch.setenv(pa.STAGES_ENV, bad)
+        with pytest.raises(ValueError, match=pa.STAGES_ENV):
+            pa._stages_from_env()
+    # Every tiling choose_config picks takes the override; none: 3 stages.
+    monkeypatch.setattr(pa, "_ENV_STAGES", 5)
+    assert {pa.choose_config(n).num_stages for n in (1, 200, 4096)} == {5}
+    monkeypatch.setattr(pa, "_ENV_STAGES", None)
+    assert {pa.choose_config(n).num_stages for n in (1, 200, 4096)} == {3}
+
+
 def test_register_cap_is_a_launch_option_on_cuda_only():
     from splitserve.kernels import decode_attention as da
 
