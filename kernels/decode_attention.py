@@ -192,13 +192,13 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    # V_PAIRS: `value_cache` is the e4m3 cache seen as int16, each element two adjacent head
-    # dims; the accumulator is kept as its even and odd columns.
-    acc_lo = tl.zeros([BLOCK_H, BLOCK_D // 2], tl.float32)
-    acc_hi = tl.zeros([BLOCK_H, BLOCK_D // 2], tl.float32)
     bt_row = block_table + b.to(tl.int64) * stride_bt
     k_base = key_cache + kv_head * stride_kh + d[None, :]
     if V_PAIRS:
+        # `value_cache` is the e4m3 cache seen as int16, each element two adjacent head dims;
+        # the accumulator is kept as its even and odd columns.
+        acc_lo = tl.zeros([BLOCK_H, BLOCK_D // 2], tl.float32)
+        acc_hi = tl.zeros([BLOCK_H, BLOCK_D // 2], tl.float32)
         v_base = value_cache + kv_head * stride_vh + tl.arange(0, BLOCK_D // 2)[None, :]
     else:
         v_base = value_cache + kv_head * stride_vh + d[None, :]

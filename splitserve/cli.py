@@ -299,9 +299,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         return _error(f"{dead} exited; stopping the cluster", 1)
     except (RuntimeError, TimeoutError, ValueError) as exc:
         return _error(str(exc), 1)
-    except (KeyboardInterrupt, StartInterrupted) as exc:
-        if isinstance(exc, StartInterrupted):
-            print(f"{exc}; stopping what was started", file=sys.stderr, flush=True)
+    except StartInterrupted as exc:
+        print(f"{exc}; stopping what was started", file=sys.stderr, flush=True)
+        return 0
+    except KeyboardInterrupt:
         return 0
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut cleanup

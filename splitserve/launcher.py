@@ -39,6 +39,7 @@ from splitserve.cluster_spec import (
     metrics_url,
     parse_gpus,
 )
+from splitserve.engine import lifeline
 from splitserve.planner import placement
 from splitserve.runtime.tls import TlsFiles, sync_channel
 
@@ -81,9 +82,6 @@ def _kill_leftovers(proc: _Process) -> None:
     The group's id cannot be reused while any member lives."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.popen.pid, signal.SIGKILL)
-
-
-KILL_WAIT_S = 10.0  # how long stop() waits for a process it sent SIGKILL
 
 
 def _exited(popen: subprocess.Popen, timeout: float) -> bool:
@@ -578,7 +576,7 @@ class LocalCluster:
                 if not _exited(proc.popen, max(end - time.monotonic(), 0)):
                     logger.warning("%s ignored SIGTERM; killing it", proc.name)
                     proc.popen.kill()
-                    if not _exited(proc.popen, KILL_WAIT_S):  # never a wait without an end
+                    if not _exited(proc.popen, lifeline.KILL_WAIT_S):  # never a wait without an end
                         logger.error("%s (pid %d) outlived SIGKILL", proc.name, proc.popen.pid)
                 _kill_leftovers(proc)  # exited: nothing it started outlives it
         self._procs.clear()
@@ -620,7 +618,7 @@ def start_redis_server(
                 return popen, chosen
             if time.monotonic() > deadline:
                 popen.kill()
-                _exited(popen, KILL_WAIT_S)  # never a wait without an end
+                _exited(popen, lifeline.KILL_WAIT_S)  # never a wait without an end
                 raise TimeoutError(f"redis-server not answering on {host}:{chosen} (see {log})")
             time.sleep(0.05)
         text = log.read_text(errors="replace")
