@@ -122,6 +122,11 @@ async def _run(target: str, prompts, cancel_some: bool, seed: int):
 
 
 def _idle(proc) -> bool:
+    # A survivor that no longer answers fails here with its exit status and log, not a bare
+    # UNAVAILABLE (a CI run once saw "connection refused" from one; not reproduced).
+    if (rc := proc.popen.poll()) is not None:
+        tail = "\n".join(proc.log.read_text(errors="replace").splitlines()[-30:])
+        pytest.fail(f"node {proc.address} exited with status {rc}; its log ends:\n{tail}")
     stats = node_stats(proc)
     return stats.num_free_blocks == stats.num_blocks and stats.running == stats.waiting == 0
 
