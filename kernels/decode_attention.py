@@ -7,8 +7,8 @@ group, the group padded to 16 rows for `tl.dot`), and one contiguous range of
 each token's K/V row through the block table, with an online softmax (float32 running max,
 sum and accumulator, base-2 exponentials). With one split it writes the output directly;
 otherwise it writes a normalised partial output and its log-sum-exp, and a second kernel
-(grid `(batch, Hq)`) combines the splits of each sequence (flash-decoding). An e4m3 cache's V can
-be read as int16 pairs of head dims (`FP8_V_PAIRS`, off by default until measured on a GPU).
+(grid `(batch, Hq)`) combines the splits of each sequence (flash-decoding). An e4m3 cache's V is
+read as int16 pairs of head dims (`FP8_V_PAIRS`; byte by byte where it is off).
 
 `_decode_kernel` and its launcher `paged_decode_attention` stay single functions over 60 lines:
 one kernel is one launch (a Triton helper is inlined anyway, and splitting the body would cost
@@ -49,12 +49,16 @@ class DecodeConfig(NamedTuple):
 
 
 DEFAULT_CONFIG = DecodeConfig()
-FP8_CONFIG = DecodeConfig(num_stages=5)
-"""The tiling for an e4m3 KV cache (half the bytes a token): 5 stages give the indirect K/V loads
-two buffers (at 3-4 Triton's pipeliner gives them one, so a program's next tile is not in flight
-while it computes). One H100, one layer of W's decode step (docs/benchmarks.md): 156.6 us against
-170.5 at 3 stages; a 128-register cap (`max_registers`) 160.5. `benchmarks/step_kernels.py
+FP8_CONFIG = DecodeConfig(block_n=128)
+"""The tiling for an e4m3 KV cache (half the bytes a token) read with `FP8_V_PAIRS`: 128 tokens a
+step, 3 stages. One H100, one layer of W's decode step (docs/benchmarks.md, 2026-12-05): 133.7 us
+(82% of copy) against 142.6 for 64 tokens and 134.8 at 5 stages. `benchmarks/step_kernels.py
 --attention-sweep --kv-cache-dtype fp8` is the sweep to choose it from."""
+
+FP8_BYTES_CONFIG = DecodeConfig(num_stages=5)
+"""The e4m3 tiling where V is read byte by byte (`SPLITSERVE_DECODE_FP8_V=bytes`): 5 stages give
+the indirect K/V loads two buffers (at 3-4 Triton's pipeliner gives them one). Same layer:
+153-160 us, against 170.5 at 3 stages."""
 
 FP8_DOTS_IN_FP16 = True
 """On an e4m3 cache, a bfloat16 query takes its dots in float16 (see `paged_decode_attention`);
@@ -64,10 +68,10 @@ V_READ_ENV = "SPLITSERVE_DECODE_FP8_V"
 
 
 def _v_pairs_from_env() -> bool:
-    """`SPLITSERVE_DECODE_FP8_V=pairs` (or ``bytes``, the default): how the decode kernel reads an
+    """`SPLITSERVE_DECODE_FP8_V=bytes` (or ``pairs``, the default): how the decode kernel reads an
     e4m3 cache's V, for measuring the two in a whole engine without editing code. Read once, at
     import."""
-    raw = os.environ.get(V_READ_ENV, "").strip() or "bytes"
+    raw = os.environ.get(V_READ_ENV, "").strip() or "pairs"
     if raw not in ("pairs", "bytes"):
         raise ValueError(f"{V_READ_ENV}={raw!r}: expected pairs or bytes")
     return raw == "pairs"
@@ -75,11 +79,11 @@ def _v_pairs_from_env() -> bool:
 
 FP8_V_PAIRS = _v_pairs_from_env()
 """On an e4m3 cache, read V as int16 pairs of head dims (see `paged_decode_attention`) instead of
-byte by byte. Off until measured on a GPU: compiled for sm_90 (Triton 3.6, ptxas) the pairs
-kernel has no byte-wide shared-memory loads (64 a tile before) and holds 96 registers a thread
-against 160; `benchmarks/step_kernels.py --attention-sweep --kv-cache-dtype fp8 --sweep-fp8-v
-pairs bytes` (one layer) and `SPLITSERVE_DECODE_FP8_V=pairs python3 benchmarks/engine.py ...` (the
-engine) are the measurements that decide (docs/benchmarks.md)."""
+byte by byte. Compiled for sm_90 (Triton 3.6, ptxas) the pairs kernel has no byte-wide
+shared-memory loads (64 a tile with bytes) and holds 96 registers a thread against 160. One H100
+(docs/benchmarks.md, 2026-12-05): one layer 133.7 us against 154.6 at the best bytes tiling;
+engine W with FP8 weights and cache 8,686 / 8,792 tok/s against 8,524 / 8,633. The sweep:
+`benchmarks/step_kernels.py --attention-sweep --kv-cache-dtype fp8 --sweep-fp8-v pairs bytes`."""
 
 CONFIG_ENV = "SPLITSERVE_DECODE_ATTENTION_CONFIG"
 
@@ -120,7 +124,9 @@ def default_config(kv_dtype: torch.dtype) -> DecodeConfig:
     """The tiling `paged_decode_attention` uses when given none, by the KV cache's dtype."""
     if _ENV_CONFIG is not None:
         return _ENV_CONFIG
-    return FP8_CONFIG if kv_dtype == torch.float8_e4m3fn else DEFAULT_CONFIG
+    if kv_dtype != torch.float8_e4m3fn:
+        return DEFAULT_CONFIG
+    return FP8_CONFIG if FP8_V_PAIRS else FP8_BYTES_CONFIG
 
 
 # NOTE: no value specialisation of the arguments that change with every batch (table width,

@@ -55,13 +55,16 @@ _ENV_STAGES = _stages_from_env()
 
 
 def choose_config(max_query_len: int) -> PrefillConfig:
-    """Tiling by the longest new-token run: big query tiles for long prompts (H200, head_dim
-    128: 403 TFLOP/s at 8192 tokens with 256x64 against 383 with 128x128, see docs/kernels.md),
-    small ones so that short chunks do not waste a mostly masked 256-row tile. 3 stages unless
-    `SPLITSERVE_PREFILL_ATTENTION_STAGES` says otherwise."""
-    stages = _ENV_STAGES or 3
+    """Tiling by the longest new-token run: big query tiles for long prompts, small ones so that
+    short chunks do not waste a mostly masked 256-row tile. The 256-row tile runs 16 warps and 5
+    stages (three K/V buffers: the next tile's load overlaps the whole key step; Triton 3.6
+    compiles 3 and 4 stages alike, with two). One H100 (docs/benchmarks.md, 2026-12-05), head dim
+    128, 8,192 tokens: 1,298 us against 1,372 for 8 warps and 3 stages; 2,048: 110.8 against
+    120.4. The smaller tiles keep 3 stages (5 measured slower for both).
+    `SPLITSERVE_PREFILL_ATTENTION_STAGES` sets the stages of all three."""
     if max_query_len >= 1024:
-        return PrefillConfig(block_m=256, block_n=64, num_warps=8, num_stages=stages)
+        return PrefillConfig(block_m=256, block_n=64, num_warps=16, num_stages=_ENV_STAGES or 5)
+    stages = _ENV_STAGES or 3
     if max_query_len >= 128:
         return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=stages)
     return PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=stages)

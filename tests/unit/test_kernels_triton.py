@@ -172,6 +172,9 @@ def test_decode_tiling_from_the_environment(monkeypatch):
     monkeypatch.setattr(da, "_ENV_CONFIG", None)
     assert da.default_config(torch.bfloat16) is da.DEFAULT_CONFIG
     assert da.default_config(torch.float8_e4m3fn) is da.FP8_CONFIG
+    monkeypatch.setattr(da, "FP8_V_PAIRS", False)  # V byte by byte: its own tiling
+    assert da.default_config(torch.float8_e4m3fn) is da.FP8_BYTES_CONFIG
+    assert da.default_config(torch.bfloat16) is da.DEFAULT_CONFIG
     monkeypatch.setattr(da, "_ENV_CONFIG", DecodeConfig(block_n=32))
     assert da.default_config(torch.float8_e4m3fn) == DecodeConfig(block_n=32)
 
@@ -179,11 +182,11 @@ def test_decode_tiling_from_the_environment(monkeypatch):
 def test_fp8_v_read_from_the_environment(monkeypatch):
     from splitserve.kernels import decode_attention as da
 
-    for raw, want in (("pairs", True), ("bytes", False), ("", False), (" pairs ", True)):
+    for raw, want in (("pairs", True), ("bytes", False), ("", True), (" bytes ", False)):
         monkeypatch.setenv(da.V_READ_ENV, raw)
         assert da._v_pairs_from_env() is want
     monkeypatch.delenv(da.V_READ_ENV)
-    assert da._v_pairs_from_env() is False
+    assert da._v_pairs_from_env() is True
     monkeypatch.setenv(da.V_READ_ENV, "int16")
     with pytest.raises(ValueError, match=da.V_READ_ENV):
         da._v_pairs_from_env()
@@ -201,11 +204,13 @@ def test_prefill_stages_from_the_environment(monkeypatch):
         monkeypatch.setenv(pa.STAGES_ENV, bad)
         with pytest.raises(ValueError, match=pa.STAGES_ENV):
             pa._stages_from_env()
-    # Every tiling choose_config picks takes the override; none: 3 stages.
-    monkeypatch.setattr(pa, "_ENV_STAGES", 5)
-    assert {pa.choose_config(n).num_stages for n in (1, 200, 4096)} == {5}
+    # Every tiling choose_config picks takes the override; none: 5 stages for the 256-row tile
+    # of long runs, 3 for the others.
+    monkeypatch.setattr(pa, "_ENV_STAGES", 4)
+    assert {pa.choose_config(n).num_stages for n in (1, 200, 4096)} == {4}
     monkeypatch.setattr(pa, "_ENV_STAGES", None)
-    assert {pa.choose_config(n).num_stages for n in (1, 200, 4096)} == {3}
+    assert [pa.choose_config(n).num_stages for n in (1, 200, 4096)] == [3, 3, 5]
+    assert pa.choose_config(4096)[:3] == (256, 64, 16)
 
 
 def test_register_cap_is_a_launch_option_on_cuda_only():
@@ -331,7 +336,7 @@ FP8_SCALES = torch.tensor([0.01, 0.004])  # K and V values up to ~4: e4m3 values
 def test_decode_kernel_reads_an_fp8_cache(gen, monkeypatch, num_splits, dtype, v_pairs, head_dim):
     # A 16-bit query takes its dots in float16 against the e4m3 cache (DOT_FP16; bfloat16's
     # run on the GPU: tests/gpu/test_fp8_gpu.py). V is read as int16 pairs of head dims
-    # (FP8_V_PAIRS) or byte by byte (the default; also head dims < 32 with FP8_V_PAIRS on).
+    # (FP8_V_PAIRS, the default) or byte by byte (also head dims < 32 with FP8_V_PAIRS on).
     from splitserve.kernels import decode_attention as da
 
     monkeypatch.setattr(da, "FP8_V_PAIRS", v_pairs)
