@@ -6,7 +6,9 @@ Llama-3-8B attention shapes (32 query heads, 8 KV heads, head_dim 128), bf16, bl
 KV in a 2-layer block-major pool (strided per-layer views) with shuffled block tables.
 Decode: KV bytes read per second, ratio to SDPA (enable_gqa) on the same KV laid out
 contiguously. Prefill (causal, one sequence, no cached prefix): TFLOP/s counting
-4 * L^2 * heads * head_dim / 2, ratio to SDPA causal. Our kernels are timed as CUDA graph
+4 * L^2 * heads * head_dim / 2, ratio to SDPA causal; `prefill mix`: one step of fresh prompts
+of 128-1,024 tokens (8,192 in all, as in the engine benchmark's prompt steps) against SDPA called
+once per prompt (the same work, graphed). Our kernels are timed as CUDA graph
 replays (the launchers' table checks need a host sync and are skipped during capture, as in a
 serving step); `eager` also shows a plain call including those checks, `eag-nv` one with
 validate=False (launch overhead only). `default` rows use the
@@ -18,6 +20,7 @@ against SDPA's (relative L2 error).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 
@@ -25,13 +28,27 @@ import kernels_report as report
 import torch
 import torch.nn.functional as F
 import triton
-from kernels_setup import DTYPE, HKV, HQ, SCALE, D, bench, graphed, paged_copy, rel_err
+from kernels_setup import (
+    DTYPE,
+    HKV,
+    HQ,
+    SCALE,
+    D,
+    bench,
+    graphed,
+    paged_copy,
+    paged_mix,
+    rel_err,
+)
 
 from splitserve.kernels.decode_attention import DecodeConfig, paged_decode_attention
 from splitserve.kernels.prefill_attention import PrefillConfig, paged_prefill_attention
 
 DECODE_SHAPES = [(1, 32768), (16, 4096), (64, 4096), (256, 1024), (64, 16384)]
 PREFILL_LENS = [2048, 8192]
+# A prompt step of the engine benchmark's workload (W): fresh prompts of 128-1,024 tokens, as
+# many as fit the step's 8,192 tokens (seeded, so every run and variant sees the same mix).
+MIX_RANGE, MIX_TOKENS, MIX_SEED = (128, 1024), 8192, 0
 # Measured 2026-11-29 on the same H200 (/work/shared/anchors): SDPA, contiguous KV.
 ANCHOR_DECODE_TBPS = {
     (1, 32768): 2.31,
@@ -57,7 +74,7 @@ PREFILL_VARIANTS = {
     "m128_n64_w4_s4": PrefillConfig(128, 64, 4, 4),
     # Triton 3.6 compiles 3 and 4 stages of this kernel alike: two K/V buffers and a wait for
     # every copy in flight at the top of each key step (no prefetch past the PV dot); 5 stages
-    # give three buffers and a real prefetch (docs/kernels.md). Unmeasured as yet.
+    # give three buffers and a real prefetch (docs/kernels.md; measured: docs/benchmarks.md).
     "m256_n64_w8_s5": PrefillConfig(256, 64, 8, 5),
     "m256_n64_w16_s5": PrefillConfig(256, 64, 16, 5),
     "m128_n128_w8_s5": PrefillConfig(128, 128, 8, 5),
@@ -152,6 +169,14 @@ def prefill_call(q, kc, vc, table, cu, seq_lens, length, config, out):
     return call
 
 
+def sdpa_prefill_out(q, k, v):
+    """SDPA causal of one sequence's queries ([L, Hq, D]) over its contiguous K/V."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k, v, is_causal=True, scale=SCALE, enable_gqa=True
+    )
+    return out[0].transpose(0, 1)
+
+
 def sdpa_prefill(q, k, v):
     """SDPA causal on the contiguous copy: its output ([L, Hq, D]) and its median ms."""
     qs = q.transpose(0, 1)[None]
@@ -198,6 +223,54 @@ def run_prefill(variants: dict[str, PrefillConfig | None], emit) -> None:
             )
         del pool, kc, vc, k, v
         torch.cuda.empty_cache()
+
+
+def mix_lengths() -> list[int]:
+    """Prompt lengths drawn from MIX_RANGE until the next would pass MIX_TOKENS."""
+    gen = torch.Generator().manual_seed(MIX_SEED)
+    lengths: list[int] = []
+    while True:
+        n = int(torch.randint(MIX_RANGE[0], MIX_RANGE[1] + 1, (1,), generator=gen))
+        if sum(lengths) + n > MIX_TOKENS:
+            return lengths
+        lengths.append(n)
+
+
+def run_prefill_mix(variants: dict[str, PrefillConfig | None], emit) -> None:
+    lengths = mix_lengths()
+    pool, kc, vc, table, seq_lens, contiguous = paged_mix(lengths)
+    total = sum(lengths)
+    q = torch.randn(total, HQ, D, dtype=DTYPE, device="cuda")
+    bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
+    flops = sum(4 * n * n * HQ * D / 2 for n in lengths)
+    pieces = [
+        (q[a:b], k, v)
+        for (a, b), (k, v) in zip(itertools.pairwise(bounds), contiguous, strict=True)
+    ]
+    want = torch.cat([sdpa_prefill_out(*piece) for piece in pieces])
+
+    def sdpa_all():
+        for piece in pieces:
+            sdpa_prefill_out(*piece)
+
+    sdpa_all()
+    sdpa = flops / bench(graphed(sdpa_all)) / 1e9
+    for name, config in variants.items():
+        out = torch.empty_like(q)
+        call = prefill_call(q, kc, vc, table, cu, seq_lens, max(lengths), config, out)
+        try:
+            call()
+        except Exception as ex:  # a config that does not fit (shared memory) on this GPU
+            emit(kind="prefill_mix", variant=name, L=total, error=repr(ex)[:200])
+            continue
+        err = rel_err(out, want)
+        ms = bench(graphed(call))
+        tflops = flops / ms / 1e9
+        emit(kind="prefill_mix", variant=name, L=total, prompts=len(lengths), ms=ms,
+             TFLOPs=tflops, sdpa_TFLOPs=sdpa, ratio=tflops / sdpa, rel_err=err)  # fmt: skip
+    del pool, kc, vc, contiguous
+    torch.cuda.empty_cache()
 
 
 def run_once() -> None:
@@ -249,6 +322,7 @@ def measure(sweeps: list[str], emit) -> None:
         prefill.update(PREFILL_VARIANTS)
     run_decode(decode, eager=True, emit=emit)
     run_prefill(prefill, emit)
+    run_prefill_mix(prefill, emit)
     if "splits" in sweeps:
         run_split_sweep(emit)
 
@@ -271,6 +345,7 @@ def main() -> None:
     report.print_env(rows[0])
     report.print_decode(rows)
     report.print_prefill(rows)
+    report.print_prefill_mix(rows)
     report.print_split_sweep(rows, SPLIT_SWEEP_SHAPES, SPLIT_SWEEP)
 
 

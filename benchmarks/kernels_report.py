@@ -38,6 +38,24 @@ def print_prefill(rows: list[dict]) -> None:
             print(f"{r['variant']:<18}{r['L']:>6}  failed: {r['error']}")
 
 
+def print_prefill_mix(rows: list[dict]) -> None:
+    """One prompt step of W's mix: our kernel once against SDPA once per prompt."""
+    mix = [r for r in rows if r["kind"] == "prefill_mix"]
+    if not mix:
+        return
+    ok = [r for r in mix if "error" not in r]
+    head = f"prefill mix ({ok[0]['prompts']} prompts)" if ok else "prefill mix"
+    print(f"{head:<26}{'tokens':>7}{'us':>9}{'TFLOP/s':>9}{'SDPA':>7}{'ratio':>7}{'relerr':>9}")
+    for r in mix:
+        if "error" in r:
+            print(f"{r['variant']:<26}{r['L']:>7}  failed: {r['error']}")
+            continue
+        print(
+            f"{r['variant']:<26}{r['L']:>7}{r['ms'] * 1e3:>9.1f}{r['TFLOPs']:>9.0f}"
+            f"{r['sdpa_TFLOPs']:>7.0f}{r['ratio']:>7.2f}{r['rel_err']:>9.1e}"
+        )
+
+
 def print_split_sweep(rows: list[dict], shapes, splits) -> None:
     """The ``--sweep splits`` table (nothing when the sweep did not run)."""
     sweep = [r for r in rows if r["kind"] == "splits"]
