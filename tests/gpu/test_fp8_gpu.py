@@ -214,7 +214,8 @@ def test_attention_kernels_read_an_fp8_cache_at_real_shapes(lens):
 @pytest.mark.parametrize("v_pairs", [True, False])
 @pytest.mark.parametrize("fp16_dots", [True, False])
 @pytest.mark.parametrize(
-    "tiling", [(64, 4, 3, None), (64, 4, 5, 128), (128, 8, 5, 128), (32, 4, 5, 96)]
+    "tiling",
+    [(128, 4, 3, None), (64, 4, 5, None), (64, 4, 5, 128), (128, 8, 5, 128), (32, 4, 5, 96)],
 )
 def test_every_decode_tiling_and_dot_dtype_reads_an_fp8_cache_alike(
     monkeypatch, tiling, fp16_dots, v_pairs
