@@ -170,6 +170,7 @@ def test_decode_tiling_from_the_environment(monkeypatch):
             da._config_from_env()
     # With no override, each KV dtype gets its own default.
     monkeypatch.setattr(da, "_ENV_CONFIG", None)
+    monkeypatch.setattr(da, "FP8_V_PAIRS", True)  # (whatever SPLITSERVE_DECODE_FP8_V says here)
     assert da.default_config(torch.bfloat16) is da.DEFAULT_CONFIG
     assert da.default_config(torch.float8_e4m3fn) is da.FP8_CONFIG
     monkeypatch.setattr(da, "FP8_V_PAIRS", False)  # V byte by byte: its own tiling
