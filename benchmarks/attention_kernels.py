@@ -177,18 +177,22 @@ def sdpa_prefill_out(q, k, v):
     return out[0].transpose(0, 1)
 
 
+def time_prefill(call, out, want, flops: float, sdpa_tflops: float) -> dict:
+    """One tiling's row: its graphed median time, TFLOP/s, ratio to SDPA and error against
+    ``want``; or the error of a tiling that does not fit this GPU (shared memory)."""
+    try:
+        call()
+    except Exception as ex:
+        return {"error": repr(ex)[:200]}
+    ms = bench(graphed(call))
+    tflops = flops / ms / 1e9
+    return {"ms": ms, "TFLOPs": tflops, "sdpa_TFLOPs": sdpa_tflops,
+            "ratio": tflops / sdpa_tflops, "rel_err": rel_err(out, want)}  # fmt: skip
+
+
 def sdpa_prefill(q, k, v):
     """SDPA causal on the contiguous copy: its output ([L, Hq, D]) and its median ms."""
-    qs = q.transpose(0, 1)[None]
-    want = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=SCALE, enable_gqa=True)[
-        0
-    ].transpose(0, 1)
-    sdpa_ms = bench(
-        lambda qs=qs, k=k, v=v: F.scaled_dot_product_attention(
-            qs, k, v, is_causal=True, scale=SCALE, enable_gqa=True
-        )
-    )
-    return want, sdpa_ms
+    return sdpa_prefill_out(q, k, v), bench(lambda: sdpa_prefill_out(q, k, v))
 
 
 def run_prefill(variants: dict[str, PrefillConfig | None], emit) -> None:
@@ -202,25 +206,10 @@ def run_prefill(variants: dict[str, PrefillConfig | None], emit) -> None:
         for name, config in variants.items():
             out = torch.empty_like(q)
             call = prefill_call(q, kc, vc, table, cu, seq_lens, length, config, out)
-            try:
-                call()
-            except Exception as ex:  # a config that does not fit (shared memory) on this GPU
-                emit(kind="prefill", variant=name, L=length, error=repr(ex)[:200])
-                continue
-            err = rel_err(out, want)
-            ms = bench(graphed(call))
-            tflops = flops / ms / 1e9
-            emit(
-                kind="prefill",
-                variant=name,
-                L=length,
-                ms=ms,
-                TFLOPs=tflops,
-                sdpa_TFLOPs=sdpa,
-                ratio=tflops / sdpa,
-                anchor_ratio=tflops / ANCHOR_PREFILL_TFLOPS[length],
-                rel_err=err,
-            )
+            row = time_prefill(call, out, want, flops, sdpa)
+            if "TFLOPs" in row:
+                row["anchor_ratio"] = row["TFLOPs"] / ANCHOR_PREFILL_TFLOPS[length]
+            emit(kind="prefill", variant=name, L=length, **row)
         del pool, kc, vc, k, v
         torch.cuda.empty_cache()
 
@@ -259,16 +248,8 @@ def run_prefill_mix(variants: dict[str, PrefillConfig | None], emit) -> None:
     for name, config in variants.items():
         out = torch.empty_like(q)
         call = prefill_call(q, kc, vc, table, cu, seq_lens, max(lengths), config, out)
-        try:
-            call()
-        except Exception as ex:  # a config that does not fit (shared memory) on this GPU
-            emit(kind="prefill_mix", variant=name, L=total, error=repr(ex)[:200])
-            continue
-        err = rel_err(out, want)
-        ms = bench(graphed(call))
-        tflops = flops / ms / 1e9
-        emit(kind="prefill_mix", variant=name, L=total, prompts=len(lengths), ms=ms,
-             TFLOPs=tflops, sdpa_TFLOPs=sdpa, ratio=tflops / sdpa, rel_err=err)  # fmt: skip
+        row = time_prefill(call, out, want, flops, sdpa)
+        emit(kind="prefill_mix", variant=name, L=total, prompts=len(lengths), **row)
     del pool, kc, vc, contiguous
     torch.cuda.empty_cache()
 
