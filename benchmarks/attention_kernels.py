@@ -5,7 +5,8 @@
 Llama-3-8B attention shapes (32 query heads, 8 KV heads, head_dim 128), bf16, block_size 16,
 KV in a 2-layer block-major pool (strided per-layer views) with shuffled block tables.
 Decode: KV bytes read per second, ratio to SDPA (enable_gqa) on the same KV laid out
-contiguously. Prefill (causal, one sequence, no cached prefix): TFLOP/s counting
+contiguously; `decode wide`: the same through a block table 32,768 tokens wide, as a CUDA graph
+holds it. Prefill (causal, one sequence, no cached prefix): TFLOP/s counting
 4 * L^2 * heads * head_dim / 2, ratio to SDPA causal; `prefill mix`: one step of fresh prompts
 of 128-1,024 tokens (8,192 in all, as in the engine benchmark's prompt steps) against SDPA called
 once per prompt (the same work, graphed). Our kernels are timed as CUDA graph
@@ -45,6 +46,10 @@ from splitserve.kernels.decode_attention import DecodeConfig, paged_decode_atten
 from splitserve.kernels.prefill_attention import PrefillConfig, paged_prefill_attention
 
 DECODE_SHAPES = [(1, 32768), (16, 4096), (64, 4096), (256, 1024), (64, 16384)]
+# `decode wide`: a block table as wide as a CUDA graph's (the longest context allowed,
+# WIDE_TOKENS), the rest of each row the null block, with the launcher's own split count.
+WIDE_SHAPES = [(1, 1024), (1, 4096), (8, 2048), (16, 1024), (64, 1024)]
+WIDE_TOKENS = 32768
 PREFILL_LENS = [2048, 8192]
 # A prompt step of the engine benchmark's workload (W): fresh prompts of 128-1,024 tokens, as
 # many as fit the step's 8,192 tokens (seeded, so every run and variant sees the same mix).
@@ -132,6 +137,37 @@ def run_decode(variants: dict[str, DecodeConfig | None], eager: bool, emit) -> N
                 eager_novalidate_TBps=kv_bytes / eager_nv_ms / 1e9,
                 rel_err=err,
             )
+        del pool, kc, vc
+        torch.cuda.empty_cache()
+
+
+def run_decode_wide(emit) -> None:
+    """Decode through a table as wide as a CUDA graph's: the splits the launcher picks from
+    that width must still spread each short context over several programs."""
+    for batch, ctx in WIDE_SHAPES:
+        pool, kc, vc, table, seq_lens, k, v = paged_copy(batch, ctx)
+        wide = torch.zeros((batch, WIDE_TOKENS // kc.shape[1]), dtype=table.dtype, device="cuda")
+        wide[:, : table.shape[1]] = table
+        q = torch.randn(batch, HQ, D, dtype=DTYPE, device="cuda")
+        want = F.scaled_dot_product_attention(q[:, :, None], k, v, scale=SCALE, enable_gqa=True)
+        del k, v
+        out = torch.empty_like(q)
+
+        def call(out=out, q=q, kc=kc, vc=vc, wide=wide, seq_lens=seq_lens):
+            paged_decode_attention(q, kc, vc, wide, seq_lens, SCALE, out=out)
+
+        call()
+        ms = bench(graphed(call))
+        kv_bytes = 2 * batch * ctx * HKV * D * DTYPE.itemsize
+        emit(
+            kind="decode_wide",
+            batch=batch,
+            ctx=ctx,
+            table_tokens=WIDE_TOKENS,
+            ms=ms,
+            TBps=kv_bytes / ms / 1e9,
+            rel_err=rel_err(out, want[:, :, 0]),
+        )
         del pool, kc, vc
         torch.cuda.empty_cache()
 
@@ -304,6 +340,7 @@ def measure(sweeps: list[str], emit) -> None:
     run_decode(decode, eager=True, emit=emit)
     run_prefill(prefill, emit)
     run_prefill_mix(prefill, emit)
+    run_decode_wide(emit)
     if "splits" in sweeps:
         run_split_sweep(emit)
 
@@ -325,6 +362,7 @@ def main() -> None:
     measure(args.sweep, emit)
     report.print_env(rows[0])
     report.print_decode(rows)
+    report.print_decode_wide(rows)
     report.print_prefill(rows)
     report.print_prefill_mix(rows)
     report.print_split_sweep(rows, SPLIT_SWEEP_SHAPES, SPLIT_SWEEP)

@@ -22,6 +22,21 @@ def print_decode(rows: list[dict]) -> None:
             )
 
 
+def print_decode_wide(rows: list[dict]) -> None:
+    """Decode through a CUDA graph's full-width block table, default split count."""
+    wide = [r for r in rows if r["kind"] == "decode_wide"]
+    if not wide:
+        return
+    print(
+        f"{'decode, wide table':<20}{'B':>5}{'ctx':>7}{'table':>7}{'us':>9}{'TB/s':>7}{'relerr':>9}"
+    )
+    for r in wide:
+        print(
+            f"{'default':<20}{r['batch']:>5}{r['ctx']:>7}{r['table_tokens']:>7}"
+            f"{r['ms'] * 1e3:>9.1f}{r['TBps']:>7.2f}{r['rel_err']:>9.1e}"
+        )
+
+
 def print_prefill(rows: list[dict]) -> None:
     print(
         f"{'prefill':<18}{'L':>6}{'us':>9}{'TFLOP/s':>9}{'SDPA':>7}{'ratio':>7}"

@@ -191,11 +191,15 @@ def attention_sweep(
     engine, batch: int, lo: int, hi: int, grid: list[list[int]], dots: list[str], v_reads: list[str]
 ) -> list[dict]:
     """The decode attention kernel of one layer at the decode step's shapes, per tiling
-    (`grid`: block_n, warps, stages and register caps, 0 for none) and, on an e4m3 cache, per
-    dot dtype and way of reading V (`FP8_V_PAIRS`): 20 calls between two CUDA events
-    (GPU-bound), KV bytes read per second."""
+    (`grid`: block_n, warps, stages, register caps (0 for none) and programs per SM, which set
+    the splits per sequence) and, on an e4m3 cache, per dot dtype and way of reading V
+    (`FP8_V_PAIRS`): 20 calls between two CUDA events (GPU-bound), KV bytes read per second."""
     from splitserve.kernels import decode_attention
-    from splitserve.kernels.decode_attention import DecodeConfig, paged_decode_attention
+    from splitserve.kernels.decode_attention import (
+        DecodeConfig,
+        choose_num_splits,
+        paged_decode_attention,
+    )
     from splitserve.kernels.layout import layer_kv_views
 
     runner, rng = engine.runner, random.Random(1)
@@ -224,10 +228,17 @@ def attention_sweep(
     v_pairs_default = decode_attention.FP8_V_PAIRS
     v_reads = v_reads or ["pairs" if v_pairs_default else "bytes"]  # none given: this process's
     variants = itertools.product(dots if fp8 else ["-"], v_reads if fp8 else ["-"], tilings)
-    for dot, v_read, (block_n, warps, stages, regs) in variants:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for dot, v_read, (block_n, warps, stages, regs, per_sm) in variants:
         config = DecodeConfig(
-            block_n=block_n, num_warps=warps, num_stages=stages, max_registers=regs or None
+            block_n=block_n,
+            num_warps=warps,
+            num_stages=stages,
+            programs_per_sm=per_sm,
+            max_registers=regs or None,
         )
+        max_context = table.shape[1] * runner.block_size
+        splits = choose_num_splits(batch, cfg.num_kv_heads, max_context, sms, config)
         decode_attention.FP8_DOTS_IN_FP16 = dot != "bf16"
         decode_attention.FP8_V_PAIRS = v_read != "bytes"
 
@@ -244,6 +255,7 @@ def attention_sweep(
             continue
         tb_s = kv_bytes / ms / 1e9
         row = {"block_n": block_n, "warps": warps, "stages": stages, "max_registers": regs}
+        row |= {"programs_per_sm": per_sm, "splits": splits}
         row |= {"dots": dot, "v": v_read, "us": ms * 1e3, "tb_s": tb_s, "of_copy": tb_s / copy_tb_s}
         print(json.dumps(row), flush=True)
         rows.append(row)
@@ -267,6 +279,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--sweep-registers", type=int, nargs="+", default=[0], help="register caps, 0: none"
     )
+    ap.add_argument(
+        "--sweep-programs-per-sm", type=int, nargs="+", default=[4],
+        help="DecodeConfig.programs_per_sm: more than the batch's programs fill splits each "
+        "sequence (shorter programs, a shorter tail, and a reduce kernel)",
+    )  # fmt: skip
     ap.add_argument(
         "--sweep-fp8-dots", nargs="+", default=["fp16"], choices=["fp16", "bf16"],
         help="an e4m3 cache: the dtype of the dots (float16 is the default path)",
@@ -340,7 +357,13 @@ def main() -> None:
                 args.decode_batch,
                 args.context_range[0],
                 args.context_range[1],
-                [args.sweep_block_n, args.sweep_warps, args.sweep_stages, args.sweep_registers],
+                [
+                    args.sweep_block_n,
+                    args.sweep_warps,
+                    args.sweep_stages,
+                    args.sweep_registers,
+                    args.sweep_programs_per_sm,
+                ],
                 args.sweep_fp8_dots,
                 args.sweep_fp8_v,
             )
@@ -348,6 +371,7 @@ def main() -> None:
             print("|---|---|---|---|---|---|")
             for r in sorted(result["attention"], key=lambda r: r["us"])[:16]:
                 regs = f", {r['max_registers']} registers" if r["max_registers"] else ""
+                regs += f", {r['splits']} splits" if r["splits"] > 1 else ""
                 print(
                     f"| block_n {r['block_n']}, {r['warps']} warps, {r['stages']} stages{regs} | "
                     f"{r['dots']} | {r['v']} | {r['us']:.1f} | {r['tb_s']:.2f} | "

@@ -2,13 +2,14 @@
 
 Grid `(batch, num_kv_heads, num_splits)`. A program owns one sequence, one KV head with the
 `GROUP = Hq // Hkv` query heads that share it (GQA: the K/V tiles are read once for the whole
-group, the group padded to 16 rows for `tl.dot`), and one contiguous range of
-`tokens_per_split` context tokens. It walks that range `BLOCK_N` tokens at a time, gathering
-each token's K/V row through the block table, with an online softmax (float32 running max,
-sum and accumulator, base-2 exponentials). With one split it writes the output directly;
-otherwise it writes a normalised partial output and its log-sum-exp, and a second kernel
-(grid `(batch, Hq)`) combines the splits of each sequence (flash-decoding). An e4m3 cache's V is
-read as int16 pairs of head dims (`FP8_V_PAIRS`; byte by byte where it is off).
+group, the group padded to 16 rows for `tl.dot`), and one contiguous range of its context: the
+sequence's own length cut `num_splits` ways (`_split_tokens`). It walks that range `BLOCK_N`
+tokens at a time, gathering each token's K/V row through the block table, with an online
+softmax (float32 running max, sum and accumulator, base-2 exponentials). With one split it
+writes the output directly; otherwise it writes a normalised partial output and its
+log-sum-exp, and a second kernel (grid `(batch, Hq)`) combines the splits of each sequence
+(flash-decoding). An e4m3 cache's V is read as int16 pairs of head dims (`FP8_V_PAIRS`; byte by
+byte where it is off).
 
 `_decode_kernel` and its launcher `paged_decode_attention` stay single functions over 60 lines:
 one kernel is one launch (a Triton helper is inlined anyway, and splitting the body would cost
@@ -129,10 +130,21 @@ def default_config(kv_dtype: torch.dtype) -> DecodeConfig:
     return FP8_CONFIG if FP8_V_PAIRS else FP8_BYTES_CONFIG
 
 
+@triton.jit
+def _split_tokens(seq_len, num_splits, min_split_tokens, BLOCK_N: tl.constexpr):
+    """Tokens per split of one sequence: its own length over `num_splits`, a whole number of
+    `BLOCK_N` steps and at least `min_split_tokens` (a multiple of `BLOCK_N`). From the length
+    read on the device, not from the block table's width: a CUDA graph's table is as wide as
+    the longest context allowed, and splits cut from that width would leave all of a short
+    context to the first split. The main and the reduce kernel compute it alike."""
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    return tl.maximum(per_split, min_split_tokens)
+
+
 # NOTE: no value specialisation of the arguments that change with every batch (table width,
 # split length): Triton would otherwise compile a new variant whenever one of them turns 1 or a
 # multiple of 16, in the middle of serving.
-@triton.jit(do_not_specialize=["tokens_per_split", "num_splits", "stride_bt"])
+@triton.jit(do_not_specialize=["min_split_tokens", "num_splits", "stride_bt"])
 def _decode_kernel(
     query,
     key_cache,
@@ -144,7 +156,7 @@ def _decode_kernel(
     part_lse,
     kv_scales,
     qk_scale,
-    tokens_per_split,
+    min_split_tokens,
     num_splits,
     stride_qb,
     stride_qh,
@@ -173,6 +185,7 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + b)
+    tokens_per_split = _split_tokens(seq_len, num_splits, min_split_tokens, BLOCK_N)
     start = split * tokens_per_split
     if start >= seq_len:  # nothing here: the reduce kernel reads only splits with tokens
         return
@@ -267,13 +280,13 @@ def _decode_kernel(
         tl.store(part_lse + row, m_i + tl.log2(l_i), mask=h_mask)
 
 
-@triton.jit(do_not_specialize=["tokens_per_split", "num_splits"])
+@triton.jit(do_not_specialize=["min_split_tokens", "num_splits"])
 def _decode_reduce_kernel(
     part_out,
     part_lse,
     seq_lens,
     out,
-    tokens_per_split,
+    min_split_tokens,
     num_splits,
     stride_ob,
     stride_oh,
@@ -281,11 +294,12 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens + b)
-    num_valid = tl.cdiv(seq_len, tokens_per_split)
+    num_valid = tl.cdiv(seq_len, _split_tokens(seq_len, num_splits, min_split_tokens, BLOCK_N))
     s = tl.arange(0, BLOCK_S)
     s_mask = s < num_valid
     d = tl.arange(0, BLOCK_D)
@@ -373,9 +387,10 @@ def paged_decode_attention(
         num_splits = choose_num_splits(
             batch, num_kv_heads, max_context, num_sms(query.device), config
         )
-    num_splits = max(1, min(num_splits, MAX_SPLITS))
-    tokens_per_split = _cdiv(_cdiv(max_context, num_splits), block_n) * block_n
-    num_splits = _cdiv(max_context, tokens_per_split)
+        min_split_tokens = _cdiv(config.min_tokens_per_split, block_n) * block_n
+    else:  # as many splits as asked (tests, benchmarks): one BLOCK_N step each at least
+        min_split_tokens = block_n
+    num_splits = max(1, min(num_splits, MAX_SPLITS, _cdiv(max_context, min_split_tokens)))
     if num_splits > 1:
         part_out = torch.empty(
             (batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
@@ -409,7 +424,7 @@ def paged_decode_attention(
         part_lse,
         seq_lens if kv_scales is None else kv_scales,  # (not read when not FP8)
         scale * LOG2E,
-        tokens_per_split,
+        min_split_tokens,
         num_splits,
         query.stride(0),
         query.stride(1),
@@ -449,7 +464,7 @@ def paged_decode_attention(
             part_lse,
             seq_lens,
             out,
-            tokens_per_split,
+            min_split_tokens,
             num_splits,
             out.stride(0),
             out.stride(1),
@@ -457,6 +472,7 @@ def paged_decode_attention(
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_N=block_n,
             num_warps=4,  # pyright: ignore[reportCallIssue]
         )
     return out

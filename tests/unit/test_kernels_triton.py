@@ -130,6 +130,29 @@ def test_decode_kernel(gen, dtype, heads, num_splits):
     torch.testing.assert_close(got, want, **TOLERANCES[dtype])
 
 
+@pytest.mark.parametrize("num_splits", [None, 5])
+def test_decode_splits_follow_each_sequence_not_the_table_width(gen, num_splits):
+    """A CUDA graph's block table is as wide as the longest context allowed: the splits cut each
+    sequence's own length (main and reduce kernel alike), so short contexts still spread over
+    several programs and every split's partial is read back once."""
+    lens = [1, 31, 32, 33, 95, 160, 161]
+    kv = make_paged_kv(lens, 2, 64, BS, torch.float32, "cpu", gen)
+    # 60 blocks a row (960 tokens): the columns past each context point at the null block.
+    wide = torch.zeros((len(lens), 60), dtype=kv.block_table.dtype)
+    wide[:, : kv.block_table.shape[1]] = kv.block_table
+    q = torch.randn(len(lens), 8, 64, generator=gen)
+    want = reference.paged_decode_attention(
+        q, kv.key_cache, kv.value_cache, kv.block_table, kv.seq_lens, 0.125
+    )
+    out = torch.full_like(q, float("nan"))
+    config = DecodeConfig(block_n=32, min_tokens_per_split=32)
+    paged_decode_attention(
+        q, kv.key_cache, kv.value_cache, wide, kv.seq_lens, 0.125,
+        out=out, num_splits=num_splits, config=config,
+    )  # fmt: skip
+    torch.testing.assert_close(out, want, **TOLERANCES[torch.float32])
+
+
 def test_decode_kernel_block_size_32(gen):
     lens = [1, 31, 32, 33, 70]
     kv = make_paged_kv(lens, 2, 64, 32, torch.float32, "cpu", gen)
