@@ -1,6 +1,7 @@
 """Benchmark of the paged KV kernels on one CUDA GPU against torch SDPA on contiguous KV.
 
     python benchmarks/attention_kernels.py [--json] [--sweep {decode,prefill,splits} ...]
+    python benchmarks/attention_kernels.py --wide-only
 
 Llama-3-8B attention shapes (32 query heads, 8 KV heads, head_dim 128), bf16, block_size 16,
 KV in a 2-layer block-major pool (strided per-layer views) with shuffled block tables.
@@ -313,6 +314,11 @@ def parse_args() -> argparse.Namespace:
         help="also time the tiling variants / explicit split counts",
     )
     parser.add_argument(
+        "--wide-only",
+        action="store_true",
+        help="time only the decode rows through a CUDA graph's full-width table",
+    )
+    parser.add_argument(
         "--once",
         action="store_true",
         help="run decode (64, 4096) and prefill 8192 once each, untimed "
@@ -321,8 +327,9 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def measure(sweeps: list[str], emit) -> None:
-    """Emit the env row, then every row of the default runs and the requested sweeps."""
+def measure(sweeps: list[str], emit, wide_only: bool = False) -> None:
+    """Emit the env row, then every row of the default runs and the requested sweeps (only the
+    wide-table decode rows with `wide_only`)."""
     props = torch.cuda.get_device_properties(0)
     emit(
         kind="env",
@@ -331,6 +338,9 @@ def measure(sweeps: list[str], emit) -> None:
         torch=torch.__version__,
         triton=triton.__version__,
     )
+    if wide_only:
+        run_decode_wide(emit)
+        return
     decode = {"default": None}
     prefill = {"default": None}
     if "decode" in sweeps:
@@ -359,7 +369,7 @@ def main() -> None:
         if args.json:
             print(json.dumps(row), flush=True)
 
-    measure(args.sweep, emit)
+    measure(args.sweep, emit, args.wide_only)
     report.print_env(rows[0])
     report.print_decode(rows)
     report.print_decode_wide(rows)
