@@ -229,6 +229,7 @@ def attention_sweep(
     v_reads = v_reads or ["pairs" if v_pairs_default else "bytes"]  # none given: this process's
     variants = itertools.product(dots if fp8 else ["-"], v_reads if fp8 else ["-"], tilings)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    max_context = table.shape[1] * runner.block_size  # the launcher's bound, as in the engine
     for dot, v_read, (block_n, warps, stages, regs, per_sm) in variants:
         config = DecodeConfig(
             block_n=block_n,
@@ -237,7 +238,6 @@ def attention_sweep(
             programs_per_sm=per_sm,
             max_registers=regs or None,
         )
-        max_context = table.shape[1] * runner.block_size
         splits = choose_num_splits(batch, cfg.num_kv_heads, max_context, sms, config)
         decode_attention.FP8_DOTS_IN_FP16 = dot != "bf16"
         decode_attention.FP8_V_PAIRS = v_read != "bytes"
