@@ -16,8 +16,8 @@ one kernel is one launch (a Triton helper is inlined anyway, and splitting the b
 registers and scatter one online-softmax loop over several places), and the launcher is the
 one place that checks inputs, picks splits and tiling and launches the kernel(s).
 
-The file is just over 300 lines: the split reduction's kernel sits beside the one launcher
-of both kernels.
+The file runs past 400 lines: the split reduction's kernel, the split-length helper both
+kernels share and the tilings with their measurements sit beside the one launcher of both.
 """
 
 from __future__ import annotations
