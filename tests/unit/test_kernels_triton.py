@@ -132,9 +132,11 @@ def test_decode_kernel(gen, dtype, heads, num_splits):
 
 @pytest.mark.parametrize("num_splits", [None, 5])
 def test_decode_splits_follow_each_sequence_not_the_table_width(gen, num_splits):
-    """A CUDA graph's block table is as wide as the longest context allowed: the splits cut each
-    sequence's own length (main and reduce kernel alike), so short contexts still spread over
-    several programs and every split's partial is read back once."""
+    """A CUDA graph's block table is as wide as the longest context allowed, and each sequence
+    is cut by its own length: exact through such a table with the heuristic's split count and
+    with explicit splits, which holds only while the main and the reduce kernel derive the same
+    split length (a mismatch drops or double-counts partials). That short contexts now spread
+    over several programs is a speed property: benchmarks/attention_kernels.py --wide-only."""
     lens = [1, 31, 32, 33, 95, 160, 161]
     kv = make_paged_kv(lens, 2, 64, BS, torch.float32, "cpu", gen)
     # 60 blocks a row (960 tokens): the columns past each context point at the null block.
