@@ -230,13 +230,14 @@ def test_prefill_stages_from_the_environment(monkeypatch):
         monkeypatch.setenv(pa.STAGES_ENV, bad)
         with pytest.raises(ValueError, match=pa.STAGES_ENV):
             pa._stages_from_env()
-    # Every tiling choose_config picks takes the override; none: 5 stages for the 256-row tile
-    # of long runs, 3 for the others.
+    # Both tilings choose_config picks take the override; none: 5 stages for the 256-row tile
+    # of long runs, 3 for the 64 x 64 one.
     monkeypatch.setattr(pa, "_ENV_STAGES", 4)
     assert {pa.choose_config(n).num_stages for n in (1, 200, 4096)} == {4}
     monkeypatch.setattr(pa, "_ENV_STAGES", None)
     assert [pa.choose_config(n).num_stages for n in (1, 200, 4096)] == [3, 3, 5]
     assert pa.choose_config(4096)[:3] == (256, 64, 16)
+    assert pa.choose_config(1023)[:3] == pa.choose_config(1)[:3] == (64, 64, 4)
 
 
 def test_register_cap_is_a_launch_option_on_cuda_only():
