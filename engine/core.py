@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from splitserve.engine.kv_port import KVPort
+from splitserve.engine.kv_tiers import HostTier
 from splitserve.engine.layer_stream import LayerStreams, StepRow
 from splitserve.engine.scheduler import Request, ScheduledRequest, Scheduler
 from splitserve.kvstore import BlockPool, KVCacheManager, ModelIdentity
@@ -117,12 +118,15 @@ class LLMEngine:
         prefill_only: bool = False,
         enable_kv_events: bool = False,
         async_scheduling: bool | None = None,
+        host_cache_blocks: int = 0,
     ) -> None:
         """``prefill_only``: a request ends after its first sampled token and keeps its blocks
         until ``release`` (a prefill node ships them first). ``enable_kv_events``: the pool
         records stored/evicted hashes for a prefix index, which must then drain them.
         ``async_scheduling`` (default: on a GPU): schedule and launch step N+1 before reading
-        step N's tokens (see ``step``)."""
+        step N's tokens (see ``step``). ``host_cache_blocks``: a host-memory tier of that many
+        blocks behind the pool (engine.kv_tiers; 0: none; only with prefix caching, at tensor
+        parallel size 1)."""
         if identity.block_size != runner.block_size:
             raise ValueError(
                 f"identity.block_size {identity.block_size} != runner block size "
@@ -134,11 +138,23 @@ class LLMEngine:
         self.block_size = runner.block_size
         self.pool = BlockPool(runner.num_blocks, enable_events=enable_kv_events)
         self.kv = KVCacheManager(self.pool, self.block_size, enable_caching=enable_prefix_caching)
+        self.host_tier: HostTier | None = None
+        if host_cache_blocks > 0 and enable_prefix_caching:
+            if runner.tp.size > 1:
+                # NOTE: rank 0's pool holds its heads only; the tier would need every rank's.
+                raise ValueError(
+                    "the host KV tier is not yet available at tensor parallel size > 1: "
+                    "start the node with --kv-host-cache-mb 0"
+                )
+            self.host_tier = HostTier(
+                runner.kv_pool, self.pool, host_cache_blocks, enable_events=enable_kv_events
+            )
         self.scheduler = Scheduler(
             self.kv,
             self.root_hash,
             max_num_seqs or runner.rc.max_num_seqs,
             max_num_batched_tokens or runner.rc.max_num_batched_tokens,
+            self.host_tier,
         )
         self.sampler = Sampler()
         eos = runner.config.eos_token_ids
@@ -203,7 +219,7 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> Request:
         """Queue a new prompt; ``ValueError`` (from ``check_prompt``) when it cannot run."""
-        if request_id in self.requests:
+        if request_id in self.requests or self._still_loading(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt = self.check_prompt(prompt_token_ids)
         generator = make_generator(params, self.runner.device)
@@ -302,8 +318,14 @@ class LLMEngine:
         self.scheduler.remove(req)
         self._free(req)
 
+    def _still_loading(self, request_id: str) -> bool:
+        return self.host_tier is not None and self.host_tier.is_loading(request_id)
+
     def _free(self, req: Request) -> None:
-        """Free a request's blocks, once the step on the device no longer writes them."""
+        """Free a request's blocks, once the step on the device no longer writes them (and no
+        copy from the host tier does: the scheduler frees those when the copy is done)."""
+        if self._still_loading(req.request_id):
+            return
         inflight = self._inflight
         if inflight is not None and req.request_id in inflight.ids:
             inflight.free_after.append(req.request_id)
@@ -318,11 +340,15 @@ class LLMEngine:
         unpacking, which holds the GIL, before anything is summed."""
         return sum(
             max(len(r.prompt_token_ids) - r.num_computed_tokens, 0)
-            for r in (*self.waiting, *self.running)
+            for r in (*self.waiting, *self.running, *self.scheduler.loading.values())
         )
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None
+        return (
+            self.scheduler.has_unfinished()
+            or self._inflight is not None
+            or (self.host_tier is not None and self.host_tier.num_loading > 0)
+        )
 
     # ------------------------------------------------------------------ step
 
@@ -339,7 +365,16 @@ class LLMEngine:
         forwards. A request that turns out to have ended at N computed one token too many in
         N+1, which is dropped; its blocks are freed once N+1 is done with them. A step with a
         request whose penalties need its previous token waits for that token first.
-        Returns the outputs of every step whose tokens were read in this call."""
+        Returns the outputs of every step whose tokens were read in this call.
+
+        With a host tier, the blocks cached by the steps read here are then copied out to it
+        (on a GPU: queued on the tier's stream while the launched step computes)."""
+        outputs = self._step(on_launch)
+        if self.host_tier is not None:
+            self.host_tier.offload()
+        return outputs
+
+    def _step(self, on_launch: Callable[[], None] | None) -> list[StepOutput]:
         self._apply_aborts()
         outputs: list[StepOutput] = []
         if self._inflight is not None and self._inflight.needs_tokens:

@@ -6,6 +6,11 @@ mid-prefill), then waiting ones are admitted in arrival order under the token bu
 recently admitted running request is preempted: its blocks are freed and it goes back to the
 front of the queue, to be recomputed later from its prompt and the tokens it already produced
 (the same output, since its sampler state lives in the request).
+
+With a host tier (engine.kv_tiers), a waiting request whose prefix continues in host memory past
+what the pool holds gets pool blocks for that part, filled by copies, and waits in ``loading``
+(holding them) until the copies are done; it then joins the running requests with that prefix
+computed. Other requests' steps go on meanwhile.
 """
 
 from __future__ import annotations
@@ -14,12 +19,16 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from splitserve.kvstore import BlockHash, KVCacheManager, extend_block_hashes
+from splitserve.kvstore.kv_cache_manager import ComputedBlocks
 from splitserve.models.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from splitserve.engine.kv_tiers import HostTier
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +82,10 @@ class Scheduler:
         root_hash: BlockHash,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        tier: HostTier | None = None,
     ) -> None:
         self.kv = kv
+        self.tier = tier
         self.block_size = kv.block_size
         self.root_hash = root_hash
         self.max_num_seqs = max_num_seqs
@@ -86,6 +97,8 @@ class Scheduler:
         # Transferred requests (KV already here) waiting for a running slot, in arrival order:
         # a decode node at max_num_seqs queues them rather than refuse work already prefilled.
         self.ready: deque[Request] = deque()
+        # Requests whose prefix is being copied in from the host tier, by id (they hold blocks).
+        self.loading: dict[str, Request] = {}
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ queues
@@ -110,13 +123,15 @@ class Scheduler:
         """Take a request out of whichever queue holds it (an abort); unknown ones are ignored."""
         if req in self.running:
             self.running.remove(req)
+        elif self.loading.get(req.request_id) is req:
+            del self.loading[req.request_id]  # its blocks: freed once the copies are done
         elif req in self.waiting:
             self.waiting.remove(req)
         elif req in self.ready:
             self.ready.remove(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.ready)
+        return bool(self.waiting or self.running or self.ready or self.loading)
 
     def hash_blocks(self, req: Request, num_tokens: int) -> None:
         """Extend the request's block hashes to the full blocks of its first ``num_tokens``."""
@@ -134,6 +149,8 @@ class Scheduler:
     def schedule(self) -> list[ScheduledRequest]:
         """The requests of the next forward, running ones first, and their KV slots allocated."""
         scheduled: list[ScheduledRequest] = []
+        if self.tier is not None:
+            self._admit_loaded()
         # A preempted request at the head of the queue (admitted before) goes first; then
         # transferred ones; then new prompts (in _schedule_waiting).
         while (
@@ -209,8 +226,56 @@ class Scheduler:
                 budget -= num_new
         return budget
 
+    def _admit_loaded(self) -> None:
+        """Requests whose host-tier copies are done join the running ones, their loaded blocks
+        now cached in the pool; those aborted meanwhile free their blocks now."""
+        assert self.tier is not None
+        for request_id in self.tier.loaded():
+            req = self.loading.pop(request_id, None)
+            if req is None:  # aborted while its blocks were being written
+                self.kv.free(request_id)
+                continue
+            self.kv.cache_blocks(request_id, req.block_hashes, req.num_computed_tokens)
+            self.running.append(req)
+
+    def _start_load(self, req: Request, computed: ComputedBlocks) -> bool | None:
+        """Load the part of ``req``'s prefix past ``computed`` that the host tier holds.
+        True: loading (it left the queue); False: nothing to load; None: the pool is short."""
+        assert self.tier is not None
+        max_blocks = (len(req.token_ids) - 1) // self.block_size
+        start = len(computed.blocks)
+        if not self.kv.enable_caching or start >= max_blocks:
+            return False
+        hashes = req.block_hashes[start:max_blocks]
+        slots = self.tier.match(hashes)
+        if not slots:
+            return False
+        total = (start + len(slots)) * self.block_size
+        new_blocks = self.kv.allocate_slots(req.request_id, total, computed)
+        if new_blocks is None:
+            return None
+        self.tier.load(
+            req.request_id, hashes[: len(slots)], slots, [b.block_id for b in new_blocks]
+        )
+        self.kv.stats.host_hit_tokens += len(slots) * self.block_size
+        self.waiting.popleft()
+        self._admitted(req, total)
+        self.loading[req.request_id] = req
+        return True
+
+    def _admitted(self, req: Request, num_cached_tokens: int) -> None:
+        if not req.admitted:
+            req.num_cached_tokens = num_cached_tokens
+            req.admitted = True
+            req.admitted_at = time.monotonic()
+        req.num_computed_tokens = num_cached_tokens
+
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) + len(self.loading) < self.max_num_seqs
+        ):
             req = self.waiting[0]
             if req.num_pending:  # preempted with a token still on the device: wait for it
                 break
@@ -224,16 +289,18 @@ class Scheduler:
             # NOTE: lookup and allocation in the same step: a cached free block found here may
             # be evicted by any allocation in between.
             computed = self.kv.get_computed_blocks(req.block_hashes, len(req.token_ids))
+            if self.tier is not None:
+                loading = self._start_load(req, computed)
+                if loading is None:
+                    break  # strict arrival order, as below
+                if loading:
+                    continue
             num_new = min(len(req.token_ids) - computed.num_computed_tokens, budget)
             total = computed.num_computed_tokens + num_new
             if self.kv.allocate_slots(req.request_id, total, computed) is None:
                 break  # strict arrival order: no later request overtakes the head
             self.waiting.popleft()
-            if not req.admitted:
-                req.num_cached_tokens = computed.num_computed_tokens
-                req.admitted = True
-                req.admitted_at = time.monotonic()
-            req.num_computed_tokens = computed.num_computed_tokens
+            self._admitted(req, computed.num_computed_tokens)
             self.running.append(req)
             scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new

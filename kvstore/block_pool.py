@@ -9,16 +9,22 @@ from splitserve.kvstore.block import FreeKVCacheBlockQueue, KVCacheBlock
 from splitserve.kvstore.hashing import BlockHash
 
 
+DEVICE = "device"  # the accelerator's KV pool: the tier a step reads (kvstore.host_cache: "host")
+
+
 class BlockStored(NamedTuple):
-    """Blocks whose KV is complete and now findable by these hashes (in chain order)."""
+    """Blocks whose KV is complete and now findable by these hashes (in chain order), in
+    ``tier``."""
 
     block_hashes: list[BlockHash]
+    tier: str = DEVICE
 
 
 class BlockRemoved(NamedTuple):
-    """Hashes no longer held by this pool (their blocks were evicted for reuse)."""
+    """Hashes no longer held in ``tier`` (evicted for reuse, or dropped)."""
 
     block_hashes: list[BlockHash]
+    tier: str = DEVICE
 
 
 KVCacheEvent = BlockStored | BlockRemoved
@@ -58,6 +64,9 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         self.enable_events = enable_events
         self._events: list[KVCacheEvent] = []
+        # Blocks newly registered under a hash, for a second tier to copy (engine.kv_tiers sets
+        # it to a list and drains it; None: nobody copies, nothing is collected).
+        self.newly_cached: list[KVCacheBlock] | None = None
 
     # ---------------------------------------------------------------- queries
 
@@ -195,6 +204,7 @@ class BlockPool:
             strict=True,
         )
         stored = [] if self.enable_events else None
+        newly = self.newly_cached
         for block, block_hash in pairs:
             if block.block_hash is not None:
                 assert block.block_hash == block_hash, f"{block} re-cached under another hash"
@@ -202,6 +212,8 @@ class BlockPool:
                 block.block_hash = block_hash
                 if stored is not None:
                     stored.append(block_hash)
+                if newly is not None:
+                    newly.append(block)
             # else: another block already holds this content; this one stays unhashed.
         if stored:
             self._events.append(BlockStored(stored))

@@ -21,11 +21,13 @@ class ComputedBlocks(NamedTuple):
 
 @dataclass(slots=True)
 class PrefixCacheStats:
-    """Counters since start: lookups, and tokens asked for vs. found in the local cache."""
+    """Counters since start: lookups, and tokens asked for vs. found in the local cache
+    (``hit_tokens``: in the pool; ``host_hit_tokens``: further, in the host tier)."""
 
     requests: int = 0
     queried_tokens: int = 0
     hit_tokens: int = 0
+    host_hit_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:
