@@ -20,7 +20,7 @@ from typing import Protocol
 from splitserve.engine.core import StepOutput, check_prompt
 from splitserve.engine.kv_port import Reserved
 from splitserve.kvstore import BlockHash
-from splitserve.kvstore.block_pool import KVCacheEvent
+from splitserve.kvstore.block_pool import BlockStored, KVCacheEvent
 from splitserve.models.sampling_params import SamplingParams
 
 __all__ = [
@@ -272,7 +272,7 @@ class NodeEngine(ABC):
     async def take_events(self) -> list[KVCacheEvent]: ...
 
     @abstractmethod
-    async def cached_hashes(self) -> list[BlockHash]: ...
+    async def cache_snapshot(self) -> list[BlockStored]: ...
 
     # ------------------------------------------------------------------ figures
 

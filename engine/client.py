@@ -52,7 +52,7 @@ from splitserve.engine.protocol import (
     unpackb,
 )
 from splitserve.kvstore import BlockHash
-from splitserve.kvstore.block_pool import KVCacheEvent
+from splitserve.kvstore.block_pool import BlockStored, KVCacheEvent
 from splitserve.models.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -334,8 +334,8 @@ class EngineClient(NodeEngine):
     async def take_events(self) -> list[KVCacheEvent]:
         return await self._call("take_events")
 
-    async def cached_hashes(self) -> list[BlockHash]:
-        return await self._call("cached_hashes")
+    async def cache_snapshot(self) -> list[BlockStored]:
+        return await self._call("cache_snapshot")
 
     # ------------------------------------------------------------------ figures
 

@@ -12,7 +12,7 @@ loop (GetStats, the Redis heartbeat) and the metrics server's thread without a j
 scrape never waits for a step: each reads integers, or copies a queue in one call that holds
 the GIL, and never iterates a container the engine thread may change meanwhile. A read racing
 a step sees that step half done (the figures are a moment's, not a consistent snapshot); none
-writes. Anything that iterates the pool, the hash map or a request's blocks (``cached_hashes``,
+writes. Anything that iterates the pool, the hash map or a request's blocks (``cache_snapshot``,
 ``take_events``, ``block_ids``, ...) goes through ``AsyncEngine.call``.
 
 The sequence for blocks that come from elsewhere, whoever sends them, is always
@@ -27,6 +27,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from splitserve.kvstore import BlockHash, KVCacheBlock
+from splitserve.kvstore.block_pool import BlockStored
+from splitserve.kvstore.host_cache import HOST
 from splitserve.kvstore.kv_cache_manager import SlotUsage
 
 if TYPE_CHECKING:
@@ -58,6 +60,7 @@ class KVPort:
         self._kv = engine.kv
         self._pool = engine.pool
         self._runner = engine.runner
+        self._tier = engine.host_tier
         # The transfer layer maps/sends this tensor (rank 0's heads under tensor parallelism,
         # where only the byte path moves blocks: ``read``/``write`` take every rank's heads).
         self.kv_pool = engine.runner.kv_pool
@@ -176,9 +179,16 @@ class KVPort:
         }
 
     def take_events(self) -> list[KVCacheEvent]:
-        """Stored/evicted hash events since the last call (for the Redis index)."""
-        return self._pool.take_events()
+        """Stored/evicted hash events of every tier since the last call (for the Redis
+        index)."""
+        events = self._pool.take_events()
+        if self._tier is not None:
+            events += self._tier.take_events()
+        return events
 
-    def cached_hashes(self) -> list[BlockHash]:
-        """Every hash cached here (a full snapshot for the Redis index)."""
-        return self._pool.cached_hashes()
+    def cache_snapshot(self) -> list[BlockStored]:
+        """Every hash cached here, one event per tier (a full snapshot for the Redis index)."""
+        held = [BlockStored(self._pool.cached_hashes())]
+        if self._tier is not None:
+            held.append(BlockStored(self._tier.hashes(), HOST))
+        return held

@@ -39,7 +39,7 @@ from splitserve.engine.kv_port import Reserved
 from splitserve.engine.layer_stream import LayerStreams
 from splitserve.engine.loop import AsyncEngine, settle
 from splitserve.kvstore import BlockHash
-from splitserve.kvstore.block_pool import KVCacheEvent
+from splitserve.kvstore.block_pool import BlockStored, KVCacheEvent
 from splitserve.models.sampling_params import SamplingParams
 from splitserve.transfer import TP_PATHS, RankLink
 
@@ -208,8 +208,8 @@ class LocalEngine(NodeEngine):
     async def take_events(self) -> list[KVCacheEvent]:
         return await self.loop_engine.call(self.port.take_events)
 
-    async def cached_hashes(self) -> list[BlockHash]:
-        return await self.loop_engine.call(self.port.cached_hashes)
+    async def cache_snapshot(self) -> list[BlockStored]:
+        return await self.loop_engine.call(self.port.cache_snapshot)
 
     # ------------------------------------------------------------------ figures
 

@@ -46,7 +46,7 @@ from splitserve.transfer.errors import (
     TransferTimeout,
 )
 
-VERSION = 1
+VERSION = 2  # 2: index events carry their tier
 # Bounds a bad length; the largest frames are block bytes (reads and writes of ~4 MiB runs,
 # adopts of at most engine.client.ADOPT_BYTES).
 MAX_FRAME = 1 << 30
@@ -72,7 +72,7 @@ COMMANDS = frozenset(
         "read",
         "block_ids",
         "take_events",
-        "cached_hashes",
+        "cache_snapshot",
         "figures",
         "open_kv",
         "rx_reserve",

@@ -8,7 +8,6 @@ from typing import NamedTuple
 from splitserve.kvstore.block import FreeKVCacheBlockQueue, KVCacheBlock
 from splitserve.kvstore.hashing import BlockHash
 
-
 DEVICE = "device"  # the accelerator's KV pool: the tier a step reads (kvstore.host_cache: "host")
 
 

@@ -16,14 +16,15 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from splitserve.kvstore.block_pool import BlockRemoved, BlockStored, KVCacheEvent
+from splitserve.kvstore.block_pool import DEVICE, BlockRemoved, BlockStored, KVCacheEvent
+from splitserve.kvstore.host_cache import HOST
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,8 @@ def _prefix(root_hash: bytes) -> str:
     # Keys are per model identity: two models sharing a Redis never see each other's blocks.
     return f"ss:{root_hash.hex()[:16]}"
 
+
+TIERS = (DEVICE, HOST)  # the tiers a node publishes, each a set of its own
 
 REPLAY_TTLS = 3  # a signed entry older than this many TTLs is ignored (clock skew slack)
 
@@ -83,8 +86,12 @@ class PrefixIndex:
         self.ttl_s = ttl_s
         self._malformed_reported: set[str] = set()
 
-    def _blocks_key(self, node_id: str) -> str:
-        return f"{self.prefix}:blocks:{node_id}"
+    def _blocks_key(self, node_id: str, tier: str = DEVICE) -> str:
+        # NOTE: the device tier keeps the key it had before there were tiers.
+        return f"{self.prefix}:{'blocks' if tier == DEVICE else tier}:{node_id}"
+
+    def _tier_keys(self, node_id: str) -> list[str]:
+        return [self._blocks_key(node_id, tier) for tier in TIERS]
 
     def _node_key(self, node_id: str) -> str:
         return f"{self.prefix}:node:{node_id}"
@@ -98,24 +105,27 @@ class PrefixIndex:
 
     # ------------------------------------------------------------------ node side
 
-    async def reset_node(self, node_id: str, held: Iterable[bytes] = ()) -> None:
-        """Forget what an earlier life of this node published, then publish ``held``."""
-        held = list(held)
+    async def reset_node(self, node_id: str, held: Sequence[BlockStored] = ()) -> None:
+        """Forget what an earlier life of this node published, then publish ``held`` (what it
+        holds now, one ``BlockStored`` per tier)."""
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(self._blocks_key(node_id))
-            if held:
-                pipe.sadd(self._blocks_key(node_id), *held)
+            pipe.delete(*self._tier_keys(node_id))
+            for event in held:
+                if event.block_hashes:
+                    pipe.sadd(self._blocks_key(node_id, event.tier), *event.block_hashes)
             await pipe.execute()
 
     async def publish(self, node_id: str, events: Sequence[KVCacheEvent]) -> None:
-        """Apply a batch of stored/removed events in one pipelined round trip, in order."""
+        """Apply a batch of stored/removed events in one pipelined round trip, in order (each
+        to its tier's set: a block that leaves the device for the host tier moves between
+        them)."""
         if not events:
             return
-        key = self._blocks_key(node_id)
         async with self.redis.pipeline(transaction=False) as pipe:
             for event in events:
-                if not event.block_hashes:
+                if not event.block_hashes or event.tier not in TIERS:
                     continue
+                key = self._blocks_key(node_id, event.tier)
                 if isinstance(event, BlockStored):
                     pipe.sadd(key, *event.block_hashes)
                 elif isinstance(event, BlockRemoved):
@@ -158,7 +168,7 @@ class PrefixIndex:
 
     async def deregister(self, node_id: str) -> None:
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(self._node_key(node_id), self._blocks_key(node_id))
+            pipe.delete(self._node_key(node_id), *self._tier_keys(node_id))
             pipe.srem(self._nodes_key, node_id)
             pipe.hdel(IDENTITIES_KEY, node_id)
             await pipe.execute()
@@ -188,7 +198,7 @@ class PrefixIndex:
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.srem(self._nodes_key, *dead)
                 for node_id in dead:
-                    pipe.delete(self._blocks_key(node_id))
+                    pipe.delete(*self._tier_keys(node_id))
                 await pipe.execute()
             logger.info("prefix index: dropped %d expired nodes: %s", len(dead), dead)
         return live
@@ -251,7 +261,9 @@ class PrefixIndex:
     async def longest_prefixes(
         self, node_ids: Sequence[str], block_hashes: Sequence[bytes]
     ) -> dict[str, int]:
-        """For each node, how many leading blocks of the chain it holds, in one round trip."""
+        """For each node, how many leading blocks of the chain it holds in any of its tiers (a
+        block may be in its device pool or its host memory: either is copied, not computed), in
+        one round trip."""
         return (await self.longest_prefixes_many([(node_ids, block_hashes)]))[0]
 
     async def longest_prefixes_many(
@@ -262,18 +274,20 @@ class PrefixIndex:
             for node_ids, block_hashes in queries:
                 if block_hashes:
                     for node_id in node_ids:
-                        pipe.smismember(self._blocks_key(node_id), list(block_hashes))
+                        for key in self._tier_keys(node_id):
+                            pipe.smismember(key, list(block_hashes))
             rows = iter(await pipe.execute() if len(pipe) else [])
         out = []
         for node_ids, block_hashes in queries:
             found = {}
             for node_id in node_ids:
-                flags = next(rows) if block_hashes else ()
                 n = 0
-                for flag in flags:
-                    if not flag:
-                        break
-                    n += 1
+                if block_hashes:
+                    tiers = [next(rows) for _ in TIERS]
+                    for flags in zip(*tiers, strict=True):
+                        if not any(flags):
+                            break
+                        n += 1
                 found[node_id] = n
             out.append(found)
         return out

@@ -171,6 +171,14 @@ class ModelRunner:
             if self.device.type != "cuda":
                 raise ValueError("on CPU the KV cache size must be given (kv_cache_bytes)")
             budget = self._measure_gpu_kv_budget()
+        elif self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0] - (1 << 30)  # as measured budgets
+            if budget > free:
+                mib = 1 << 20
+                raise ValueError(
+                    f"a KV pool of {budget // mib} MiB does not fit: {max(free, 0) // mib} MiB "
+                    "of the GPU is free after the weights (less 1 GiB); lower --kv-cache-mb"
+                )
         num_blocks = int(budget // self.block_bytes)
         if self.tp.size > 1:  # every rank holds the same block ids: the least any can hold
             agreed = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)

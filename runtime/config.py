@@ -23,6 +23,23 @@ from splitserve.runtime.slo import SLO_SYNTAX, Slo
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
 
 
+CPU_KV_CACHE_MB = 256  # the KV pool of a CPU node without --kv-cache-mb
+HOST_CACHE_SHARE = 0.25  # of the memory available at start: the host KV tier by default
+
+
+def auto_host_cache_mb(num_nodes: int = 1, meminfo: str = "/proc/meminfo") -> int:
+    """The host KV tier each of ``num_nodes`` nodes of this machine gets by default:
+    ``HOST_CACHE_SHARE`` of the memory available now (``MemAvailable``), shared equally; 0 where
+    that cannot be read."""
+    try:
+        with open(meminfo) as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        available_kib = int(fields["MemAvailable"].split()[0])
+    except (OSError, KeyError, ValueError, IndexError):
+        return 0
+    return int(available_kib / 1024 * HOST_CACHE_SHARE) // max(num_nodes, 1)
+
+
 def default_advertise_host(listen_host: str) -> str:
     """The host to advertise for a listen address: itself, or for a wildcard (0.0.0.0, ::) this
     machine's name (its FQDN, else its host name; in a container: the container's host name,
@@ -212,7 +229,18 @@ class NodeConfig:
     dtype: str | None = option(None, "float32, float16 or bfloat16 (default: the checkpoint's)")
     quantization: str | None = option(None, _QUANT_HELP, choices=QUANTIZATIONS)
     kv_cache_dtype: str = option("auto", _KV_DTYPE_HELP, choices=KV_CACHE_DTYPES)
-    kv_cache_mb: int = option(256, "CPU KV cache size in MiB (on CUDA: sized from free memory)")
+    kv_cache_mb: int | None = option(
+        None,
+        "the KV pool's size in MiB (default: 256 on CPU; on CUDA the memory left under "
+        "--gpu-memory-utilization after the weights and activations)",
+    )
+    kv_host_cache_mb: int | None = option(
+        None,
+        "the host-memory KV tier behind the pool, in MiB: every full block is copied there, and "
+        "a prefix the pool evicted is copied back instead of computed again; memory is taken as "
+        "the tier fills (0: off; default: a quarter of the memory available at start, which "
+        "`up` divides among its nodes; docs/deploy.md, KV tiers)",
+    )
     gpu_memory_utilization: float = option(0.9, "share of the GPU's memory this node may use")
     max_num_seqs: int = option(256, "requests in a batch at most")
     max_num_batched_tokens: int = option(8192, "tokens in a batch at most")
@@ -269,6 +297,12 @@ class NodeConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.kv_cache_mb is not None and self.kv_cache_mb < 1:
+            raise ValueError(f"--kv-cache-mb: >= 1, got {self.kv_cache_mb}")
+        if self.kv_host_cache_mb is not None and self.kv_host_cache_mb < 0:
+            raise ValueError(
+                f"--kv-host-cache-mb: >= 0 (0: no host tier), got {self.kv_host_cache_mb}"
+            )
         if self.stream_interval < 1:
             raise ValueError(f"--stream-interval: >= 1, got {self.stream_interval}")
         if self.tensor_parallel_size < 1:

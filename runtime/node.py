@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from splitserve.runtime.auth import TokenCheck, read_token_file, use_token
-from splitserve.runtime.config import NodeConfig
+from splitserve.runtime.config import CPU_KV_CACHE_MB, NodeConfig, auto_host_cache_mb
 from splitserve.runtime.node_life import NodeLife, NodeService, index_publisher
 from splitserve.runtime.protocol import sampling_from_proto
 from splitserve.runtime.server import Server
@@ -80,6 +80,32 @@ def node_identity(config: NodeConfig) -> ModelIdentity:
     )
 
 
+def kv_pool_bytes(config: NodeConfig) -> int | None:
+    """The KV pool's size as given (None: measured, on CUDA only)."""
+    if config.kv_cache_mb is not None:
+        return config.kv_cache_mb << 20
+    return None if config.device.startswith("cuda") else CPU_KV_CACHE_MB << 20
+
+
+def host_cache_blocks(config: NodeConfig, block_bytes: int) -> int:
+    """Blocks of the node's host KV tier (0: none), said once in the log."""
+    mb = config.kv_host_cache_mb
+    auto = mb is None
+    if auto:
+        if config.tensor_parallel_size > 1 or not config.enable_prefix_caching:
+            return 0  # (not yet at TP > 1; nothing to keep without prefix caching)
+        mb = auto_host_cache_mb()
+    blocks = (mb << 20) // block_bytes
+    if blocks:
+        logger.info(
+            "host KV tier: up to %d MiB, %d blocks%s (--kv-host-cache-mb; 0: off)",
+            mb,
+            blocks,
+            " (a quarter of the memory available now)" if auto else "",
+        )
+    return blocks
+
+
 def build_engine(config: NodeConfig, prefill_only: bool) -> tuple[LLMEngine, ModelIdentity]:
     """Load the model of a node and wrap it in an engine (blocking: call before serving)."""
     import torch
@@ -98,7 +124,7 @@ def build_engine(config: NodeConfig, prefill_only: bool) -> tuple[LLMEngine, Mod
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         gpu_memory_utilization=config.gpu_memory_utilization,
-        kv_cache_bytes=None if config.device.startswith("cuda") else config.kv_cache_mb << 20,
+        kv_cache_bytes=kv_pool_bytes(config),
         use_cuda_graph=not config.enforce_eager,
         kv_cache_dtype=config.kv_cache_dtype,
     )
@@ -128,6 +154,7 @@ def build_engine(config: NodeConfig, prefill_only: bool) -> tuple[LLMEngine, Mod
     engine = LLMEngine(
         runner,
         identity,
+        host_cache_blocks=host_cache_blocks(config, runner.transfer_block_bytes),
         prefill_only=prefill_only,
         enable_prefix_caching=config.enable_prefix_caching,
         enable_kv_events=config.redis_url is not None,

@@ -14,8 +14,8 @@ from splitserve.runtime.config import NodeConfig
 
 if TYPE_CHECKING:
     from splitserve.engine.api import NodeEngine
-    from splitserve.kvstore import BlockHash, ModelIdentity
-    from splitserve.kvstore.block_pool import KVCacheEvent
+    from splitserve.kvstore import ModelIdentity
+    from splitserve.kvstore.block_pool import BlockStored, KVCacheEvent
     from splitserve.kvstore.redis_index import IndexPublisher, NodeInfo
     from splitserve.runtime.metrics import LoadFigures
 
@@ -51,8 +51,8 @@ def index_publisher(
     async def take_events() -> list[KVCacheEvent]:
         return await engine.take_events()
 
-    async def snapshot() -> list[BlockHash]:
-        return await engine.cached_hashes()
+    async def snapshot() -> list[BlockStored]:
+        return await engine.cache_snapshot()
 
     async def info() -> NodeInfo:
         figures = await engine.figures()  # read without waiting for a step

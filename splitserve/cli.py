@@ -43,6 +43,7 @@ UP_NODE_OPTIONS = (
     "quantization",
     "kv_cache_dtype",
     "kv_cache_mb",
+    "kv_host_cache_mb",
     "max_num_seqs",
     "max_num_batched_tokens",
     "load_format",

@@ -6,7 +6,7 @@ import argparse
 import random
 import sys
 
-from splitserve.runtime.config import NodeConfig
+from splitserve.runtime.config import CPU_KV_CACHE_MB, NodeConfig
 from splitserve.runtime.options import add_options
 
 IDENTITY_OPTIONS = (
@@ -146,7 +146,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    kv_bytes = None if device == "cuda" else args.kv_cache_mb << 20
+    mb = args.kv_cache_mb if args.kv_cache_mb is not None or device == "cuda" else CPU_KV_CACHE_MB
+    kv_bytes = None if mb is None else mb << 20
     runner = ModelRunner(
         config, model, RunnerConfig(block_size=identity.block_size, kv_cache_bytes=kv_bytes)
     )

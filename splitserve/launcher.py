@@ -41,6 +41,7 @@ from splitserve.cluster_spec import (
 )
 from splitserve.engine import lifeline
 from splitserve.planner import placement
+from splitserve.runtime.config import auto_host_cache_mb
 from splitserve.runtime.tls import TlsFiles, sync_channel
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+HOST_CACHE_FLAG = "--kv-host-cache-mb"
 
 
 @dataclass(slots=True)
@@ -233,13 +235,17 @@ class LocalCluster:
             index_flags += ["--otlp-endpoint", spec.otlp_endpoint]
         if spec.otlp_sample_ratio is not None:
             index_flags += ["--otlp-sample-ratio", str(spec.otlp_sample_ratio)]
-        self._node_flags = index_flags
         roles = ["prefill"] * spec.num_prefill + ["decode"] * spec.num_decode
+        self._node_flags = list(index_flags)
+        if HOST_CACHE_FLAG not in spec.node_args:  # the default tier, shared by this host's nodes
+            host_mb = auto_host_cache_mb(self.max_nodes or len(roles))
+            self._node_flags += [HOST_CACHE_FLAG, str(host_mb)]
+            logger.info("host KV tier: %d MiB per node (%s to change)", host_mb, HOST_CACHE_FLAG)
         placement = self._placement(len(roles))
         metrics = spec.metrics_ports()  # router, then each node
         procs = []
         for i, (role, (device, share)) in enumerate(zip(roles, placement, strict=True)):
-            flags = ["--port", "0", "--device", device, *index_flags]
+            flags = ["--port", "0", "--device", device, *self._node_flags]
             if share is not None:
                 flags += ["--gpu-memory-utilization", str(share)]
             index = i if role == "prefill" else i - spec.num_prefill

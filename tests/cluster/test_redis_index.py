@@ -8,6 +8,7 @@ from support.processes import start_redis
 
 from splitserve.kvstore import BlockPool, ModelIdentity, hash_request_tokens
 from splitserve.kvstore.block_pool import BlockRemoved, BlockStored
+from splitserve.kvstore.host_cache import HOST
 from splitserve.kvstore.redis_index import IDENTITIES_KEY, IndexPublisher, NodeInfo, PrefixIndex
 
 ROOT = ModelIdentity("m").root_hash
@@ -42,10 +43,36 @@ def test_longest_prefix_per_node_follows_stores_and_evictions(redis_url):
         other = PrefixIndex(redis_url, ModelIdentity("other").root_hash)
         await other.publish("a", [BlockStored(chain)])
         assert (await index.longest_prefixes(["a"], chain)) == {"a": 1}
-        await index.reset_node("a", chain[:3])  # a restarted node forgets its earlier life
+        # A restarted node forgets its earlier life.
+        await index.reset_node("a", [BlockStored(chain[:3])])
         assert (await index.longest_prefixes(["a"], chain)) == {"a": 3}
         await index.close()
         await other.close()
+
+    asyncio.run(run())
+
+
+def test_a_block_moves_between_tiers_in_the_index_and_leaves_it_at_the_last(redis_url):
+    """The host tier publishes its own stored/removed events: a block the device pool evicts but
+    the host tier holds still counts for its node; one that leaves both is gone."""
+
+    async def run():
+        index = PrefixIndex(redis_url, ROOT)
+        chain = _chain(4)
+        await index.publish("a", [BlockStored(chain)])
+        await index.publish("a", [BlockStored(chain, HOST)])  # copied out as cached
+        await index.publish("a", [BlockRemoved(chain[:2])])  # evicted from the device pool
+        assert (await index.longest_prefixes(["a"], chain)) == {"a": 4}
+        assert await index.redis.smembers(index._blocks_key("a")) == set(chain[2:])
+        await index.publish("a", [BlockRemoved(chain[1:2], HOST)])  # and from the host tier
+        assert (await index.longest_prefixes(["a"], chain)) == {"a": 1}
+        # A snapshot per tier replaces both sets; deregistering removes both.
+        await index.reset_node("a", [BlockStored(chain[:1]), BlockStored(chain[1:3], HOST)])
+        assert (await index.longest_prefixes(["a"], chain)) == {"a": 3}
+        await index.deregister("a")
+        assert (await index.longest_prefixes(["a"], chain)) == {"a": 0}
+        assert not await index.redis.exists(*index._tier_keys("a"))
+        await index.close()
 
     asyncio.run(run())
 
@@ -146,7 +173,7 @@ def test_publisher_survives_redis_restart_and_republishes(tmp_path):
         return pool.take_events()
 
     async def snapshot():
-        return list(pool.cached_block_hash_to_block)
+        return [BlockStored(list(pool.cached_block_hash_to_block))]
 
     async def info():
         return _info("node")
