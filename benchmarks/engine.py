@@ -4,7 +4,7 @@
         [--prompt-range 128 1024] [--gen 128] [--repeats 2]
     python benchmarks/engine.py --device cpu --tiny --requests 8 --prompt-range 16 64 --gen 8
     python benchmarks/engine.py --device cuda --make-8b /tmp/llama8b --quantization fp8 \
-        [--kv-cache-dtype fp8]
+        [--kv-cache-dtype fp8] [--kv-host-cache-mb 0]
 
 The engine is built as a decode node builds it (``runtime.node.build_engine``: the real loader,
 ``--load-format dummy`` for the 8B shape, prefix caching on). Requests: the prompts of
@@ -155,6 +155,13 @@ def parse_args() -> argparse.Namespace:
         default="auto",
         help="the node's --kv-cache-dtype (fp8: the KV cache in e4m3)",
     )
+    ap.add_argument(
+        "--kv-host-cache-mb",
+        type=int,
+        default=None,
+        help="the node's --kv-host-cache-mb (default: the node's, a quarter of available memory; "
+        "0: no host tier)",
+    )
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--prompt-range", type=int, nargs=2, default=[128, 1024])
     ap.add_argument("--gen", type=int, default=128)
@@ -204,6 +211,7 @@ def main() -> None:
         tensor_parallel_size=args.tensor_parallel_size,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        kv_host_cache_mb=args.kv_host_cache_mb,
     )
     engine, _ = build_engine(config, prefill_only=False)
     lo, hi = args.prompt_range
