@@ -46,8 +46,10 @@ logger = logging.getLogger(__name__)
 LAYER_IDLE_FACTOR = 4
 MAX_RELEASE_ID_CHARS = 1024  # Release's request_id (input from another node: bounded)
 # The engine's own counters a decode node exports besides its own and preemptions (named where
-# they are produced: ``AsyncEngine.counters``); not the prefix-cache look-ups.
+# they are produced: ``AsyncEngine.counters``), and those of its prefix cache and host KV tier
+# (``KVPort.prefix_stats``: a decode node prefills on the direct route).
 ENGINE_COUNTERS = ("steps", "step_seconds", "engine_job_seconds")
+ENGINE_COUNTER_PREFIXES = ("prefix_", "host_tier_")
 
 
 class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
@@ -122,7 +124,11 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
         return {
             **self.counters,
             names.PREEMPTIONS: engine.get("preemptions", 0),
-            **{name: engine[name] for name in ENGINE_COUNTERS if name in engine},
+            **{
+                name: value
+                for name, value in engine.items()
+                if name in ENGINE_COUNTERS or name.startswith(ENGINE_COUNTER_PREFIXES)
+            },
         }
 
     async def GetStats(

@@ -169,13 +169,16 @@ class KVPort:
         return self._kv.slot_usage()
 
     def prefix_stats(self) -> dict[str, float]:
-        """Prefix-cache look-ups since start: queries, tokens asked for, tokens found (a figure:
-        any thread, see the module's docstring)."""
+        """Prefix-cache look-ups since start: queries, tokens asked for, tokens found in the
+        pool and further in the host tier, and the tier's copies (a figure: any thread, see the
+        module's docstring)."""
         stats = self._kv.stats
         return {
             "prefix_queries": stats.requests,
             "prefix_queried_tokens": stats.queried_tokens,
             "prefix_hit_tokens": stats.hit_tokens,
+            "prefix_host_hit_tokens": stats.host_hit_tokens,
+            **(self._tier.counters() if self._tier is not None else {}),
         }
 
     def take_events(self) -> list[KVCacheEvent]:

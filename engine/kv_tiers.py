@@ -236,6 +236,15 @@ class HostTier:
     def hashes(self) -> list[BlockHash]:
         return self.index.hashes()
 
+    def counters(self) -> dict[str, int]:
+        """Monotonic counts since start, as a node exports them (read from any thread)."""
+        return {
+            "host_tier_offloaded_blocks": self.offloaded_blocks,
+            "host_tier_skipped_blocks": self.skipped_blocks,
+            "host_tier_loaded_blocks": self.loaded_blocks,
+            "host_tier_evicted_blocks": self.index.num_evicted,
+        }
+
     def stats(self) -> TierStats:
         return TierStats(
             self.index.capacity,

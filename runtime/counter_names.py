@@ -5,7 +5,8 @@ A node's service counts into a ``Counter[str]`` keyed by these names (``counters
 (runtime.metrics); ``GetStats`` answers them under the same names. ``for_role`` lists what a role
 may count, which tests/unit/test_metric_names.py feeds to the collectors. The engine's own
 counters (``AsyncEngine.counters``: steps, step_seconds, engine_job_seconds) and the prefix-cache
-look-ups (``KVPort.prefix_stats``: prefix_queries, prefix_queried_tokens, prefix_hit_tokens) are
+look-ups (``KVPort.prefix_stats``: prefix_queries, prefix_queried_tokens, prefix_hit_tokens,
+prefix_host_hit_tokens, and the host tier's host_tier_{offloaded,skipped,loaded,evicted}_blocks) are
 named where they are produced, once each, and joined in by the services' ``all_counters``.
 """
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from support.metrics import ROLES, assert_no_name_shared, families_of
 
@@ -23,7 +24,10 @@ import splitserve.prefill_node
 from splitserve.decode_node.service import DecodeService
 from splitserve.engine.api import EngineFigures
 from splitserve.engine.kv_port import KVPort
+from splitserve.engine.kv_tiers import HostTier
 from splitserve.engine.loop import AsyncEngine
+from splitserve.kvstore import BlockPool
+from splitserve.kvstore.kv_cache_manager import PrefixCacheStats
 from splitserve.prefill_node.service import PrefillService
 from splitserve.runtime import counter_names
 from splitserve.runtime.metrics import LoadFigures, NodeCollector, RouterMetrics
@@ -39,8 +43,11 @@ def _counter_names(role: str) -> Counter[str]:
 
 def _node_counters(role: str) -> dict[str, float]:
     """What ``all_counters`` of the real service returns once every counter has moved."""
-    kv = SimpleNamespace(stats=SimpleNamespace(requests=1, queried_tokens=1, hit_tokens=1))
-    port = SimpleNamespace(prefix_stats=lambda: KVPort.prefix_stats(SimpleNamespace(_kv=kv)))
+    kv = SimpleNamespace(stats=PrefixCacheStats(1, 1, 1, 1))
+    tier = HostTier(torch.zeros(4, 1, 2, 16, 1, 8), BlockPool(4), 4)  # a real tier's counters
+    port = SimpleNamespace(
+        prefix_stats=lambda: KVPort.prefix_stats(SimpleNamespace(_kv=kv, _tier=tier))
+    )
     loop = SimpleNamespace(steps=1, step_seconds=0.1, job_seconds=0.1)
     # A NodeEngine's figures carry the same counters (as engine.local.LocalEngine joins them).
     figures = EngineFigures(

@@ -1,0 +1,98 @@
+"""The host KV tier in a running cluster, as a new user meets it: `splitserve up --num-prefill 0
+--kv-cache-mb 1` (the tier on by default), 32 prompts of 256 tokens, eight times what the pool
+holds, sent twice. The second round's prefixes come from the tier (usage.cached_tokens, the
+node's counters and /metrics), its answers are transformers' own, and the Redis index lists the
+node's blocks in both tiers."""
+
+import asyncio
+import random
+import urllib.request
+
+import pytest
+import redis
+from prometheus_client.parser import text_string_to_metric_families
+from support.reference import hf_greedy
+
+from splitserve.client import AsyncClient
+from splitserve.kvstore import ModelIdentity
+from splitserve.launcher import ClusterSpec, LocalCluster
+from splitserve.models.tiny import write_random_checkpoint
+
+MAX_NEW = 4
+GREEDY = dict(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_random_checkpoint(
+        tmp_path_factory.mktemp("tiers") / "tiny",
+        "LlamaForCausalLM",
+        seed=13,
+        with_tokenizer=True,
+        num_hidden_layers=2,
+        hidden_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        vocab_size=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir):
+    spec = ClusterSpec(
+        model_path=str(model_dir),
+        num_prefill=0,
+        num_decode=1,
+        port=0,
+        metrics_port=0,
+        node_args=("--kv-cache-mb", "1"),  # 1 KiB a token: 63 blocks of 16
+    )
+    with LocalCluster(spec) as running:
+        yield running
+
+
+def _generate(target, prompts):
+    async def run():
+        async with AsyncClient(target) as client:
+            sem = asyncio.Semaphore(4)  # four at a time: the pool holds about four prompts
+
+            async def one(p):
+                async with sem:
+                    return await client.generate(prompt_token_ids=p, **GREEDY)
+
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+    return asyncio.run(run())
+
+
+def _counter(url: str, name: str) -> float:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                return sample.value
+    raise AssertionError(f"no {name} at {url}")
+
+
+def test_prompts_evicted_from_the_pool_come_back_from_the_host_tier(cluster, model_dir):
+    rng = random.Random()
+    prompts = [[rng.randrange(256) for _ in range(256)] for _ in range(32)]
+    first = _generate(cluster.addresses.router, prompts)
+    second = _generate(cluster.addresses.router, prompts)
+    assert [list(r.token_ids) for r in second] == [list(r.token_ids) for r in first]
+    for i in rng.sample(range(len(prompts)), 2):
+        assert list(second[i].token_ids) == hf_greedy(model_dir, prompts[i], MAX_NEW)
+    cached = sum(r.usage.cached_tokens for r in second)
+    # Without the tier this is 0: each prompt evicts the ones before it from the pool.
+    assert cached >= 0.9 * 32 * 240, cached
+    node = cluster.addresses.decode[0]
+    metrics = cluster.addresses.metrics[node]
+    assert _counter(metrics, "splitserve_decode_prefix_host_hit_tokens_total") >= cached * 0.9
+    assert _counter(metrics, "splitserve_decode_host_tier_loaded_blocks_total") > 0
+    # The index: the node's host set holds the blocks its pool no longer does.
+    client = redis.Redis.from_url(cluster.addresses.redis_url)
+    root = ModelIdentity.for_checkpoint(str(model_dir)).root_hash.hex()[:16]
+    host = client.smembers(f"ss:{root}:host:{node}")
+    device = client.smembers(f"ss:{root}:blocks:{node}")
+    assert len(host) >= 32 * 15 and len(device) < 63 and len(host - device) > len(device)
