@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 
+from splitserve.engine.kv_disk import DiskTier
 from splitserve.engine.kv_port import KVPort
 from splitserve.engine.kv_tiers import HostTier
 from splitserve.engine.layer_stream import LayerStreams, StepRow
@@ -119,6 +120,8 @@ class LLMEngine:
         enable_kv_events: bool = False,
         async_scheduling: bool | None = None,
         host_cache_blocks: int = 0,
+        disk_cache_dir: str | None = None,
+        disk_cache_bytes: int = 0,
     ) -> None:
         """``prefill_only``: a request ends after its first sampled token and keeps its blocks
         until ``release`` (a prefill node ships them first). ``enable_kv_events``: the pool
@@ -126,7 +129,8 @@ class LLMEngine:
         ``async_scheduling`` (default: on a GPU): schedule and launch step N+1 before reading
         step N's tokens (see ``step``). ``host_cache_blocks``: a host-memory tier of that many
         blocks behind the pool (engine.kv_tiers; 0: none; only with prefix caching, at tensor
-        parallel size 1)."""
+        parallel size 1). ``disk_cache_dir``: a disk tier of at most ``disk_cache_bytes`` there,
+        behind the host tier (engine.kv_disk)."""
         if identity.block_size != runner.block_size:
             raise ValueError(
                 f"identity.block_size {identity.block_size} != runner block size "
@@ -146,8 +150,26 @@ class LLMEngine:
                     "the host KV tier is not yet available at tensor parallel size > 1: "
                     "start the node with --kv-host-cache-mb 0"
                 )
+            disk = None
+            if disk_cache_dir:
+                disk = DiskTier(
+                    disk_cache_dir,
+                    identity.root_hash,
+                    disk_cache_bytes,
+                    runner.block_bytes,
+                    enable_events=enable_kv_events,
+                )
             self.host_tier = HostTier(
-                runner.kv_pool, self.pool, host_cache_blocks, enable_events=enable_kv_events
+                runner.kv_pool,
+                self.pool,
+                host_cache_blocks,
+                enable_events=enable_kv_events,
+                disk=disk,
+            )
+        elif disk_cache_dir:
+            raise ValueError(
+                "the disk KV tier spills from the host tier: give --kv-host-cache-mb > 0 "
+                "(and keep prefix caching on)"
             )
         self.scheduler = Scheduler(
             self.kv,
@@ -340,7 +362,11 @@ class LLMEngine:
         unpacking, which holds the GIL, before anything is summed."""
         return sum(
             max(len(r.prompt_token_ids) - r.num_computed_tokens, 0)
-            for r in (*self.waiting, *self.running, *self.scheduler.loading.values())
+            for r in (
+                *self.waiting,
+                *self.running,
+                *(r for r, _ in self.scheduler.loading.values()),
+            )
         )
 
     def has_unfinished(self) -> bool:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from splitserve.kvstore import BlockHash, KVCacheBlock
 from splitserve.kvstore.block_pool import BlockStored
-from splitserve.kvstore.host_cache import HOST
+from splitserve.kvstore.host_cache import DISK, HOST
 from splitserve.kvstore.kv_cache_manager import SlotUsage
 
 if TYPE_CHECKING:
@@ -194,4 +194,6 @@ class KVPort:
         held = [BlockStored(self._pool.cached_hashes())]
         if self._tier is not None:
             held.append(BlockStored(self._tier.hashes(), HOST))
+            if self._tier.disk is not None:
+                held.append(BlockStored(self._tier.disk.hashes(), DISK))
         return held

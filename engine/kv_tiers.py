@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import torch
 
+from splitserve.engine.kv_disk import DiskTier
 from splitserve.kvstore.block import KVCacheBlock
 from splitserve.kvstore.block_pool import BlockPool, KVCacheEvent
 from splitserve.kvstore.hashing import BlockHash
@@ -38,6 +39,7 @@ from splitserve.kvstore.host_cache import HostBlockIndex
 logger = logging.getLogger(__name__)
 
 SLAB_BYTES = 128 << 20  # host memory is taken in slabs of about this size as the tier fills
+MAX_SPILLING = 256  # host blocks being written to the disk tier at once (pinned meanwhile)
 
 
 class TierStats(NamedTuple):
@@ -56,9 +58,17 @@ class _Offload(NamedTuple):
     slots: list[int]
 
 
-class _Load(NamedTuple):
-    done: torch.cuda.Event | None  # None: made synchronously (CPU)
-    slots: list[int]
+class _Load:
+    """A request's blocks coming in: ``slots`` (pinned) to copy into ``block_ids`` in order;
+    the first ``num_ready`` are in host memory, the rest are being read from disk."""
+
+    def __init__(self, slots: list[int], block_ids: list[int], num_ready: int) -> None:
+        self.slots, self.block_ids = slots, block_ids
+        self.num_ready = num_ready
+        self.pending = len(slots) - num_ready  # disk reads not finished
+        self.first_bad = len(slots)  # the first block whose read failed
+        self.copied = 0  # blocks whose copy into the pool is queued or done
+        self.done: torch.cuda.Event | None = None  # the last queued copy's (None: CPU)
 
 
 class HostTier:
@@ -71,8 +81,11 @@ class HostTier:
         capacity_blocks: int,
         enable_events: bool = False,
         slab_bytes: int = SLAB_BYTES,
+        disk: DiskTier | None = None,
     ) -> None:
         self.index = HostBlockIndex(capacity_blocks, enable_events)
+        self.disk = disk
+        self._spilling: dict[int, BlockHash] = {}  # slot → its hash, being written to disk
         self._kv_pool = kv_pool
         self._pool = pool
         pool.newly_cached = []
@@ -85,6 +98,7 @@ class HostTier:
         self._offloads: deque[_Offload] = deque()
         self._loads: dict[str, _Load] = {}
         self.offloaded_blocks = self.skipped_blocks = self.loaded_blocks = 0
+        self.disk_hit_blocks = 0
         self._grower: _SlabGrower | None = None
         if self._cuda:
             self._offload_stream = torch.cuda.Stream(self.device)
@@ -149,7 +163,7 @@ class HostTier:
         if not self._cuda:
             for block, slot in zip(blocks, slots, strict=True):
                 self._slot(slot).copy_(kv[block.block_id])
-                index.commit(slot)
+                self._commit(slot)
             self.offloaded_blocks += len(blocks)
             return
         # NOTE: held until copied, so an allocation cannot hand a block out (and a step
@@ -167,41 +181,108 @@ class HostTier:
         self._offloads.append(_Offload(done, blocks, slots))
 
     def reap(self) -> None:
-        """Commit the copies out that are done and give their blocks back to the pool."""
+        """Commit the copies out that are done and give their blocks back to the pool; take
+        the disk's finished writes and reads."""
         while self._offloads and self._offloads[0].done.query():
             finished = self._offloads.popleft()
             for slot in finished.slots:
-                self.index.commit(slot)
+                self._commit(slot)
             self.offloaded_blocks += len(finished.slots)
             self._pool.free_blocks(finished.blocks)
+        if self.disk is not None:
+            self._disk_done()
+
+    def _commit(self, slot: int) -> None:
+        """A slot's bytes are in: findable, and written on to the disk tier (pinned meanwhile)
+        unless it is there already or the disk lags too far behind."""
+        self.index.commit(slot)
+        disk = self.disk
+        if disk is None:
+            return
+        block_hash = self.index.slot_hash(slot)
+        assert block_hash is not None
+        if block_hash in disk:
+            disk.touch(block_hash)
+        elif len(self._spilling) < MAX_SPILLING:
+            self.index.pin([slot])
+            self._spilling[slot] = block_hash
+            disk.write(block_hash, self._slot(slot), slot)
+
+    def _disk_done(self) -> None:
+        assert self.disk is not None
+        for done in self.disk.completed():
+            if done.kind == "write":
+                slot = done.tag
+                assert isinstance(slot, int)
+                del self._spilling[slot]
+                self.index.unpin([slot])
+                if done.ok:
+                    self.disk.added(done.block_hash)
+                continue
+            request_id, i = done.tag  # pyright: ignore[reportGeneralTypeIssues]
+            load = self._loads[request_id]
+            load.pending -= 1
+            slot = load.slots[i]
+            if done.ok:
+                self.index.commit(slot)  # a host block now, like any other
+                if i < load.first_bad:  # (reads finish in order: first_bad is final below i)
+                    self.index.pin([slot])
+            else:
+                self.index.cancel(slot)
+                self.disk.drop(done.block_hash)
+                load.first_bad = min(load.first_bad, i)
+            if load.pending == 0:
+                self._copy_in(load, load.first_bad)
 
     # ---------------------------------------------------------------- load
 
-    def match(self, block_hashes: Sequence[BlockHash]) -> list[int]:
-        """Slots of the longest leading run of ``block_hashes`` the tier holds."""
-        return self.index.match(block_hashes)
+    def match(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many leading ``block_hashes`` the tier holds, in host memory or further on disk."""
+        n = len(self.index.match(block_hashes))
+        if self.disk is not None and n < len(block_hashes):
+            n += self.disk.match(list(block_hashes[n:]))
+        return n
 
     def load(
-        self,
-        request_id: str,
-        block_hashes: Sequence[BlockHash],
-        slots: Sequence[int],
-        block_ids: Sequence[int],
+        self, request_id: str, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]
     ) -> None:
-        """Copy ``slots`` (just matched for ``block_hashes``) into pool blocks ``block_ids``,
-        which the request holds; ``loaded`` lists it once they are written."""
+        """Copy the blocks of ``block_hashes`` (just matched) into pool blocks ``block_ids``,
+        which the request holds; ``loaded`` lists it once they are written. Blocks on disk are
+        read into host slots first; one that cannot be read (or gets no slot) ends the run
+        there, and ``loaded`` says how many came in."""
         if request_id in self._loads:
             raise ValueError(f"request {request_id!r} is loading already")
-        for block_hash, slot in zip(block_hashes, slots, strict=True):
-            if self.index.slot_hash(slot) != block_hash:  # a match of an earlier step
-                raise ValueError(f"host slot {slot} no longer holds {block_hash.hex()[:12]}")
-        self.index.pin(slots)
+        index = self.index
+        slots = index.match(block_hashes)
+        index.pin(slots)
+        num_ready = len(slots)
+        on_disk = []
+        for block_hash in block_hashes[num_ready:]:
+            slot = index.reserve(block_hash) if self.disk and block_hash in self.disk else None
+            if slot is None or not self._has_memory(slot):
+                if slot is not None:
+                    index.cancel(slot)
+                break
+            slots.append(slot)
+            on_disk.append(block_hash)
+        load = _Load(slots, list(block_ids[: len(slots)]), num_ready)
+        self._loads[request_id] = load
+        for i, block_hash in enumerate(on_disk, num_ready):
+            assert self.disk is not None
+            self.disk.read(block_hash, self._slot(slots[i]), (request_id, i))
+        self._copy_in(load, num_ready)
+
+    def _copy_in(self, load: _Load, upto: int) -> None:
+        """Queue the copies of the load's slots ``[copied, upto)`` into its pool blocks."""
         kv = self._kv_pool
-        pairs = list(zip(slots, block_ids, strict=True))
+        first = load.copied
+        pairs = list(zip(load.slots[first:upto], load.block_ids[first:upto], strict=True))
+        load.copied = max(load.copied, upto)
+        if not pairs:
+            return
         if not self._cuda:
             for slot, block_id in pairs:
                 kv[block_id].copy_(self._slot(slot))
-            self._loads[request_id] = _Load(None, list(slots))
         else:
             stream = self._load_stream
             with torch.cuda.stream(stream):
@@ -209,20 +290,30 @@ class HostTier:
                 # once the steps that read it were read back), so no wait on the compute stream.
                 for slot, block_id in pairs:
                     kv[block_id].copy_(self._slot(slot), non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(stream)
-            self._loads[request_id] = _Load(done, list(slots))
+                load.done = torch.cuda.Event()
+                load.done.record(stream)
         self.loaded_blocks += len(pairs)
 
     def is_loading(self, request_id: str) -> bool:
         return request_id in self._loads
 
-    def loaded(self) -> list[str]:
-        """Requests whose loads are done (each reported once); their slots are unpinned."""
-        done = [rid for rid, load in self._loads.items() if load.done is None or load.done.query()]
-        for rid in done:
-            self.index.unpin(self._loads.pop(rid).slots)
-        return done
+    def loaded(self) -> list[tuple[str, int]]:
+        """Requests whose loads are done, each once, with how many of their blocks came in
+        (a leading run); their slots are unpinned."""
+        if self.disk is not None:
+            self._disk_done()
+        out = []
+        for rid, load in self._loads.items():
+            if load.pending or (load.done is not None and not load.done.query()):
+                continue
+            out.append((rid, load.copied))
+        for rid, num in out:
+            load = self._loads.pop(rid)
+            self.index.unpin([s for i, s in enumerate(load.slots) if i < load.num_ready])
+            good = [s for i, s in enumerate(load.slots) if load.num_ready <= i < load.first_bad]
+            self.index.unpin(good)  # (read from disk, pinned when committed)
+            self.disk_hit_blocks += max(num - load.num_ready, 0)
+        return out
 
     @property
     def num_loading(self) -> int:
@@ -231,7 +322,10 @@ class HostTier:
     # ---------------------------------------------------------------- index, figures, end
 
     def take_events(self) -> list[KVCacheEvent]:
-        return self.index.take_events()
+        events = self.index.take_events()
+        if self.disk is not None:
+            events += self.disk.take_events()
+        return events
 
     def hashes(self) -> list[BlockHash]:
         return self.index.hashes()
@@ -243,6 +337,7 @@ class HostTier:
             "host_tier_skipped_blocks": self.skipped_blocks,
             "host_tier_loaded_blocks": self.loaded_blocks,
             "host_tier_evicted_blocks": self.index.num_evicted,
+            **(self.disk.counters() if self.disk is not None else {}),
         }
 
     def stats(self) -> TierStats:
@@ -260,6 +355,8 @@ class HostTier:
         """Wait for the copies in flight and stop growing (idempotent)."""
         if self._grower is not None:
             self._grower.stop()
+        if self.disk is not None:
+            self.disk.close()
         for offload in self._offloads:
             offload.done.synchronize()
         self.reap()

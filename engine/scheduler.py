@@ -98,7 +98,8 @@ class Scheduler:
         # a decode node at max_num_seqs queues them rather than refuse work already prefilled.
         self.ready: deque[Request] = deque()
         # Requests whose prefix is being copied in from the host tier, by id (they hold blocks).
-        self.loading: dict[str, Request] = {}
+        # (and how many blocks of their prefix the pool had)
+        self.loading: dict[str, tuple[Request, int]] = {}
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ queues
@@ -123,7 +124,7 @@ class Scheduler:
         """Take a request out of whichever queue holds it (an abort); unknown ones are ignored."""
         if req in self.running:
             self.running.remove(req)
-        elif self.loading.get(req.request_id) is req:
+        elif self.loading.get(req.request_id, (None,))[0] is req:
             del self.loading[req.request_id]  # its blocks: freed once the copies are done
         elif req in self.waiting:
             self.waiting.remove(req)
@@ -227,19 +228,24 @@ class Scheduler:
         return budget
 
     def _admit_loaded(self) -> None:
-        """Requests whose host-tier copies are done join the running ones, their loaded blocks
-        now cached in the pool; those aborted meanwhile free their blocks now."""
+        """Requests whose tier copies are done join the running ones, the blocks that came in
+        now cached in the pool (the rest of their prompt is computed); those aborted meanwhile
+        free their blocks now."""
         assert self.tier is not None
-        for request_id in self.tier.loaded():
-            req = self.loading.pop(request_id, None)
-            if req is None:  # aborted while its blocks were being written
+        for request_id, num_loaded in self.tier.loaded():
+            entry = self.loading.pop(request_id, None)
+            if entry is None:  # aborted while its blocks were being written
                 self.kv.free(request_id)
                 continue
-            self.kv.cache_blocks(request_id, req.block_hashes, req.num_computed_tokens)
+            req, num_prefix = entry
+            self.kv.stats.host_hit_tokens += num_loaded * self.block_size
+            num_cached = (num_prefix + num_loaded) * self.block_size
+            self._admitted(req, num_cached)
+            self.kv.cache_blocks(request_id, req.block_hashes, num_cached)
             self.running.append(req)
 
     def _start_load(self, req: Request, computed: ComputedBlocks) -> bool | None:
-        """Load the part of ``req``'s prefix past ``computed`` that the host tier holds.
+        """Load the part of ``req``'s prefix past ``computed`` that the tiers hold.
         True: loading (it left the queue); False: nothing to load; None: the pool is short."""
         assert self.tier is not None
         max_blocks = (len(req.token_ids) - 1) // self.block_size
@@ -247,20 +253,16 @@ class Scheduler:
         if not self.kv.enable_caching or start >= max_blocks:
             return False
         hashes = req.block_hashes[start:max_blocks]
-        slots = self.tier.match(hashes)
-        if not slots:
+        num_found = self.tier.match(hashes)
+        if not num_found:
             return False
-        total = (start + len(slots)) * self.block_size
+        total = (start + num_found) * self.block_size
         new_blocks = self.kv.allocate_slots(req.request_id, total, computed)
         if new_blocks is None:
             return None
-        self.tier.load(
-            req.request_id, hashes[: len(slots)], slots, [b.block_id for b in new_blocks]
-        )
-        self.kv.stats.host_hit_tokens += len(slots) * self.block_size
+        self.tier.load(req.request_id, hashes[:num_found], [b.block_id for b in new_blocks])
         self.waiting.popleft()
-        self._admitted(req, total)
-        self.loading[req.request_id] = req
+        self.loading[req.request_id] = (req, start)
         return True
 
     def _admitted(self, req: Request, num_cached_tokens: int) -> None:

@@ -23,7 +23,8 @@ from collections.abc import Sequence
 from splitserve.kvstore.block_pool import BlockRemoved, BlockStored, KVCacheEvent
 from splitserve.kvstore.hashing import BlockHash
 
-HOST = "host"
+HOST = "host"  # the tiers behind the accelerator's pool (kvstore.block_pool.DEVICE), by name
+DISK = "disk"
 
 
 class HostBlockIndex:

@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from splitserve.kvstore.block_pool import DEVICE, BlockRemoved, BlockStored, KVCacheEvent
-from splitserve.kvstore.host_cache import HOST
+from splitserve.kvstore.host_cache import DISK, HOST
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def _prefix(root_hash: bytes) -> str:
     return f"ss:{root_hash.hex()[:16]}"
 
 
-TIERS = (DEVICE, HOST)  # the tiers a node publishes, each a set of its own
+TIERS = (DEVICE, HOST, DISK)  # the tiers a node publishes, each a set of its own
 
 REPLAY_TTLS = 3  # a signed entry older than this many TTLs is ignored (clock skew slack)
 

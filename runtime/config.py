@@ -40,6 +40,21 @@ def auto_host_cache_mb(num_nodes: int = 1, meminfo: str = "/proc/meminfo") -> in
     return int(available_kib / 1024 * HOST_CACHE_SHARE) // max(num_nodes, 1)
 
 
+DISK_CACHE_SHARE = 0.5  # of the disk tier folder's free space at start, by default
+
+
+def auto_disk_cache_mb(directory: str, num_nodes: int = 1) -> int:
+    """The disk KV tier each of ``num_nodes`` nodes sharing ``directory`` gets by default:
+    ``DISK_CACHE_SHARE`` of its file system's free space now, shared equally (the folder is
+    made if missing)."""
+    import os
+    import shutil
+
+    os.makedirs(directory, exist_ok=True)
+    free = shutil.disk_usage(directory).free
+    return int(free / 2**20 * DISK_CACHE_SHARE) // max(num_nodes, 1)
+
+
 def default_advertise_host(listen_host: str) -> str:
     """The host to advertise for a listen address: itself, or for a wildcard (0.0.0.0, ::) this
     machine's name (its FQDN, else its host name; in a container: the container's host name,
@@ -241,6 +256,17 @@ class NodeConfig:
         "the tier fills (0: off; default: a quarter of the memory available at start, which "
         "`up` divides among its nodes; docs/deploy.md, KV tiers)",
     )
+    kv_disk_cache_dir: str | None = option(
+        None,
+        "a disk KV tier in this folder behind the host tier: blocks are written to files named "
+        "by their hash and read back on a hit; a node restarted with the same folder and model "
+        "finds its blocks again (default: none)",
+    )
+    kv_disk_cache_mb: int | None = option(
+        None,
+        "the disk tier's size in MiB (default: half the folder's free space at start, which `up` "
+        "divides among its nodes)",
+    )
     gpu_memory_utilization: float = option(0.9, "share of the GPU's memory this node may use")
     max_num_seqs: int = option(256, "requests in a batch at most")
     max_num_batched_tokens: int = option(8192, "tokens in a batch at most")
@@ -302,6 +328,12 @@ class NodeConfig:
         if self.kv_host_cache_mb is not None and self.kv_host_cache_mb < 0:
             raise ValueError(
                 f"--kv-host-cache-mb: >= 0 (0: no host tier), got {self.kv_host_cache_mb}"
+            )
+        if self.kv_disk_cache_mb is not None and self.kv_disk_cache_mb < 1:
+            raise ValueError(f"--kv-disk-cache-mb: >= 1, got {self.kv_disk_cache_mb}")
+        if self.kv_disk_cache_dir is not None and self.kv_host_cache_mb == 0:
+            raise ValueError(
+                "--kv-disk-cache-dir spills from the host tier: drop --kv-host-cache-mb 0"
             )
         if self.stream_interval < 1:
             raise ValueError(f"--stream-interval: >= 1, got {self.stream_interval}")

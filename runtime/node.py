@@ -14,7 +14,12 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from splitserve.runtime.auth import TokenCheck, read_token_file, use_token
-from splitserve.runtime.config import CPU_KV_CACHE_MB, NodeConfig, auto_host_cache_mb
+from splitserve.runtime.config import (
+    CPU_KV_CACHE_MB,
+    NodeConfig,
+    auto_disk_cache_mb,
+    auto_host_cache_mb,
+)
 from splitserve.runtime.node_life import NodeLife, NodeService, index_publisher
 from splitserve.runtime.protocol import sampling_from_proto
 from splitserve.runtime.server import Server
@@ -106,6 +111,20 @@ def host_cache_blocks(config: NodeConfig, block_bytes: int) -> int:
     return blocks
 
 
+def disk_cache_bytes(config: NodeConfig) -> int:
+    """The disk KV tier's size (0 without a folder), said once in the log."""
+    if not config.kv_disk_cache_dir:
+        return 0
+    mb = config.kv_disk_cache_mb
+    if mb is None:
+        mb = auto_disk_cache_mb(config.kv_disk_cache_dir)
+    logger.info(
+        "disk KV tier: up to %d MiB in %s%s", mb, config.kv_disk_cache_dir,
+        "" if config.kv_disk_cache_mb else " (half its free space now)",
+    )  # fmt: skip
+    return mb << 20
+
+
 def build_engine(config: NodeConfig, prefill_only: bool) -> tuple[LLMEngine, ModelIdentity]:
     """Load the model of a node and wrap it in an engine (blocking: call before serving)."""
     import torch
@@ -155,6 +174,8 @@ def build_engine(config: NodeConfig, prefill_only: bool) -> tuple[LLMEngine, Mod
         runner,
         identity,
         host_cache_blocks=host_cache_blocks(config, runner.transfer_block_bytes),
+        disk_cache_dir=config.kv_disk_cache_dir,
+        disk_cache_bytes=disk_cache_bytes(config),
         prefill_only=prefill_only,
         enable_prefix_caching=config.enable_prefix_caching,
         enable_kv_events=config.redis_url is not None,

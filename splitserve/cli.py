@@ -44,6 +44,8 @@ UP_NODE_OPTIONS = (
     "kv_cache_dtype",
     "kv_cache_mb",
     "kv_host_cache_mb",
+    "kv_disk_cache_dir",
+    "kv_disk_cache_mb",
     "max_num_seqs",
     "max_num_batched_tokens",
     "load_format",

@@ -41,7 +41,7 @@ from splitserve.cluster_spec import (
 )
 from splitserve.engine import lifeline
 from splitserve.planner import placement
-from splitserve.runtime.config import auto_host_cache_mb
+from splitserve.runtime.config import auto_disk_cache_mb, auto_host_cache_mb
 from splitserve.runtime.tls import TlsFiles, sync_channel
 
 __all__ = [
@@ -57,6 +57,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 HOST_CACHE_FLAG = "--kv-host-cache-mb"
+DISK_DIR_FLAG, DISK_CACHE_FLAG = "--kv-disk-cache-dir", "--kv-disk-cache-mb"
 
 
 @dataclass(slots=True)
@@ -241,6 +242,11 @@ class LocalCluster:
             host_mb = auto_host_cache_mb(self.max_nodes or len(roles))
             self._node_flags += [HOST_CACHE_FLAG, str(host_mb)]
             logger.info("host KV tier: %d MiB per node (%s to change)", host_mb, HOST_CACHE_FLAG)
+        args = spec.node_args
+        if DISK_DIR_FLAG in args[:-1] and DISK_CACHE_FLAG not in args:  # one folder, shared
+            folder = args[args.index(DISK_DIR_FLAG) + 1]
+            disk_mb = auto_disk_cache_mb(folder, self.max_nodes or len(roles))
+            self._node_flags += [DISK_CACHE_FLAG, str(disk_mb)]
         placement = self._placement(len(roles))
         metrics = spec.metrics_ports()  # router, then each node
         procs = []

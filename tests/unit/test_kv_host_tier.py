@@ -5,6 +5,7 @@ released however the request ends. The same code runs on a GPU with pinned memor
 (tests/gpu/test_kv_tiers_gpu.py)."""
 
 import random
+import time
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch
 from splitserve.engine.core import LLMEngine
 from splitserve.engine.kv_tiers import HostTier
 from splitserve.kvstore import BlockRemoved, BlockStored, ModelIdentity, hash_request_tokens
-from splitserve.kvstore.host_cache import HOST, HostBlockIndex
+from splitserve.kvstore.host_cache import DISK, HOST, HostBlockIndex
 from splitserve.models.loader import load_model
 from splitserve.models.runner import ModelRunner, RunnerConfig
 from splitserve.models.sampling_params import SamplingParams
@@ -102,7 +103,7 @@ def checkpoint(tmp_path_factory):
     return write_random_checkpoint(tmp_path_factory.mktemp("tier") / "m", seed=11)
 
 
-def _engine(checkpoint, kv_cache_dtype, num_blocks, host_blocks):
+def _engine(checkpoint, kv_cache_dtype, num_blocks, host_blocks, disk=None, disk_blocks=64):
     dtype = "float32" if kv_cache_dtype == "auto" else "bfloat16"
     config, model = load_model(checkpoint, dtype=dtype)
     pool_dtype = torch.float8_e4m3fn if kv_cache_dtype == "fp8" else torch.float32
@@ -110,7 +111,15 @@ def _engine(checkpoint, kv_cache_dtype, num_blocks, host_blocks):
     rc = RunnerConfig(kv_cache_bytes=num_blocks * 16 * per_token, kv_cache_dtype=kv_cache_dtype)
     runner = ModelRunner(config, model, rc)
     identity = ModelIdentity(str(checkpoint), kv_cache_dtype=kv_cache_dtype)
-    return LLMEngine(runner, identity, host_cache_blocks=host_blocks, enable_kv_events=True)
+    disk_bytes = disk_blocks * (runner.block_bytes + 64)
+    return LLMEngine(
+        runner,
+        identity,
+        host_cache_blocks=host_blocks,
+        enable_kv_events=True,
+        disk_cache_dir=disk,
+        disk_cache_bytes=disk_bytes,
+    )
 
 
 def _assert_all_released(engine):
@@ -170,15 +179,15 @@ def test_cancelled_while_loading_releases_every_block_and_pin(checkpoint):
     _assert_all_released(engine)
 
 
-def test_a_slot_that_no_longer_holds_its_hash_is_never_loaded(checkpoint):
+def test_a_hash_the_tier_no_longer_holds_is_never_loaded(checkpoint):
     engine = _engine(checkpoint, "auto", 10, 64)
-    prompt = [random.randrange(300) for _ in range(40)]
-    engine.generate([prompt], GREEDY)
-    tier = engine.host_tier
-    slots = tier.match(engine.pool.cached_hashes()[:1]) or [0]
-    with pytest.raises(ValueError, match="no longer holds"):
-        tier.load("x", [b"\0" * 32], slots[:1], [1])
-    assert not tier.is_loading("x")
+    engine.generate([[random.randrange(300) for _ in range(40)]], GREEDY)
+    tier, kv = engine.host_tier, engine.runner.kv_pool
+    before = kv[1].clone()
+    tier.load("x", [b"\0" * 32], [1])
+    assert tier.loaded() == [("x", 0)]
+    assert torch.equal(kv[1], before) and tier.loaded_blocks == 0
+    tier.index.check_invariants()
 
 
 def test_the_tier_takes_memory_as_it_fills_and_never_more_than_its_size(checkpoint):
@@ -196,4 +205,130 @@ def test_the_tier_takes_memory_as_it_fills_and_never_more_than_its_size(checkpoi
         stats = tier.stats()
         assert stats.bytes_allocated <= 5 * block_bytes and stats.used_blocks <= 5
     assert tier.stats().bytes_allocated == 5 * block_bytes and tier.stats().evicted_blocks > 0
+    _assert_all_released(engine)
+
+
+# ---------------------------------------------------------------- the disk tier behind it
+
+
+def _settle(engine):
+    """Step to the end, then wait for the disk's writes (a thread) to be taken in."""
+    while engine.has_unfinished():
+        engine.step()
+    tier = engine.host_tier
+    deadline = time.monotonic() + 30
+    while tier._spilling:
+        assert time.monotonic() < deadline, "disk writes did not finish"
+        tier.reap()
+        time.sleep(0.001)
+
+
+def _prompts(n, length=60):
+    rng = random.Random()
+    return [[rng.randrange(300) for _ in range(length)] for _ in range(n)]
+
+
+def test_blocks_past_the_host_tier_come_back_from_disk_token_exact(checkpoint, tmp_path):
+    prompts = _prompts(5)
+    plain = _engine(checkpoint, "auto", 10, 0)
+    expected = [r.output_token_ids for r in plain.generate(prompts, GREEDY)]
+    # 8 host blocks: two prompts' worth; the disk holds them all.
+    engine = _engine(checkpoint, "auto", 10, 8, disk=tmp_path)
+    for prompt in prompts:
+        engine.generate([prompt], GREEDY)
+        _settle(engine)
+    disk = engine.host_tier.disk
+    assert len(disk) >= 5 * 3 and len(list(disk.dir.glob("*.kv"))) == len(disk)
+    again = [engine.generate([p], GREEDY)[0] for p in prompts]
+    _settle(engine)
+    assert [r.output_token_ids for r in again] == expected
+    assert [r.num_cached_tokens for r in again] == [48] * 5
+    assert engine.host_tier.disk_hit_blocks >= 3 * 3 and disk.read_ok >= 9
+    _assert_all_released(engine)
+
+
+def test_a_restarted_node_finds_its_blocks_on_disk_and_publishes_them(checkpoint, tmp_path):
+    prompts = _prompts(3)
+    first = _engine(checkpoint, "auto", 10, 64, disk=tmp_path)
+    expected = [first.generate([p], GREEDY)[0].output_token_ids for p in prompts]
+    _settle(first)
+    written = set(first.host_tier.disk.hashes())
+    first.host_tier.close()
+
+    restarted = _engine(checkpoint, "auto", 10, 64, disk=tmp_path)
+    snapshot = {e.tier: set(e.block_hashes) for e in restarted.kv_port.cache_snapshot()}
+    assert snapshot[DISK] == written and not snapshot[HOST] and not snapshot["device"]
+    again = [restarted.generate([p], GREEDY)[0] for p in prompts]
+    assert [r.output_token_ids for r in again] == expected
+    assert [r.num_cached_tokens for r in again] == [48] * 3
+    _settle(restarted)
+    _assert_all_released(restarted)
+    # Another model identity sharing the folder sees none of it.
+    other = LLMEngine(
+        restarted.runner,
+        ModelIdentity("another"),
+        host_cache_blocks=64,
+        disk_cache_dir=str(tmp_path),
+        disk_cache_bytes=1 << 20,
+    )
+    assert len(other.host_tier.disk) == 0
+
+
+def test_a_corrupt_or_missing_file_is_computed_never_served(checkpoint, tmp_path):
+    prompts = _prompts(2)
+    plain = _engine(checkpoint, "auto", 10, 0)
+    expected = [r.output_token_ids for r in plain.generate(prompts, GREEDY)]
+    engine = _engine(checkpoint, "auto", 10, 64, disk=tmp_path)
+    for p in prompts:
+        engine.generate([p], GREEDY)
+    _settle(engine)
+    engine.host_tier.close()
+    restarted = _engine(checkpoint, "auto", 10, 64, disk=tmp_path)
+    disk = restarted.host_tier.disk
+    hashes = [hash_request_tokens(p, 16, restarted.root_hash)[:3] for p in prompts]
+    # Prompt 0: its second block's payload has one bit flipped; prompt 1: its first block gone.
+    path = disk.path(hashes[0][1])
+    data = bytearray(path.read_bytes())
+    data[-7] ^= 0x10
+    path.write_bytes(data)
+    disk.path(hashes[1][0]).unlink()
+    again = [restarted.generate([p], GREEDY)[0] for p in prompts]
+    assert [r.output_token_ids for r in again] == expected
+    assert [r.num_cached_tokens for r in again] == [16, 0]
+    assert disk.read_failed == 2
+    _settle(restarted)
+    # Computed again, those blocks were written again: the files now hold the right bytes.
+    block = torch.empty_like(restarted.runner.kv_pool[0])
+    assert all(disk._read(h, block) for h in (hashes[0][1], hashes[1][0]))
+    _assert_all_released(restarted)
+
+
+def test_a_disk_that_fails_every_write_degrades_to_computing(checkpoint, tmp_path):
+    engine = _engine(checkpoint, "auto", 10, 4, disk=tmp_path)
+    disk = engine.host_tier.disk
+    disk.dir.rmdir()
+    disk.dir.write_text("not a folder")  # every write and read now fails
+    prompts = _prompts(4)
+    plain = _engine(checkpoint, "auto", 10, 0)
+    expected = [r.output_token_ids for r in plain.generate(prompts, GREEDY)]
+    for _ in range(2):
+        got = [engine.generate([p], GREEDY)[0].output_token_ids for p in prompts]
+        _settle(engine)
+        assert got == expected
+    assert disk.write_failed > 0 and disk.written == 0 and len(disk) == 0
+    _assert_all_released(engine)
+
+
+def test_tenants_of_two_salts_never_share_a_block_in_any_tier(checkpoint, tmp_path):
+    engine = _engine(checkpoint, "auto", 10, 8, disk=tmp_path)
+    prompt = _prompts(1)[0]
+    engine.add_request("a", prompt, GREEDY, cache_salt="tenant-a")
+    _settle(engine)
+    for other in _prompts(4):  # out of the pool and the host tier: on disk only
+        engine.generate([other], GREEDY)
+        _settle(engine)
+    for rid, salt, cached in (("b", "tenant-b", 0), ("a2", "tenant-a", 48), ("n", None, 0)):
+        req = engine.add_request(rid, prompt, GREEDY, cache_salt=salt)
+        _settle(engine)
+        assert req.num_cached_tokens == cached, salt
     _assert_all_released(engine)
