@@ -57,9 +57,12 @@ def serve(engine, prompts: dict[str, list[int]], gen: int) -> tuple[dict, dict]:
     reqs = {rid: engine.add_request(rid, p, params) for rid, p in prompts.items()}
     first: dict[str, float] = {}
     while engine.has_unfinished():
-        for out in engine.step():
+        outputs = engine.step()
+        for out in outputs:
             if out.request_id not in first:
                 first[out.request_id] = time.perf_counter() - t0
+        if not outputs and not engine.last_num_scheduled:
+            time.sleep(0.001)  # as a node's engine loop waits: a tier's copies are under way
     return reqs, first
 
 
@@ -155,11 +158,10 @@ def load_bandwidth(engine, num_blocks: int) -> float:
     hashes = tier.hashes()[:num_blocks]
     free = engine.pool.get_new_blocks(len(hashes))
     try:
-        slots = [tier.index.match([h])[0] for h in hashes]
         sync(engine)
         t0 = time.perf_counter()
-        tier.load("bw", hashes, slots, [b.block_id for b in free])
-        while tier.num_loading and "bw" not in tier.loaded():
+        tier.load("bw", hashes, [b.block_id for b in free])
+        while not tier.loaded():
             pass
         sync(engine)
         seconds = time.perf_counter() - t0
@@ -168,7 +170,26 @@ def load_bandwidth(engine, num_blocks: int) -> float:
     return len(hashes) * tier.block_bytes / seconds / 1e9
 
 
-def build(args, model: Path, load_format: str, host_mb: int):
+def restart(args, model: Path, load_format: str, before: dict) -> dict:
+    """A node started again on the disk folder the "on" engine filled: the long prompt's first
+    token from its files, against the same prompt from the host tier before the restart."""
+    engine = build(args, model, load_format, args.host_mb, args.disk_dir)
+    rng = random.Random(1)  # the long prompt of long_prompt()
+    vocab = min(250, engine.runner.config.vocab_size)
+    prompt = [rng.randrange(vocab) for _ in range(args.long)]
+    reqs, first = serve(engine, {"long-restart": prompt}, 1)
+    out = {
+        "disk_blocks_found": len(engine.host_tier.disk) if engine.host_tier.disk else 0,
+        "cached_tokens": reqs["long-restart"].num_cached_tokens,
+        "ttft_after_restart_ms": first["long-restart"] * 1e3,
+        "ttft_before_restart_ms": before["ttft_from_tier_ms"],
+    }
+    engine.host_tier.close()
+    engine.runner.close()
+    return out
+
+
+def build(args, model: Path, load_format: str, host_mb: int, disk_dir: str | None = None):
     config = NodeConfig(
         model_path=str(model),
         device=args.device,
@@ -177,6 +198,8 @@ def build(args, model: Path, load_format: str, host_mb: int):
         kv_cache_mb=args.kv_cache_mb,
         kv_host_cache_mb=host_mb,
         kv_cache_dtype=args.kv_cache_dtype,
+        kv_disk_cache_dir=disk_dir,
+        kv_disk_cache_mb=args.disk_mb if disk_dir else None,
     )
     engine, _ = build_engine(config, prefill_only=False)
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -200,6 +223,12 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--long", type=int, default=4096, help="the long prompt's tokens")
     ap.add_argument("--only", choices=["on", "off"], help="one of the two engines only")
+    ap.add_argument(
+        "--disk-dir",
+        help="the 'on' engine also has a disk tier here; then a third engine, started on the same "
+        "folder, serves the long prompt from it (a restart)",
+    )
+    ap.add_argument("--disk-mb", type=int, default=65536)
     args = ap.parse_args()
     if args.make_8b:
         from pipeline import make_8b
@@ -215,7 +244,7 @@ def main() -> None:
     for name, host_mb in (("on", args.host_mb), ("off", 0)):
         if args.only and name != args.only:
             continue
-        engine = build(args, model, load_format, host_mb)
+        engine = build(args, model, load_format, host_mb, args.disk_dir if host_mb else None)
         pool_tokens = (engine.pool.num_blocks - 1) * engine.block_size
         rows = conversations(engine, args, name)
         extra = {"pool_tokens": pool_tokens, "long": long_prompt(engine, args)}
@@ -223,6 +252,13 @@ def main() -> None:
             extra["pinned_h2d_gbs"] = pinned_h2d_gbs(engine)
             extra["load_gbs"] = load_bandwidth(engine, min(256, engine.pool.num_free_blocks))
             extra["tier"] = engine.host_tier.stats()._asdict()
+            extra["counters"] = engine.host_tier.counters()
+            if args.disk_dir:
+                deadline = time.monotonic() + 60
+                while engine.host_tier._spilling and time.monotonic() < deadline:
+                    engine.host_tier.reap()  # the disk's last writes
+                    time.sleep(0.01)
+            engine.host_tier.close()
         print(json.dumps(extra), flush=True)
         results[name] = (rows, extra)
         engine.runner.close()
@@ -230,6 +266,19 @@ def main() -> None:
         gc.collect()
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
+
+    if args.disk_dir and "on" in results:
+        after = restart(args, model, load_format, results["on"][1]["long"])
+        print(json.dumps(after), flush=True)
+        print(
+            "\n| disk blocks found at start | long prompt cached tokens | TTFT before restart "
+            "(host tier) ms | TTFT after restart (disk) ms |"
+        )
+        print("|---|---|---|---|")
+        print(
+            f"| {after['disk_blocks_found']:,} | {after['cached_tokens']:,} | "
+            f"{after['ttft_before_restart_ms']:.0f} | {after['ttft_after_restart_ms']:.0f} |"
+        )
 
     print(
         "\n| tier | turn | prompt tok | computed | new in turn | computed / new | TTFT p50 ms "

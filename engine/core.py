@@ -215,6 +215,11 @@ class LLMEngine:
         return self.scheduler.ready
 
     @property
+    def loading(self) -> list[Request]:
+        """Requests whose prefix is being copied in from the host or disk tier."""
+        return [req for req, _ in self.scheduler.loading.values()]
+
+    @property
     def max_num_seqs(self) -> int:
         return self.scheduler.max_num_seqs
 
@@ -362,11 +367,7 @@ class LLMEngine:
         unpacking, which holds the GIL, before anything is summed."""
         return sum(
             max(len(r.prompt_token_ids) - r.num_computed_tokens, 0)
-            for r in (
-                *self.waiting,
-                *self.running,
-                *(r for r, _ in self.scheduler.loading.values()),
-            )
+            for r in (*self.waiting, *self.running, *self.loading)
         )
 
     def has_unfinished(self) -> bool:

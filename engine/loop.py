@@ -278,7 +278,8 @@ class AsyncEngine:
         except Exception as exc:  # a failed step fails its requests, not the node
             self._hand_over()
             logger.exception("engine step failed")
-            rids = [r.request_id for r in (*engine.running, *engine.waiting, *engine.ready)]
+            queues = (*engine.running, *engine.waiting, *engine.ready, *engine.loading)
+            rids = [r.request_id for r in queues]
             for rid in rids:
                 engine.abort(rid)
             self._post(self._fail_to, rids, exc)
