@@ -159,6 +159,7 @@ class LocalCluster:
         self._procs: list[_Process] = []
         self._draining: list[_Process] = []
         self._node_flags: list[str] = []  # Redis, token and TLS flags of every node (start)
+        self._tier_flags: list[str] = []  # the host KV tier's size, for nodes at TP 1 (start)
         self._started = {"prefill": 0, "decode": 0}
         # The planner's thread adds and drains nodes while the main thread polls them.
         self._lock = threading.RLock()
@@ -240,7 +241,7 @@ class LocalCluster:
         self._node_flags = list(index_flags)
         if HOST_CACHE_FLAG not in spec.node_args:  # the default tier, shared by this host's nodes
             host_mb = auto_host_cache_mb(self.max_nodes or len(roles))
-            self._node_flags += [HOST_CACHE_FLAG, str(host_mb)]
+            self._tier_flags = [HOST_CACHE_FLAG, str(host_mb)]
             logger.info("host KV tier: %d MiB per node (%s to change)", host_mb, HOST_CACHE_FLAG)
         args = spec.node_args
         if DISK_DIR_FLAG in args[:-1] and DISK_CACHE_FLAG not in args:  # one folder, shared
@@ -257,6 +258,8 @@ class LocalCluster:
             index = i if role == "prefill" else i - spec.num_prefill
             if spec.tp_of(role) > 1:
                 flags += ["--tensor-parallel-size", str(spec.tp_of(role))]
+            else:  # (no host tier at TP > 1 yet: docs/deploy.md, KV tiers)
+                flags += self._tier_flags
             metrics_port = metrics[1 + i] if metrics else None
             procs.append(self._component(role, index, [*flags, *spec.node_args], metrics_port))
             procs[-1].device = device
@@ -505,6 +508,8 @@ class LocalCluster:
                 raise RuntimeError("add_node needs a started cluster with max_nodes")
             self.reap()
             flags = ["--port", "0", *self._node_flags]
+            if self.spec.tp_of(role) == 1:
+                flags += self._tier_flags
             gpus = self._gpus()
             if gpus is None:
                 device, share = self.spec.device, self.spec.gpu_memory_utilization
