@@ -1,7 +1,9 @@
-"""The host KV tier on the CPU: its slot bookkeeping (LRU, pins, bounded size, index events), and
-an engine whose pool is too small to keep a prefix serving it again from the tier — token-exact
-against an engine that computes it, on a float32 and an FP8 pool, with every block and pin
-released however the request ends. The same code runs on a GPU with pinned memory and streams
+"""The host and disk KV tiers on the CPU: the host tier's slot bookkeeping (LRU, pins, bounded
+size, index events), and an engine whose pool is too small to keep a prefix serving it again from
+the tiers — token-exact against an engine that computes it, on a float32 and an FP8 pool, with
+every block and pin released however the request ends; the disk tier's restart, its checks (a
+corrupt or missing file is computed, never served), a failing disk, its size bound, and salt
+isolation in every tier. The same code runs on a GPU with pinned memory and streams
 (tests/gpu/test_kv_tiers_gpu.py)."""
 
 import random
@@ -332,3 +334,38 @@ def test_tenants_of_two_salts_never_share_a_block_in_any_tier(checkpoint, tmp_pa
         _settle(engine)
         assert req.num_cached_tokens == cached, salt
     _assert_all_released(engine)
+
+
+def test_cancelled_while_reading_from_disk_releases_every_block_and_pin(checkpoint, tmp_path):
+    engine = _engine(checkpoint, "auto", 10, 4, disk=tmp_path)
+    prompts = _prompts(4)
+    for p in prompts:
+        engine.generate([p], GREEDY)
+        _settle(engine)
+    for round_ in range(6):
+        for p in _prompts(2, 130):  # out of the pool and the host tier: on disk
+            engine.generate([p], GREEDY)
+        _settle(engine)
+        engine.add_request(f"r{round_}", prompts[round_ % 4], GREEDY)
+        for _ in range(round_ % 3):
+            engine.step()
+        engine.abort(f"r{round_}")
+        _settle(engine)
+        _assert_all_released(engine)
+    assert engine.host_tier.disk.read_ok > 0
+
+
+def test_the_disk_tier_never_holds_more_than_its_size(checkpoint, tmp_path):
+    engine = _engine(checkpoint, "auto", 10, 4, disk=tmp_path, disk_blocks=6)
+    disk = engine.host_tier.disk
+    for p in _prompts(5):
+        engine.generate([p], GREEDY)
+        _settle(engine)
+        assert len(disk) <= 6
+    deadline = time.monotonic() + 10
+    while len(list(disk.dir.glob("*.kv"))) > 6:  # (deletes are the thread's, in order)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert disk.evicted > 0 and set(disk.hashes()) == {
+        bytes.fromhex(p.name[:64]) for p in disk.dir.glob("*.kv")
+    }
