@@ -160,7 +160,7 @@ def load_bandwidth(engine, num_blocks: int) -> float:
     try:
         sync(engine)
         t0 = time.perf_counter()
-        tier.load("bw", hashes, [b.block_id for b in free])
+        tier.load(hashes, free)
         while not tier.loaded():
             pass
         sync(engine)

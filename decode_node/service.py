@@ -46,10 +46,10 @@ logger = logging.getLogger(__name__)
 LAYER_IDLE_FACTOR = 4
 MAX_RELEASE_ID_CHARS = 1024  # Release's request_id (input from another node: bounded)
 # The engine's own counters a decode node exports besides its own and preemptions (named where
-# they are produced: ``AsyncEngine.counters``), and those of its prefix cache and host KV tier
+# they are produced: ``AsyncEngine.counters``), and those of its prefix cache and KV tiers
 # (``KVPort.prefix_stats``: a decode node prefills on the direct route).
 ENGINE_COUNTERS = ("steps", "step_seconds", "engine_job_seconds")
-ENGINE_COUNTER_PREFIXES = ("prefix_", "host_tier_")
+ENGINE_COUNTER_PREFIXES = ("prefix_", "host_tier_", "disk_tier_")
 
 
 class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):

@@ -217,7 +217,8 @@ class LLMEngine:
     @property
     def loading(self) -> list[Request]:
         """Requests whose prefix is being copied in from the host or disk tier."""
-        return [req for req, _ in self.scheduler.loading.values()]
+        # NOTE: copied in one call first: read from other threads too (engine_figures).
+        return [entry[0] for entry in list(self.scheduler.loading.values())]
 
     @property
     def max_num_seqs(self) -> int:
@@ -246,7 +247,7 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> Request:
         """Queue a new prompt; ``ValueError`` (from ``check_prompt``) when it cannot run."""
-        if request_id in self.requests or self._still_loading(request_id):
+        if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt = self.check_prompt(prompt_token_ids)
         generator = make_generator(params, self.runner.device)
@@ -345,14 +346,9 @@ class LLMEngine:
         self.scheduler.remove(req)
         self._free(req)
 
-    def _still_loading(self, request_id: str) -> bool:
-        return self.host_tier is not None and self.host_tier.is_loading(request_id)
-
     def _free(self, req: Request) -> None:
-        """Free a request's blocks, once the step on the device no longer writes them (and no
-        copy from the host tier does: the scheduler frees those when the copy is done)."""
-        if self._still_loading(req.request_id):
-            return
+        """Free a request's blocks, once the step on the device no longer writes them (a tier's
+        copy into them holds them itself until it is done)."""
         inflight = self._inflight
         if inflight is not None and req.request_id in inflight.ids:
             inflight.free_after.append(req.request_id)
@@ -374,7 +370,7 @@ class LLMEngine:
         return (
             self.scheduler.has_unfinished()
             or self._inflight is not None
-            or (self.host_tier is not None and self.host_tier.num_loading > 0)
+            or (self.host_tier is not None and self.host_tier.busy)
         )
 
     # ------------------------------------------------------------------ step

@@ -9,9 +9,9 @@ those blocks read back into host slots (and from there copied to the pool as hos
 file whose header or checksum does not match its name is deleted and its tokens computed.
 
 A node started again with the same directory and model identity finds its files (``scan``), and
-publishes them: its earlier prefixes are hits after a restart. Files are content-addressed under
-the model identity's root, so nodes of one host may share a directory; a file another node
-deleted is simply a miss.
+publishes them: its earlier prefixes are hits after a restart. Each node needs a directory of its
+own: ``scan`` trims what it finds to this node's size and deletes unfinished writes (``up`` gives
+every node ``<dir>/<role>-<index>``). A file that vanished anyway is simply a miss.
 
 This object's index (which hashes are on disk, their order, the size) belongs to the engine
 thread; the thread only moves bytes and reports each job's outcome (``completed``).
@@ -212,7 +212,7 @@ class DiskTier:
                 continue
             try:
                 ok = (self._write if kind == "write" else self._read)(block_hash, tensor)
-            except OSError as exc:  # a full disk, a vanished file: degrade to computing
+            except Exception as exc:  # a full disk, a vanished file: degrade to computing
                 self._warn(kind, exc)
                 ok = False
             if kind == "write":
@@ -234,13 +234,16 @@ class DiskTier:
         tmp = final.with_name(f"{final.name}.tmp{threading.get_ident()}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            written = os.pwritev(fd, [header, payload], 0)
-        finally:
-            os.close(fd)
-        if written != HEADER.size + len(payload):
+            try:
+                written = os.pwritev(fd, [header, payload], 0)
+            finally:
+                os.close(fd)
+            if written != HEADER.size + len(payload):
+                raise OSError(f"short write ({written} of {HEADER.size + len(payload)} bytes)")
+            os.replace(tmp, final)
+        except BaseException:
             tmp.unlink(missing_ok=True)
-            raise OSError(f"short write ({written} of {HEADER.size + len(payload)} bytes)")
-        os.replace(tmp, final)
+            raise
         return True
 
     def _read(self, block_hash: BlockHash, dst: torch.Tensor) -> bool:
@@ -264,7 +267,7 @@ class DiskTier:
         logger.warning("disk KV tier: %s in %s: computed instead", why, self.path(block_hash))
         return False
 
-    def _warn(self, kind: str, exc: OSError) -> None:
+    def _warn(self, kind: str, exc: Exception) -> None:
         if kind not in self._warned:
             self._warned.add(kind)
             logger.warning("disk KV tier: %s failed (%s): those blocks are computed", kind, exc)

@@ -59,11 +59,13 @@ class _Offload(NamedTuple):
 
 
 class _Load:
-    """A request's blocks coming in: ``slots`` (pinned) to copy into ``block_ids`` in order;
-    the first ``num_ready`` are in host memory, the rest are being read from disk."""
+    """Blocks coming in: ``slots`` (pinned) to copy into pool ``blocks`` in order (each held by
+    the load until its copies are done, whatever happens to the request meanwhile); the first
+    ``num_ready`` are in host memory, the rest are being read from disk."""
 
-    def __init__(self, slots: list[int], block_ids: list[int], num_ready: int) -> None:
-        self.slots, self.block_ids = slots, block_ids
+    def __init__(self, slots: list[int], blocks: list[KVCacheBlock], num_ready: int) -> None:
+        self.slots, self.blocks = slots, blocks
+        self.block_ids = [b.block_id for b in blocks]
         self.num_ready = num_ready
         self.pending = len(slots) - num_ready  # disk reads not finished
         self.first_bad = len(slots)  # the first block whose read failed
@@ -96,7 +98,8 @@ class HostTier:
         self._slabs: list[torch.Tensor] = []
         self._cuda = self.device.type == "cuda"
         self._offloads: deque[_Offload] = deque()
-        self._loads: dict[str, _Load] = {}
+        self._loads: dict[int, _Load] = {}  # by handle (``load``'s answer)
+        self._next_handle = 0
         self.offloaded_blocks = self.skipped_blocks = self.loaded_blocks = 0
         self.disk_hit_blocks = 0
         self._grower: _SlabGrower | None = None
@@ -219,8 +222,8 @@ class HostTier:
                 if done.ok:
                     self.disk.added(done.block_hash)
                 continue
-            request_id, i = done.tag  # pyright: ignore[reportGeneralTypeIssues]
-            load = self._loads[request_id]
+            handle, i = done.tag  # pyright: ignore[reportGeneralTypeIssues]
+            load = self._loads[handle]
             load.pending -= 1
             slot = load.slots[i]
             if done.ok:
@@ -243,15 +246,13 @@ class HostTier:
             n += self.disk.match(list(block_hashes[n:]))
         return n
 
-    def load(
-        self, request_id: str, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]
-    ) -> None:
-        """Copy the blocks of ``block_hashes`` (just matched) into pool blocks ``block_ids``,
-        which the request holds; ``loaded`` lists it once they are written. Blocks on disk are
-        read into host slots first; one that cannot be read (or gets no slot) ends the run
+    def load(self, block_hashes: Sequence[BlockHash], blocks: Sequence[KVCacheBlock]) -> int:
+        """Copy the blocks of ``block_hashes`` (just matched) into pool ``blocks`` (new blocks a
+        request holds); returns a handle that ``loaded`` lists once they are written. The load
+        holds a reference on each block until then, so a request aborted meanwhile frees its
+        blocks as usual and no one else gets them while a copy may still land. Blocks on disk
+        are read into host slots first; one that cannot be read (or gets no slot) ends the run
         there, and ``loaded`` says how many came in."""
-        if request_id in self._loads:
-            raise ValueError(f"request {request_id!r} is loading already")
         index = self.index
         slots = index.match(block_hashes)
         index.pin(slots)
@@ -265,12 +266,17 @@ class HostTier:
                 break
             slots.append(slot)
             on_disk.append(block_hash)
-        load = _Load(slots, list(block_ids[: len(slots)]), num_ready)
-        self._loads[request_id] = load
+        held = list(blocks[: len(slots)])
+        self._pool.touch(held)
+        handle = self._next_handle
+        self._next_handle += 1
+        load = _Load(slots, held, num_ready)
+        self._loads[handle] = load
         for i, block_hash in enumerate(on_disk, num_ready):
             assert self.disk is not None
-            self.disk.read(block_hash, self._slot(slots[i]), (request_id, i))
+            self.disk.read(block_hash, self._slot(slots[i]), (handle, i))
         self._copy_in(load, num_ready)
+        return handle
 
     def _copy_in(self, load: _Load, upto: int) -> None:
         """Queue the copies of the load's slots ``[copied, upto)`` into its pool blocks."""
@@ -285,35 +291,39 @@ class HostTier:
                 kv[block_id].copy_(self._slot(slot))
         else:
             stream = self._load_stream
+            # NOTE: after everything queued on the compute stream: a preempted request's
+            # blocks are handed out again at once, while the step in flight may still write
+            # them (the wait costs a load at most that step).
+            stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                # NOTE: the blocks' earlier users are all done (a block is handed out only
-                # once the steps that read it were read back), so no wait on the compute stream.
                 for slot, block_id in pairs:
                     kv[block_id].copy_(self._slot(slot), non_blocking=True)
                 load.done = torch.cuda.Event()
                 load.done.record(stream)
         self.loaded_blocks += len(pairs)
 
-    def is_loading(self, request_id: str) -> bool:
-        return request_id in self._loads
-
-    def loaded(self) -> list[tuple[str, int]]:
-        """Requests whose loads are done, each once, with how many of their blocks came in
-        (a leading run); their slots are unpinned."""
+    def loaded(self) -> list[tuple[int, int]]:
+        """Loads that are done, each once, as (handle, how many of their blocks came in: a
+        leading run); their slots are unpinned and their blocks released."""
         if self.disk is not None:
             self._disk_done()
         out = []
-        for rid, load in self._loads.items():
+        for handle, load in self._loads.items():
             if load.pending or (load.done is not None and not load.done.query()):
                 continue
-            out.append((rid, load.copied))
-        for rid, num in out:
-            load = self._loads.pop(rid)
-            self.index.unpin([s for i, s in enumerate(load.slots) if i < load.num_ready])
-            good = [s for i, s in enumerate(load.slots) if load.num_ready <= i < load.first_bad]
-            self.index.unpin(good)  # (read from disk, pinned when committed)
+            out.append((handle, load.copied))
+        for handle, num in out:
+            load = self._loads.pop(handle)
+            self.index.unpin(load.slots[: load.num_ready])
+            self.index.unpin(load.slots[load.num_ready : load.first_bad])  # (pinned at commit)
+            self._pool.free_blocks(load.blocks)
             self.disk_hit_blocks += max(num - load.num_ready, 0)
         return out
+
+    @property
+    def busy(self) -> bool:
+        """Copies or disk writes under way (pool blocks or host slots held until they end)."""
+        return bool(self._loads or self._offloads or self._spilling)
 
     @property
     def num_loading(self) -> int:

@@ -438,7 +438,7 @@ def engine_figures(core: LLMEngine, counters: dict[str, float] | None = None) ->
     pool = port.stats()
     slots = port.slot_usage()
     return EngineFigures(
-        running=len(core.running),
+        running=len(core.running) + len(core.scheduler.loading),
         waiting=len(core.waiting) + len(core.ready),
         num_blocks=pool.num_blocks,
         num_free_blocks=pool.num_free_blocks,

@@ -98,8 +98,9 @@ class Scheduler:
         # a decode node at max_num_seqs queues them rather than refuse work already prefilled.
         self.ready: deque[Request] = deque()
         # Requests whose prefix is being copied in from the host tier, by id (they hold blocks).
-        # (and how many blocks of their prefix the pool had)
-        self.loading: dict[str, tuple[Request, int]] = {}
+        # (with how many blocks of their prefix the pool had, and the tier's handle of the load)
+        self.loading: dict[str, tuple[Request, int, int]] = {}
+        self._load_handles: dict[int, str] = {}  # every load under way → its request's id
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ queues
@@ -111,7 +112,7 @@ class Scheduler:
         """Join a request whose KV is already allocated under its id (a transferred prefill):
         running at once, or, while max_num_seqs are running, as soon as one finishes."""
         preempted_first = self.waiting and self.waiting[0].admitted
-        if len(self.running) < self.max_num_seqs and not self.ready and not preempted_first:
+        if self._num_seqs() < self.max_num_seqs and not self.ready and not preempted_first:
             self.running.append(req)
         else:
             self.ready.append(req)
@@ -125,7 +126,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         elif self.loading.get(req.request_id, (None,))[0] is req:
-            del self.loading[req.request_id]  # its blocks: freed once the copies are done
+            del self.loading[req.request_id]  # (the load holds its blocks until it is done)
         elif req in self.waiting:
             self.waiting.remove(req)
         elif req in self.ready:
@@ -156,7 +157,7 @@ class Scheduler:
         # transferred ones; then new prompts (in _schedule_waiting).
         while (
             self.ready
-            and len(self.running) < self.max_num_seqs
+            and self._num_seqs() < self.max_num_seqs
             and not (self.waiting and self.waiting[0].admitted)
         ):
             self.running.append(self.ready.popleft())
@@ -228,21 +229,30 @@ class Scheduler:
         return budget
 
     def _admit_loaded(self) -> None:
-        """Requests whose tier copies are done join the running ones, the blocks that came in
-        now cached in the pool (the rest of their prompt is computed); those aborted meanwhile
-        free their blocks now."""
+        """Requests whose tier copies are done join the running ones (or ``ready``, while
+        max_num_seqs run), the blocks that came in now cached in the pool (the rest of their
+        prompt is computed). A request aborted meanwhile freed its blocks then; the load held
+        them until now and has let them go."""
         assert self.tier is not None
-        for request_id, num_loaded in self.tier.loaded():
-            entry = self.loading.pop(request_id, None)
-            if entry is None:  # aborted while its blocks were being written
-                self.kv.free(request_id)
+        for handle, num_loaded in self.tier.loaded():
+            request_id = self._load_handles.pop(handle)
+            entry = self.loading.get(request_id)
+            if entry is None or entry[2] != handle:  # aborted while its blocks were written
                 continue
-            req, num_prefix = entry
+            del self.loading[request_id]
+            req, num_prefix, _ = entry
             self.kv.stats.host_hit_tokens += num_loaded * self.block_size
             num_cached = (num_prefix + num_loaded) * self.block_size
             self._admitted(req, num_cached)
             self.kv.cache_blocks(request_id, req.block_hashes, num_cached)
-            self.running.append(req)
+            if self._num_seqs() < self.max_num_seqs and not self.ready:
+                self.running.append(req)
+            else:
+                self.ready.append(req)
+
+    def _num_seqs(self) -> int:
+        """Requests that hold a place in the batch: running, and loading their prefix."""
+        return len(self.running) + len(self.loading)
 
     def _start_load(self, req: Request, computed: ComputedBlocks) -> bool | None:
         """Load the part of ``req``'s prefix past ``computed`` that the tiers hold.
@@ -260,9 +270,10 @@ class Scheduler:
         new_blocks = self.kv.allocate_slots(req.request_id, total, computed)
         if new_blocks is None:
             return None
-        self.tier.load(req.request_id, hashes[:num_found], [b.block_id for b in new_blocks])
+        handle = self.tier.load(hashes[:num_found], new_blocks)
+        self._load_handles[handle] = req.request_id
         self.waiting.popleft()
-        self.loading[req.request_id] = (req, start)
+        self.loading[req.request_id] = (req, start, handle)
         return True
 
     def _admitted(self, req: Request, num_cached_tokens: int) -> None:
@@ -273,11 +284,7 @@ class Scheduler:
         req.num_computed_tokens = num_cached_tokens
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
-        while (
-            self.waiting
-            and budget > 0
-            and len(self.running) + len(self.loading) < self.max_num_seqs
-        ):
+        while self.waiting and budget > 0 and self._num_seqs() < self.max_num_seqs:
             req = self.waiting[0]
             if req.num_pending:  # preempted with a token still on the device: wait for it
                 break

@@ -160,6 +160,7 @@ class LocalCluster:
         self._draining: list[_Process] = []
         self._node_flags: list[str] = []  # Redis, token and TLS flags of every node (start)
         self._tier_flags: list[str] = []  # the host KV tier's size, for nodes at TP 1 (start)
+        self._disk_folder: str | None = None  # --kv-disk-cache-dir given to up (start)
         self._started = {"prefill": 0, "decode": 0}
         # The planner's thread adds and drains nodes while the main thread polls them.
         self._lock = threading.RLock()
@@ -244,10 +245,11 @@ class LocalCluster:
             self._tier_flags = [HOST_CACHE_FLAG, str(host_mb)]
             logger.info("host KV tier: %d MiB per node (%s to change)", host_mb, HOST_CACHE_FLAG)
         args = spec.node_args
-        if DISK_DIR_FLAG in args[:-1] and DISK_CACHE_FLAG not in args:  # one folder, shared
-            folder = args[args.index(DISK_DIR_FLAG) + 1]
-            disk_mb = auto_disk_cache_mb(folder, self.max_nodes or len(roles))
-            self._node_flags += [DISK_CACHE_FLAG, str(disk_mb)]
+        if DISK_DIR_FLAG in args[:-1]:  # a folder of its own for each node, below the one given
+            self._disk_folder = args[args.index(DISK_DIR_FLAG) + 1]
+            if DISK_CACHE_FLAG not in args:  # the default: the folder's free space, shared
+                disk_mb = auto_disk_cache_mb(self._disk_folder, self.max_nodes or len(roles))
+                self._node_flags += [DISK_CACHE_FLAG, str(disk_mb)]
         placement = self._placement(len(roles))
         metrics = spec.metrics_ports()  # router, then each node
         procs = []
@@ -261,7 +263,8 @@ class LocalCluster:
             else:  # (no host tier at TP > 1 yet: docs/deploy.md, KV tiers)
                 flags += self._tier_flags
             metrics_port = metrics[1 + i] if metrics else None
-            procs.append(self._component(role, index, [*flags, *spec.node_args], metrics_port))
+            extra = [*flags, *spec.node_args, *self._own_disk_folder(role, index)]
+            procs.append(self._component(role, index, extra, metrics_port))
             procs[-1].device = device
         prefill, decode = procs[: spec.num_prefill], procs[spec.num_prefill :]
         prefill_addrs = tuple(self._wait_ready(p, deadline) for p in prefill)
@@ -483,6 +486,14 @@ class LocalCluster:
             out.append((device, share))
         return out
 
+    def _own_disk_folder(self, role: str, index: int) -> list[str]:
+        """The disk KV tier folder of node ``role-index`` (the same one when up starts the same
+        layout again, so its blocks are found): ``<--kv-disk-cache-dir>/<role>-<index>``. Two
+        nodes never share one: each trims its folder to its own size at start."""
+        if self._disk_folder is None:
+            return []
+        return [DISK_DIR_FLAG, os.path.join(self._disk_folder, f"{role}-{index}")]
+
     def _place(self, gpus: Sequence[int], used: dict[int, int]) -> tuple[str, float | None]:
         assert self.max_nodes
         capacity = placement.per_gpu(self.max_nodes, len(gpus))
@@ -523,8 +534,9 @@ class LocalCluster:
             if share is not None:
                 flags += ["--gpu-memory-utilization", str(share)]
             metrics_port = None if self.spec.metrics_port is None else 0  # it binds a free one
-            extra = [*flags, *self.spec.node_args]
-            proc = self._component(role, self._started[role], extra, metrics_port)
+            index = self._started[role]
+            extra = [*flags, *self.spec.node_args, *self._own_disk_folder(role, index)]
+            proc = self._component(role, index, extra, metrics_port)
             proc.device, proc.elastic = device, True
             return proc.name
 

@@ -1,8 +1,8 @@
-"""The host KV tier in a running cluster, as a new user meets it: `splitserve up --num-prefill 0
---kv-cache-mb 1` (the tier on by default), 32 prompts of 256 tokens, eight times what the pool
-holds, sent twice. The second round's prefixes come from the tier (usage.cached_tokens, the
-node's counters and /metrics), its answers are transformers' own, and the Redis index lists the
-node's blocks in both tiers."""
+"""The KV tiers in a running cluster, as a new user meets them: `splitserve up --num-prefill 0
+--kv-cache-mb 1` (the host tier on by default, a disk tier asked for), 32 prompts of 256 tokens,
+eight times what the pool holds, sent twice. The second round's prefixes come from the tiers
+(usage.cached_tokens, the node's counters and /metrics), its answers are transformers' own, and
+the Redis index lists the node's blocks in each tier, the disk's in the node's own folder."""
 
 import asyncio
 import random
@@ -39,14 +39,20 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cluster(model_dir):
+def disk_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("kv-disk")
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, disk_dir):
     spec = ClusterSpec(
         model_path=str(model_dir),
         num_prefill=0,
         num_decode=1,
         port=0,
         metrics_port=0,
-        node_args=("--kv-cache-mb", "1"),  # 1 KiB a token: 63 blocks of 16
+        # 1 KiB a token: 63 blocks of 16; a disk tier below the folder given, one per node.
+        node_args=("--kv-cache-mb", "1", "--kv-disk-cache-dir", str(disk_dir)),
     )
     with LocalCluster(spec) as running:
         yield running
@@ -75,7 +81,7 @@ def _counter(url: str, name: str) -> float:
     raise AssertionError(f"no {name} at {url}")
 
 
-def test_prompts_evicted_from_the_pool_come_back_from_the_host_tier(cluster, model_dir):
+def test_prompts_evicted_from_the_pool_come_back_from_the_host_tier(cluster, model_dir, disk_dir):
     rng = random.Random()
     prompts = [[rng.randrange(256) for _ in range(256)] for _ in range(32)]
     first = _generate(cluster.addresses.router, prompts)
@@ -96,3 +102,7 @@ def test_prompts_evicted_from_the_pool_come_back_from_the_host_tier(cluster, mod
     host = client.smembers(f"ss:{root}:host:{node}")
     device = client.smembers(f"ss:{root}:blocks:{node}")
     assert len(host) >= 32 * 15 and len(device) < 63 and len(host - device) > len(device)
+    # The disk tier: the node's own folder under the one given to up, its blocks indexed too.
+    files = {bytes.fromhex(p.name[:64]) for p in (disk_dir / "decode-0" / root).glob("*.kv")}
+    disk = client.smembers(f"ss:{root}:disk:{node}")
+    assert len(files) >= 32 * 15 and disk <= files and len(disk) >= 32 * 15

@@ -68,7 +68,7 @@ def _drain(engine):
     engine.pool.check_invariants()
     assert engine.pool.num_free_blocks == engine.pool.num_blocks - 1
     tier.index.check_invariants()
-    assert not tier.index._pins and not tier.num_loading and not engine.scheduler.loading
+    assert not tier.index._pins and not tier.busy and not engine.scheduler.loading
 
 
 def _blocks(engine, hashes):
