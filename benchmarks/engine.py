@@ -162,6 +162,11 @@ def parse_args() -> argparse.Namespace:
         help="the node's --kv-host-cache-mb (default: the node's, a quarter of available memory; "
         "0: no host tier)",
     )
+    ap.add_argument(
+        "--kv-host-prepin",
+        action="store_true",
+        help="take the host tier's whole memory before the runs (not as it fills)",
+    )
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--prompt-range", type=int, nargs=2, default=[128, 1024])
     ap.add_argument("--gen", type=int, default=128)
@@ -214,6 +219,13 @@ def main() -> None:
         kv_host_cache_mb=args.kv_host_cache_mb,
     )
     engine, _ = build_engine(config, prefill_only=False)
+    if args.kv_host_prepin and engine.host_tier is not None:
+        seconds = engine.host_tier.reserve_memory()
+        print(
+            f"host tier: {engine.host_tier.stats().bytes_allocated / 2**30:.1f} GiB taken "
+            f"in {seconds:.1f} s",
+            flush=True,
+        )
     lo, hi = args.prompt_range
     rng = random.Random(0)
     vocab = min(250, engine.runner.config.vocab_size)

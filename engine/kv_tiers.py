@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -96,6 +97,8 @@ class HostTier:
         self.slots_per_slab = max(1, slab_bytes // self.block_bytes)
         self.num_slabs = -(-capacity_blocks // self.slots_per_slab)
         self._slabs: list[torch.Tensor] = []
+        self._slot_views: list[torch.Tensor] = []  # slot → its block-shaped view
+        self._kv_blocks = kv_pool.unbind(0)  # block id → its view
         self._cuda = self.device.type == "cuda"
         self._offloads: deque[_Offload] = deque()
         self._loads: dict[int, _Load] = {}  # by handle (``load``'s answer)
@@ -124,16 +127,33 @@ class HostTier:
             return True
         if self._grower is None:
             while len(self._slabs) <= k:
-                self._slabs.append(self._new_slab(len(self._slabs)))
+                self._add_slabs([self._new_slab(len(self._slabs))])
             return True
-        self._slabs += self._grower.take(k + 1 - len(self._slabs))
+        self._add_slabs(self._grower.take(k + 1 - len(self._slabs)))
         if self._grower.failed is not None:  # pinning failed: the tier stops growing
             return k < len(self._slabs)
         self._grower.want(k + 2)  # keep one slab ahead of the highest slot
         return k < len(self._slabs)
 
     def _slot(self, slot: int) -> torch.Tensor:
-        return self._slabs[slot // self.slots_per_slab][slot % self.slots_per_slab]
+        return self._slot_views[slot]
+
+    def _add_slabs(self, slabs: list[torch.Tensor]) -> None:
+        for slab in slabs:
+            self._slabs.append(slab)
+            self._slot_views += slab.unbind(0)  # (views made once: a copy per block is hot)
+
+    def reserve_memory(self) -> float:
+        """Take the tier's whole memory now instead of as it fills (seconds it took); on a GPU
+        the pinning then never runs beside steps."""
+        t0 = time.perf_counter()
+        if self._grower is not None:
+            self._grower.stop()
+            self._add_slabs(self._grower.take(self.num_slabs))
+            self._grower = None
+        while len(self._slabs) < self.num_slabs:
+            self._add_slabs([self._new_slab(len(self._slabs))])
+        return time.perf_counter() - t0
 
     # ---------------------------------------------------------------- offload
 
@@ -165,7 +185,7 @@ class HostTier:
         kv = self._kv_pool
         if not self._cuda:
             for block, slot in zip(blocks, slots, strict=True):
-                self._slot(slot).copy_(kv[block.block_id])
+                self._slot_views[slot].copy_(kv[block.block_id])
                 self._commit(slot)
             self.offloaded_blocks += len(blocks)
             return
@@ -177,8 +197,9 @@ class HostTier:
         stream = self._offload_stream
         with torch.cuda.stream(stream):
             stream.wait_event(written)
+            views, blocks_of = self._slot_views, self._kv_blocks
             for block, slot in zip(blocks, slots, strict=True):
-                self._slot(slot).copy_(kv[block.block_id], non_blocking=True)
+                views[slot].copy_(blocks_of[block.block_id], non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
         self._offloads.append(_Offload(done, blocks, slots))
@@ -296,8 +317,9 @@ class HostTier:
             # them (the wait costs a load at most that step).
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
+                views, blocks_of = self._slot_views, self._kv_blocks
                 for slot, block_id in pairs:
-                    kv[block_id].copy_(self._slot(slot), non_blocking=True)
+                    blocks_of[block_id].copy_(views[slot], non_blocking=True)
                 load.done = torch.cuda.Event()
                 load.done.record(stream)
         self.loaded_blocks += len(pairs)

@@ -213,6 +213,8 @@ def test_the_tier_takes_memory_as_it_fills_and_never_more_than_its_size(checkpoi
         assert stats.bytes_allocated <= 5 * block_bytes and stats.used_blocks <= 5
     assert tier.stats().bytes_allocated == 5 * block_bytes and tier.stats().evicted_blocks > 0
     _assert_all_released(engine)
+    tier.reserve_memory()  # (all of it at once: already all taken here, nothing more)
+    assert tier.stats().bytes_allocated == 5 * block_bytes
 
 
 # ---------------------------------------------------------------- the disk tier behind it
