@@ -165,7 +165,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--kv-host-prepin",
         action="store_true",
-        help="take the host tier's whole memory before the runs (not as it fills)",
+        help="take the host tier's whole memory before the runs (a GPU node does at start)",
     )
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--prompt-range", type=int, nargs=2, default=[128, 1024])

@@ -7,13 +7,13 @@ longer holds but the tier does gets new pool blocks, filled by copies from the t
 the running batch once they are done (``Scheduler``'s loading requests), instead of computing
 that prefix again.
 
-On a GPU the tier is pinned host memory, taken slab by slab as it fills (a background thread
-pins the next slab before it is needed: pinning hundreds of MB takes longer than a step, and a
-step never waits for it; an offload that finds no slab ready is skipped). Copies run on two
-streams of their own, device to host after the step that wrote the blocks, host to device for
-hits; a block being copied out holds a reference in the pool, so it is not reused until the copy
-is done. On the CPU the tier is a second, larger pool in ordinary memory and copies are made at
-once: the same bookkeeping, every path tested without a GPU.
+On a GPU the tier is pinned host memory, all of it taken at start (pinning beside running steps
+slowed them; see ``__init__``). Copies run on two streams of their own, device to host after the
+step that wrote the blocks, host to device for hits; a block being copied out holds a reference
+in the pool, so it is not reused until the copy is done, and a block being copied in is held by
+its load. On the CPU the tier is a second, larger pool in ordinary memory, taken slab by slab as
+it fills (a test machine runs many nodes), and copies are made at once: the same bookkeeping,
+every path tested without a GPU.
 
 A block's bytes are found only through its hash, and a load checks the slot still holds that
 hash before it copies (the bytes never leave this process, so no checksum is computed here; the
@@ -23,7 +23,6 @@ disk and store tiers, where bytes can tear, will carry one).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -48,7 +47,7 @@ class TierStats(NamedTuple):
     used_blocks: int
     bytes_allocated: int
     offloaded_blocks: int  # copied into the tier since start
-    skipped_blocks: int  # not copied: no memory ready yet, or every slot pinned
+    skipped_blocks: int  # not copied: every slot pinned or being written
     loaded_blocks: int  # copied back into the pool (hits) since start
     evicted_blocks: int
 
@@ -105,11 +104,18 @@ class HostTier:
         self._next_handle = 0
         self.offloaded_blocks = self.skipped_blocks = self.loaded_blocks = 0
         self.disk_hit_blocks = 0
-        self._grower: _SlabGrower | None = None
         if self._cuda:
             self._offload_stream = torch.cuda.Stream(self.device)
             self._load_stream = torch.cuda.Stream(self.device)
-            self._grower = _SlabGrower(self._new_slab, self.num_slabs)
+            # NOTE: pinned now, not as the tier fills: pinning hundreds of MB beside running
+            # steps slowed them by a fifth to a third on an H100, and blocks cached before
+            # their slab was ready were never copied (docs/benchmarks.md, KV tiers).
+            seconds = self.reserve_memory()
+            logger.info(
+                "host KV tier: %.1f GiB of pinned memory taken in %.1f s",
+                self.stats().bytes_allocated / 2**30,
+                seconds,
+            )
 
     # ---------------------------------------------------------------- memory
 
@@ -120,20 +126,12 @@ class HostTier:
         shape = (self._slab_len(k), *self._kv_pool.shape[1:])
         return torch.empty(shape, dtype=self._kv_pool.dtype, pin_memory=self._cuda)
 
-    def _has_memory(self, slot: int) -> bool:
-        """Whether memory stands behind ``slot`` (on the CPU: allocated now if not)."""
+    def _ensure_memory(self, slot: int) -> None:
+        """Memory behind ``slot``: on the CPU allocated now if not there yet (its pages only
+        touched as blocks are written); on a GPU all of it was pinned at start."""
         k = slot // self.slots_per_slab
-        if k < len(self._slabs):
-            return True
-        if self._grower is None:
-            while len(self._slabs) <= k:
-                self._add_slabs([self._new_slab(len(self._slabs))])
-            return True
-        self._add_slabs(self._grower.take(k + 1 - len(self._slabs)))
-        if self._grower.failed is not None:  # pinning failed: the tier stops growing
-            return k < len(self._slabs)
-        self._grower.want(k + 2)  # keep one slab ahead of the highest slot
-        return k < len(self._slabs)
+        while len(self._slabs) <= k:
+            self._add_slabs([self._new_slab(len(self._slabs))])
 
     def _slot(self, slot: int) -> torch.Tensor:
         return self._slot_views[slot]
@@ -147,10 +145,6 @@ class HostTier:
         """Take the tier's whole memory now instead of as it fills (seconds it took); on a GPU
         the pinning then never runs beside steps."""
         t0 = time.perf_counter()
-        if self._grower is not None:
-            self._grower.stop()
-            self._add_slabs(self._grower.take(self.num_slabs))
-            self._grower = None
         while len(self._slabs) < self.num_slabs:
             self._add_slabs([self._new_slab(len(self._slabs))])
         return time.perf_counter() - t0
@@ -173,11 +167,10 @@ class HostTier:
                 continue
             slot = index.reserve(block_hash)
             if slot is None:
+                if block_hash not in index:  # every slot pinned or being written
+                    self.skipped_blocks += 1
                 continue
-            if not self._has_memory(slot):
-                index.cancel(slot)
-                self.skipped_blocks += 1
-                continue
+            self._ensure_memory(slot)
             blocks.append(block)
             slots.append(slot)
         if not blocks:
@@ -281,10 +274,9 @@ class HostTier:
         on_disk = []
         for block_hash in block_hashes[num_ready:]:
             slot = index.reserve(block_hash) if self.disk and block_hash in self.disk else None
-            if slot is None or not self._has_memory(slot):
-                if slot is not None:
-                    index.cancel(slot)
+            if slot is None:
                 break
+            self._ensure_memory(slot)
             slots.append(slot)
             on_disk.append(block_hash)
         held = list(blocks[: len(slots)])
@@ -385,60 +377,8 @@ class HostTier:
 
     def close(self) -> None:
         """Wait for the copies in flight and stop growing (idempotent)."""
-        if self._grower is not None:
-            self._grower.stop()
         if self.disk is not None:
             self.disk.close()
         for offload in self._offloads:
             offload.done.synchronize()
         self.reap()
-
-
-class _SlabGrower:
-    """Pins slabs on a thread of its own, up to the number asked for (``want``)."""
-
-    def __init__(self, make, limit: int) -> None:
-        self._make, self._limit = make, limit
-        self._ready: list[torch.Tensor] = []
-        self._made = 0  # slabs made so far (taken or ready)
-        self._wanted = 1
-        self._cond = threading.Condition()
-        self._stopped = False
-        self.failed: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="kv-host-slabs", daemon=True)
-        self._thread.start()
-
-    def want(self, num_slabs: int) -> None:
-        with self._cond:
-            if num_slabs > self._wanted:
-                self._wanted = num_slabs
-                self._cond.notify()
-
-    def take(self, n: int) -> list[torch.Tensor]:
-        """Up to ``n`` ready slabs, in order."""
-        with self._cond:
-            out, self._ready = self._ready[:n], self._ready[n:]
-            return out
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stopped = True
-            self._cond.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._stopped and self._made >= min(self._wanted, self._limit):
-                    self._cond.wait()
-                if self._stopped:
-                    return
-                k = self._made
-            try:
-                slab = self._make(k)
-            except BaseException as exc:  # out of pinnable memory: stop growing, say why once
-                logger.warning("host KV tier: could not pin slab %d (%s); it grows no more", k, exc)
-                self.failed = exc
-                return
-            with self._cond:
-                self._ready.append(slab)
-                self._made += 1
