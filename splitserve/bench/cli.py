@@ -119,6 +119,16 @@ def add_command(sub: argparse._SubParsersAction) -> None:
         help="conversation: conversations under way at once (16)",
     )
     w.add_argument(
+        "--think-time",
+        type=float,
+        default=None,
+        help="conversation: each of the --conversations users waits for every answer, sends it "
+        "back in the next turn's history (the server's real answers, as chat clients do) after "
+        "thinking this many seconds on average (exponential; 0: at once); paced by the users, "
+        "so no --request-rate. The report adds TTFT and computed vs cached prompt tokens per turn "
+        "(default: open loop, made-up answers)",
+    )
+    w.add_argument(
         "--max-prompt-len",
         type=int,
         default=CONVERSATION["max_prompt_len"],

@@ -50,6 +50,10 @@ class RequestRecord:
     cached_tokens: int | None = None
     error: str | None = None  # None: completed; else the failure (gRPC code, "HTTP 429", ...)
     detail: str | None = None  # the failure's message, as the server (or the client) said it
+    turn: int | None = None  # its turn in a conversation (users with --think-time), from 0
+    # The answer itself, collected only where a workload feeds it back (token ids, or text):
+    # set to an empty list or string before sending, filled as it streams.
+    answer: list[int] | str | None = None
 
     @property
     def ok(self) -> bool:

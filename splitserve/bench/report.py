@@ -37,6 +37,7 @@ def request_rows(records: Sequence[RequestRecord]) -> list[dict[str, Any]]:
             "output_tokens": r.output_tokens,
             "error": r.error,
             "error_detail": r.detail,
+            "turn": r.turn,
         }
         for r in records
     ]

@@ -14,15 +14,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from splitserve.bench.arrivals import arrival_times
 from splitserve.bench.metrics import RequestRecord
 from splitserve.bench.workloads import BenchRequest
 
-__all__ = ["Load", "Share", "run_load"]
+__all__ = ["Load", "Share", "run_load", "run_users"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,5 +157,63 @@ async def run_load(
         task.add_done_callback(tasks.discard)
     if tasks:
         await asyncio.gather(*tasks)
+    duration = max((r.end for r in records), default=target.now())
+    return records, max(duration, 1e-9)
+
+
+async def run_users(
+    target,
+    make_user: Callable[[int], Any],
+    num_users: int,
+    think_time: float,
+    load: Load,
+    on_done: Callable[[RequestRecord], object] = lambda r: None,
+    share: Share = Share(),
+) -> tuple[list[RequestRecord], float]:
+    """``num_users`` users (``make_user(u)``: a ``workloads.ConversationUser``), each sending a
+    turn, waiting for its answer, thinking (exponential, mean ``think_time`` seconds) and
+    sending the next with the answer in its history, until ``load``'s duration or request count.
+    This process runs the users ``share`` gives it; starts are spread over one think time."""
+    if load.num_requests is None and load.duration is None:
+        raise ValueError("give --num-requests or --duration")
+    if share.t0 is not None and (wait := share.t0 - time.perf_counter()) > 0:
+        await asyncio.sleep(wait)
+    target.t0 = share.t0 if share.t0 is not None else time.perf_counter()
+    records: list[RequestRecord] = []
+    sent = 0
+
+    def more() -> bool:
+        if load.duration is not None and target.now() >= load.duration:
+            return False
+        return load.num_requests is None or sent < share.concurrency(load.num_requests)
+
+    async def user_loop(u: int) -> None:
+        nonlocal sent
+        rng = random.Random(load.seed * 1_000_003 + u)
+        user = make_user(u)
+        await asyncio.sleep(rng.uniform(0, think_time))
+        while more():
+            req = user.next()
+            record = RequestRecord(
+                len(records) * share.of + share.index,
+                req.prompt_len,
+                req.max_tokens,
+                arrival=target.now(),
+                turn=user.turn,
+            )
+            record.answer = "" if isinstance(req.prompt, str) else []
+            records.append(record)
+            sent += 1
+            await target.send(req, record)
+            if record.ok:
+                user.answered(record.answer)
+            else:
+                user.failed()
+            record.answer = None  # (fed back; not kept)
+            on_done(record)
+            if think_time > 0:
+                await asyncio.sleep(rng.expovariate(1 / think_time))
+
+    await asyncio.gather(*(user_loop(u) for u in range(num_users) if share.mine(u)))
     duration = max((r.end for r in records), default=target.now())
     return records, max(duration, 1e-9)

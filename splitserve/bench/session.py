@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import datetime
 import os
+import random
 import sys
 import time
 from typing import Any
@@ -61,6 +62,7 @@ def config_of(args: argparse.Namespace, slo: dict[str, float]) -> dict[str, Any]
         "questions_per_prefix",
         "question_len",
         "conversations",
+        "think_time",
         "max_prompt_len",
         "seed",
         "request_rate",
@@ -94,6 +96,19 @@ def sent_slo(args: argparse.Namespace, slo: dict[str, float]) -> Slo | None:
 
 def _load(args: argparse.Namespace):
     from splitserve.bench.runner import Load
+
+    if users_mode(args):
+        if args.workload[0] != "conversation":
+            raise ValueError("--think-time is for --workload conversation")
+        if args.think_time < 0:
+            raise ValueError("--think-time must be 0 or more")
+        if args.request_rate != float("inf") or args.max_concurrency is not None:
+            raise ValueError(
+                "with --think-time the --conversations users pace themselves: give no "
+                "--request-rate or --max-concurrency"
+            )
+        if args.warmup:
+            raise ValueError("--warmup is not taken with --think-time")
 
     load = Load(
         request_rate=args.request_rate,
@@ -133,7 +148,7 @@ async def run_bench(args: argparse.Namespace, slo: dict[str, float]) -> dict[str
     steps share the run's arguments and records."""
     from splitserve.bench.metrics import summarize, timeline
     from splitserve.bench.report import result_document
-    from splitserve.bench.runner import Share, run_load
+    from splitserve.bench.runner import Share
     from splitserve.bench.scrape import Scraper, summary
 
     load = _load(args)
@@ -151,13 +166,14 @@ async def run_bench(args: argparse.Namespace, slo: dict[str, float]) -> dict[str
         cpu0 = time.process_time()
         try:
             async with scraper:
-                records, duration = await run_load(
+                records, duration = await _drive(
+                    args,
                     target,
                     requests,
                     load,
+                    Share(0, processes, t0),
                     on_done=lambda r: bar.update(1) if bar is not None else None,
                     on_start=lambda: bar.reset() if bar is not None else None,
-                    share=Share(0, processes, t0),
                 )
         finally:
             if bar is not None:
@@ -178,7 +194,7 @@ async def run_bench(args: argparse.Namespace, slo: dict[str, float]) -> dict[str
     return result_document(
         target={"url": target.url, "kind": target.kind, "model": target.model},
         config={**config_of(args, slo), "processes": processes},
-        results=summarize(records, duration, slo),
+        results={**summarize(records, duration, slo), "turns": per_turn(records)},
         timeline=line,
         server_metrics={
             "summary": summary(scraped),
@@ -195,6 +211,67 @@ async def run_bench(args: argparse.Namespace, slo: dict[str, float]) -> dict[str
         started_at=started_at,
         client=client_load(records, busy, load.max_concurrency is None),
     )
+
+
+def users_mode(args: argparse.Namespace) -> bool:
+    """Conversations whose users wait for each answer and send it back (``--think-time``)."""
+    return getattr(args, "think_time", None) is not None
+
+
+async def _drive(args, target, requests, load, share, on_done=lambda r: None, on_start=None):
+    """This process's part of the load: requests at their arrival times (``run_load``), or
+    with ``--think-time`` the conversation workload's users (``run_users``)."""
+    from splitserve.bench import workloads as w
+    from splitserve.bench.runner import run_load, run_users
+
+    if not users_mode(args):
+        return await run_load(
+            target, requests, load, on_done=on_done, on_start=on_start or (lambda: None),
+            share=share,
+        )  # fmt: skip
+    out = w.LengthDist.parse(args.output_len) if args.output_len else None
+    params = {"max_prompt_len": args.max_prompt_len}
+    text = args.prompt_format == "text"
+
+    def make_user(u: int) -> w.ConversationUser:
+        rng = random.Random(args.seed * 7919 + u)
+        return w.ConversationUser(rng, out, text=text, vocab=args.vocab, params=params)
+
+    if on_start is not None:
+        on_start()
+    return await run_users(
+        target, make_user, args.conversations, args.think_time, load, on_done=on_done,
+        share=share,
+    )  # fmt: skip
+
+
+def per_turn(records: list) -> list[dict[str, Any]]:
+    """Per conversation turn (users with ``--think-time``): requests, TTFT p50/p90 of those that
+    completed, prompt tokens, and of them those the server computed and those its cache served
+    (``usage.cached_tokens``; a server that does not say counts them as computed)."""
+    from splitserve.bench.metrics import percentile
+
+    out = []
+    for turn in sorted({r.turn for r in records if r.turn is not None}):
+        rows = [r for r in records if r.turn == turn]
+        done = [r for r in rows if r.ok]
+        ttft = [r.ttft for r in done if r.ttft is not None]
+        prompt = sum(r.prompt_tokens or r.prompt_len for r in done)
+        served = sum(r.cached_tokens or 0 for r in done)
+        p50, p90 = percentile(ttft, 0.5), percentile(ttft, 0.9)
+        out.append(
+            {
+                "turn": turn,
+                "requests": len(rows),
+                "completed": len(done),
+                "ttft_p50_s": None if p50 is None else round(p50, 6),
+                "ttft_p90_s": None if p90 is None else round(p90, 6),
+                "prompt_tokens": prompt,
+                "computed_tokens": prompt - served,
+                "cached_tokens": served,
+            }
+        )
+    return out
 
 
 # A load generator process busier than this (cores) may have delayed what it measured.
@@ -307,7 +384,7 @@ def _worker(args: argparse.Namespace, slo: dict[str, float], index: int, of: int
 
 
 async def _work(args: argparse.Namespace, slo: dict[str, float], index: int, of: int, pipe) -> None:
-    from splitserve.bench.runner import Share, run_load
+    from splitserve.bench.runner import Share
 
     load = _load(args)
     requests = make_workload(args)
@@ -316,7 +393,7 @@ async def _work(args: argparse.Namespace, slo: dict[str, float], index: int, of:
         pipe.send("ready")
         t0 = await asyncio.to_thread(pipe.recv)
         cpu0 = time.process_time()
-        records, duration = await run_load(target, requests, load, share=Share(index, of, t0))
+        records, duration = await _drive(args, target, requests, load, Share(index, of, t0))
         pipe.send((records, time.process_time() - cpu0, duration))
 
 

@@ -18,6 +18,7 @@ class StreamEvent:
     usage: dict = field(default_factory=dict)
     error: str | None = None
     detail: str | None = None  # the error's message
+    text: str = ""  # the text its choices carry
 
 
 def parse_event(data: str) -> StreamEvent:
@@ -39,6 +40,7 @@ def parse_event(data: str) -> StreamEvent:
         text = choice.get("text")
         if text is None:  # a chat chunk
             text = (choice.get("delta") or {}).get("content")
+        event.text += text or ""
         if ids:
             event.tokens += len(ids)
         elif text or not choice.get("finish_reason"):

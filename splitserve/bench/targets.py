@@ -165,6 +165,10 @@ class GrpcTarget(_Target):
             if chunk.token_ids:
                 record.token_times.append(self.now())
                 record.output_tokens += len(chunk.token_ids)
+                if isinstance(record.answer, list):
+                    record.answer.extend(chunk.token_ids)
+                elif isinstance(record.answer, str):
+                    record.answer += chunk.text
             if chunk.usage is not None:
                 record.prompt_tokens = chunk.usage.prompt_tokens
                 record.cached_tokens = chunk.usage.cached_tokens
@@ -257,6 +261,8 @@ class HttpTarget(_Target):
         if event.tokens:
             record.token_times.append(self.now())
             record.output_tokens += event.tokens
+            if isinstance(record.answer, str):
+                record.answer += event.text
         if event.usage:
             u = event.usage
             record.prompt_tokens = u.get("prompt_tokens", record.prompt_tokens)

@@ -198,6 +198,57 @@ def conversation(
         convs[i] = new() if turns_left <= 1 else [history + question + answer, turns_left - 1]
 
 
+class ConversationUser:
+    """One user of the conversation workload who waits for each answer (``--think-time``):
+    every turn's prompt is the conversation so far — system prompt, earlier questions and the
+    server's own answers, as a chat client sends them back — plus a new question. ``next`` gives
+    the turn to send, ``answered`` takes the answer that came back (token ids, or text: its
+    words), ``failed`` drops the question; after the conversation's turns a new one starts."""
+
+    def __init__(
+        self,
+        rng: random.Random,
+        output_len: LengthDist | None,
+        *,
+        text: bool,
+        vocab: int,
+        params: dict | None = None,
+    ) -> None:
+        self._rng, self._out, self._text, self._vocab = rng, output_len, text, vocab
+        self._p = {**CONVERSATION, **(params or {})}
+        self._question: list = []
+        self._new()
+
+    def _draw(self, dist: LengthDist) -> list:
+        n = dist.sample(self._rng)
+        return _words(self._rng, n) if self._text else _tokens(self._rng, n, self._vocab)
+
+    def _new(self) -> None:
+        self.history = self._draw(self._p["system_len"])
+        self.turns_left = self._rng.randint(*self._p["turns"])
+        self.turn = 0
+
+    def next(self) -> BenchRequest:
+        self._question = self._draw(self._p["user_len"])
+        prompt = (self.history + self._question)[-self._p["max_prompt_len"] :]
+        max_tokens = (self._out or self._p["answer_len"]).sample(self._rng)
+        return _make(prompt, self._text, max_tokens)
+
+    def answered(self, answer: list[int] | str) -> None:
+        said = answer.split() if isinstance(answer, str) else list(answer)
+        self.history = self.history + self._question + said
+        self._done_turn()
+
+    def failed(self) -> None:
+        self._done_turn()
+
+    def _done_turn(self) -> None:
+        self.turn += 1
+        self.turns_left -= 1
+        if self.turns_left <= 0:
+            self._new()
+
+
 def jsonl(path: str | Path, output_len: LengthDist, *, seed: int) -> Iterator[BenchRequest]:
     """The prompts of a JSON Lines file, in its order, again from the top when they run out:
     ``{"prompt": "text" | [token ids], "max_tokens": n}`` per line (``max_tokens`` optional:

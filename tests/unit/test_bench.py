@@ -114,6 +114,65 @@ def test_conversation_turns_extend_the_previous_turn():
     assert all(r.max_tokens == 9 and isinstance(r.prompt, str) for r in fixed)
 
 
+class _EchoTarget:
+    """A server that answers each turn with tokens of its own choosing (a counter), after a
+    short wait, and says it had the prompt's every earlier token cached."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.prompts: list[tuple[int, ...]] = []
+        self.answers: list[list[int]] = []
+        self._next = 10_000
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    async def send(self, req: BenchRequest, record: RequestRecord) -> RequestRecord:
+        record.start = self.now()
+        await asyncio.sleep(0.001)
+        answer = list(range(self._next, self._next + req.max_tokens))
+        self._next += req.max_tokens
+        assert isinstance(record.answer, list)
+        record.answer.extend(answer)
+        record.token_times = [self.now()]
+        record.output_tokens = len(answer)
+        record.prompt_tokens = req.prompt_len
+        record.cached_tokens = req.prompt_len // 2
+        record.end = self.now()
+        self.prompts.append(tuple(req.prompt))
+        self.answers.append(answer)
+        return record
+
+
+def test_users_send_the_servers_real_answers_back_turn_by_turn():
+    from splitserve.bench.session import per_turn
+
+    target = _EchoTarget()
+    load = runner.Load(num_requests=30, seed=3)
+    params = {"turns": (3, 3)}
+
+    def user(u):
+        rng = random.Random(u)
+        return workloads.ConversationUser(rng, LengthDist("fixed", 5), text=False, vocab=50,
+                                          params=params)  # fmt: skip
+
+    records, _ = asyncio.run(runner.run_users(target, user, 2, 0.0, load))
+    assert len(records) == 30 and all(r.answer is None for r in records)  # not kept
+    # Every answer the server gave comes back in a later prompt of the same conversation.
+    answered = 0
+    for prompt, answer in zip(target.prompts, target.answers, strict=True):
+        later = [p for p in target.prompts if len(p) > len(prompt) and p[: len(prompt)] == prompt]
+        if later:
+            assert all(p[len(prompt) : len(prompt) + 5] == tuple(answer) for p in later[:1])
+            answered += 1
+    assert answered >= 15  # 3 turns each: two of every three turns are followed
+    turns = per_turn(records)
+    assert [t["turn"] for t in turns] == [0, 1, 2]
+    assert sum(t["requests"] for t in turns) == 30
+    for t in turns:
+        assert t["computed_tokens"] + t["cached_tokens"] == t["prompt_tokens"] > 0
+
+
 def test_jsonl_workload(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "a b c", "max_tokens": 4}\n\n{"prompt": [1, 2]}\n')
