@@ -363,7 +363,7 @@ class LLMEngine:
         unpacking, which holds the GIL, before anything is summed."""
         return sum(
             max(len(r.prompt_token_ids) - r.num_computed_tokens, 0)
-            for r in (*self.waiting, *self.running, *self.loading)
+            for r in (*self.waiting, *self.running, *self.ready, *self.loading)
         )
 
     def has_unfinished(self) -> bool:

@@ -110,12 +110,25 @@ class HostTier:
             # NOTE: pinned now, not as the tier fills: pinning hundreds of MB beside running
             # steps slowed them by a fifth to a third on an H100, and blocks cached before
             # their slab was ready were never copied (docs/benchmarks.md, KV tiers).
-            seconds = self.reserve_memory()
-            logger.info(
-                "host KV tier: %.1f GiB of pinned memory taken in %.1f s",
-                self.stats().bytes_allocated / 2**30,
-                seconds,
-            )
+            try:
+                seconds = self.reserve_memory()
+            except (RuntimeError, MemoryError) as exc:  # pinnable memory ran out: keep what is
+                got = sum(len(slab) for slab in self._slabs)
+                self.index.capacity = got
+                self.num_slabs = len(self._slabs)
+                logger.warning(
+                    "host KV tier: could not pin %d blocks (%s); it keeps the %d pinned so far "
+                    "(--kv-host-cache-mb to choose)",
+                    capacity_blocks,
+                    exc,
+                    got,
+                )
+            else:
+                logger.info(
+                    "host KV tier: %.1f GiB of pinned memory taken in %.1f s",
+                    self.stats().bytes_allocated / 2**30,
+                    seconds,
+                )
 
     # ---------------------------------------------------------------- memory
 

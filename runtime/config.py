@@ -44,14 +44,22 @@ DISK_CACHE_SHARE = 0.5  # of the disk tier folder's free space at start, by defa
 
 
 def auto_disk_cache_mb(directory: str, num_nodes: int = 1) -> int:
-    """The disk KV tier each of ``num_nodes`` nodes sharing ``directory`` gets by default:
-    ``DISK_CACHE_SHARE`` of its file system's free space now, shared equally (the folder is
-    made if missing)."""
+    """The disk KV tier each of ``num_nodes`` nodes under ``directory`` gets by default:
+    ``DISK_CACHE_SHARE`` of its file system's free space now plus what the folder holds already
+    (blocks of an earlier run: a restart must not shrink the tier), shared equally (the folder
+    is made if missing)."""
     import os
     import shutil
 
     os.makedirs(directory, exist_ok=True)
-    free = shutil.disk_usage(directory).free
+    held = 0
+    for folder, _, files in os.walk(directory):
+        for name in files:
+            try:
+                held += os.path.getsize(os.path.join(folder, name))
+            except OSError:
+                continue  # (deleted meanwhile)
+    free = shutil.disk_usage(directory).free + held
     return int(free / 2**20 * DISK_CACHE_SHARE) // max(num_nodes, 1)
 
 

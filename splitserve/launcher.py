@@ -69,7 +69,30 @@ class _Process:
     metrics_port_file: Path | None = None
     device: str = "cpu"
     elastic: bool = False  # started at run time (add_node): its exit does not stop the cluster
+    disk_folder: str | None = None  # its disk KV tier's folder (None: none)
     drained_at: float | None = None  # when drain_node sent it SIGTERM
+
+
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of the last ``flag value`` pair in ``args`` (None: absent)."""
+    found = None
+    for i, arg in enumerate(args[:-1]):
+        if arg == flag:
+            found = args[i + 1]
+    return found
+
+
+def _without_flags(args: Sequence[str], flags: Sequence[str]) -> list[str]:
+    """``args`` less every ``flag value`` pair of ``flags``."""
+    out, skip = [], False
+    for i, arg in enumerate(args):
+        if skip:
+            skip = False
+        elif arg in flags and i + 1 < len(args):
+            skip = True
+        else:
+            out.append(arg)
+    return out
 
 
 def _visible_gpus() -> int:
@@ -249,7 +272,7 @@ class LocalCluster:
             self._disk_folder = args[args.index(DISK_DIR_FLAG) + 1]
             if DISK_CACHE_FLAG not in args:  # the default: the folder's free space, shared
                 disk_mb = auto_disk_cache_mb(self._disk_folder, self.max_nodes or len(roles))
-                self._node_flags += [DISK_CACHE_FLAG, str(disk_mb)]
+                self._tier_flags += [DISK_CACHE_FLAG, str(disk_mb)]
         placement = self._placement(len(roles))
         metrics = spec.metrics_ports()  # router, then each node
         procs = []
@@ -260,12 +283,11 @@ class LocalCluster:
             index = i if role == "prefill" else i - spec.num_prefill
             if spec.tp_of(role) > 1:
                 flags += ["--tensor-parallel-size", str(spec.tp_of(role))]
-            else:  # (no host tier at TP > 1 yet: docs/deploy.md, KV tiers)
-                flags += self._tier_flags
             metrics_port = metrics[1 + i] if metrics else None
-            extra = [*flags, *spec.node_args, *self._own_disk_folder(role, index)]
+            extra = [*flags, *self._tier_args(role, procs)]
             procs.append(self._component(role, index, extra, metrics_port))
             procs[-1].device = device
+            procs[-1].disk_folder = _flag_value(extra, DISK_DIR_FLAG)
         prefill, decode = procs[: spec.num_prefill], procs[spec.num_prefill :]
         prefill_addrs = tuple(self._wait_ready(p, deadline) for p in prefill)
         decode_addrs = tuple(self._wait_ready(p, deadline) for p in decode)
@@ -486,13 +508,23 @@ class LocalCluster:
             out.append((device, share))
         return out
 
-    def _own_disk_folder(self, role: str, index: int) -> list[str]:
-        """The disk KV tier folder of node ``role-index`` (the same one when up starts the same
-        layout again, so its blocks are found): ``<--kv-disk-cache-dir>/<role>-<index>``. Two
-        nodes never share one: each trims its folder to its own size at start."""
+    def _tier_args(self, role: str, others: Sequence[_Process]) -> list[str]:
+        """``up``'s node options for a new ``role`` node, with its KV tiers: the host tier's
+        and disk tier's sizes, and a disk folder of its own, ``<--kv-disk-cache-dir>/<role>-<k>``
+        with the lowest k no node in ``others`` holds (the same folders when the same layout is
+        started again; two nodes never share one: each trims its folder to its own size). A node
+        at TP > 1 gets no tier flags (no tiers there yet: docs/deploy.md, KV tiers)."""
+        args = list(self.spec.node_args)
+        if self.spec.tp_of(role) > 1:
+            return _without_flags(args, (HOST_CACHE_FLAG, DISK_DIR_FLAG, DISK_CACHE_FLAG))
+        args += self._tier_flags
         if self._disk_folder is None:
-            return []
-        return [DISK_DIR_FLAG, os.path.join(self._disk_folder, f"{role}-{index}")]
+            return args
+        taken = {p.disk_folder for p in others}
+        k = 0
+        while (folder := os.path.join(self._disk_folder, f"{role}-{k}")) in taken:
+            k += 1
+        return [*args, DISK_DIR_FLAG, folder]
 
     def _place(self, gpus: Sequence[int], used: dict[int, int]) -> tuple[str, float | None]:
         assert self.max_nodes
@@ -519,8 +551,6 @@ class LocalCluster:
                 raise RuntimeError("add_node needs a started cluster with max_nodes")
             self.reap()
             flags = ["--port", "0", *self._node_flags]
-            if self.spec.tp_of(role) == 1:
-                flags += self._tier_flags
             gpus = self._gpus()
             if gpus is None:
                 device, share = self.spec.device, self.spec.gpu_memory_utilization
@@ -535,8 +565,9 @@ class LocalCluster:
                 flags += ["--gpu-memory-utilization", str(share)]
             metrics_port = None if self.spec.metrics_port is None else 0  # it binds a free one
             index = self._started[role]
-            extra = [*flags, *self.spec.node_args, *self._own_disk_folder(role, index)]
+            extra = [*flags, *self._tier_args(role, self._procs + self._draining)]
             proc = self._component(role, index, extra, metrics_port)
+            proc.disk_folder = _flag_value(extra, DISK_DIR_FLAG)
             proc.device, proc.elastic = device, True
             return proc.name
 

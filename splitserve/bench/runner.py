@@ -37,7 +37,8 @@ class Load:
     warmup: int = 0
     seed: int = 0
 
-    def check(self) -> None:
+    def check(self, paced_by_users: bool = False) -> None:
+        """``paced_by_users``: conversation users pace the load (``run_users``), not a rate."""
         if self.num_requests is not None and self.num_requests < 1:
             raise ValueError("--num-requests must be at least 1")
         if self.duration is not None and not self.duration > 0:
@@ -54,6 +55,7 @@ class Load:
             self.num_requests is None
             and math.isinf(self.request_rate)
             and self.max_concurrency is None
+            and not paced_by_users
         ):
             raise ValueError("--duration needs --request-rate or --max-concurrency to pace it")
 
@@ -176,6 +178,10 @@ async def run_users(
     This process runs the users ``share`` gives it; starts are spread over one think time."""
     if load.num_requests is None and load.duration is None:
         raise ValueError("give --num-requests or --duration")
+    if share.of > num_users:
+        raise ValueError(
+            f"--processes {share.of} is more than the {num_users} users (--conversations)"
+        )
     if share.t0 is not None and (wait := share.t0 - time.perf_counter()) > 0:
         await asyncio.sleep(wait)
     target.t0 = share.t0 if share.t0 is not None else time.perf_counter()
@@ -211,8 +217,11 @@ async def run_users(
                 user.failed()
             record.answer = None  # (fed back; not kept)
             on_done(record)
-            if think_time > 0:
-                await asyncio.sleep(rng.expovariate(1 / think_time))
+            if think_time > 0 and more():  # (no think time after the last turn of the run)
+                pause = rng.expovariate(1 / think_time)
+                if load.duration is not None:
+                    pause = min(pause, max(load.duration - target.now(), 0.0))
+                await asyncio.sleep(pause)
 
     await asyncio.gather(*(user_loop(u) for u in range(num_users) if share.mine(u)))
     duration = max((r.end for r in records), default=target.now())

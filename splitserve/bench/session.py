@@ -109,6 +109,12 @@ def _load(args: argparse.Namespace):
             )
         if args.warmup:
             raise ValueError("--warmup is not taken with --think-time")
+        if args.target.startswith(("http://", "https://")) and args.prompt_format != "text":
+            raise ValueError(
+                "--think-time over HTTP sends the answers back as text: add --prompt-format text"
+            )
+        if getattr(args, "processes", 1) > args.conversations:
+            raise ValueError("--think-time: give at most --conversations processes")
 
     load = Load(
         request_rate=args.request_rate,
@@ -119,7 +125,7 @@ def _load(args: argparse.Namespace):
         warmup=args.warmup,
         seed=args.seed,
     )
-    load.check()
+    load.check(paced_by_users=users_mode(args))
     return load
 
 
@@ -209,7 +215,7 @@ async def run_bench(args: argparse.Namespace, slo: dict[str, float]) -> dict[str
         plots=plots,
         label=args.label,
         started_at=started_at,
-        client=client_load(records, busy, load.max_concurrency is None),
+        client=client_load(records, busy, load.max_concurrency is None and not users_mode(args)),
     )
 
 

@@ -666,3 +666,16 @@ def test_a_busy_or_late_load_generator_is_reported():
     assert len(slipped["warnings"]) == 2 and slipped["send_late_p99_s"] >= 0.19
     assert "--processes" in slipped["warnings"][0]
     assert client_load(late, [0.2], open_loop=False)["send_late_p99_s"] is None
+
+
+def test_users_mode_takes_a_duration_and_refuses_what_it_cannot_honour():
+    from splitserve.bench.session import _load
+
+    def args(*more):
+        return _bench_args("--workload", "conversation", "--think-time", "1", *more)
+
+    assert _load(args("--duration", "10")).duration == 10
+    with pytest.raises(ValueError, match="pace themselves"):
+        _load(args("--duration", "10", "--request-rate", "5"))
+    with pytest.raises(ValueError, match="--prompt-format text"):
+        _load(args("--duration", "10", "--target", "http://localhost:1"))

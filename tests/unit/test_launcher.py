@@ -163,3 +163,18 @@ def test_num_routers_auto_gives_cpu_clusters_one_and_gpu_pools_enough_for_their_
     assert auto_routers("cuda", 1, 2) == 1
     assert spec().num_routers == 1  # the default (auto) on CPU
     assert spec(num_routers=3).num_routers == 3
+
+
+def test_each_node_gets_its_own_kv_tier_folder_and_tp_nodes_no_tier_flags():
+    node_args = ("--kv-cache-mb", "8", "--kv-disk-cache-dir", "/d", "--kv-host-cache-mb", "64")
+    cluster = LocalCluster(spec(node_args=node_args, decode_tp=2))
+    cluster._disk_folder = "/d"
+    cluster._tier_flags = [launcher.DISK_CACHE_FLAG, "100"]
+    first = cluster._tier_args("prefill", [])
+    assert first[-2:] == [launcher.DISK_DIR_FLAG, "/d/prefill-0"] and "100" in first
+    held = launcher._Process("prefill-0", None, disk_folder="/d/prefill-0")  # type: ignore[arg-type]
+    assert cluster._tier_args("prefill", [held])[-1] == "/d/prefill-1"
+    assert cluster._tier_args("prefill", [])[-1] == "/d/prefill-0"  # a drained node's, again
+    # TP 2 nodes: no tier yet, so none of its flags (a disk tier without one refuses to start).
+    assert cluster._tier_args("decode", []) == ["--kv-cache-mb", "8"]
+    assert launcher._flag_value(first, launcher.DISK_DIR_FLAG) == "/d/prefill-0"
