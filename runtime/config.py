@@ -27,17 +27,44 @@ CPU_KV_CACHE_MB = 256  # the KV pool of a CPU node without --kv-cache-mb
 HOST_CACHE_SHARE = 0.25  # of the memory available at start: the host KV tier by default
 
 
-def auto_host_cache_mb(num_nodes: int = 1, meminfo: str = "/proc/meminfo") -> int:
+def auto_host_cache_mb(
+    num_nodes: int = 1, meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup"
+) -> int:
     """The host KV tier each of ``num_nodes`` nodes of this machine gets by default:
-    ``HOST_CACHE_SHARE`` of the memory available now (``MemAvailable``), shared equally; 0 where
-    that cannot be read."""
+    ``HOST_CACHE_SHARE`` of the memory available now, shared equally; 0 where that cannot be
+    read. Available: ``MemAvailable``, or less where this process's cgroup (a container's memory
+    limit, v2 or v1) leaves less: /proc/meminfo shows the host's memory inside a container too,
+    and a tier sized from it would have the container killed as it fills."""
     try:
         with open(meminfo) as f:
             fields = dict(line.split(":", 1) for line in f if ":" in line)
-        available_kib = int(fields["MemAvailable"].split()[0])
+        available = int(fields["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError, IndexError):
         return 0
-    return int(available_kib / 1024 * HOST_CACHE_SHARE) // max(num_nodes, 1)
+    left = _cgroup_memory_left(cgroup)
+    if left is not None:
+        available = min(available, left)
+    return int(available / 2**20 * HOST_CACHE_SHARE) // max(num_nodes, 1)
+
+
+def _cgroup_memory_left(root: str) -> int | None:
+    """Bytes this process's cgroup may still take (its limit less its usage), None without a
+    limit (or where none can be read)."""
+    for limit_file, usage_file in (
+        ("memory.max", "memory.current"),  # cgroup v2
+        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),  # v1
+    ):
+        try:
+            with open(f"{root}/{limit_file}") as f:
+                limit = f.read().strip()
+            with open(f"{root}/{usage_file}") as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:  # v1's "no limit"
+            return None
+        return max(int(limit) - usage, 0)
+    return None
 
 
 DISK_CACHE_SHARE = 0.5  # of the disk tier folder's free space at start, by default
@@ -261,8 +288,9 @@ class NodeConfig:
         None,
         "the host-memory KV tier behind the pool, in MiB: every full block is copied there, and "
         "a prefix the pool evicted is copied back instead of computed again; memory is taken as "
-        "the tier fills (0: off; default: a quarter of the memory available at start, which "
-        "`up` divides among its nodes; docs/deploy.md, KV tiers)",
+        "the tier fills (0: off; default: a quarter of the memory available at start, in a "
+        "container of what its memory limit leaves, which `up` divides among its nodes; "
+        "docs/deploy.md, KV tiers)",
     )
     kv_disk_cache_dir: str | None = option(
         None,

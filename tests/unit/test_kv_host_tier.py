@@ -451,3 +451,27 @@ def test_loading_requests_count_against_max_num_seqs(checkpoint, tmp_path):
         assert len(engine.running) + len(engine.scheduler.loading) <= 2
     _settle(engine)
     _assert_all_released(engine)
+
+
+def test_the_default_host_tier_is_a_share_of_what_the_host_or_its_container_leaves(tmp_path):
+    from splitserve.runtime.config import auto_host_cache_mb
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 67108864 kB\nMemAvailable: 33554432 kB\n")  # 32 GiB free
+    none = tmp_path / "no-cgroup"
+    assert auto_host_cache_mb(1, str(meminfo), str(none)) == 8192  # a quarter
+    assert auto_host_cache_mb(4, str(meminfo), str(none)) == 2048  # up's nodes share it
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.max").write_text(f"{8 << 30}\n")  # a container limited to 8 GiB, 2 used
+    (v2 / "memory.current").write_text(f"{2 << 30}\n")
+    assert auto_host_cache_mb(1, str(meminfo), str(v2)) == 1536
+    (v2 / "memory.max").write_text("max\n")
+    assert auto_host_cache_mb(1, str(meminfo), str(v2)) == 8192
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{4 << 30}\n")
+    (v1 / "memory" / "memory.usage_in_bytes").write_text("0\n")
+    assert auto_host_cache_mb(1, str(meminfo), str(v1)) == 1024
+    (tmp_path / "bad").write_text("no such field\n")
+    assert auto_host_cache_mb(1, str(tmp_path / "bad"), str(none)) == 0
