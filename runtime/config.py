@@ -287,8 +287,9 @@ class NodeConfig:
     kv_host_cache_mb: int | None = option(
         None,
         "the host-memory KV tier behind the pool, in MiB: every full block is copied there, and "
-        "a prefix the pool evicted is copied back instead of computed again; memory is taken as "
-        "the tier fills (0: off; default: a quarter of the memory available at start, in a "
+        "a prefix the pool evicted is copied back instead of computed again; on a GPU its pinned "
+        "memory is taken at start, on a CPU as it fills (0: off; default: a quarter of the "
+        "memory available at start, in a "
         "container of what its memory limit leaves, which `up` divides among its nodes; "
         "docs/deploy.md, KV tiers)",
     )
