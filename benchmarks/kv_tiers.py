@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import random
 import tempfile
 import time
@@ -208,6 +209,10 @@ def build(args, model: Path, load_format: str, host_mb: int, disk_dir: str | Non
 
 
 def main() -> None:
+    # The engine's INFO lines say what the tiers took (pinned memory and how long it took).
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu")
     src = ap.add_mutually_exclusive_group(required=True)

@@ -8,7 +8,8 @@ events. The bytes live in ``engine.kv_tiers.HostTier``, which owns the slabs and
 A slot is *free*, *being written* (reserved for a hash whose copy is in flight: not findable),
 or *committed* (findable by its hash). Committed slots are evicted least recently used first,
 unless pinned (a load reads them). Slots are handed out from the lowest number up, so the
-memory behind them, allocated slab by slab by the data side, grows only as the tier fills.
+memory behind them, where the data side allocates it slab by slab (on a CPU), grows only as the
+tier fills.
 
 Invariants (``check_invariants``): a hash maps to at most one slot and a committed slot to its
 hash; a slot is in exactly one of free / writing / committed / dropped-while-pinned;
