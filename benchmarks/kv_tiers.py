@@ -161,7 +161,7 @@ def load_bandwidth(engine, num_blocks: int) -> float:
     try:
         sync(engine)
         t0 = time.perf_counter()
-        tier.load(hashes, free)
+        tier.load(hashes, free, "bandwidth")
         while not tier.loaded():
             pass
         sync(engine)

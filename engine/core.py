@@ -218,7 +218,7 @@ class LLMEngine:
     def loading(self) -> list[Request]:
         """Requests whose prefix is being copied in from the host or disk tier."""
         # NOTE: copied in one call first: read from other threads too (engine_figures).
-        return [entry[0] for entry in list(self.scheduler.loading.values())]
+        return list(self.scheduler.loading.values())
 
     @property
     def max_num_seqs(self) -> int:

@@ -31,7 +31,12 @@ from typing import NamedTuple
 
 import torch
 
-from splitserve.kvstore.block_pool import BlockRemoved, BlockStored, KVCacheEvent
+from splitserve.kvstore.block_pool import (
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    append_event,
+)
 from splitserve.kvstore.hashing import BlockHash
 from splitserve.kvstore.host_cache import DISK
 
@@ -150,13 +155,8 @@ class DiskTier:
             self._jobs.put(("delete", block_hash, None, None))
 
     def _event(self, event: KVCacheEvent) -> None:
-        if not self.enable_events:
-            return
-        last = self._events[-1] if self._events else None
-        if last is not None and type(last) is type(event):
-            last.block_hashes.extend(event.block_hashes)
-        else:
-            self._events.append(event)
+        if self.enable_events:
+            append_event(self._events, event)
 
     def take_events(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []

@@ -15,9 +15,9 @@ its load. On the CPU the tier is a second, larger pool in ordinary memory, taken
 it fills (a test machine runs many nodes), and copies are made at once: the same bookkeeping,
 every path tested without a GPU.
 
-A block's bytes are found only through its hash, and a load checks the slot still holds that
-hash before it copies (the bytes never leave this process, so no checksum is computed here; the
-disk and store tiers, where bytes can tear, will carry one).
+A block's bytes are found only through its hash: a load matches the hashes and pins their slots
+in one go, and a pinned slot is never handed out to another block (the bytes never leave this
+process, so no checksum is computed here; the disk tier, where bytes can tear, carries one).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -63,8 +63,10 @@ class _Load:
     the load until its copies are done, whatever happens to the request meanwhile); the first
     ``num_ready`` are in host memory, the rest are being read from disk."""
 
-    def __init__(self, slots: list[int], blocks: list[KVCacheBlock], num_ready: int) -> None:
-        self.slots, self.blocks = slots, blocks
+    def __init__(
+        self, slots: list[int], blocks: list[KVCacheBlock], num_ready: int, tag: Any
+    ) -> None:
+        self.slots, self.blocks, self.tag = slots, blocks, tag
         self.block_ids = [b.block_id for b in blocks]
         self.num_ready = num_ready
         self.pending = len(slots) - num_ready  # disk reads not finished
@@ -91,22 +93,21 @@ class HostTier:
         self._kv_pool = kv_pool
         self._pool = pool
         pool.newly_cached = []
-        self.device = kv_pool.device
         self.block_bytes = kv_pool[0].numel() * kv_pool.element_size()
         self.slots_per_slab = max(1, slab_bytes // self.block_bytes)
         self.num_slabs = -(-capacity_blocks // self.slots_per_slab)
         self._slabs: list[torch.Tensor] = []
         self._slot_views: list[torch.Tensor] = []  # slot → its block-shaped view
         self._kv_blocks = kv_pool.unbind(0)  # block id → its view
-        self._cuda = self.device.type == "cuda"
+        self._cuda = kv_pool.device.type == "cuda"
         self._offloads: deque[_Offload] = deque()
-        self._loads: dict[int, _Load] = {}  # by handle (``load``'s answer)
-        self._next_handle = 0
+        self._loads: dict[int, _Load] = {}  # by a number of their own (the disk's jobs say it)
+        self._next_load = 0
         self.offloaded_blocks = self.skipped_blocks = self.loaded_blocks = 0
         self.disk_hit_blocks = 0
         if self._cuda:
-            self._offload_stream = torch.cuda.Stream(self.device)
-            self._load_stream = torch.cuda.Stream(self.device)
+            self._offload_stream = torch.cuda.Stream(kv_pool.device)
+            self._load_stream = torch.cuda.Stream(kv_pool.device)
             # NOTE: pinned now, not as the tier fills: pinning hundreds of MB beside running
             # steps slowed them by a fifth to a third on an H100, and blocks cached before
             # their slab was ready were never copied (docs/benchmarks.md, KV tiers).
@@ -145,9 +146,6 @@ class HostTier:
         k = slot // self.slots_per_slab
         while len(self._slabs) <= k:
             self._add_slabs([self._new_slab(len(self._slabs))])
-
-    def _slot(self, slot: int) -> torch.Tensor:
-        return self._slot_views[slot]
 
     def _add_slabs(self, slabs: list[torch.Tensor]) -> None:
         for slab in slabs:
@@ -236,7 +234,7 @@ class HostTier:
         elif len(self._spilling) < MAX_SPILLING:
             self.index.pin([slot])
             self._spilling[slot] = block_hash
-            disk.write(block_hash, self._slot(slot), slot)
+            disk.write(block_hash, self._slot_views[slot], slot)
 
     def _disk_done(self) -> None:
         assert self.disk is not None
@@ -249,8 +247,8 @@ class HostTier:
                 if done.ok:
                     self.disk.added(done.block_hash)
                 continue
-            handle, i = done.tag  # pyright: ignore[reportGeneralTypeIssues]
-            load = self._loads[handle]
+            number, i = done.tag  # pyright: ignore[reportGeneralTypeIssues]
+            load = self._loads[number]
             load.pending -= 1
             slot = load.slots[i]
             if done.ok:
@@ -273,13 +271,15 @@ class HostTier:
             n += self.disk.match(list(block_hashes[n:]))
         return n
 
-    def load(self, block_hashes: Sequence[BlockHash], blocks: Sequence[KVCacheBlock]) -> int:
+    def load(
+        self, block_hashes: Sequence[BlockHash], blocks: Sequence[KVCacheBlock], tag: Any
+    ) -> None:
         """Copy the blocks of ``block_hashes`` (just matched) into pool ``blocks`` (new blocks a
-        request holds); returns a handle that ``loaded`` lists once they are written. The load
-        holds a reference on each block until then, so a request aborted meanwhile frees its
-        blocks as usual and no one else gets them while a copy may still land. Blocks on disk
-        are read into host slots first; one that cannot be read (or gets no slot) ends the run
-        there, and ``loaded`` says how many came in."""
+        request holds); ``loaded`` lists ``tag`` once they are written. The load holds a
+        reference on each block until then, so a request aborted meanwhile frees its blocks as
+        usual and no one else gets them while a copy may still land. Blocks on disk are read
+        into host slots first; one that cannot be read (or gets no slot) ends the run there,
+        and ``loaded`` says how many came in."""
         index = self.index
         slots = index.match(block_hashes)
         index.pin(slots)
@@ -294,15 +294,14 @@ class HostTier:
             on_disk.append(block_hash)
         held = list(blocks[: len(slots)])
         self._pool.touch(held)
-        handle = self._next_handle
-        self._next_handle += 1
-        load = _Load(slots, held, num_ready)
-        self._loads[handle] = load
+        number = self._next_load
+        self._next_load += 1
+        load = _Load(slots, held, num_ready, tag)
+        self._loads[number] = load
         for i, block_hash in enumerate(on_disk, num_ready):
             assert self.disk is not None
-            self.disk.read(block_hash, self._slot(slots[i]), (handle, i))
+            self.disk.read(block_hash, self._slot_views[slots[i]], (number, i))
         self._copy_in(load, num_ready)
-        return handle
 
     def _copy_in(self, load: _Load, upto: int) -> None:
         """Queue the copies of the load's slots ``[copied, upto)`` into its pool blocks."""
@@ -314,7 +313,7 @@ class HostTier:
             return
         if not self._cuda:
             for slot, block_id in pairs:
-                kv[block_id].copy_(self._slot(slot))
+                kv[block_id].copy_(self._slot_views[slot])
         else:
             stream = self._load_stream
             # NOTE: after everything queued on the compute stream: a preempted request's
@@ -329,32 +328,30 @@ class HostTier:
                 load.done.record(stream)
         self.loaded_blocks += len(pairs)
 
-    def loaded(self) -> list[tuple[int, int]]:
-        """Loads that are done, each once, as (handle, how many of their blocks came in: a
+    def loaded(self) -> list[tuple[Any, int]]:
+        """Loads that are done, each once, as (its tag, how many of its blocks came in: a
         leading run); their slots are unpinned and their blocks released."""
         if self.disk is not None:
             self._disk_done()
+        done = [
+            number
+            for number, load in self._loads.items()
+            if not load.pending and (load.done is None or load.done.query())
+        ]
         out = []
-        for handle, load in self._loads.items():
-            if load.pending or (load.done is not None and not load.done.query()):
-                continue
-            out.append((handle, load.copied))
-        for handle, num in out:
-            load = self._loads.pop(handle)
+        for number in done:
+            load = self._loads.pop(number)
             self.index.unpin(load.slots[: load.num_ready])
             self.index.unpin(load.slots[load.num_ready : load.first_bad])  # (pinned at commit)
             self._pool.free_blocks(load.blocks)
-            self.disk_hit_blocks += max(num - load.num_ready, 0)
+            self.disk_hit_blocks += max(load.copied - load.num_ready, 0)
+            out.append((load.tag, load.copied))
         return out
 
     @property
     def busy(self) -> bool:
         """Copies or disk writes under way (pool blocks or host slots held until they end)."""
         return bool(self._loads or self._offloads or self._spilling)
-
-    @property
-    def num_loading(self) -> int:
-        return len(self._loads)
 
     # ---------------------------------------------------------------- index, figures, end
 
@@ -389,9 +386,9 @@ class HostTier:
         )
 
     def close(self) -> None:
-        """Wait for the copies in flight and stop growing (idempotent)."""
-        if self.disk is not None:
-            self.disk.close()
+        """Wait for the copies out in flight, take them in, then stop the disk's thread."""
         for offload in self._offloads:
             offload.done.synchronize()
         self.reap()
+        if self.disk is not None:
+            self.disk.close()

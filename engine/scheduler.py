@@ -97,10 +97,8 @@ class Scheduler:
         # Transferred requests (KV already here) waiting for a running slot, in arrival order:
         # a decode node at max_num_seqs queues them rather than refuse work already prefilled.
         self.ready: deque[Request] = deque()
-        # Requests whose prefix is being copied in from the host tier, by id (they hold blocks).
-        # (with how many blocks of their prefix the pool had, and the tier's handle of the load)
-        self.loading: dict[str, tuple[Request, int, int]] = {}
-        self._load_handles: dict[int, str] = {}  # every load under way → its request's id
+        # Requests whose prefix is being copied in from a tier, by id (they hold blocks).
+        self.loading: dict[str, Request] = {}
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ queues
@@ -125,7 +123,7 @@ class Scheduler:
         """Take a request out of whichever queue holds it (an abort); unknown ones are ignored."""
         if req in self.running:
             self.running.remove(req)
-        elif self.loading.get(req.request_id, (None,))[0] is req:
+        elif self.loading.get(req.request_id) is req:
             del self.loading[req.request_id]  # (the load holds its blocks until it is done)
         elif req in self.waiting:
             self.waiting.remove(req)
@@ -234,13 +232,11 @@ class Scheduler:
         prompt is computed). A request aborted meanwhile freed its blocks then; the load held
         them until now and has let them go."""
         assert self.tier is not None
-        for handle, num_loaded in self.tier.loaded():
-            request_id = self._load_handles.pop(handle)
-            entry = self.loading.get(request_id)
-            if entry is None or entry[2] != handle:  # aborted while its blocks were written
+        for (req, num_prefix), num_loaded in self.tier.loaded():
+            request_id = req.request_id
+            if self.loading.get(request_id) is not req:  # aborted while its blocks were written
                 continue
             del self.loading[request_id]
-            req, num_prefix, _ = entry
             self.kv.stats.host_hit_tokens += num_loaded * self.block_size
             num_cached = (num_prefix + num_loaded) * self.block_size
             self._admitted(req, num_cached)
@@ -270,10 +266,9 @@ class Scheduler:
         new_blocks = self.kv.allocate_slots(req.request_id, total, computed)
         if new_blocks is None:
             return None
-        handle = self.tier.load(hashes[:num_found], new_blocks)
-        self._load_handles[handle] = req.request_id
+        self.tier.load(hashes[:num_found], new_blocks, (req, start))
         self.waiting.popleft()
-        self.loading[req.request_id] = (req, start, handle)
+        self.loading[req.request_id] = req
         return True
 
     def _admitted(self, req: Request, num_cached_tokens: int) -> None:

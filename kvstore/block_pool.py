@@ -29,6 +29,16 @@ class BlockRemoved(NamedTuple):
 KVCacheEvent = BlockStored | BlockRemoved
 
 
+def append_event(events: list[KVCacheEvent], event: KVCacheEvent) -> None:
+    """Add ``event`` to ``events``, into the last one when it is of the same kind and tier (one
+    event per run: a tier that stores blocks one at a time publishes them together)."""
+    last = events[-1] if events else None
+    if last is not None and type(last) is type(event) and last.tier == event.tier:
+        last.block_hashes.extend(event.block_hashes)
+    else:
+        events.append(event)
+
+
 class Adoption(NamedTuple):
     """Result of :meth:`BlockPool.adopt_blocks`: one block per hash, and which ones need data."""
 

@@ -21,7 +21,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from splitserve.kvstore.block_pool import BlockRemoved, BlockStored, KVCacheEvent
+from splitserve.kvstore.block_pool import (
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    append_event,
+)
 from splitserve.kvstore.hashing import BlockHash
 
 HOST = "host"  # the tiers behind the accelerator's pool (kvstore.block_pool.DEVICE), by name
@@ -56,11 +61,6 @@ class HostBlockIndex:
     def num_slots_used(self) -> int:
         """Slots holding or receiving a block (the memory the tier needs now)."""
         return self._next_slot - len(self._free)
-
-    @property
-    def high_water(self) -> int:
-        """Slots ever handed out: the data side has memory behind ``[0, high_water)``."""
-        return self._next_slot
 
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self._committed or block_hash in self._writing
@@ -166,13 +166,8 @@ class HostBlockIndex:
     # ---------------------------------------------------------------- events, checks
 
     def _event(self, event: KVCacheEvent) -> None:
-        if not self.enable_events:
-            return
-        last = self._events[-1] if self._events else None
-        if last is not None and type(last) is type(event):
-            last.block_hashes.extend(event.block_hashes)  # one event per run of one kind
-        else:
-            self._events.append(event)
+        if self.enable_events:
+            append_event(self._events, event)
 
     def take_events(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []

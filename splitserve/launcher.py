@@ -268,11 +268,11 @@ class LocalCluster:
             self._tier_flags = [HOST_CACHE_FLAG, str(host_mb)]
             logger.info("host KV tier: %d MiB per node (%s to change)", host_mb, HOST_CACHE_FLAG)
         args = spec.node_args
-        if DISK_DIR_FLAG in args[:-1]:  # a folder of its own for each node, below the one given
-            self._disk_folder = args[args.index(DISK_DIR_FLAG) + 1]
-            if DISK_CACHE_FLAG not in args:  # the default: the folder's free space, shared
-                disk_mb = auto_disk_cache_mb(self._disk_folder, self.max_nodes or len(roles))
-                self._tier_flags += [DISK_CACHE_FLAG, str(disk_mb)]
+        self._disk_folder = _flag_value(args, DISK_DIR_FLAG)  # each node a folder below it
+        if self._disk_folder is not None and DISK_CACHE_FLAG not in args:
+            # the default: the folder's free space, shared by the nodes
+            disk_mb = auto_disk_cache_mb(self._disk_folder, self.max_nodes or len(roles))
+            self._tier_flags += [DISK_CACHE_FLAG, str(disk_mb)]
         placement = self._placement(len(roles))
         metrics = spec.metrics_ports()  # router, then each node
         procs = []
