@@ -49,7 +49,7 @@ MAX_RELEASE_ID_CHARS = 1024  # Release's request_id (input from another node: bo
 # they are produced: ``AsyncEngine.counters``), and those of its prefix cache and KV tiers
 # (``KVPort.prefix_stats``: a decode node prefills on the direct route).
 ENGINE_COUNTERS = ("steps", "step_seconds", "engine_job_seconds")
-ENGINE_COUNTER_PREFIXES = ("prefix_", "host_tier_", "disk_tier_")
+ENGINE_COUNTER_PREFIXES = ("prefix_", "host_tier_", "disk_tier_", "store_tier_")
 
 
 class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):

@@ -23,6 +23,7 @@ import torch
 
 from splitserve.engine.kv_disk import DiskTier
 from splitserve.engine.kv_port import KVPort
+from splitserve.engine.kv_store import StoreClient, StoreTier
 from splitserve.engine.kv_tiers import HostTier
 from splitserve.engine.layer_stream import LayerStreams, StepRow
 from splitserve.engine.scheduler import Request, ScheduledRequest, Scheduler
@@ -122,6 +123,7 @@ class LLMEngine:
         host_cache_blocks: int = 0,
         disk_cache_dir: str | None = None,
         disk_cache_bytes: int = 0,
+        kv_store: StoreClient | None = None,
     ) -> None:
         """``prefill_only``: a request ends after its first sampled token and keeps its blocks
         until ``release`` (a prefill node ships them first). ``enable_kv_events``: the pool
@@ -130,7 +132,8 @@ class LLMEngine:
         step N's tokens (see ``step``). ``host_cache_blocks``: a host-memory tier of that many
         blocks behind the pool (engine.kv_tiers; 0: none; only with prefix caching, at tensor
         parallel size 1). ``disk_cache_dir``: a disk tier of at most ``disk_cache_bytes`` there,
-        behind the host tier (engine.kv_disk)."""
+        behind the host tier (engine.kv_disk). ``kv_store``: a connected client of a store shared
+        with other nodes, behind the host tier too (engine.kv_store)."""
         if identity.block_size != runner.block_size:
             raise ValueError(
                 f"identity.block_size {identity.block_size} != runner block size "
@@ -159,17 +162,19 @@ class LLMEngine:
                     runner.block_bytes,
                     enable_events=enable_kv_events,
                 )
+            store = StoreTier(kv_store, runner.block_bytes) if kv_store is not None else None
             self.host_tier = HostTier(
                 runner.kv_pool,
                 self.pool,
                 host_cache_blocks,
                 enable_events=enable_kv_events,
                 disk=disk,
+                store=store,
             )
-        elif disk_cache_dir:
+        elif disk_cache_dir or kv_store is not None:
             raise ValueError(
-                "the disk KV tier spills from the host tier: give --kv-host-cache-mb > 0 "
-                "(and keep prefix caching on)"
+                "the disk KV tier and the shared store sit behind the host tier: give "
+                "--kv-host-cache-mb > 0 (and keep prefix caching on)"
             )
         self.scheduler = Scheduler(
             self.kv,

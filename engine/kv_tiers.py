@@ -30,7 +30,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from splitserve.engine.kv_disk import DiskTier
+from splitserve.engine.kv_disk import DiskTier, Done
+from splitserve.engine.kv_store import Probe, StoreTier
 from splitserve.kvstore.block import KVCacheBlock
 from splitserve.kvstore.block_pool import BlockPool, KVCacheEvent
 from splitserve.kvstore.hashing import BlockHash
@@ -61,15 +62,25 @@ class _Offload(NamedTuple):
 class _Load:
     """Blocks coming in: ``slots`` (pinned) to copy into pool ``blocks`` in order (each held by
     the load until its copies are done, whatever happens to the request meanwhile); the first
-    ``num_ready`` are in host memory, the rest are being read from disk."""
+    ``num_ready`` are in host memory, the rest are being read from disk or the store (one
+    ``sources`` entry each) until ``deadline``."""
 
     def __init__(
-        self, slots: list[int], blocks: list[KVCacheBlock], num_ready: int, tag: Any
+        self,
+        slots: list[int],
+        blocks: list[KVCacheBlock],
+        num_ready: int,
+        tag: Any,
+        sources: list[DiskTier | StoreTier],
+        deadline: float,
     ) -> None:
         self.slots, self.blocks, self.tag = slots, blocks, tag
         self.block_ids = [b.block_id for b in blocks]
         self.num_ready = num_ready
-        self.pending = len(slots) - num_ready  # disk reads not finished
+        self.sources = sources
+        self.deadline = deadline
+        self.pending = len(slots) - num_ready  # reads not finished
+        self.store_reads: dict[int, Any] = {}  # slot index → its store read (to abandon)
         self.first_bad = len(slots)  # the first block whose read failed
         self.copied = 0  # blocks whose copy into the pool is queued or done
         self.done: torch.cuda.Event | None = None  # the last queued copy's (None: CPU)
@@ -86,10 +97,13 @@ class HostTier:
         enable_events: bool = False,
         slab_bytes: int = SLAB_BYTES,
         disk: DiskTier | None = None,
+        store: StoreTier | None = None,
     ) -> None:
         self.index = HostBlockIndex(capacity_blocks, enable_events)
         self.disk = disk
+        self.store = store
         self._spilling: dict[int, BlockHash] = {}  # slot → its hash, being written to disk
+        self._putting: dict[int, BlockHash] = {}  # slot → its hash, being put in the store
         self._kv_pool = kv_pool
         self._pool = pool
         pool.newly_cached = []
@@ -104,7 +118,7 @@ class HostTier:
         self._loads: dict[int, _Load] = {}  # by a number of their own (the disk's jobs say it)
         self._next_load = 0
         self.offloaded_blocks = self.skipped_blocks = self.loaded_blocks = 0
-        self.disk_hit_blocks = 0
+        self.disk_hit_blocks = self.store_hit_blocks = 0
         if self._cuda:
             self._offload_stream = torch.cuda.Stream(kv_pool.device)
             self._load_stream = torch.cuda.Stream(kv_pool.device)
@@ -217,59 +231,97 @@ class HostTier:
                 self._commit(slot)
             self.offloaded_blocks += len(finished.slots)
             self._pool.free_blocks(finished.blocks)
-        if self.disk is not None:
-            self._disk_done()
+        self._below_done()
 
     def _commit(self, slot: int) -> None:
-        """A slot's bytes are in: findable, and written on to the disk tier (pinned meanwhile)
-        unless it is there already or the disk lags too far behind."""
+        """A computed block's bytes are in: findable, written on to the disk tier unless it is
+        there already or the disk lags too far behind, and put in the store unless it is known
+        there (the slot pinned until each has its bytes)."""
         self.index.commit(slot)
-        disk = self.disk
-        if disk is None:
+        disk, store = self.disk, self.store
+        if disk is None and store is None:
             return
         block_hash = self.index.slot_hash(slot)
         assert block_hash is not None
-        if block_hash in disk:
-            disk.touch(block_hash)
-        elif len(self._spilling) < MAX_SPILLING:
+        if disk is not None:
+            if block_hash in disk:
+                disk.touch(block_hash)
+            elif len(self._spilling) < MAX_SPILLING:
+                self.index.pin([slot])
+                self._spilling[slot] = block_hash
+                disk.write(block_hash, self._slot_views[slot], slot)
+        if (
+            store is not None
+            and block_hash not in store
+            and store.write(block_hash, self._slot_views[slot], slot)
+        ):
             self.index.pin([slot])
-            self._spilling[slot] = block_hash
-            disk.write(block_hash, self._slot_views[slot], slot)
+            self._putting[slot] = block_hash
 
-    def _disk_done(self) -> None:
-        assert self.disk is not None
-        for done in self.disk.completed():
-            if done.kind == "write":
-                slot = done.tag
-                assert isinstance(slot, int)
-                del self._spilling[slot]
-                self.index.unpin([slot])
-                if done.ok:
-                    self.disk.added(done.block_hash)
+    def _below_done(self) -> None:
+        """Take the disk's and the store's finished jobs; abandon store reads past their load's
+        deadline (their blocks are computed)."""
+        for below, writing in ((self.disk, self._spilling), (self.store, self._putting)):
+            if below is None:
                 continue
-            number, i = done.tag  # pyright: ignore[reportGeneralTypeIssues]
-            load = self._loads[number]
-            load.pending -= 1
-            slot = load.slots[i]
-            if done.ok:
-                self.index.commit(slot)  # a host block now, like any other
-                if i < load.first_bad:  # (reads finish in order: first_bad is final below i)
-                    self.index.pin([slot])
-            else:
-                self.index.cancel(slot)
-                self.disk.drop(done.block_hash)
-                load.first_bad = min(load.first_bad, i)
-            if load.pending == 0:
-                self._copy_in(load, load.first_bad)
+            for done in below.completed():
+                if done.kind == "write":
+                    slot = done.tag
+                    assert isinstance(slot, int)
+                    del writing[slot]
+                    self.index.unpin([slot])
+                    if done.ok and below is self.disk:
+                        self.disk.added(done.block_hash)
+                    continue
+                number, i = done.tag  # pyright: ignore[reportGeneralTypeIssues]
+                self._read_done(self._loads[number], i, done)
+        if self.store is not None:
+            now = time.monotonic()
+            for load in list(self._loads.values()):
+                if not load.pending or now < load.deadline:
+                    continue
+                for i, job in list(load.store_reads.items()):
+                    if self.store.abandon(job):
+                        self._read_done(load, i, Done("read", job.block_hash, False, None))
+
+    def _read_done(self, load: _Load, i: int, done: Done) -> None:
+        load.pending -= 1
+        load.store_reads.pop(i, None)
+        slot = load.slots[i]
+        if done.ok:
+            self.index.commit(slot)  # a host block now, like any other
+            if i < load.first_bad:  # (reads finish in order: first_bad is final below i)
+                self.index.pin([slot])
+        else:
+            self.index.cancel(slot)
+            load.sources[i - load.num_ready].drop(done.block_hash)
+            load.first_bad = min(load.first_bad, i)
+        if load.pending == 0:
+            self._copy_in(load, load.first_bad)
 
     # ---------------------------------------------------------------- load
 
     def match(self, block_hashes: Sequence[BlockHash]) -> int:
-        """How many leading ``block_hashes`` the tier holds, in host memory or further on disk."""
+        """How many leading ``block_hashes`` the tier holds, in host memory or further on disk
+        or in the store (as far as its probes have told)."""
         n = len(self.index.match(block_hashes))
-        if self.disk is not None and n < len(block_hashes):
-            n += self.disk.match(list(block_hashes[n:]))
+        while n < len(block_hashes):
+            block_hash = block_hashes[n]
+            if not (
+                (self.disk is not None and block_hash in self.disk)
+                or (self.store is not None and block_hash in self.store)
+            ):
+                break
+            n += 1
         return n
+
+    def probe(self, block_hashes: Sequence[BlockHash]) -> Probe | None:
+        """Ask the store about ``block_hashes`` past what it is known to hold (None: no store,
+        or nothing to ask)."""
+        if self.store is None:
+            return None
+        n = self.store.match(block_hashes)
+        return self.store.probe(block_hashes[n:]) if n < len(block_hashes) else None
 
     def load(
         self, block_hashes: Sequence[BlockHash], blocks: Sequence[KVCacheBlock], tag: Any
@@ -277,30 +329,41 @@ class HostTier:
         """Copy the blocks of ``block_hashes`` (just matched) into pool ``blocks`` (new blocks a
         request holds); ``loaded`` lists ``tag`` once they are written. The load holds a
         reference on each block until then, so a request aborted meanwhile frees its blocks as
-        usual and no one else gets them while a copy may still land. Blocks on disk are read
-        into host slots first; one that cannot be read (or gets no slot) ends the run there,
-        and ``loaded`` says how many came in."""
-        index = self.index
+        usual and no one else gets them while a copy may still land. Blocks on disk or in the
+        store are read into host slots first; one that cannot be read (or gets no slot, or
+        does not come from the store in time) ends the run there, and ``loaded`` says how many
+        came in."""
+        index, disk, store = self.index, self.disk, self.store
         slots = index.match(block_hashes)
         index.pin(slots)
         num_ready = len(slots)
-        on_disk = []
+        below: list[DiskTier | StoreTier] = []
         for block_hash in block_hashes[num_ready:]:
-            slot = index.reserve(block_hash) if self.disk and block_hash in self.disk else None
-            if slot is None:
+            source = (
+                disk
+                if disk is not None and block_hash in disk
+                else store
+                if store is not None and block_hash in store
+                else None
+            )
+            slot = index.reserve(block_hash) if source is not None else None
+            if source is None or slot is None:
                 break
             self._ensure_memory(slot)
             slots.append(slot)
-            on_disk.append(block_hash)
+            below.append(source)
         held = list(blocks[: len(slots)])
         self._pool.touch(held)
         number = self._next_load
         self._next_load += 1
-        load = _Load(slots, held, num_ready, tag)
+        timeout = store.timeout_s if store is not None else 0.0
+        load = _Load(slots, held, num_ready, tag, below, time.monotonic() + timeout)
         self._loads[number] = load
-        for i, block_hash in enumerate(on_disk, num_ready):
-            assert self.disk is not None
-            self.disk.read(block_hash, self._slot_views[slots[i]], (number, i))
+        for i, source in enumerate(below, num_ready):
+            block_hash = block_hashes[i]
+            job = source.read(block_hash, self._slot_views[slots[i]], (number, i))
+            if source is store:
+                load.store_reads[i] = job
         self._copy_in(load, num_ready)
 
     def _copy_in(self, load: _Load, upto: int) -> None:
@@ -331,8 +394,7 @@ class HostTier:
     def loaded(self) -> list[tuple[Any, int]]:
         """Loads that are done, each once, as (its tag, how many of its blocks came in: a
         leading run); their slots are unpinned and their blocks released."""
-        if self.disk is not None:
-            self._disk_done()
+        self._below_done()
         done = [
             number
             for number, load in self._loads.items()
@@ -344,14 +406,18 @@ class HostTier:
             self.index.unpin(load.slots[: load.num_ready])
             self.index.unpin(load.slots[load.num_ready : load.first_bad])  # (pinned at commit)
             self._pool.free_blocks(load.blocks)
-            self.disk_hit_blocks += max(load.copied - load.num_ready, 0)
+            for source in load.sources[: max(load.copied - load.num_ready, 0)]:
+                if source is self.store:
+                    self.store_hit_blocks += 1
+                else:
+                    self.disk_hit_blocks += 1
             out.append((load.tag, load.copied))
         return out
 
     @property
     def busy(self) -> bool:
         """Copies or disk writes under way (pool blocks or host slots held until they end)."""
-        return bool(self._loads or self._offloads or self._spilling)
+        return bool(self._loads or self._offloads or self._spilling or self._putting)
 
     # ---------------------------------------------------------------- index, figures, end
 
@@ -372,6 +438,7 @@ class HostTier:
             "host_tier_loaded_blocks": self.loaded_blocks,
             "host_tier_evicted_blocks": self.index.num_evicted,
             **(self.disk.counters() if self.disk is not None else {}),
+            **(self.store.counters() if self.store is not None else {}),
         }
 
     def stats(self) -> TierStats:
@@ -392,3 +459,5 @@ class HostTier:
         self.reap()
         if self.disk is not None:
             self.disk.close()
+        if self.store is not None:
+            self.store.close()

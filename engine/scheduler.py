@@ -28,6 +28,7 @@ from splitserve.kvstore.kv_cache_manager import ComputedBlocks
 from splitserve.models.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from splitserve.engine.kv_store import Probe
     from splitserve.engine.kv_tiers import HostTier
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,8 @@ class Request:
     # wait in this engine's queue, reported with its first token (traces).
     added_at: float = field(default_factory=time.monotonic)
     admitted_at: float = 0.0
+    # With a shared KV store: the question asked about its prefix when it was queued.
+    store_probe: Probe | None = None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -104,7 +107,13 @@ class Scheduler:
     # ------------------------------------------------------------------ queues
 
     def add_waiting(self, req: Request) -> None:
+        """Queue a new prompt; with a shared store, ask it about the prompt's blocks now, so the
+        answer is usually in by the time the request is at the head."""
         self.waiting.append(req)
+        if self.tier is not None and self.tier.store is not None and self.kv.enable_caching:
+            self.hash_blocks(req, len(req.token_ids))
+            max_blocks = (len(req.token_ids) - 1) // self.block_size
+            req.store_probe = self.tier.probe(req.block_hashes[:max_blocks])
 
     def add_running(self, req: Request) -> None:
         """Join a request whose KV is already allocated under its id (a transferred prefill):
@@ -252,7 +261,8 @@ class Scheduler:
 
     def _start_load(self, req: Request, computed: ComputedBlocks) -> bool | None:
         """Load the part of ``req``'s prefix past ``computed`` that the tiers hold.
-        True: loading (it left the queue); False: nothing to load; None: the pool is short."""
+        True: loading (it left the queue); False: nothing to load; None: not now (the pool is
+        short, or the store's answer about its prefix is still due)."""
         assert self.tier is not None
         max_blocks = (len(req.token_ids) - 1) // self.block_size
         start = len(computed.blocks)
@@ -260,6 +270,12 @@ class Scheduler:
             return False
         hashes = req.block_hashes[start:max_blocks]
         num_found = self.tier.match(hashes)
+        probe = req.store_probe
+        if num_found < len(hashes) and probe is not None and self.tier.store is not None:
+            if self.tier.store.waiting_on(probe):
+                return None  # its answer is due within probe_wait_s: the queue waits for it
+            req.store_probe = None  # (asked once; a preempted request computes what is gone)
+            num_found = self.tier.match(hashes)
         if not num_found:
             return False
         total = (start + num_found) * self.block_size

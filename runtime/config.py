@@ -90,6 +90,23 @@ def auto_disk_cache_mb(directory: str, num_nodes: int = 1) -> int:
     return int(free / 2**20 * DISK_CACHE_SHARE) // max(num_nodes, 1)
 
 
+def check_kv_store(url: str, has_tls: bool, trust_kv_network: bool) -> None:
+    """Refuse a shared KV store that would carry a TLS cluster's KV in the clear off this host.
+
+    NOTE: Mooncake Store has no authentication and no encryption: whoever reaches its master
+    and its memory holders reads and writes every block."""
+    from splitserve.engine.kv_store import parse_store_url, store_host
+
+    parse_store_url(url)
+    host = store_host(url)
+    if has_tls and not trust_kv_network and not _is_loopback(host):
+        raise ValueError(
+            f"--kv-store {url}: the store has no authentication or encryption, and this node "
+            "serves with --tls-*: keep the store on loopback, or pass --trust-kv-network where "
+            "the network to it is private (docs/security.md)"
+        )
+
+
 def default_advertise_host(listen_host: str) -> str:
     """The host to advertise for a listen address: itself, or for a wildcard (0.0.0.0, ::) this
     machine's name (its FQDN, else its host name; in a container: the container's host name,
@@ -272,9 +289,9 @@ class NodeConfig:
         False,
         "with --tls-*: still offer and take the dist path between nodes, whose KV bytes are "
         "plaintext (NCCL/gloo cannot run inside TLS); with --tls-* or a cluster token: also "
-        "nixl, whose UCX neither encrypts nor checks who writes; only where the network between "
-        "the nodes is trusted (default: tcp inside TLS or gated dist instead; with neither "
-        "--tls-* nor a token both are offered)",
+        "nixl, whose UCX neither encrypts nor checks who writes; and a --kv-store off loopback; "
+        "only where the network between the nodes is trusted (default: tcp inside TLS or gated "
+        "dist instead; with neither --tls-* nor a token both are offered)",
     )
     dtype: str | None = option(None, "float32, float16 or bfloat16 (default: the checkpoint's)")
     quantization: str | None = option(None, _QUANT_HELP, choices=QUANTIZATIONS)
@@ -303,6 +320,13 @@ class NodeConfig:
         None,
         "the disk tier's size in MiB (default: half the folder's free space at start, which `up` "
         "divides among its nodes)",
+    )
+    kv_store: str | None = option(
+        None,
+        "a KV store shared by every node, behind the host tier: mooncake://HOST[:PORT] (Mooncake "
+        "Store's master; needs the mooncake extra). Each node puts the blocks it computes and "
+        "reads blocks any node put (default: none; `up --kv-store embedded` starts one; "
+        "docs/deploy.md, KV tiers)",
     )
     gpu_memory_utilization: float = option(0.9, "share of the GPU's memory this node may use")
     max_num_seqs: int = option(256, "requests in a batch at most")
@@ -372,6 +396,10 @@ class NodeConfig:
             raise ValueError(
                 "--kv-disk-cache-dir spills from the host tier: drop --kv-host-cache-mb 0"
             )
+        if self.kv_store is not None and self.kv_host_cache_mb == 0:
+            raise ValueError("--kv-store sits behind the host tier: drop --kv-host-cache-mb 0")
+        if self.kv_store is not None:
+            check_kv_store(self.kv_store, bool(self.tls_cert), self.trust_kv_network)
         if self.stream_interval < 1:
             raise ValueError(f"--stream-interval: >= 1, got {self.stream_interval}")
         if self.tensor_parallel_size < 1:

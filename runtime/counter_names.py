@@ -6,8 +6,9 @@ A node's service counts into a ``Counter[str]`` keyed by these names (``counters
 may count, which tests/unit/test_metric_names.py feeds to the collectors. The engine's own
 counters (``AsyncEngine.counters``: steps, step_seconds, engine_job_seconds) and the prefix-cache
 look-ups (``KVPort.prefix_stats``: prefix_queries, prefix_queried_tokens, prefix_hit_tokens,
-prefix_host_hit_tokens, and the host tier's host_tier_{offloaded,skipped,loaded,evicted}_blocks) are
-named where they are produced, once each, and joined in by the services' ``all_counters``.
+prefix_host_hit_tokens, the host tier's host_tier_{offloaded,skipped,loaded,evicted}_blocks, the
+disk's disk_tier_*_blocks, the shared store's store_tier_*) are named where they are produced,
+once each, and joined in by the services' ``all_counters``.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
     from splitserve.engine.api import EngineFigures, EngineInfo, KVSpec, NodeEngine
     from splitserve.engine.core import LLMEngine
+    from splitserve.engine.kv_store import StoreClient
     from splitserve.engine.local import LocalEngine
     from splitserve.kvstore import ModelIdentity
     from splitserve.models.sampling_params import SamplingParams
@@ -125,6 +126,22 @@ def disk_cache_bytes(config: NodeConfig) -> int:
     return mb << 20
 
 
+def kv_store_client(config: NodeConfig) -> StoreClient | None:
+    """A client of the shared KV store, or None: none configured, or it cannot be reached now
+    (said in the log; the node then computes what the store would have given)."""
+    if not config.kv_store:
+        return None
+    from splitserve.engine.kv_store import MooncakeStore, StoreError
+
+    try:
+        client = MooncakeStore(config.kv_store, config.advertised_host())
+    except StoreError as exc:
+        logger.warning("KV store: %s; this node runs without it", exc)
+        return None
+    logger.info("KV store: %s (this node puts what it computes, reads what any put)", client.url)
+    return client
+
+
 def build_engine(config: NodeConfig, prefill_only: bool) -> tuple[LLMEngine, ModelIdentity]:
     """Load the model of a node and wrap it in an engine (blocking: call before serving)."""
     import torch
@@ -170,12 +187,16 @@ def build_engine(config: NodeConfig, prefill_only: bool) -> tuple[LLMEngine, Mod
     identity = node_identity(config)
     if identity.dtype != str(runner.dtype).removeprefix("torch."):  # the router computes the same
         raise RuntimeError(f"{identity} does not match the loaded dtype {runner.dtype}")
+    host_blocks = host_cache_blocks(config, runner.transfer_block_bytes)
+    if config.kv_store and not host_blocks:
+        logger.warning("KV store: not used without a host tier (tensor parallel size > 1?)")
     engine = LLMEngine(
         runner,
         identity,
-        host_cache_blocks=host_cache_blocks(config, runner.transfer_block_bytes),
+        host_cache_blocks=host_blocks,
         disk_cache_dir=config.kv_disk_cache_dir,
         disk_cache_bytes=disk_cache_bytes(config),
+        kv_store=kv_store_client(config) if host_blocks else None,
         prefill_only=prefill_only,
         enable_prefix_caching=config.enable_prefix_caching,
         enable_kv_events=config.redis_url is not None,

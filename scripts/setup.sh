@@ -82,13 +82,18 @@ for name, folder in mapping.items():
         link.symlink_to(os.path.relpath(root / folder, link.parent), target_is_directory=True)
 PY
 
-# Debian packages: redis-server for the tests (required); podman, runc and debootstrap for the
-# container tests (tests/containers/test_containers.py builds the CPU image and runs compose.cpu.yaml; it
-# skips, saying why, where they are missing); iproute2 for tests/cluster/test_netns.py (nodes in network
+# Debian packages: redis-server for the tests (required); libibverbs1 for Mooncake Store; podman,
+# runc and debootstrap for the container tests (tests/containers/test_containers.py builds the CPU
+# image and runs compose.cpu.yaml; it skips, saying why, where they are missing); iproute2 for tests/cluster/test_netns.py (nodes in network
 # namespaces of their own; skips likewise); nodejs and npm for tests/cluster/test_node_client.py (a
 # @grpc/grpc-js client of the router; skips likewise, and when npm cannot fetch its packages).
 wanted=()
 command -v redis-server >/dev/null 2>&1 || wanted+=(redis-server)
+# libibverbs1: the mooncake extra's binaries link it (the shared KV store's tests; they skip, saying
+# why, where it is missing).
+if command -v ldconfig >/dev/null 2>&1 && ! ldconfig -p | grep -q 'libibverbs\.so\.1'; then
+    wanted+=(libibverbs1)
+fi
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     for tool in podman runc debootstrap; do
         command -v "$tool" >/dev/null 2>&1 || wanted+=("$tool")

@@ -46,6 +46,7 @@ UP_NODE_OPTIONS = (
     "kv_host_cache_mb",
     "kv_disk_cache_dir",
     "kv_disk_cache_mb",
+    "kv_store",
     "max_num_seqs",
     "max_num_batched_tokens",
     "load_format",

@@ -119,6 +119,11 @@ class ClusterSpec:
     )
     redis_url: str | None = option(None, "a Redis to use (default: start a private redis-server)")
     prefix_index: bool = True  # False: no Redis at all (static routing by load, local caches)
+    kv_store_mb: int | None = option(
+        None,
+        "with --kv-store embedded: the memory the store holds, in MiB (default: an eighth of the "
+        "memory available at start, at most 4096)",
+    )
     device: str = option(
         "cpu",
         "cpu, cuda (the nodes spread over --gpus, round robin) or cuda:N (all on GPU N)",

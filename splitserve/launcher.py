@@ -57,6 +57,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 HOST_CACHE_FLAG = "--kv-host-cache-mb"
+STORE_FLAG = "--kv-store"
 DISK_DIR_FLAG, DISK_CACHE_FLAG = "--kv-disk-cache-dir", "--kv-disk-cache-mb"
 
 
@@ -268,6 +269,8 @@ class LocalCluster:
             self._tier_flags = [HOST_CACHE_FLAG, str(host_mb)]
             logger.info("host KV tier: %d MiB per node (%s to change)", host_mb, HOST_CACHE_FLAG)
         args = spec.node_args
+        if _flag_value(args, STORE_FLAG) == "embedded":
+            self._tier_flags += [STORE_FLAG, self._start_store(deadline)]
         self._disk_folder = _flag_value(args, DISK_DIR_FLAG)  # each node a folder below it
         if self._disk_folder is not None and DISK_CACHE_FLAG not in args:
             # the default: the folder's free space, shared by the nodes
@@ -423,6 +426,18 @@ class LocalCluster:
         token_file = self.addresses.token_file if self.addresses else None
         return metadata_for(read_token_file(token_file)) if token_file else None
 
+    def _start_store(self, deadline: float) -> str:
+        """``--kv-store embedded``: a Mooncake Store (master and memory) on this cluster's host;
+        its URL."""
+        from splitserve.kv_store_service import default_store_mb, start_store
+
+        mb = self.spec.kv_store_mb or default_store_mb()
+        store = start_store(self.spec.host, mb, self._workdir, deadline, **_child_options())
+        for name, popen in zip(("kv-store-master", "kv-store-memory"), store.procs, strict=True):
+            self._procs.append(_Process(name, popen))
+        logger.info("KV store: %d MiB at %s (--kv-store-mb to change)", mb, store.url)
+        return store.url
+
     def _start_redis(self, deadline: float) -> str:
         log = self._workdir / "redis.log"
         popen, port = start_redis_server(self.spec.host, log, deadline, **_child_options())
@@ -515,8 +530,11 @@ class LocalCluster:
         started again; two nodes never share one: each trims its folder to its own size). A node
         at TP > 1 gets no tier flags (no tiers there yet: docs/deploy.md, KV tiers)."""
         args = list(self.spec.node_args)
+        if _flag_value(args, STORE_FLAG) == "embedded":
+            args = _without_flags(args, (STORE_FLAG,))  # (the started store's URL comes below)
         if self.spec.tp_of(role) > 1:
-            return _without_flags(args, (HOST_CACHE_FLAG, DISK_DIR_FLAG, DISK_CACHE_FLAG))
+            tiers = (HOST_CACHE_FLAG, DISK_DIR_FLAG, DISK_CACHE_FLAG, STORE_FLAG)
+            return _without_flags(args, tiers)
         args += self._tier_flags
         if self._disk_folder is None:
             return args
@@ -625,7 +643,8 @@ class LocalCluster:
         groups = [
             [p for p in self._procs if p.name.startswith("router")],
             [p for p in self._procs if p.name.startswith(("prefill", "decode"))],
-            [p for p in self._procs if p.name == "redis"],
+            [p for p in self._procs if p.name.startswith("kv-store-memory")],
+            [p for p in self._procs if p.name in ("kv-store-master", "redis")],
         ]
         for group in groups:
             for proc in group:

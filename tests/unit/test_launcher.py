@@ -178,3 +178,13 @@ def test_each_node_gets_its_own_kv_tier_folder_and_tp_nodes_no_tier_flags():
     # TP 2 nodes: no tier yet, so none of its flags (a disk tier without one refuses to start).
     assert cluster._tier_args("decode", []) == ["--kv-cache-mb", "8"]
     assert launcher._flag_value(first, launcher.DISK_DIR_FLAG) == "/d/prefill-0"
+
+
+def test_an_embedded_store_reaches_tp1_nodes_as_its_url_and_tp_nodes_not_at_all():
+    node_args = ("--kv-cache-mb", "8", "--kv-store", "embedded")
+    cluster = LocalCluster(spec(node_args=node_args, decode_tp=2))
+    url = "mooncake://127.0.0.1:5?metadata=http://127.0.0.1:6/metadata"
+    cluster._tier_flags = [launcher.STORE_FLAG, url]  # (what start puts there)
+    prefill = cluster._tier_args("prefill", [])
+    assert launcher._flag_value(prefill, launcher.STORE_FLAG) == url and "embedded" not in prefill
+    assert cluster._tier_args("decode", []) == ["--kv-cache-mb", "8"]
