@@ -6,6 +6,8 @@ host-to-device bandwidth; one long prompt's first token from the tier against co
         [--users 64 --turns 6 --doc 1024 --user-tokens 64 --gen 64] [--host-mb 32768]
     python benchmarks/kv_tiers.py --device cpu --tiny --kv-cache-mb 1 --users 8 --turns 3 \\
         --doc 128 --user-tokens 16 --gen 8 --host-mb 64 --long 256
+    python benchmarks/kv_tiers.py --device cuda --make-8b /tmp/llama8b --kv-cache-mb 2048 \\
+        --host-mb 8192 --long 4096 --store [--store-mb 4096]
 
 The engine is built as a decode node builds it (``runtime.node.build_engine``; the 8B shape with
 ``--load-format dummy``), once with ``--kv-host-cache-mb`` ``--host-mb`` and once with 0, in that
@@ -190,7 +192,65 @@ def restart(args, model: Path, load_format: str, before: dict) -> dict:
     return out
 
 
-def build(args, model: Path, load_format: str, host_mb: int, disk_dir: str | None = None):
+def store_hit(args, model: Path, load_format: str) -> dict:
+    """The shared store: a Mooncake Store started here (master and memory on loopback, as ``up
+    --kv-store embedded`` starts it); one engine computes the ``--long`` prompt and puts its
+    blocks; a second engine, started afterwards with an empty pool and host tier (another node),
+    serves the same prompt from the store; then a prompt of the same length that no one has
+    computed, on that second engine (its first token computed)."""
+    from splitserve.kv_store_service import start_store
+
+    workdir = Path(tempfile.mkdtemp())
+    store = start_store("127.0.0.1", args.store_mb, workdir, time.monotonic() + 60)
+    try:
+        rng = random.Random(2)
+        first = build(args, model, load_format, args.host_mb, store_url=store.url)
+        vocab = min(250, first.runner.config.vocab_size)
+        prompt = [rng.randrange(vocab) for _ in range(args.long)]
+        fresh = [rng.randrange(vocab) for _ in range(args.long)]
+        _, computed_there = serve(first, {"long": prompt}, 1)
+        tier = first.host_tier
+        deadline = time.monotonic() + 120
+        while tier.busy or tier.store.put_ok < args.long // first.block_size - 1:
+            assert time.monotonic() < deadline, tier.store.counters()
+            tier.reap()
+            time.sleep(0.01)
+        put = tier.store.counters()
+        tier.close()
+        first.runner.close()
+        del first, tier
+        gc.collect()
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        second = build(args, model, load_format, args.host_mb, store_url=store.url)
+        reqs, hit = serve(second, {"long": prompt}, 1)
+        _, cold = serve(second, {"fresh": fresh}, 1)
+        out = {
+            "prompt_tokens": args.long,
+            "block_bytes": second.host_tier.block_bytes,
+            "cached_tokens": reqs["long"].num_cached_tokens,
+            "store_hit_blocks": second.host_tier.store_hit_blocks,
+            "ttft_computed_first_engine_ms": computed_there["long"] * 1e3,
+            "ttft_computed_ms": cold["fresh"] * 1e3,
+            "ttft_from_store_ms": hit["long"] * 1e3,
+            "put": put,
+            "read": second.host_tier.store.counters(),
+        }
+        second.host_tier.close()
+        second.runner.close()
+        return out
+    finally:
+        store.stop()
+
+
+def build(
+    args,
+    model: Path,
+    load_format: str,
+    host_mb: int,
+    disk_dir: str | None = None,
+    store_url: str | None = None,
+):
     config = NodeConfig(
         model_path=str(model),
         device=args.device,
@@ -201,6 +261,7 @@ def build(args, model: Path, load_format: str, host_mb: int, disk_dir: str | Non
         kv_cache_dtype=args.kv_cache_dtype,
         kv_disk_cache_dir=disk_dir,
         kv_disk_cache_mb=args.disk_mb if disk_dir else None,
+        kv_store=store_url,
     )
     engine, _ = build_engine(config, prefill_only=False)
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -234,6 +295,13 @@ def main() -> None:
         "folder, serves the long prompt from it (a restart)",
     )
     ap.add_argument("--disk-mb", type=int, default=65536)
+    ap.add_argument(
+        "--store",
+        action="store_true",
+        help="only the shared store: the --long prompt from a Mooncake Store started here, on a "
+        "second engine, against computing it (the mooncake extra)",
+    )
+    ap.add_argument("--store-mb", type=int, default=4096, help="the store's memory")
     args = ap.parse_args()
     if args.make_8b:
         from pipeline import make_8b
@@ -244,6 +312,23 @@ def main() -> None:
 
         model = write_random_checkpoint(Path(tempfile.mkdtemp()) / "tiny", with_tokenizer=False)
         load_format = "auto"
+
+    if args.store:
+        out = store_hit(args, model, load_format)
+        print(json.dumps(out), flush=True)
+        read_bytes = out["cached_tokens"] // 16 * out["block_bytes"]  # (block size 16)
+        gbs = read_bytes / (out["ttft_from_store_ms"] / 1e3) / 1e9
+        print(
+            "\n| prompt tokens | from the store | TTFT computed ms | TTFT from the store ms | "
+            "speed-up | store read GB/s (whole TTFT) |"
+        )
+        print("|---|---|---|---|---|---|")
+        print(
+            f"| {out['prompt_tokens']:,} | {out['cached_tokens']:,} tokens | "
+            f"{out['ttft_computed_ms']:.0f} | {out['ttft_from_store_ms']:.0f} | "
+            f"{out['ttft_computed_ms'] / out['ttft_from_store_ms']:.2f}x | {gbs:.2f} |"
+        )
+        return
 
     results = {}
     for name, host_mb in (("on", args.host_mb), ("off", 0)):

@@ -53,7 +53,8 @@ HEADER = struct.Struct("<8s32sQI")  # magic, block hash, payload bytes, CRC-32 o
 KEY_PREFIX = "splitserve/kv/"
 FAILURES_TO_PAUSE = 3  # calls failed in a row before the store is left alone for a while
 PAUSE_S = 5.0
-MAX_PUT_BATCH = 64  # puts whose bytes are copied out (their slots handed back) before sending
+MAX_UNSENT_BYTES = 256 << 20  # puts copied out of their host slots and not sent yet, at most
+MAX_GET_BATCH = 64  # gets sent in one call
 MAX_KNOWN = 1 << 20  # hashes remembered as in the store (LRU; about 100 MB at most)
 DEFAULT_RPC_PORT = 50051  # mooncake_master's defaults
 DEFAULT_METADATA_PORT = 8080
@@ -70,7 +71,7 @@ class StoreClient(Protocol):
 
     def put(self, key: str, parts: Sequence[bytes | memoryview]) -> bool: ...
 
-    def get(self, key: str) -> bytes | None: ...
+    def get_many(self, keys: list[str]) -> list[bytes | None]: ...
 
     def remove(self, key: str) -> None: ...
 
@@ -136,9 +137,8 @@ class MooncakeStore:
     def put(self, key: str, parts: Sequence[bytes | memoryview]) -> bool:
         return self._store.put_parts(key, *parts) == 0
 
-    def get(self, key: str) -> bytes | None:
-        value = self._store.get(key)
-        return value or None  # (a missing key reads as b"")
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        return [value or None for value in self._store.get_batch(keys)]  # (missing: b"")
 
     def remove(self, key: str) -> None:
         # NOTE: forced: a get leases the object for a while, and an unforced remove fails then.
@@ -200,12 +200,15 @@ class StoreTier:
         self.read_ok = self.read_failed = self.read_timed_out = 0
         self.probed = self.probe_failed = 0
         self._threads = [
-            threading.Thread(target=self._run, args=(q,), name=name, daemon=True)
-            for q, name in (
-                (self._puts, "kv-store-put"),
-                (self._gets, "kv-store-get"),
-                (self._probes, "kv-store-probe"),
-            )
+            threading.Thread(
+                target=self._put_loop, args=(self._puts,), name="kv-store-put", daemon=True
+            ),
+            threading.Thread(
+                target=self._run, args=(self._gets,), name="kv-store-get", daemon=True
+            ),
+            threading.Thread(
+                target=self._run, args=(self._probes,), name="kv-store-probe", daemon=True
+            ),
         ]
         for thread in self._threads:
             thread.start()
@@ -300,8 +303,14 @@ class StoreTier:
     def close(self) -> None:
         for q in (self._puts, self._gets, self._probes):
             q.put(None)
+        deadline = time.monotonic() + self.timeout_s
         for thread in self._threads:
-            thread.join(timeout=self.timeout_s)
+            thread.join(timeout=max(deadline - time.monotonic(), 0.0))
+        if any(thread.is_alive() for thread in self._threads):
+            # NOTE: never closed under a call still in it (that crashes the process): a store
+            # that stopped answering keeps its client until the process ends.
+            logger.warning("KV store: a call is still under way; the client is left open")
+            return
         try:
             self.client.close()
         except Exception as exc:  # closing a store that went away
@@ -329,10 +338,8 @@ class StoreTier:
                 return
             kind = job[0]
             try:
-                if kind == "put":
-                    self._puts_from(job, jobs)
-                elif kind == "get":
-                    self._get(job[1])
+                if kind == "get":
+                    self._gets_from(job, jobs)
                 else:
                     self._probe(job[1])
             except Exception as exc:  # a thread that dies would stall every later job
@@ -355,26 +362,30 @@ class StoreTier:
                 PAUSE_S,
             )
 
-    def _puts_from(self, job: tuple, jobs: queue.SimpleQueue) -> None:
-        """Copy the bytes of ``job`` and of every put queued behind it (MAX_PUT_BATCH at most),
-        hand their slots back, then send them: a slot is held while a put waits its turn only
-        until the copy, not for the network's round trips before it."""
-        batch = [job]
-        while len(batch) < MAX_PUT_BATCH:
-            try:
-                more = jobs.get_nowait()
-            except queue.Empty:
-                break
-            if more is None:
-                jobs.put(None)  # (stop after this batch)
-                break
-            batch.append(more)
-        copied = []
-        for _, block_hash, src, tag in batch:
-            copied.append((block_hash, src.view(torch.uint8).reshape(-1).numpy().tobytes()))
-            self._done.append(Done("write", block_hash, True, tag))
-        for block_hash, payload in copied:
-            self._put(block_hash, payload)
+    def _put_loop(self, jobs: queue.SimpleQueue) -> None:
+        """Copy out the bytes of every put queued (handing their slots back at once), send one,
+        and again: a host slot is held until its block's copy, not through the round trips of
+        the puts before it. Copies wait while ``MAX_UNSENT_BYTES`` are copied and not sent (the
+        slots then stay held: the host tier skips new blocks before memory runs away)."""
+        unsent: deque[tuple[BlockHash, bytes]] = deque()
+        stopping = False
+        while not (stopping and not unsent):
+            while len(unsent) * self.block_bytes < MAX_UNSENT_BYTES and not stopping:
+                try:
+                    job = jobs.get(block=not unsent)
+                except queue.Empty:
+                    break
+                if job is None:
+                    stopping = True
+                    break
+                _, block_hash, src, tag = job
+                unsent.append((block_hash, src.view(torch.uint8).reshape(-1).numpy().tobytes()))
+                self._done.append(Done("write", block_hash, True, tag))
+            if unsent:
+                try:
+                    self._put(*unsent.popleft())
+                except Exception as exc:  # a thread that dies would stall every later put
+                    logger.exception("KV store: put failed unexpectedly: %s", exc)
 
     def _put(self, block_hash: BlockHash, payload: bytes) -> None:
         header = HEADER.pack(MAGIC, block_hash, len(payload), zlib.crc32(payload))
@@ -410,14 +421,33 @@ class StoreTier:
         finally:
             probe.done = True
 
-    def _get(self, job: _Read) -> None:
-        value = None
+    def _gets_from(self, job: tuple, jobs: queue.SimpleQueue) -> None:
+        """Read ``job``'s block and those of the gets queued behind it (MAX_GET_BATCH at most)
+        in one call: one round trip for a load's blocks, not one each."""
+        batch = [job[1]]
+        while len(batch) < MAX_GET_BATCH:
+            try:
+                more = jobs.get_nowait()
+            except queue.Empty:
+                break
+            if more is None:
+                jobs.put(None)  # (stop after this batch)
+                break
+            batch.append(more[1])
+        values: list[bytes | None] = [None] * len(batch)
         if not self.paused:
             try:
-                value = self.client.get(self.key(job.block_hash))
+                values = self.client.get_many([self.key(j.block_hash) for j in batch])
+                if len(values) != len(batch):
+                    raise StoreError(f"{len(values)} values for {len(batch)} keys")
                 self._failures = 0
             except Exception as exc:
+                values = [None] * len(batch)
                 self._call_failed("get", exc)
+        for read, value in zip(batch, values, strict=True):
+            self._get(read, value)
+
+    def _get(self, job: _Read, value: bytes | None) -> None:
         ok = value is not None and self._check(job.block_hash, value)
         if value is not None and not ok:  # removed, so the next put of the block replaces it
             try:
