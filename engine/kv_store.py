@@ -107,11 +107,18 @@ def store_host(url: str) -> str:
 
 class MooncakeStore:
     """A Mooncake Store client that brings no memory of its own (the store's memory is held by
-    ``mooncake_client`` processes, or by other nodes that mount a segment)."""
+    ``mooncake_client`` processes, or by other nodes that mount a segment).
 
-    def __init__(self, url: str, local_host: str = "127.0.0.1", buffer_mb: int = 64) -> None:
-        master, metadata = parse_store_url(url)
-        # NOTE: a master that is down costs one attempt at start (about 4 s), not twenty (90 s).
+    It connects on its first call, not when made, and again at most every ``retry_s`` while the
+    store cannot be reached: a node started before its store (compose, Kubernetes) or outliving
+    a store's restart starts using it once it is there. Until then every call raises
+    ``StoreError`` (the tier computes)."""
+
+    def __init__(
+        self, url: str, local_host: str = "127.0.0.1", buffer_mb: int = 64, retry_s: float = 10.0
+    ) -> None:
+        self.master, self.metadata = parse_store_url(url)
+        # NOTE: a master that is down costs one attempt (about 4 s), not twenty (90 s).
         os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
         try:
             from mooncake.store import MooncakeDistributedStore  # pyright: ignore[reportMissingImports]
@@ -120,14 +127,46 @@ class MooncakeStore:
                 f"--kv-store needs Mooncake Store: pip install 'splitserve[mooncake]' "
                 f"(and Debian's libibverbs1): {exc}"
             ) from None
-        self._store = MooncakeDistributedStore()
-        rc = self._store.setup(local_host, metadata, 0, buffer_mb << 20, "tcp", "", master)
-        if rc != 0:
-            raise StoreError(f"Mooncake Store at {url}: setup returned {rc} (is the master up?)")
-        self.url = url
+        self._make = MooncakeDistributedStore
+        self.url, self.local_host, self.buffer_mb, self.retry_s = (
+            url,
+            local_host,
+            buffer_mb,
+            retry_s,
+        )
+        self._store = None
+        self._lock = threading.Lock()
+        self._next_try = 0.0
+
+    def connect(self) -> None:
+        """Connect now if not connected (``StoreError`` if the store cannot be reached)."""
+        self._client()
+
+    def _client(self):
+        store = self._store
+        if store is not None:
+            return store
+        with self._lock:
+            if self._store is not None:
+                return self._store
+            if time.monotonic() < self._next_try:
+                raise StoreError(f"Mooncake Store at {self.url}: not reached yet")
+            store = self._make()
+            rc = store.setup(
+                self.local_host, self.metadata, 0, self.buffer_mb << 20, "tcp", "", self.master
+            )
+            if rc != 0:
+                self._next_try = time.monotonic() + self.retry_s
+                raise StoreError(
+                    f"Mooncake Store at {self.url}: setup returned {rc} (is its master up?); "
+                    f"tried again in {self.retry_s:.0f} s"
+                )
+            logger.info("KV store: connected to %s", self.url)
+            self._store = store
+            return store
 
     def exists(self, keys: list[str]) -> list[bool]:
-        found = self._store.batch_is_exist(keys)
+        found = self._client().batch_is_exist(keys)
         if len(found) != len(keys):
             raise StoreError(f"existence answered {len(found)} of {len(keys)} keys")
         if any(x < 0 for x in found):
@@ -135,19 +174,20 @@ class MooncakeStore:
         return [x == 1 for x in found]
 
     def put(self, key: str, parts: Sequence[bytes | memoryview]) -> bool:
-        return self._store.put_parts(key, *parts) == 0
+        return self._client().put_parts(key, *parts) == 0
 
     def get_many(self, keys: list[str]) -> list[bytes | None]:
-        return [value or None for value in self._store.get_batch(keys)]  # (missing: b"")
+        return [value or None for value in self._client().get_batch(keys)]  # (missing: b"")
 
     def remove(self, key: str) -> None:
         # NOTE: forced: a get leases the object for a while, and an unforced remove fails then.
-        rc = self._store.remove(key, force=True)
+        rc = self._client().remove(key, force=True)
         if rc != 0:
             raise StoreError(f"remove returned {rc}")
 
     def close(self) -> None:
-        self._store.close()
+        if self._store is not None:
+            self._store.close()
 
 
 class _Read:

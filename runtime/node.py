@@ -127,8 +127,9 @@ def disk_cache_bytes(config: NodeConfig) -> int:
 
 
 def kv_store_client(config: NodeConfig) -> StoreClient | None:
-    """A client of the shared KV store, or None: none configured, or it cannot be reached now
-    (said in the log; the node then computes what the store would have given)."""
+    """A client of the shared KV store, or None: none configured, or its library is missing
+    (said in the log). A store not reached at start is tried again as the node runs; until then
+    the node computes what it would have given."""
     if not config.kv_store:
         return None
     from splitserve.engine.kv_store import MooncakeStore, StoreError
@@ -138,6 +139,10 @@ def kv_store_client(config: NodeConfig) -> StoreClient | None:
     except StoreError as exc:
         logger.warning("KV store: %s; this node runs without it", exc)
         return None
+    try:
+        client.connect()
+    except StoreError as exc:  # (tried again as the node runs)
+        logger.warning("KV store: %s", exc)
     logger.info("KV store: %s (this node puts what it computes, reads what any put)", client.url)
     return client
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds splitserve's CPU image with podman and no image registry:
-#   1. a Debian bookworm base made by debootstrap (python3, python3-venv, redis-server), imported
-#      as splitserve-base:bookworm — rebuilt only when this script changes;
+#   1. a Debian bookworm base made by debootstrap (python3, python3-venv, redis-server and
+#      libibverbs1), imported as splitserve-base:bookworm — rebuilt only when this script changes;
 #   2. the Dockerfile on that base (BASE_IMAGE), torch's CPU build from a folder of wheels when
 #      one is given (else from the index pip is configured with) — rebuilt only when the tracked
 #      files change.
@@ -22,7 +22,8 @@ if [ "$(label "$BASE" splitserve.base-key)" != "$base_key" ]; then
     rootfs=$(mktemp -d)
     trap 'rm -rf "$rootfs"' EXIT
     log "debootstrap bookworm into $rootfs"
-    debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates,redis-server \
+    debootstrap --variant=minbase \
+        --include=python3,python3-venv,ca-certificates,redis-server,libibverbs1 \
         bookworm "$rootfs" >/dev/null
     tar -C "$rootfs" -c . | podman import --change "LABEL splitserve.base-key=$base_key" - "$BASE"
     rm -rf "$rootfs"

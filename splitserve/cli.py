@@ -361,8 +361,48 @@ def _start_planner(args: argparse.Namespace, cluster, router_metrics: Sequence[s
     return stop_it
 
 
+def cmd_kv_store(args: argparse.Namespace) -> int:
+    """Run a Mooncake Store for the nodes' shared KV tier (its master and the memory it lends)
+    until Ctrl-C or SIGTERM; nodes reach it with --kv-store mooncake://HOST:PORT."""
+    import signal
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from splitserve.kv_store_service import default_store_mb, start_store
+
+    workdir = Path(args.log_dir or tempfile.mkdtemp(prefix="splitserve-kv-store-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    memory_mb = args.memory_mb or default_store_mb()
+    try:
+        store = start_store(
+            args.host,
+            memory_mb,
+            workdir,
+            time.monotonic() + args.startup_timeout,
+            port=args.port,
+            metadata_port=args.metadata_port,
+        )
+    except (RuntimeError, TimeoutError) as exc:
+        return _error(str(exc), 1)
+    stopping: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: stopping.append(signum))
+    print(f"KV store: {memory_mb} MiB; nodes: --kv-store '{store.url}'", flush=True)
+    print(f"its logs: {workdir}", flush=True)
+    try:
+        while not stopping:
+            for proc in store.procs:
+                if proc.poll() is not None:
+                    return _error(f"{proc.args[0]} exited ({proc.returncode}): see {workdir}", 1)
+            time.sleep(0.5)
+    finally:
+        store.stop()
+    return 0
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    """prefill, decode, router, health, up and planner."""
+    """prefill, decode, router, health, up, kv-store and planner."""
     for role in ("prefill", "decode"):
         p = sub.add_parser(role, help=f"run one {role} node", epilog=ENV_EPILOG)
         add_options(p, NodeConfig)
@@ -400,6 +440,25 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     add_policy_options(p, slo=False)  # ClusterSpec's --slo: the router's and the planner's
     layout_cli.add_layout_inputs(p, required=False)  # for --num-prefill auto
     p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("kv-store", help=cmd_kv_store.__doc__)
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address to bind (the store has no authentication: a private network's only; "
+        "docs/security.md)",
+    )
+    p.add_argument("--port", type=int, default=50051, help="the master's RPC port")
+    p.add_argument("--metadata-port", type=int, default=8080, help="its HTTP metadata server")
+    p.add_argument(
+        "--memory-mb",
+        type=int,
+        default=None,
+        help="the memory it holds, MiB (default: an eighth of the memory available, at most 4096)",
+    )
+    p.add_argument("--log-dir", default=None, help="its processes' logs (default: a temp folder)")
+    p.add_argument("--startup-timeout", type=float, default=60.0, help="seconds")
+    p.set_defaults(func=cmd_kv_store)
 
     planner_cli.add_command(sub)
     layout_cli.add_commands(sub)

@@ -203,3 +203,20 @@ def test_a_node_pod_holds_exactly_its_ranks_gpus(rendered):
                 assert gpus == tp, f"{c['name']}: {gpus} GPUs for tensor parallel size {tp}"
             else:
                 assert tp == "1", f"{c['name']}: tensor parallel size {tp} without GPUs"
+
+
+def test_the_kv_store_example_loads_and_its_command_parses(monkeypatch):
+    from splitserve import cli
+
+    api = kubernetes.client.ApiClient()
+    docs = {_key(d): d for d in load_all(ROOT / "examples" / "kv-store.yaml")}
+    for (kind, name), doc in docs.items():
+        obj = api._ApiClient__deserialize(copy.deepcopy(doc), f"V1{kind}")
+        assert api.sanitize_for_serialization(obj) == doc, f"{kind}/{name} has unknown fields"
+    (container,) = containers(docs["Deployment", "splitserve-kv-store"])
+    args = cli.build_parser().parse_args([_expand(a, _env(container)) for a in container["args"]])
+    assert args.command == "kv-store" and args.host == "10.1.2.3" and args.port == 50051
+    # Only the node pods may reach it (it has no authentication).
+    (rule,) = docs["NetworkPolicy", "splitserve-kv-store"]["spec"]["ingress"]
+    (selector,) = rule["from"][0]["podSelector"]["matchExpressions"]
+    assert set(selector["values"]) == {f"splitserve-{role}" for role in NODE_ROLES}
