@@ -51,7 +51,19 @@ def _volumes(service: str) -> list[tuple[str, str, str]]:
 def test_the_four_services():
     assert set(SERVICES) == {"redis", "router", "prefill", "decode"}
     assert set(MONITORING) == {"prometheus", "grafana", "jaeger"}
-    assert set(COMPOSE["services"]) == set(SERVICES) | set(MONITORING)
+    assert set(COMPOSE["services"]) == set(SERVICES) | set(MONITORING) | {"kv-store"}
+
+
+def test_the_kv_store_profile_runs_a_store_the_nodes_can_name_and_publishes_nothing():
+    from splitserve import cli
+
+    store = COMPOSE["services"]["kv-store"]
+    assert store["profiles"] == ["kv-store"] and "ports" not in store
+    args = cli.build_parser().parse_args([str(a) for a in store["command"]])
+    assert args.host == store["hostname"] == "kv-store" and args.memory_mb == 4096
+    for role in ("prefill", "decode"):  # empty unless asked for: no store, nothing changes
+        assert _env(role)["SPLITSERVE_KV_STORE"] == ""
+    assert "SPLITSERVE_KV_STORE=mooncake://kv-store:50051" in COMPOSE_TEXT  # (how to ask)
 
 
 def test_the_monitoring_profile_mounts_its_files_and_publishes_on_loopback_only():
