@@ -232,6 +232,7 @@ class StoreTier:
         self._gets: queue.SimpleQueue = queue.SimpleQueue()
         self._probes: queue.SimpleQueue = queue.SimpleQueue()
         self._queued_puts = 0
+        self._closed = False
         self._done: deque[Done] = deque()
         self._failures = 0
         self._paused_until = 0.0
@@ -341,6 +342,11 @@ class StoreTier:
         }
 
     def close(self) -> None:
+        """Stop the threads (the puts queued are sent first, within ``timeout_s``) and close the
+        client. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         for q in (self._puts, self._gets, self._probes):
             q.put(None)
         deadline = time.monotonic() + self.timeout_s

@@ -131,6 +131,8 @@ class LocalEngine(NodeEngine):
         await self.loop_engine.stop()
         if self.core.layer_streams is not None:  # (the engine thread no longer touches them)
             self.core.layer_streams.close()
+        if self.core.host_tier is not None:  # its copies taken in, its threads and store client
+            await in_daemon_thread(self.core.host_tier.close)  # ended (bounded: a few seconds)
         # The steps are over: a tensor-parallel engine's other ranks may go.
         await in_daemon_thread(self.core.runner.close)
 

@@ -392,9 +392,9 @@ def cmd_kv_store(args: argparse.Namespace) -> int:
     print(f"its logs: {workdir}", flush=True)
     try:
         while not stopping:
-            for proc in store.procs:
+            for name, proc in zip(("its master", "its memory"), store.procs, strict=True):
                 if proc.poll() is not None:
-                    return _error(f"{proc.args[0]} exited ({proc.returncode}): see {workdir}", 1)
+                    return _error(f"KV store: {name} exited ({proc.returncode}): see {workdir}", 1)
             time.sleep(0.5)
     finally:
         store.stop()
