@@ -111,3 +111,53 @@ def test_cancelled_while_loading_on_streams_leaks_nothing(engine):
             engine.abort(f"r{round_}-{i}")
         _drain(engine)
     assert engine.host_tier.loaded_blocks > 0
+
+
+def test_a_block_from_the_shared_store_has_the_bytes_another_engine_computed(model, tmp_path):
+    """Two engines on the GPU, each with its own client of one Mooncake Store (CPU counterpart:
+    tests/cluster/test_kv_store.py): the second's pool holds, byte for byte, what the first
+    computed, read through pinned host slots."""
+    import time
+
+    from splitserve.engine.kv_store import MooncakeStore
+    from splitserve.kv_store_service import start_store
+
+    try:
+        store = start_store("127.0.0.1", 256, tmp_path, time.monotonic() + 60)
+    except (RuntimeError, ImportError) as exc:
+        pytest.skip(f"Mooncake Store cannot run here ({exc}): the mooncake extra, libibverbs1")
+    config, m = model
+    rc = RunnerConfig(kv_cache_bytes=64 * 16 * config.kv_bytes_per_token(torch.bfloat16))
+    engines = []
+    try:
+        for _ in range(2):
+            client = MooncakeStore(store.url)
+            client.connect()
+            engines.append(
+                LLMEngine(
+                    ModelRunner(config, m, rc),
+                    ModelIdentity("m"),
+                    host_cache_blocks=256,
+                    kv_store=client,
+                )
+            )
+        first, second = engines
+        prompt = [random.randrange(2048) for _ in range(100)]
+        hashes = hash_request_tokens(prompt, 16, first.root_hash)[:6]
+        (expected,) = first.generate([prompt], GREEDY)
+        _drain(first)
+        deadline = time.monotonic() + 30
+        while first.host_tier.store.put_ok < 6:
+            assert time.monotonic() < deadline, first.host_tier.store.counters()
+            time.sleep(0.01)
+        computed = first.runner.kv_pool[[b.block_id for b in _blocks(first, hashes)]].cpu()
+        (got,) = second.generate([prompt], GREEDY)
+        _drain(second)
+        assert got.num_cached_tokens == 96 and second.host_tier.store_hit_blocks == 6
+        assert got.output_token_ids == expected.output_token_ids
+        loaded = second.runner.kv_pool[[b.block_id for b in _blocks(second, hashes)]].cpu()
+        assert torch.equal(loaded.view(torch.uint8), computed.view(torch.uint8))
+    finally:
+        for engine in engines:
+            engine.host_tier.close()
+        store.stop()
