@@ -38,6 +38,7 @@ def run(args, model: Path, load_format: str, name: str, host_mb: int, store: boo
         num_decode=1,
         port=0,
         kv_store_mb=args.store_mb if store else None,
+        prefix_index=not args.no_index,
         node_args=tuple(node_args),
         startup_timeout_s=900,
     )
@@ -78,6 +79,11 @@ def main() -> None:
     ap.add_argument("--ttft-slo", type=float, default=2.0)
     ap.add_argument("--store", action="store_true", help="a third run: the tier and a store")
     ap.add_argument("--store-mb", type=int, default=8192)
+    ap.add_argument(
+        "--no-index",
+        action="store_true",
+        help="no Redis (one decode node needs no prefix index; where redis-server is missing)",
+    )
     ap.add_argument("--out", default=None, help="the reports' folder (default: a new temp one)")
     args = ap.parse_args()
     args.out = args.out or tempfile.mkdtemp(prefix="kv-tiers-cluster-")

@@ -54,7 +54,9 @@ KEY_PREFIX = "splitserve/kv/"
 FAILURES_TO_PAUSE = 3  # calls failed in a row before the store is left alone for a while
 PAUSE_S = 5.0
 MAX_UNSENT_BYTES = 256 << 20  # puts copied out of their host slots and not sent yet, at most
-MAX_GET_BATCH = 64  # gets sent in one call
+MAX_GET_BATCH = 64  # gets sent in one call, and at most
+MAX_GET_BATCH_BYTES = 64 << 20  # of values (the client stages them in its local buffer)
+LOCAL_BUFFER_MB = 256  # the client's local buffer: a batch of gets and the puts under way
 MAX_KNOWN = 1 << 20  # hashes remembered as in the store (LRU; about 100 MB at most)
 DEFAULT_RPC_PORT = 50051  # mooncake_master's defaults
 DEFAULT_METADATA_PORT = 8080
@@ -115,7 +117,11 @@ class MooncakeStore:
     ``StoreError`` (the tier computes)."""
 
     def __init__(
-        self, url: str, local_host: str = "127.0.0.1", buffer_mb: int = 64, retry_s: float = 10.0
+        self,
+        url: str,
+        local_host: str = "127.0.0.1",
+        buffer_mb: int = LOCAL_BUFFER_MB,
+        retry_s: float = 10.0,
     ) -> None:
         self.master, self.metadata = parse_store_url(url)
         # NOTE: a master that is down costs one attempt (about 4 s), not twenty (90 s).
@@ -471,7 +477,8 @@ class StoreTier:
         """Read ``job``'s block and those of the gets queued behind it (MAX_GET_BATCH at most)
         in one call: one round trip for a load's blocks, not one each."""
         batch = [job[1]]
-        while len(batch) < MAX_GET_BATCH:
+        most = max(1, min(MAX_GET_BATCH, MAX_GET_BATCH_BYTES // max(self.block_bytes, 1)))
+        while len(batch) < most:
             try:
                 more = jobs.get_nowait()
             except queue.Empty:
