@@ -82,6 +82,7 @@ class _Load:
         self.pending = len(slots) - num_ready  # reads not finished
         self.store_reads: dict[int, Any] = {}  # slot index → its store read (to abandon)
         self.first_bad = len(slots)  # the first block whose read failed
+        self.read_in: list[int] = []  # slots read in and committed, pinned until the load ends
         self.copied = 0  # blocks whose copy into the pool is queued or done
         self.done: torch.cuda.Event | None = None  # the last queued copy's (None: CPU)
 
@@ -289,9 +290,11 @@ class HostTier:
         load.store_reads.pop(i, None)
         slot = load.slots[i]
         if done.ok:
-            self.index.commit(slot)  # a host block now, like any other
-            if i < load.first_bad:  # (reads finish in order: first_bad is final below i)
-                self.index.pin([slot])
+            # A host block now, like any other; pinned until the load ends, whether or not an
+            # earlier block fails after it (disk and store reads finish in any order).
+            self.index.commit(slot)
+            self.index.pin([slot])
+            load.read_in.append(slot)
         else:
             self.index.cancel(slot)
             load.sources[i - load.num_ready].drop(done.block_hash)
@@ -404,7 +407,7 @@ class HostTier:
         for number in done:
             load = self._loads.pop(number)
             self.index.unpin(load.slots[: load.num_ready])
-            self.index.unpin(load.slots[load.num_ready : load.first_bad])  # (pinned at commit)
+            self.index.unpin(load.read_in)
             self._pool.free_blocks(load.blocks)
             for source in load.sources[: max(load.copied - load.num_ready, 0)]:
                 if source is self.store:

@@ -484,3 +484,86 @@ def test_the_default_host_tier_is_a_share_of_what_the_host_or_its_container_leav
     assert auto_host_cache_mb(1, str(meminfo), str(v1)) == 1024
     (tmp_path / "bad").write_text("no such field\n")
     assert auto_host_cache_mb(1, str(tmp_path / "bad"), str(none)) == 0
+
+
+# ---------------------------------------------------------------- reads finishing out of order
+
+
+class _Below:
+    """A disk or store stand-in whose reads finish when the test says (the real ones run on
+    threads of their own: a disk read and a store read of one load finish in either order)."""
+
+    timeout_s = 60.0
+
+    def __init__(self, hashes):
+        self.hashes, self.jobs, self.done, self.dropped = set(hashes), {}, [], []
+
+    def __contains__(self, block_hash):
+        return block_hash in self.hashes
+
+    def read(self, block_hash, dst, tag):
+        from types import SimpleNamespace
+
+        self.jobs[block_hash] = (dst, tag)
+        return SimpleNamespace(block_hash=block_hash)
+
+    def finish(self, block_hash, ok):
+        from splitserve.engine.kv_disk import Done
+
+        dst, tag = self.jobs.pop(block_hash)
+        dst.fill_(7.0)
+        self.done.append(Done("read", block_hash, ok, tag))
+
+    def completed(self):
+        out, self.done = self.done, []
+        return out
+
+    def drop(self, block_hash):
+        self.dropped.append(block_hash)
+        self.hashes.discard(block_hash)
+
+    def abandon(self, job):
+        return self.jobs.pop(job.block_hash, None) is not None
+
+
+@pytest.mark.parametrize("later_first", [True, False])
+def test_a_load_from_disk_and_store_releases_every_pin_whatever_order_its_reads_end(later_first):
+    from splitserve.kvstore.block_pool import BlockPool
+
+    pool = BlockPool(8)
+    kv_pool = torch.zeros(8, 2, 4)
+    disk, store = _Below([_h(0), _h(2)]), _Below([_h(1)])
+    tier = HostTier(kv_pool, pool, 6, disk=disk, store=store)  # pyright: ignore[reportArgumentType]
+    blocks = pool.get_new_blocks(3)
+    tier.load([_h(0), _h(1), _h(2)], blocks, "req")
+    order = [(store, _h(1), True), (disk, _h(2), True), (disk, _h(0), False)]
+    if not later_first:
+        order.reverse()
+    for source, block_hash, ok in order:
+        source.finish(block_hash, ok)
+        tier.reap()
+    assert tier.loaded() == [("req", 0)]  # block 0 failed: nothing of the run came in
+    assert disk.dropped == [_h(0)]
+    # Blocks 1 and 2 were read whole: host blocks now, unpinned, found by the next prompt.
+    assert not tier.index._pins and tier.index.match([_h(1), _h(2)]) != []
+    tier.index.check_invariants()
+    pool.free_blocks(blocks)
+    pool.check_invariants()
+
+
+def test_a_store_read_past_its_deadline_is_abandoned_and_the_load_ends():
+    from splitserve.kvstore.block_pool import BlockPool
+
+    pool = BlockPool(8)
+    disk, store = _Below([_h(0)]), _Below([_h(1)])
+    store.timeout_s = 0.0
+    tier = HostTier(torch.zeros(8, 2, 4), pool, 6, disk=disk, store=store)  # pyright: ignore[reportArgumentType]
+    blocks = pool.get_new_blocks(2)
+    tier.load([_h(0), _h(1)], blocks, "req")
+    disk.finish(_h(0), True)
+    assert tier.loaded() == [("req", 1)]  # block 1 never came: abandoned, the run ends at 1
+    assert store.dropped == [_h(1)] and not store.jobs
+    assert not tier.index._pins and not tier.busy
+    tier.index.check_invariants()
+    pool.free_blocks(blocks)
+    pool.check_invariants()
