@@ -296,7 +296,7 @@ class StoreTier:
         """Put ``src`` (a block in host memory, unchanged until ``completed`` lists this job:
         the thread's copy of it is made first). False: not queued (the store is paused or too
         far behind); the caller's slot is then free at once."""
-        if self.paused or self._queued_puts >= self.max_queued:
+        if self.paused or self._closed or self._queued_puts >= self.max_queued:
             self.put_skipped += 1
             return False
         self._queued_puts += 1
@@ -431,8 +431,13 @@ class StoreTier:
                     stopping = True
                     break
                 _, block_hash, src, tag = job
-                unsent.append((block_hash, src.view(torch.uint8).reshape(-1).numpy().tobytes()))
-                self._done.append(Done("write", block_hash, True, tag))
+                try:
+                    unsent.append((block_hash, src.view(torch.uint8).reshape(-1).numpy().tobytes()))
+                except Exception as exc:  # (out of memory): this block is not put
+                    self.put_failed += 1
+                    logger.warning("KV store: a put's copy failed: %s", exc)
+                finally:  # the slot is handed back whatever happened
+                    self._done.append(Done("write", block_hash, True, tag))
             if unsent:
                 try:
                     self._put(*unsent.popleft())
@@ -462,7 +467,8 @@ class StoreTier:
 
     def _probe(self, probe: Probe) -> None:
         try:
-            if not self.paused:
+            # (one no longer waited for is not asked: a backlog of probes does not grow)
+            if not self.paused and time.monotonic() - probe.asked_at < self.probe_wait_s:
                 found = self.client.exists([self.key(h) for h in probe.hashes])
                 self._failures = 0
                 self.probed += len(probe.hashes)
@@ -487,6 +493,9 @@ class StoreTier:
                 jobs.put(None)  # (stop after this batch)
                 break
             batch.append(more[1])
+        batch = [read for read in batch if not read.abandoned]  # (given up: not fetched)
+        if not batch:
+            return
         values: list[bytes | None] = [None] * len(batch)
         if not self.paused:
             try:

@@ -105,6 +105,8 @@ class HostTier:
         self.store = store
         self._spilling: dict[int, BlockHash] = {}  # slot → its hash, being written to disk
         self._putting: dict[int, BlockHash] = {}  # slot → its hash, being put in the store
+        # (at most a quarter of the tier waits for the store: a slow one costs puts, not slots)
+        self._max_putting = min(MAX_SPILLING, max(1, capacity_blocks // 4))
         self._kv_pool = kv_pool
         self._pool = pool
         pool.newly_cached = []
@@ -251,13 +253,12 @@ class HostTier:
                 self.index.pin([slot])
                 self._spilling[slot] = block_hash
                 disk.write(block_hash, self._slot_views[slot], slot)
-        if (
-            store is not None
-            and block_hash not in store
-            and store.write(block_hash, self._slot_views[slot], slot)
-        ):
-            self.index.pin([slot])
-            self._putting[slot] = block_hash
+        if store is not None and block_hash not in store:
+            if len(self._putting) >= self._max_putting:
+                store.put_skipped += 1
+            elif store.write(block_hash, self._slot_views[slot], slot):
+                self.index.pin([slot])
+                self._putting[slot] = block_hash
 
     def _below_done(self) -> None:
         """Take the disk's and the store's finished jobs; abandon store reads past their load's
