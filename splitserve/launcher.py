@@ -432,7 +432,9 @@ class LocalCluster:
         from splitserve.kv_store_service import default_store_mb, start_store
 
         mb = self.spec.kv_store_mb or default_store_mb()
-        store = start_store(self.spec.host, mb, self._workdir, deadline, **_child_options())
+        # NOTE: loopback whatever --host says: the store has no authentication (docs/security.md)
+        # and this cluster's nodes all run on this host.
+        store = start_store("127.0.0.1", mb, self._workdir, deadline, **_child_options())
         for name, popen in zip(("kv-store-master", "kv-store-memory"), store.procs, strict=True):
             self._procs.append(_Process(name, popen))
         logger.info("KV store: %d MiB at %s (--kv-store-mb to change)", mb, store.url)
