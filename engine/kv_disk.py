@@ -47,6 +47,23 @@ HEADER = struct.Struct("<8s32sQI")  # magic, block hash, payload bytes, CRC-32 o
 SUFFIX = ".kv"
 
 
+def block_header(magic: bytes, block_hash: BlockHash, payload: memoryview | bytes) -> bytes:
+    """The header a block's bytes travel under out of this process (a file, the shared store)."""
+    return HEADER.pack(magic, block_hash, len(payload), zlib.crc32(payload))
+
+
+def header_mismatch(
+    magic: bytes, block_hash: BlockHash, header: memoryview | bytes, payload: memoryview | bytes
+) -> str | None:
+    """Why ``header`` and ``payload`` are not block ``block_hash`` whole (None: they are)."""
+    got_magic, name, size, crc = HEADER.unpack(header)
+    if got_magic != magic or name != block_hash or size != len(payload):
+        return "header does not match its name"
+    if zlib.crc32(payload) != crc:
+        return "checksum mismatch"
+    return None
+
+
 class Done(NamedTuple):
     """A finished job: ``kind`` write or read, its block, whether it worked, the caller's tag."""
 
@@ -119,15 +136,6 @@ class DiskTier:
 
     def hashes(self) -> list[BlockHash]:
         return list(self._files)
-
-    def match(self, block_hashes: list[BlockHash]) -> int:
-        """How many leading ``block_hashes`` have a file (not verified: a read checks)."""
-        n = 0
-        for block_hash in block_hashes:
-            if block_hash not in self._files:
-                break
-            n += 1
-        return n
 
     def added(self, block_hash: BlockHash) -> None:
         """A write finished: the block is findable here (most recently used)."""
@@ -229,7 +237,7 @@ class DiskTier:
 
     def _write(self, block_hash: BlockHash, src: torch.Tensor) -> bool:
         payload = memoryview(src.view(torch.uint8).reshape(-1).numpy())
-        header = HEADER.pack(MAGIC, block_hash, len(payload), zlib.crc32(payload))
+        header = block_header(MAGIC, block_hash, payload)
         final = self.path(block_hash)
         tmp = final.with_name(f"{final.name}.tmp{threading.get_ident()}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -256,12 +264,8 @@ class DiskTier:
             os.close(fd)
         if got != HEADER.size + len(out):
             return self._bad(block_hash, "wrong length")
-        magic, name, size, crc = HEADER.unpack(header)
-        if magic != MAGIC or name != block_hash or size != len(out):
-            return self._bad(block_hash, "header does not match its name")
-        if zlib.crc32(out) != crc:
-            return self._bad(block_hash, "checksum mismatch")
-        return True
+        why = header_mismatch(MAGIC, block_hash, header, out)
+        return True if why is None else self._bad(block_hash, why)
 
     def _bad(self, block_hash: BlockHash, why: str) -> bool:
         logger.warning("disk KV tier: %s in %s: computed instead", why, self.path(block_hash))

@@ -32,10 +32,8 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import struct
 import threading
 import time
-import zlib
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Protocol
@@ -43,13 +41,12 @@ from urllib.parse import parse_qs, urlsplit
 
 import torch
 
-from splitserve.engine.kv_disk import Done
+from splitserve.engine.kv_disk import HEADER, Done, block_header, header_mismatch
 from splitserve.kvstore.hashing import BlockHash
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"SSKVSTR1"
-HEADER = struct.Struct("<8s32sQI")  # magic, block hash, payload bytes, CRC-32 of the payload
+MAGIC = b"SSKVSTR1"  # (under the disk tier's HEADER)
 KEY_PREFIX = "splitserve/kv/"
 FAILURES_TO_PAUSE = 3  # calls failed in a row before the store is left alone for a while
 PAUSE_S = 5.0
@@ -445,7 +442,7 @@ class StoreTier:
                     logger.exception("KV store: put failed unexpectedly: %s", exc)
 
     def _put(self, block_hash: BlockHash, payload: bytes) -> None:
-        header = HEADER.pack(MAGIC, block_hash, len(payload), zlib.crc32(payload))
+        header = block_header(MAGIC, block_hash, payload)
         if self.paused:
             self.put_failed += 1
             return
@@ -534,12 +531,9 @@ class StoreTier:
         if len(value) != HEADER.size + self.block_bytes:
             expected = HEADER.size + self.block_bytes
             return self._bad(block_hash, f"{len(value)} bytes, expected {expected}")
-        magic, name, size, crc = HEADER.unpack_from(value)
-        if magic != MAGIC or name != block_hash or size != self.block_bytes:
-            return self._bad(block_hash, "header does not match its name")
-        if zlib.crc32(memoryview(value)[HEADER.size :]) != crc:
-            return self._bad(block_hash, "checksum mismatch")
-        return True
+        view = memoryview(value)
+        why = header_mismatch(MAGIC, block_hash, view[: HEADER.size], view[HEADER.size :])
+        return True if why is None else self._bad(block_hash, why)
 
     def _bad(self, block_hash: BlockHash, why: str) -> bool:
         logger.warning("KV store: block %s: %s: computed instead", block_hash.hex()[:16], why)

@@ -84,6 +84,13 @@ def die_with_parent() -> bool:
     return True
 
 
+def term_with_parent() -> None:
+    """A ``preexec_fn`` for a helper that cannot call ``die_with_parent`` itself (a program not
+    ours: redis-server, Mooncake's binaries): SIGTERM when the process that started it ends
+    (Linux; elsewhere nothing)."""
+    _parent_death_signal(signal.SIGTERM)
+
+
 def _parent_death_signal(sig: int) -> bool:
     if sys.platform != "linux":
         return False

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.cluster_spec import free_port
+from splitserve.engine import lifeline
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,9 @@ def start_store(
 ) -> StoreProcesses:
     """Start a master on ``host:port`` (with its HTTP metadata server on ``metadata_port``; 0:
     free ports) and a process lending the store ``memory_mb`` MiB; return once both serve.
-    ``RuntimeError`` if one exits while starting, ``TimeoutError`` past ``deadline``."""
+    ``RuntimeError`` if one exits while starting, ``TimeoutError`` past ``deadline``. Both end
+    with this process however it ends (unless ``popen_options`` gives a ``preexec_fn``)."""
+    popen_options.setdefault("preexec_fn", lifeline.term_with_parent)
     port = port or free_port(host)
     metadata_port = metadata_port or free_port(host)
     metadata = f"http://{host}:{metadata_port}/metadata"

@@ -137,19 +137,9 @@ def _child_options() -> dict[str, Any]:
     """``subprocess.Popen`` options of every process the launcher starts."""
     return {
         "start_new_session": True,  # Ctrl-C reaches the launcher only; it stops them in order
-        "preexec_fn": _set_parent_death_signal if sys.platform == "linux" else None,
+        # children get SIGTERM if the launcher dies without stopping them (kill -9)
+        "preexec_fn": lifeline.term_with_parent,
     }
-
-
-def _set_parent_death_signal() -> None:
-    """Linux: children get SIGTERM if the launcher dies without stopping them (kill -9)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 # Node flags that enter the model identity: the router must be given the same ones, or it
