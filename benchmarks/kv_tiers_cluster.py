@@ -8,9 +8,10 @@ next turn's history), one after the other in this process.
     python benchmarks/kv_tiers_cluster.py --device cpu --tiny --num-prefill 0 --kv-cache-mb 1 \\
         --host-mb 64 --conversations 16 --think-time 0.2 --duration 20
 
-Per run: requests done, prompt tokens and the share computed (the rest came from the pool or a
-tier: usage.cached_tokens), TTFT p50/p90, goodput at TTFT <= ``--ttft-slo`` s; then per turn
-the computed share and TTFT p50/p90. Full reports go to ``--out`` (one JSON file per run).
+``--num-prefill 0 1``: a pair of runs (tier on, off) per layout. Per run: requests done, prompt
+tokens and the share computed (the rest came from the pool or a tier: usage.cached_tokens), TTFT
+p50/p90, goodput at TTFT <= ``--ttft-slo`` s; then per turn the computed share, the tokens new
+in the turn (question and the answer fed back) and TTFT p50/p90. Full reports go to ``--out`` (one JSON file per run).
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from pathlib import Path
 from splitserve.launcher import ClusterSpec, LocalCluster
 
 
-def run(args, model: Path, load_format: str, name: str, host_mb: int, store: bool) -> dict:
+def run(
+    args, model: Path, load_format: str, name: str, num_prefill: int, host_mb: int, store: bool
+) -> dict:
     node_args = ["--kv-cache-mb", str(args.kv_cache_mb), "--kv-host-cache-mb", str(host_mb)]
     node_args += ["--load-format", load_format]
     if store:
@@ -34,7 +37,7 @@ def run(args, model: Path, load_format: str, name: str, host_mb: int, store: boo
     spec = ClusterSpec(
         model_path=str(model),
         device=args.device,
-        num_prefill=args.num_prefill,
+        num_prefill=num_prefill,
         num_decode=1,
         port=0,
         kv_store_mb=args.store_mb if store else None,
@@ -54,6 +57,8 @@ def run(args, model: Path, load_format: str, name: str, host_mb: int, store: boo
             *("--seed", "0", "--processes", str(args.processes), "--no-progress"),
             *("--slo", f"ttft={args.ttft_slo}", "--result-json", str(out)),
         ]
+        if args.output_len:
+            argv += ["--output-len", args.output_len]
         bench = subprocess.run(argv, capture_output=True, text=True, check=False)
         (Path(args.out) / f"{name}.log").write_text(bench.stdout + bench.stderr)
         if bench.returncode != 0:
@@ -69,11 +74,12 @@ def main() -> None:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--make-8b", metavar="DIR", help="write the Llama-3-8B shape here (dummy)")
     src.add_argument("--tiny", action="store_true", help="the embedded random test model")
-    ap.add_argument("--num-prefill", type=int, default=0)
+    ap.add_argument("--num-prefill", type=int, nargs="+", default=[0], help="one run pair each")
     ap.add_argument("--kv-cache-mb", type=int, required=True, help="the pool, small on purpose")
     ap.add_argument("--host-mb", type=int, default=32768, help="the host tier when on")
     ap.add_argument("--conversations", type=int, default=256)
     ap.add_argument("--think-time", type=float, default=1.0)
+    ap.add_argument("--output-len", default=None, help="each answer's length (bench's default)")
     ap.add_argument("--duration", type=float, default=60.0)
     ap.add_argument("--processes", type=int, default=2)
     ap.add_argument("--ttft-slo", type=float, default=2.0)
@@ -99,10 +105,15 @@ def main() -> None:
         model = write_random_checkpoint(Path(tempfile.mkdtemp()) / "tiny", with_tokenizer=True)
         load_format = "auto"
 
-    runs = [("on", args.host_mb, False), ("off", 0, False)]
-    if args.store:
-        runs.append(("on+store", args.host_mb, True))
-    reports = {name: run(args, model, load_format, name, mb, st) for name, mb, st in runs}
+    runs = []
+    for p in args.num_prefill:
+        runs += [(f"P{p} on", p, args.host_mb, False), (f"P{p} off", p, 0, False)]
+        if args.store:
+            runs.append((f"P{p} on+store", p, args.host_mb, True))
+    reports = {}
+    for name, p, mb, st in runs:
+        reports[name] = run(args, model, load_format, name.replace(" ", "-"), p, mb, st)
+        print(f"{name}: done", flush=True)
 
     print(f"\nreports in {args.out}")
     print(
@@ -120,16 +131,21 @@ def main() -> None:
             f"{ttft['p50'] * 1e3:.0f} / {ttft['p90'] * 1e3:.0f} | {r['goodput']:.2f} | "
             f"{r['output_throughput']:,.0f} |"
         )
-    print("\n| host tier | turn | requests | prompt tokens | computed | TTFT p50 / p90 ms |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "\n| host tier | turn | requests | prompt tokens | computed | new in the turn | "
+        "computed / new | TTFT p50 / p90 ms |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for name, rep in reports.items():
         for t in rep["results"]["turns"]:
             p50, p90 = t["ttft_p50_s"], t["ttft_p90_s"]
             ttft = "-" if p50 is None else f"{p50 * 1e3:.0f} / {p90 * 1e3:.0f}"
             share = t["computed_tokens"] / max(t["prompt_tokens"], 1)
+            new = t.get("new_tokens", 0)
             print(
                 f"| {name} | {t['turn']} | {t['requests']} | {t['prompt_tokens']:,} | "
-                f"{t['computed_tokens']:,} ({share:.0%}) | {ttft} |"
+                f"{t['computed_tokens']:,} ({share:.0%}) | {new:,} | "
+                f"{t['computed_tokens'] / max(new, 1):.2f} | {ttft} |"
             )
 
 

@@ -51,6 +51,7 @@ class RequestRecord:
     error: str | None = None  # None: completed; else the failure (gRPC code, "HTTP 429", ...)
     detail: str | None = None  # the failure's message, as the server (or the client) said it
     turn: int | None = None  # its turn in a conversation (users with --think-time), from 0
+    new_tokens: int | None = None  # its prompt tokens no earlier turn of its user sent
     # The answer itself, collected only where a workload feeds it back (token ids, or text):
     # set to an empty list or string before sending, filled as it streams.
     answer: list[int] | str | None = None

@@ -206,6 +206,7 @@ async def run_users(
                 req.max_tokens,
                 arrival=target.now(),
                 turn=user.turn,
+                new_tokens=user.new_tokens,
             )
             record.answer = "" if isinstance(req.prompt, str) else []
             records.append(record)

@@ -254,7 +254,8 @@ async def _drive(args, target, requests, load, share, on_done=lambda r: None, on
 def per_turn(records: list) -> list[dict[str, Any]]:
     """Per conversation turn (users with ``--think-time``): requests, TTFT p50/p90 of those that
     completed, prompt tokens, and of them those the server computed and those its cache served
-    (``usage.cached_tokens``; a server that does not say counts them as computed)."""
+    (``usage.cached_tokens``; a server that does not say counts them as computed), and those
+    new in the turn (the question and the answer fed back: what no cache can hold)."""
     from splitserve.bench.metrics import percentile
 
     out = []
@@ -264,6 +265,7 @@ def per_turn(records: list) -> list[dict[str, Any]]:
         ttft = [r.ttft for r in done if r.ttft is not None]
         prompt = sum(r.prompt_tokens or r.prompt_len for r in done)
         served = sum(r.cached_tokens or 0 for r in done)
+        new = sum(r.new_tokens or 0 for r in done)
         p50, p90 = percentile(ttft, 0.5), percentile(ttft, 0.9)
         out.append(
             {
@@ -275,6 +277,7 @@ def per_turn(records: list) -> list[dict[str, Any]]:
                 "prompt_tokens": prompt,
                 "computed_tokens": prompt - served,
                 "cached_tokens": served,
+                "new_tokens": new,
             }
         )
     return out

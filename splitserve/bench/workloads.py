@@ -217,6 +217,7 @@ class ConversationUser:
         self._rng, self._out, self._text, self._vocab = rng, output_len, text, vocab
         self._p = {**CONVERSATION, **(params or {})}
         self._question: list = []
+        self.new_tokens = 0  # of the last turn given: its prompt tokens no earlier turn sent
         self._new()
 
     def _draw(self, dist: LengthDist) -> list:
@@ -227,19 +228,28 @@ class ConversationUser:
         self.history = self._draw(self._p["system_len"])
         self.turns_left = self._rng.randint(*self._p["turns"])
         self.turn = 0
+        self._fresh = len(self.history)  # history not yet sent in any prompt
 
     def next(self) -> BenchRequest:
         self._question = self._draw(self._p["user_len"])
-        prompt = (self.history + self._question)[-self._p["max_prompt_len"] :]
+        whole = self.history + self._question
+        prompt = whole[-self._p["max_prompt_len"] :]
+        # What no earlier turn sent: the question and the answer fed back since (everything
+        # once the history is cut from the front: the prefix then shifts).
+        cut = len(whole) > len(prompt)
+        self.new_tokens = len(prompt) if cut else self._fresh + len(self._question)
+        self._fresh = 0
         max_tokens = (self._out or self._p["answer_len"]).sample(self._rng)
         return _make(prompt, self._text, max_tokens)
 
     def answered(self, answer: list[int] | str) -> None:
         said = answer.split() if isinstance(answer, str) else list(answer)
         self.history = self.history + self._question + said
+        self._fresh = len(said)
         self._done_turn()
 
     def failed(self) -> None:
+        self._fresh = 0  # (the history unchanged: all of it was sent before)
         self._done_turn()
 
     def _done_turn(self) -> None:

@@ -171,6 +171,27 @@ def test_users_send_the_servers_real_answers_back_turn_by_turn():
     assert sum(t["requests"] for t in turns) == 30
     for t in turns:
         assert t["computed_tokens"] + t["cached_tokens"] == t["prompt_tokens"] > 0
+    # New in a turn: a first turn's whole prompt; later, what its prompt adds to the last one.
+    assert turns[0]["new_tokens"] == turns[0]["prompt_tokens"]
+    for r in records:
+        if r.turn:
+            assert 5 < r.new_tokens < r.prompt_len  # the answer fed back (5) and the question
+    assert turns[1]["new_tokens"] < turns[1]["prompt_tokens"]
+
+
+def test_conversation_user_counts_what_each_turn_adds():
+    rng = random.Random(0)
+    user = workloads.ConversationUser(rng, LengthDist("fixed", 4), text=False, vocab=50,
+                                      params={"turns": (3, 3)})  # fmt: skip
+    first = user.next()
+    assert user.new_tokens == first.prompt_len
+    user.answered([1, 2, 3, 4])
+    second = user.next()
+    assert second.prompt[: first.prompt_len] == first.prompt
+    assert user.new_tokens == second.prompt_len - first.prompt_len  # answer + new question
+    user.failed()  # the question dropped: the next turn adds only its own question
+    third = user.next()
+    assert user.new_tokens == third.prompt_len - first.prompt_len - 4
 
 
 def test_jsonl_workload(tmp_path):
