@@ -11,7 +11,8 @@ next turn's history), one after the other in this process.
 ``--num-prefill 0 1``: a pair of runs (tier on, off) per layout. Per run: requests done, prompt
 tokens and the share computed (the rest came from the pool or a tier: usage.cached_tokens), TTFT
 p50/p90, goodput at TTFT <= ``--ttft-slo`` s; then per turn the computed share, the tokens new
-in the turn (question and the answer fed back) and TTFT p50/p90. Full reports go to ``--out`` (one JSON file per run).
+in the turn (question and the answer fed back) and TTFT p50/p90. Full reports go to ``--out``
+(one JSON file per run).
 """
 
 from __future__ import annotations
