@@ -147,6 +147,8 @@ class EngineFigures:
     kv_token_slots: int = 0
     num_requests: int = 0  # in the engine's request table (decoding, prefilling, queued)
     counters: dict[str, float] = field(default_factory=dict)  # steps, preemptions, prefix...
+    # seconds per block a load takes from each KV tier ("host", "disk", "store"), as measured
+    tier_block_load_s: dict[str, float] = field(default_factory=dict)
 
 
 class NodeEngine(ABC):

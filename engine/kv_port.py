@@ -168,6 +168,11 @@ class KVPort:
         ``KVCacheManager.slot_usage``)."""
         return self._kv.slot_usage()
 
+    def tier_block_load_s(self) -> dict[str, float]:
+        """Measured seconds per block of a load from each tier behind the pool (a figure: any
+        thread; empty without tiers or before the first sample)."""
+        return dict(self._tier.block_load_s) if self._tier is not None else {}
+
     def prefix_stats(self) -> dict[str, float]:
         """Prefix-cache look-ups since start: queries, tokens asked for, tokens found in the
         pool and further in the host tier, and the tier's copies (a figure: any thread, see the

@@ -41,6 +41,10 @@ logger = logging.getLogger(__name__)
 
 SLAB_BYTES = 128 << 20  # host memory is taken in slabs of about this size as the tier fills
 MAX_SPILLING = 256  # host blocks being written to the disk tier at once (pinned meanwhile)
+# A tier's load time per block is sampled from loads of at least this many blocks (fewer say
+# more about a step's or a call's overhead than about the tier) and kept as a moving average.
+LOAD_SAMPLE_MIN_BLOCKS = 8
+LOAD_SAMPLE_WEIGHT = 0.2
 
 
 class TierStats(NamedTuple):
@@ -85,6 +89,10 @@ class _Load:
         self.read_in: list[int] = []  # slots read in and committed, pinned until the load ends
         self.copied = 0  # blocks whose copy into the pool is queued or done
         self.done: torch.cuda.Event | None = None  # the last queued copy's (None: CPU)
+        self.started = time.monotonic()
+        # The copies of the blocks already in host memory, timed: (start, end, blocks) events
+        # on a GPU, (seconds, blocks) on the CPU (None: too few to say)
+        self.host_timing: Any = None
 
 
 class HostTier:
@@ -122,6 +130,10 @@ class HostTier:
         self._next_load = 0
         self.offloaded_blocks = self.skipped_blocks = self.loaded_blocks = 0
         self.disk_hit_blocks = self.store_hit_blocks = 0
+        # Measured seconds per block a load takes from each tier ("host": the copy into the
+        # pool; "disk", "store": the reads into host memory), a moving average: what the router
+        # prices a prefix held there at (GetStats' tier_block_load_s). Absent: not measured.
+        self.block_load_s: dict[str, float] = {}
         if self._cuda:
             self._offload_stream = torch.cuda.Stream(kv_pool.device)
             self._load_stream = torch.cuda.Stream(kv_pool.device)
@@ -272,8 +284,8 @@ class HostTier:
                     assert isinstance(slot, int)
                     del writing[slot]
                     self.index.unpin([slot])
-                    if done.ok and below is self.disk:
-                        self.disk.added(done.block_hash)
+                    if done.ok and isinstance(below, DiskTier):
+                        below.added(done.block_hash)
                     continue
                 number, i = done.tag  # pyright: ignore[reportGeneralTypeIssues]
                 self._read_done(self._loads[number], i, done)
@@ -301,7 +313,24 @@ class HostTier:
             load.sources[i - load.num_ready].drop(done.block_hash)
             load.first_bad = min(load.first_bad, i)
         if load.pending == 0:
+            self._sample_reads(load)
             self._copy_in(load, load.first_bad)
+
+    def _sample(self, tier: str, seconds: float, blocks: int) -> None:
+        per_block = seconds / blocks
+        old = self.block_load_s.get(tier)
+        w = LOAD_SAMPLE_WEIGHT
+        self.block_load_s[tier] = per_block if old is None else (1 - w) * old + w * per_block
+
+    def _sample_reads(self, load: _Load) -> None:
+        """A load whose reads from disk or the store all came in: their time per block (from the
+        load's start: the reads run side by side), for the tier they all came from."""
+        n = len(load.sources)
+        if n < LOAD_SAMPLE_MIN_BLOCKS or load.first_bad < len(load.slots):
+            return  # (a failed read ends early: its time says nothing of the tier's speed)
+        kinds = {"store" if source is self.store else "disk" for source in load.sources}
+        if len(kinds) == 1:
+            self._sample(kinds.pop(), time.monotonic() - load.started, n)
 
     # ---------------------------------------------------------------- load
 
@@ -378,9 +407,15 @@ class HostTier:
         load.copied = max(load.copied, upto)
         if not pairs:
             return
+        # The first copies of a load are of blocks that were in host memory: timed, for the
+        # router's price of a host hit (``block_load_s``).
+        timed = first == 0 and len(pairs) >= LOAD_SAMPLE_MIN_BLOCKS
         if not self._cuda:
+            t0 = time.perf_counter()
             for slot, block_id in pairs:
                 kv[block_id].copy_(self._slot_views[slot])
+            if timed:
+                load.host_timing = (time.perf_counter() - t0, len(pairs))
         else:
             stream = self._load_stream
             # NOTE: after everything queued on the compute stream: a preempted request's
@@ -388,11 +423,16 @@ class HostTier:
             # them (the wait costs a load at most that step).
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
+                start = torch.cuda.Event(enable_timing=True) if timed else None
+                if start is not None:
+                    start.record(stream)
                 views, blocks_of = self._slot_views, self._kv_blocks
                 for slot, block_id in pairs:
                     blocks_of[block_id].copy_(views[slot], non_blocking=True)
-                load.done = torch.cuda.Event()
+                load.done = torch.cuda.Event(enable_timing=timed)
                 load.done.record(stream)
+                if start is not None:
+                    load.host_timing = (start, load.done, len(pairs))
         self.loaded_blocks += len(pairs)
 
     def loaded(self) -> list[tuple[Any, int]]:
@@ -407,6 +447,12 @@ class HostTier:
         out = []
         for number in done:
             load = self._loads.pop(number)
+            if (timing := load.host_timing) is not None:
+                if self._cuda:
+                    start, end, blocks = timing
+                    self._sample("host", start.elapsed_time(end) / 1e3, blocks)
+                else:
+                    self._sample("host", *timing)
             self.index.unpin(load.slots[: load.num_ready])
             self.index.unpin(load.read_in)
             self._pool.free_blocks(load.blocks)

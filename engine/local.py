@@ -450,6 +450,7 @@ def engine_figures(core: LLMEngine, counters: dict[str, float] | None = None) ->
         kv_token_slots=slots.token_slots,
         num_requests=len(core.requests),
         counters={"preemptions": core.num_preemptions, **port.prefix_stats(), **(counters or {})},
+        tier_block_load_s=port.tier_block_load_s(),
     )
 
 

@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import NamedTuple, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -38,7 +38,21 @@ def _prefix(root_hash: bytes) -> str:
     return f"ss:{root_hash.hex()[:16]}"
 
 
-TIERS = (DEVICE, HOST, DISK)  # the tiers a node publishes, each a set of its own
+TIERS = (DEVICE, HOST, DISK)  # the tiers a node publishes, each a set of its own, fastest first
+
+
+class Held(NamedTuple):
+    """The leading blocks of a prompt one node holds, by the fastest of its tiers holding each
+    (``TIERS``' order)."""
+
+    device: int = 0
+    host: int = 0
+    disk: int = 0
+
+    @property
+    def blocks(self) -> int:
+        return self.device + self.host + self.disk
+
 
 REPLAY_TTLS = 3  # a signed entry older than this many TTLs is ignored (clock skew slack)
 
@@ -264,12 +278,15 @@ class PrefixIndex:
         """For each node, how many leading blocks of the chain it holds in any of its tiers (a
         block may be in its device pool or its host memory: either is copied, not computed), in
         one round trip."""
-        return (await self.longest_prefixes_many([(node_ids, block_hashes)]))[0]
+        held = (await self.held_prefixes_many([(node_ids, block_hashes)]))[0]
+        return {node_id: h.blocks for node_id, h in held.items()}
 
-    async def longest_prefixes_many(
+    async def held_prefixes_many(
         self, queries: Sequence[tuple[Sequence[str], Sequence[bytes]]]
-    ) -> list[dict[str, int]]:
-        """``longest_prefixes`` for several (node ids, block hashes) queries in one round trip."""
+    ) -> list[dict[str, Held]]:
+        """For several (node ids, block hashes) queries in one round trip: for each node, the
+        leading blocks of the chain it holds in any tier, counted by the fastest tier holding
+        each (``Held``)."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for node_ids, block_hashes in queries:
                 if block_hashes:
@@ -281,14 +298,15 @@ class PrefixIndex:
         for node_ids, block_hashes in queries:
             found = {}
             for node_id in node_ids:
-                n = 0
+                counts = [0] * len(TIERS)
                 if block_hashes:
                     tiers = [next(rows) for _ in TIERS]
                     for flags in zip(*tiers, strict=True):
-                        if not any(flags):
+                        fastest = next((t for t, flag in enumerate(flags) if flag), None)
+                        if fastest is None:
                             break
-                        n += 1
-                found[node_id] = n
+                        counts[fastest] += 1
+                found[node_id] = Held(*counts)
             out.append(found)
         return out
 

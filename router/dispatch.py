@@ -19,7 +19,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -34,7 +34,7 @@ from splitserve.router.first_token import FirstToken, Started, Tried
 from splitserve.router.kv_budget import KVDemand
 from splitserve.router.pool import Node, NodePool, prompt_tokens_to_compute
 from splitserve.router.prefill_stage import PrefillStage
-from splitserve.router.prefix import PrefixLookup
+from splitserve.router.prefix import CachedPrefix, PrefixLookup
 from splitserve.router.registry import NodeRegistry
 from splitserve.router.request import GenerateParams
 from splitserve.router.route import DISAGGREGATED, NO_DIRECT, RoutePolicy, choose_route
@@ -100,7 +100,7 @@ class Dispatcher:
         if self._lookup is not None:
             t1 = time.monotonic()
             self._stage("lookup", t1 - t0)
-            most = max(cached.values(), default=0)
+            most = max((h.blocks for h in cached.held.values()), default=0)
             tracing.record("lookup", t0, t1, {"splitserve.most_cached_blocks": most})
         demand = KVDemand.of(
             params.prompt_token_ids,
@@ -198,7 +198,7 @@ class Dispatcher:
         params: GenerateParams,
         pair: tuple[Node | None, Node],
         demand: KVDemand,
-        cached: Mapping[str, int],
+        cached: CachedPrefix,
         tried: Tried,
         deadline: float,
     ) -> Started | GenerateError:
@@ -221,16 +221,17 @@ class Dispatcher:
             return first
         return Started(first, session, 0.0, time.monotonic())
 
-    async def _cached_blocks(self, hashes: Sequence[BlockHash] | None) -> dict[str, int]:
-        """Leading blocks of the prompt (its ``hashes``) each node holds; empty without an
-        index."""
+    async def _cached_blocks(self, hashes: Sequence[BlockHash] | None) -> CachedPrefix:
+        """Leading blocks of the prompt (its ``hashes``) each node holds, priced by the tier
+        holding them there; empty without an index."""
         if self._lookup is None or hashes is None:
-            return {}
+            return CachedPrefix()
         reg = self._registry
-        addresses = [n.address for pool in (reg.prefill, reg.decode) for n in pool.nodes]
-        return await self._lookup.cached_blocks(hashes, addresses)
+        nodes = {n.address: n for pool in (reg.prefill, reg.decode) for n in pool.nodes}
+        held = await self._lookup.cached_blocks(hashes, list(nodes))
+        return CachedPrefix(held, nodes, self._block_size)
 
-    def _uncached_tokens(self, n_prompt: int, cached: Mapping[str, int]) -> int:
+    def _uncached_tokens(self, n_prompt: int, cached: CachedPrefix) -> int:
         """The prompt tokens a node will compute, by the prefix index's estimate: the prompt less
         the longest prefix any node of the pool that computes it holds."""
         reg = self._registry
@@ -239,14 +240,14 @@ class Dispatcher:
         return prompt_tokens_to_compute(n_prompt, held, self._block_size)
 
     def _choose_decode(
-        self, tried: Tried, cached: Mapping[str, int], demand: KVDemand, tpot_s: float | None
+        self, tried: Tried, cached: CachedPrefix, demand: KVDemand, tpot_s: float | None
     ) -> Node:
         d = _choose(self._registry.decode, tried, cached, demand=demand, tpot_s=tpot_s)
         if d is None:
             raise _none_reachable(self._registry.decode)
         return d
 
-    def _choose_prefill(self, n_prompt: int, tried: Tried, cached: Mapping[str, int]) -> Node:
+    def _choose_prefill(self, n_prompt: int, tried: Tried, cached: CachedPrefix) -> Node:
         p = _choose(self._registry.prefill, tried, cached, n_prompt, self._block_size)
         if p is None:  # not reached: choose_route goes direct when no prefill node is usable
             raise _none_reachable(self._registry.prefill)
@@ -254,21 +255,26 @@ class Dispatcher:
 
 
 def _route_attributes(
-    route: str, p: Node | None, d: Node, cached: Mapping[str, int], work: int, attempt: int
+    route: str, p: Node | None, d: Node, cached: CachedPrefix, work: int, attempt: int
 ) -> dict[str, str | int]:
     """The routing decision as a trace sees it: where, and what each node chosen held."""
     out: dict[str, str | int] = {
         "splitserve.route": route,
         "splitserve.attempt": attempt,
         "splitserve.decode_node": d.address,
-        "splitserve.decode_cached_blocks": cached.get(d.address, 0),
+        "splitserve.decode_cached_blocks": _held(cached, d.address),
         "splitserve.decode_in_flight": d.in_flight,
         "splitserve.uncached_tokens_estimate": work,
     }
     if p is not None:
         out["splitserve.prefill_node"] = p.address
-        out["splitserve.prefill_cached_blocks"] = cached.get(p.address, 0)
+        out["splitserve.prefill_cached_blocks"] = _held(cached, p.address)
     return out
+
+
+def _held(cached: CachedPrefix, address: str) -> int:
+    held = cached.held.get(address)
+    return held.blocks if held is not None else 0
 
 
 def _note_attempt(span: Any, result: Started | GenerateError) -> None:
@@ -299,7 +305,7 @@ def _none_reachable(pool: NodePool) -> GenerateError:
 def _choose(
     pool: NodePool,
     tried: Tried,
-    cached: Mapping[str, int],
+    cached: CachedPrefix,
     prompt_tokens: int | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
     demand: KVDemand | None = None,

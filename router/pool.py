@@ -59,6 +59,13 @@ class Node:
     rate: BusyRate = field(default_factory=BusyRate, repr=False)
     # decode: its requests' time per output token against how many it holds (router.predictor)
     tpot: TPOTLine = field(default_factory=TPOTLine, repr=False)
+    # seconds per block a load from each of its KV tiers takes, as it measured them (GetStats):
+    # what a prefix held there is worth (router.prefix.CachedPrefix)
+    tier_block_load_s: dict[str, float] = field(default_factory=dict, repr=False)
+
+    def prefill_tokens_per_s(self) -> float | None:
+        """Prompt tokens it computes per busy second, as measured here (None: not yet)."""
+        return self.rate.rate()
 
     def apply_share(self) -> None:
         """Decode: set the capacity and the KV budget from the share this router may fill now
@@ -107,10 +114,12 @@ class Node:
         return now >= self.down_until
 
 
-def prompt_tokens_to_compute(prompt_tokens: int, cached_blocks: int, block_size: int) -> int:
+def prompt_tokens_to_compute(prompt_tokens: int, cached_blocks: float, block_size: int) -> int:
     """Tokens a prefill node computes for a prompt of which it caches ``cached_blocks`` leading
-    blocks (at least the last token, whose logits give the first output token)."""
-    return max(prompt_tokens - cached_blocks * block_size, 1)
+    blocks (at least the last token, whose logits give the first output token). Blocks in a
+    slower tier count for less than one (``router.prefix.CachedPrefix``): the tokens are then
+    those whose computation the loads do not save."""
+    return max(prompt_tokens - round(cached_blocks * block_size), 1)
 
 
 class NodePool:
@@ -153,7 +162,7 @@ class NodePool:
     def pick(
         self,
         exclude: Collection[Node] = (),
-        cached: Mapping[str, int] | None = None,
+        cached: Mapping[str, float] | None = None,
         prompt_tokens: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         demand: KVDemand | None = None,

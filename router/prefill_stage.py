@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -24,6 +24,7 @@ from splitserve.router.decode_stage import DecodeSession
 from splitserve.router.errors import UNREACHABLE, GenerateError
 from splitserve.router.first_token import FirstToken, Tried
 from splitserve.router.pool import Node, NodePool, prompt_tokens_to_compute
+from splitserve.router.prefix import CachedPrefix
 from splitserve.router.registry import NodeRegistry
 from splitserve.router.request import GenerateParams
 from splitserve.runtime.auth import call_metadata
@@ -51,7 +52,7 @@ class PrefillStage:
         params: GenerateParams,
         p: Node,
         session: DecodeSession,
-        cached: Mapping[str, int],
+        cached: CachedPrefix,
         tried: Tried,
         deadline: float,
     ) -> FirstToken | GenerateError:
@@ -158,14 +159,15 @@ async def _unless_stalled(
 
 
 def _peer_hint(
-    pool: NodePool, chosen: Node, cached: Mapping[str, int], unreachable: set[Node]
+    pool: NodePool, chosen: Node, cached: CachedPrefix, unreachable: set[Node]
 ) -> dict[str, Any]:
-    """When another prefill node holds a longer prefix than the chosen one (the imbalance guard
-    sent the request elsewhere), name it: the chosen node fetches those blocks from it rather
-    than computing them."""
-    here = cached.get(chosen.address, 0)
+    """When another prefill node holds a longer prefix in its accelerator pool than the chosen
+    one holds in any tier (the imbalance guard sent the request elsewhere), name it: the chosen
+    node fetches those blocks from it rather than computing them. (A peer serves blocks from its
+    pool only, so blocks in its host tier or on its disk are not counted.)"""
+    here = cached.held[chosen.address].blocks if chosen.address in cached.held else 0
     peers = [n for n in pool.nodes if n is not chosen and n not in unreachable]
-    best = max(peers, key=lambda n: cached.get(n.address, 0), default=None)
-    if best is None or cached.get(best.address, 0) <= here:
+    best = max(peers, key=lambda n: cached.device_blocks(n.address), default=None)
+    if best is None or cached.device_blocks(best.address) <= here:
         return {}
-    return {"peer_address": best.address, "peer_blocks": cached[best.address]}
+    return {"peer_address": best.address, "peer_blocks": cached.device_blocks(best.address)}

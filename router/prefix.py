@@ -1,13 +1,18 @@
-"""Which leading blocks of a prompt each node already holds, per the prefix index in Redis."""
+"""Which leading blocks of a prompt each node already holds, per the prefix index in Redis, and
+what they are worth there (``CachedPrefix``: a block in a node's accelerator pool is free, one in
+a tier behind it costs its load, priced against computing it).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 from splitserve.kvstore import BlockHash, hash_request_tokens
-from splitserve.kvstore.redis_index import PrefixIndex
+from splitserve.kvstore.host_cache import DISK, HOST
+from splitserve.kvstore.redis_index import Held, PrefixIndex
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +30,7 @@ class LookupBatcher:
         self._queue: list[tuple[list[str], Sequence[bytes], asyncio.Future]] = []
         self._flusher: asyncio.Task | None = None
 
-    async def lookup(self, node_ids: list[str], hashes: Sequence[bytes]) -> dict[str, int]:
+    async def lookup(self, node_ids: list[str], hashes: Sequence[bytes]) -> dict[str, Held]:
         future = asyncio.get_running_loop().create_future()
         self._queue.append((node_ids, hashes, future))
         if self._flusher is None or self._flusher.done():
@@ -36,7 +41,7 @@ class LookupBatcher:
         while self._queue:
             batch, self._queue = self._queue, []
             try:
-                results = await self._index.longest_prefixes_many([(n, h) for n, h, _ in batch])
+                results = await self._index.held_prefixes_many([(n, h) for n, h, _ in batch])
             except Exception as exc:  # every caller hears of it (and routes by load)
                 for *_, future in batch:
                     if not future.done():
@@ -69,9 +74,9 @@ class PrefixLookup:
 
     async def cached_blocks(
         self, hashes: Sequence[BlockHash], addresses: list[str]
-    ) -> dict[str, int]:
-        """Node address → leading blocks of the prompt (``block_hashes``) it holds (one round
-        trip)."""
+    ) -> dict[str, Held]:
+        """Node address → leading blocks of the prompt (``block_hashes``) it holds, by tier (one
+        round trip)."""
         if not hashes:
             return {}
         try:
@@ -87,3 +92,56 @@ class PrefixLookup:
             logger.info("prefix index reachable again")
         self._ok = True
         return cached
+
+
+class NodeRates(Protocol):
+    """What pricing a node's tiers needs of the router's record of it (``router.pool.Node``)."""
+
+    @property
+    def tier_block_load_s(self) -> Mapping[str, float]: ...
+
+    def prefill_tokens_per_s(self) -> float | None: ...
+
+
+def block_worth(tier: str, node: NodeRates | None, block_size: int) -> float:
+    """The share of a block's computation that loading it from ``tier`` on ``node`` saves: 1
+    minus its measured load time over the time the node takes to compute a block (its measured
+    prefill rate), at least 0 (a tier slower than computing is worth nothing). Either figure not
+    measured yet: 1 (as a block in the pool)."""
+    if node is None:
+        return 1.0
+    load_s = node.tier_block_load_s.get(tier)
+    rate = node.prefill_tokens_per_s()
+    if load_s is None or not rate:
+        return 1.0
+    return max(0.0, 1.0 - load_s / (block_size / rate))
+
+
+class CachedPrefix(dict[str, float]):
+    """Node address → the leading blocks of a prompt it holds, priced: what holding them saves,
+    in blocks of computation (a block in the accelerator pool counts 1, one in the host tier or
+    on disk ``block_worth``). ``held`` keeps the index's counts by tier (a peer fetch reads a
+    peer's pool blocks only: ``held[address].device``)."""
+
+    def __init__(
+        self,
+        held: Mapping[str, Held] | None = None,
+        nodes: Mapping[str, NodeRates] | None = None,
+        block_size: int = 16,
+    ) -> None:
+        self.held: dict[str, Held] = dict(held or {})
+        nodes = nodes or {}
+        priced = {}
+        for address, h in self.held.items():
+            node = nodes.get(address)
+            priced[address] = (
+                h.device
+                + h.host * block_worth(HOST, node, block_size)
+                + h.disk * block_worth(DISK, node, block_size)
+            )
+        super().__init__(priced)
+
+    def device_blocks(self, address: str) -> int:
+        """Leading blocks of the prompt in ``address``'s accelerator pool."""
+        held = self.held.get(address)
+        return held.device if held is not None else 0

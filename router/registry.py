@@ -139,6 +139,7 @@ class NodeRegistry:
                 node.verified = True  # nothing to check; its capacity stays unknown
             return  # checked again on the next round
         node.verified = True
+        node.tier_block_load_s = dict(stats.tier_block_load_s)
         if pool.role == "decode" and stats.max_num_seqs:
             node.slots = stats.max_num_seqs
             node.full_slots = stats.max_num_seqs * self.decode_overcommit
@@ -226,7 +227,8 @@ class NodeRegistry:
                 )
 
     async def poll_load(self) -> dict[tuple[str, str], LoadFigures]:
-        """Every reachable node's load figures, (role, address) → LoadFigures (GetStats)."""
+        """Every reachable node's load figures, (role, address) → LoadFigures (GetStats); each
+        node's measured tier load times are taken on the way (``Node.tier_block_load_s``)."""
         pairs = [(pool, n) for pool, n in self._all() if not n.rejected]
 
         async def one(pool: NodePool, node: Node) -> LoadFigures | None:
@@ -234,6 +236,7 @@ class NodeRegistry:
                 s = await self.stats(node)
             except grpc.aio.AioRpcError:
                 return None
+            node.tier_block_load_s = dict(s.tier_block_load_s)  # (what its tiers cost now)
             return LoadFigures(
                 s.running,
                 s.waiting,

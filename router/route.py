@@ -38,7 +38,7 @@ def choose_route(
     policy: RoutePolicy,
     prefill: NodePool,
     decode_node: Node,
-    cached: Mapping[str, int],
+    cached: Mapping[str, float],
     prompt_tokens: int,
     block_size: int,
     exclude: Collection[Node] = (),

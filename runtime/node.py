@@ -474,5 +474,6 @@ def node_stats(
         kv_tokens_held=load.kv_tokens_held,
         kv_token_slots=load.kv_token_slots,
         counters=counters,
+        tier_block_load_s=figures.tier_block_load_s,
         **extra,
     )

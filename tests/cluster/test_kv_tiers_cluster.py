@@ -9,6 +9,7 @@ import random
 import time
 import urllib.request
 
+import grpc
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
@@ -18,6 +19,7 @@ from splitserve.client import AsyncClient
 from splitserve.kvstore import ModelIdentity
 from splitserve.launcher import ClusterSpec, LocalCluster
 from splitserve.models.tiny import write_random_checkpoint
+from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 MAX_NEW = 4
 GREEDY = dict(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -117,3 +119,10 @@ def test_prompts_evicted_from_the_pool_come_back_from_the_host_tier(cluster, mod
             break
         time.sleep(0.2)
     assert len(files) >= 32 * 15 and disk <= files and len(disk) >= 32 * 15
+    # The node says what a load from its host tier costs (the router prices the tier by it):
+    # the second round loaded runs of 15 blocks, each sampled.
+    with grpc.insecure_channel(node) as channel:
+        stats = nodes_pb2_grpc.NodeStatsServiceStub(channel).GetStats(
+            nodes_pb2.GetStatsRequest(), timeout=10
+        )
+    assert 0 < stats.tier_block_load_s["host"] < 1, dict(stats.tier_block_load_s)

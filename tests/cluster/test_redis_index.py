@@ -8,8 +8,14 @@ from support.processes import start_redis
 
 from splitserve.kvstore import BlockPool, ModelIdentity, hash_request_tokens
 from splitserve.kvstore.block_pool import BlockRemoved, BlockStored
-from splitserve.kvstore.host_cache import HOST
-from splitserve.kvstore.redis_index import IDENTITIES_KEY, IndexPublisher, NodeInfo, PrefixIndex
+from splitserve.kvstore.host_cache import DISK, HOST
+from splitserve.kvstore.redis_index import (
+    IDENTITIES_KEY,
+    Held,
+    IndexPublisher,
+    NodeInfo,
+    PrefixIndex,
+)
 
 ROOT = ModelIdentity("m").root_hash
 
@@ -64,11 +70,17 @@ def test_a_block_moves_between_tiers_in_the_index_and_leaves_it_at_the_last(redi
         await index.publish("a", [BlockRemoved(chain[:2])])  # evicted from the device pool
         assert (await index.longest_prefixes(["a"], chain)) == {"a": 4}
         assert await index.redis.smembers(index._blocks_key("a")) == set(chain[2:])
+        # By tier, each block counted in the fastest holding it (what the router prices).
+        held = (await index.held_prefixes_many([(["a", "b"], chain)]))[0]
+        assert held == {"a": Held(device=2, host=2), "b": Held()}
         await index.publish("a", [BlockRemoved(chain[1:2], HOST)])  # and from the host tier
         assert (await index.longest_prefixes(["a"], chain)) == {"a": 1}
         # A snapshot per tier replaces both sets; deregistering removes both.
         await index.reset_node("a", [BlockStored(chain[:1]), BlockStored(chain[1:3], HOST)])
         assert (await index.longest_prefixes(["a"], chain)) == {"a": 3}
+        await index.publish("a", [BlockStored(chain[3:], DISK)])
+        held = (await index.held_prefixes_many([(["a"], chain)]))[0]
+        assert held == {"a": Held(device=1, host=2, disk=1)} and held["a"].blocks == 4
         await index.deregister("a")
         assert (await index.longest_prefixes(["a"], chain)) == {"a": 0}
         assert not await index.redis.exists(*index._tier_keys("a"))
@@ -225,18 +237,18 @@ def test_concurrent_router_lookups_share_round_trips(redis_url):
             await index.publish("a", [BlockStored(chain[: i % 5])])
         await index.publish("b", [BlockStored(chains[3])])
         pipelines = []
-        many = index.longest_prefixes_many
+        many = index.held_prefixes_many
 
         async def counted(queries):
             pipelines.append(len(queries))
             return await many(queries)
 
-        index.longest_prefixes_many = counted
+        index.held_prefixes_many = counted
         batcher = LookupBatcher(index)
         got = await asyncio.gather(*(batcher.lookup(["a", "b"], c) for c in chains))
-        assert got == [{"a": i % 5, "b": 4 if i == 3 else 0} for i in range(20)]
+        assert got == [{"a": Held(i % 5), "b": Held(4 if i == 3 else 0)} for i in range(20)]
         assert sum(pipelines) == 20 and len(pipelines) <= 3, pipelines  # not one per request
-        assert await batcher.lookup(["a"], []) == {"a": 0}
+        assert await batcher.lookup(["a"], []) == {"a": Held()}
         await index.close()
 
     asyncio.run(run())

@@ -567,3 +567,34 @@ def test_a_store_read_past_its_deadline_is_abandoned_and_the_load_ends():
     tier.index.check_invariants()
     pool.free_blocks(blocks)
     pool.check_invariants()
+
+
+def test_each_tier_measures_its_load_time_per_block_for_the_router(checkpoint, tmp_path):
+    """A load of enough blocks samples its tier's time per block (GetStats' tier_block_load_s,
+    what the router prices a prefix held there at): the host tier's copy into the pool, the
+    disk's reads into host memory."""
+    from splitserve.engine.kv_tiers import LOAD_SAMPLE_MIN_BLOCKS
+    from splitserve.engine.local import engine_figures
+
+    prompts = _prompts(4, length=LOAD_SAMPLE_MIN_BLOCKS * 16 + 12)  # 8 full blocks each
+    engine = _engine(checkpoint, "auto", 20, 64)  # the pool holds two of them
+    assert engine.host_tier.block_load_s == {} and engine_figures(engine).tier_block_load_s == {}
+    for prompt in prompts:
+        engine.generate([prompt], GREEDY)
+    again = engine.generate(prompts[:1], GREEDY)[0]
+    assert again.num_cached_tokens == LOAD_SAMPLE_MIN_BLOCKS * 16  # from the host tier
+    host = engine.host_tier.block_load_s["host"]
+    assert 0 < host < 1 and set(engine.host_tier.block_load_s) == {"host"}
+    assert engine_figures(engine).tier_block_load_s == {"host": host}
+    _assert_all_released(engine)
+
+    disk = _engine(checkpoint, "auto", 20, 12, disk=tmp_path)  # host: one prompt and a half
+    for prompt in prompts:
+        disk.generate([prompt], GREEDY)
+        _settle(disk)
+    again = disk.generate(prompts[:1], GREEDY)[0]
+    _settle(disk)
+    assert again.num_cached_tokens == LOAD_SAMPLE_MIN_BLOCKS * 16
+    assert disk.host_tier.disk_hit_blocks == LOAD_SAMPLE_MIN_BLOCKS
+    assert 0 < disk.host_tier.block_load_s["disk"] < 5
+    _assert_all_released(disk)

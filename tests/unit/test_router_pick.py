@@ -3,7 +3,11 @@ and the route choice (disaggregated or direct, router.route)."""
 
 from __future__ import annotations
 
+import pytest
+
+from splitserve.kvstore.redis_index import Held
 from splitserve.router.pool import MAX_IMBALANCE, NodePool, prompt_tokens_to_compute
+from splitserve.router.prefix import CachedPrefix, block_worth
 from splitserve.router.route import DIRECT, DISAGGREGATED, RoutePolicy, choose_route
 
 
@@ -119,3 +123,57 @@ def test_route_direct_when_every_prefill_node_is_backlogged_and_the_decode_node_
     d.in_flight = 2  # no free batch slot
     assert choose_route(policy, prefill, d, {}, 500, 16) == DISAGGREGATED
     assert choose_route(RoutePolicy(), prefill, d, {}, 500, 16) == DISAGGREGATED
+
+
+class _Rates:
+    """A node's figures as the router keeps them: tier load times and a prefill rate."""
+
+    def __init__(self, load_s: dict[str, float], rate: float | None) -> None:
+        self.tier_block_load_s, self._rate = load_s, rate
+
+    def prefill_tokens_per_s(self) -> float | None:
+        return self._rate
+
+
+def test_a_prefix_in_a_slower_tier_is_worth_what_its_load_saves():
+    # 16-token blocks at 16,000 tokens/s: 1 ms to compute a block.
+    fast = _Rates({"host": 0.0001, "disk": 0.0005}, 16_000.0)
+    slow = _Rates({"host": 0.0001, "disk": 0.003}, 16_000.0)  # a disk slower than computing
+    assert block_worth("host", fast, 16) == pytest.approx(0.9)
+    assert block_worth("disk", fast, 16) == pytest.approx(0.5)
+    assert block_worth("disk", slow, 16) == 0.0
+    # Not measured (no load yet, or no prefill rate yet): as good as the pool, as before.
+    assert block_worth("disk", _Rates({}, 16_000.0), 16) == 1.0
+    assert block_worth("host", _Rates({"host": 0.0001}, None), 16) == 1.0
+    assert block_worth("host", None, 16) == 1.0
+    held = {"a": Held(device=4, host=10), "b": Held(disk=10), "c": Held(device=2, disk=8)}
+    cached = CachedPrefix(held, {"a": fast, "b": slow, "c": fast}, 16)
+    assert cached == pytest.approx({"a": 13.0, "b": 0.0, "c": 6.0})
+    assert cached.device_blocks("a") == 4 and cached.device_blocks("x") == 0
+
+
+def test_prefill_pick_prices_each_tier_against_computing():
+    """Two idle prefill nodes hold the same 18 blocks of a 320-token prompt: one in its pool,
+    one on a disk slower than computing. The pool's holder takes the prompt; with the disk as
+    fast as the pool would be, the choice is a tie (round robin)."""
+    pool = NodePool("prefill", ["a:1", "b:2"], clock=FakeClock())
+    a, b = pool.nodes
+    held = {"a:1": Held(disk=18), "b:2": Held(device=18)}
+    for node in (a, b):
+        node.tier_block_load_s = {"disk": 0.003}
+        node.rate = _MeasuredRate(16_000.0)  # type: ignore[assignment]
+    cached = CachedPrefix(held, {n.address: n for n in pool.nodes}, 16)
+    assert [pool.pick(cached=cached, prompt_tokens=320) for _ in range(3)] == [b] * 3
+    a.tier_block_load_s = {"disk": 0.0}
+    cached = CachedPrefix(held, {n.address: n for n in pool.nodes}, 16)
+    assert {pool.pick(cached=cached, prompt_tokens=320) for _ in range(2)} == {a, b}
+    # The work a node is charged with is whole tokens: what its loads do not save.
+    assert prompt_tokens_to_compute(320, 0.5, 16) == 312
+
+
+class _MeasuredRate:
+    def __init__(self, rate: float) -> None:
+        self._rate = rate
+
+    def rate(self) -> float:
+        return self._rate

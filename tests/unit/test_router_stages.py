@@ -18,6 +18,7 @@ import pytest
 from router_fakes import FakeNodes, FakeRegistry, all_given_back
 from support.router_helpers import MODEL, request
 
+from splitserve.kvstore.redis_index import Held
 from splitserve.router.assembly import build_front
 from splitserve.router.decode_stage import DecodeStage
 from splitserve.router.direct import DirectStage
@@ -27,6 +28,7 @@ from splitserve.router.first_token import FirstToken, Tried
 from splitserve.router.kv_budget import KVDemand
 from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.prefill_stage import PrefillStage
+from splitserve.router.prefix import CachedPrefix
 from splitserve.router.request import GenerateParams, parse_request
 from splitserve.runtime.config import RouterConfig
 from splitserve.runtime.metrics import RouterMetrics
@@ -83,7 +85,7 @@ def test_prefill_stage_returns_the_first_token_and_gives_p_back():
         p, d = registry.prefill.nodes[0], registry.decode.nodes[0]
         prm = params("abcd")
         session = decode.claim(d, demand_of(prm), "r-1")
-        first = await stage.attempt(prm, p, session, {}, tried(), time.monotonic() + 5)
+        first = await stage.attempt(prm, p, session, CachedPrefix(), tried(), time.monotonic() + 5)
         assert first == FirstToken(ord("d"), 0.0, "", 3, computed_tokens=1)
         assert computed == [len("abcd") - 3]
         assert nodes.prefill_calls == [("p0", "d0")] and "r-1" in nodes.held
@@ -111,7 +113,7 @@ def test_prefill_stage_classifies_refusals_and_failures():
         async def attempt(t: Tried):
             session = decode.claim(d, demand_of(prm), "r")
             try:
-                return await stage.attempt(prm, p, session, {}, t, deadline)
+                return await stage.attempt(prm, p, session, CachedPrefix(), t, deadline)
             finally:
                 session.close()
 
@@ -151,10 +153,22 @@ def test_prefill_stage_names_a_peer_holding_a_longer_prefix():
         stage, decode = PrefillStage(registry, BS), DecodeStage(registry)
         p = registry.prefill.nodes[0]
         session = decode.claim(registry.decode.nodes[0], None, "r")
-        cached = {"p0": 1, "p1": 3, "p2": 2}
+        cached = CachedPrefix({"p0": Held(1), "p1": Held(3), "p2": Held(2)})
         await stage.attempt(params(), p, session, cached, tried(), time.monotonic() + 5)
         session.close(release_kv=True)
         assert seen == [("p1", 3)]
+        # A peer serves from its pool only: its host-tier blocks are not offered, and a chosen
+        # node holding as many in any tier is sent to no peer.
+        seen.clear()
+        for held, hint in [
+            ({"p0": Held(1), "p1": Held(1, host=5), "p2": Held(2)}, ("p2", 2)),
+            ({"p0": Held(0, disk=3), "p1": Held(3), "p2": Held(2)}, ("", 0)),
+        ]:
+            session = decode.claim(registry.decode.nodes[0], None, "r")
+            cached = CachedPrefix(held)
+            await stage.attempt(params(), p, session, cached, tried(), time.monotonic() + 5)
+            session.close(release_kv=True)
+            assert seen.pop() == hint
 
     asyncio.run(main())
 

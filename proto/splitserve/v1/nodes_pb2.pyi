@@ -263,8 +263,15 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("role", "num_blocks", "num_free_blocks", "num_cached_blocks", "running", "waiting", "pending_transfers", "counters", "model_root_hash", "model_identity", "prefill_tokens_waiting", "transfer_endpoint", "max_num_seqs", "kv_tokens_held", "kv_token_slots", "max_num_batched_tokens", "relay_leases")
+    __slots__ = ("role", "num_blocks", "num_free_blocks", "num_cached_blocks", "running", "waiting", "pending_transfers", "counters", "model_root_hash", "model_identity", "prefill_tokens_waiting", "transfer_endpoint", "max_num_seqs", "kv_tokens_held", "kv_token_slots", "max_num_batched_tokens", "relay_leases", "tier_block_load_s")
     class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class TierBlockLoadSEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -288,6 +295,7 @@ class GetStatsResponse(_message.Message):
     KV_TOKEN_SLOTS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RELAY_LEASES_FIELD_NUMBER: _ClassVar[int]
+    TIER_BLOCK_LOAD_S_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_blocks: int
     num_free_blocks: int
@@ -305,4 +313,5 @@ class GetStatsResponse(_message.Message):
     kv_token_slots: int
     max_num_batched_tokens: int
     relay_leases: bool
-    def __init__(self, role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., pending_transfers: _Optional[int] = ..., counters: _Optional[_Mapping[str, float]] = ..., model_root_hash: _Optional[bytes] = ..., model_identity: _Optional[str] = ..., prefill_tokens_waiting: _Optional[int] = ..., transfer_endpoint: _Optional[bytes] = ..., max_num_seqs: _Optional[int] = ..., kv_tokens_held: _Optional[int] = ..., kv_token_slots: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., relay_leases: _Optional[bool] = ...) -> None: ...
+    tier_block_load_s: _containers.ScalarMap[str, float]
+    def __init__(self, role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., pending_transfers: _Optional[int] = ..., counters: _Optional[_Mapping[str, float]] = ..., model_root_hash: _Optional[bytes] = ..., model_identity: _Optional[str] = ..., prefill_tokens_waiting: _Optional[int] = ..., transfer_endpoint: _Optional[bytes] = ..., max_num_seqs: _Optional[int] = ..., kv_tokens_held: _Optional[int] = ..., kv_token_slots: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., relay_leases: _Optional[bool] = ..., tier_block_load_s: _Optional[_Mapping[str, float]] = ...) -> None: ...
