@@ -266,7 +266,7 @@ def per_turn(records: list) -> list[dict[str, Any]]:
         prompt = sum(r.prompt_tokens or r.prompt_len for r in done)
         served = sum(r.cached_tokens or 0 for r in done)
         new = sum(r.new_tokens or 0 for r in done)
-        p50, p90 = percentile(ttft, 0.5), percentile(ttft, 0.9)
+        p50, p90 = percentile(ttft, 50), percentile(ttft, 90)
         out.append(
             {
                 "turn": turn,

@@ -179,6 +179,19 @@ def test_users_send_the_servers_real_answers_back_turn_by_turn():
     assert turns[1]["new_tokens"] < turns[1]["prompt_tokens"]
 
 
+def test_per_turn_ttft_percentiles_are_the_turns_p50_and_p90():
+    from splitserve.bench.session import per_turn
+
+    records = []
+    for i in range(11):  # turn 1's TTFTs: 0, 0.1, ..., 1.0 s
+        r = RequestRecord(i, 10, 1, arrival=0.0, turn=1, new_tokens=2)
+        r.start, r.token_times, r.end, r.output_tokens = 0.0, [i / 10], i / 10, 1
+        records.append(r)
+    (turn,) = per_turn(records)
+    assert turn["ttft_p50_s"] == pytest.approx(0.5) and turn["ttft_p90_s"] == pytest.approx(0.9)
+    assert turn["new_tokens"] == 22
+
+
 def test_conversation_user_counts_what_each_turn_adds():
     rng = random.Random(0)
     user = workloads.ConversationUser(rng, LengthDist("fixed", 4), text=False, vocab=50,
