@@ -31,6 +31,10 @@ class DirectStage:
             sampling=sampling_to_proto(params.sampling),
             cache_salt=params.cache_salt,
         )
+        # D's busy rate while it prefills our prompts (tokens per busy second): what its tiers'
+        # loads are priced against (router.prefix.CachedPrefix), as a prefill node's are.
+        d.rate.start()
+        computed = 0
         try:
             reply = await session.open_generate(request, deadline).read()  # marks D down when
             if len(reply.token_ids) != 1:  # it is unreachable
@@ -38,6 +42,7 @@ class DirectStage:
                     grpc.StatusCode.INTERNAL,
                     f"decode node {d.address} sent {len(reply.token_ids)} first tokens",
                 )
+            computed = max(len(params.prompt_token_ids) - reply.cached_tokens, 0)
         except GenerateError as exc:
             if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 tried.busy.add(d)
@@ -46,6 +51,8 @@ class DirectStage:
                 tried.unreachable.add(d)
                 return exc
             raise
+        finally:
+            d.rate.end(computed)
         return FirstToken(
             token_id=reply.token_ids[0],
             logprob=reply.logprobs[0] if reply.logprobs else 0.0,

@@ -205,6 +205,33 @@ def test_direct_stage_reads_d_first_token_and_leaves_the_stream_to_the_session()
     asyncio.run(main())
 
 
+def test_direct_stage_measures_d_prefill_rate_for_pricing_its_tiers():
+    """D's prefill rate (tokens per busy second, as a prefill node's) is what the router prices
+    a prefix in D's host tier or on its disk against; every attempt is counted once, refused
+    ones with no tokens."""
+
+    async def main():
+        nodes = FakeNodes()
+        registry = FakeRegistry(nodes)
+        decode = DecodeStage(registry)
+        d = registry.decode.nodes[0]
+        assert d.prefill_tokens_per_s() is None
+        for i in range(20):
+            session = decode.claim(d, None, f"r-{i}")
+            await DirectStage().attempt(params("x" * 40), session, tried(), time.monotonic() + 5)
+            session.close()
+        nodes.refuse_generate = 1
+        session = decode.claim(d, None, "r-refused")
+        await DirectStage().attempt(params("x" * 40), session, tried(), time.monotonic() + 5)
+        session.close()
+        await settle()
+        assert d.rate.busy == 0
+        rate = d.prefill_tokens_per_s()
+        assert rate is not None and rate > 0
+
+    asyncio.run(main())
+
+
 # ------------------------------------------------------------------ DecodeStage
 
 
