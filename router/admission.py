@@ -50,6 +50,11 @@ from splitserve.runtime.metrics import REFUSAL_REASONS, RouterMetrics
 from splitserve.runtime.slo import Slo
 
 RECHECK_S = 0.5  # waiters look again this often even without news (a node joined, came back)
+# A router with no decode node to try (started before its nodes registered, or all of them gone)
+# holds a request this long at most (never past its deadline) for one to appear, looking again
+# every NODE_POLL_S, before answering UNAVAILABLE: nodes register within seconds of starting.
+NODE_WAIT_S = 10.0
+NODE_POLL_S = 0.05
 PACE_WINDOW = 64  # departures from the queue the wait estimate is drawn from
 PACE_MIN = 16  # fewer departures than this: no estimate, requests wait up to their limits
 PACE_STALE_S = 5.0  # no departure for this long: the pace is not known
@@ -257,6 +262,8 @@ class Admission:
             # Its first token must leave it the time decoding takes before its deadline.
             ttft_s = min(ttft_s, deadline - arrival - self.decode_s)
             slo = Slo(ttft_s, tpot_s)
+        if not self._decode.has_candidates():
+            await self._wait_for_a_node(deadline, start)
         if not self._decode.usable():
             return Admitted(start, None, PrefillLoad(None, 0), work, client)
         self._check_fits(demand)
@@ -320,6 +327,16 @@ class Admission:
             if let_go:
                 self._departures.append(now)
             self.notify()  # the next in line looks again
+
+    async def _wait_for_a_node(self, deadline: float, start: float) -> None:
+        """No decode node to try: hold the request until one registers, at most NODE_WAIT_S and
+        never past its deadline (then the caller answers UNAVAILABLE, naming the pool)."""
+        until = min(deadline, start + NODE_WAIT_S)
+        while not self._decode.has_candidates():
+            left = until - time.monotonic()
+            if left <= 0:
+                return
+            await asyncio.sleep(min(NODE_POLL_S, left))
 
     def check_arrival(
         self,

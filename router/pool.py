@@ -210,6 +210,11 @@ class NodePool:
         self._rr += 1
         return node
 
+    def has_candidates(self) -> bool:
+        """A node to try there is, up or down (not rejected, not leaving): with none, a
+        request has nowhere to go until one registers."""
+        return any(not n.rejected and not n.leaving for n in self.nodes)
+
     def usable(self) -> list[Node]:
         """The nodes that may take work now (up, not rejected, not leaving)."""
         now = self._clock()

@@ -290,3 +290,26 @@ def test_a_request_that_may_not_queue_is_refused_before_its_prompt_is_read():
         await asyncio.wait_for(waiter, 1)
 
     asyncio.run(run())
+
+
+def test_a_router_with_no_decode_node_yet_holds_a_request_until_one_registers():
+    """Started before its nodes: a request waits for a node to register (instead of an
+    UNAVAILABLE at once), bounded by its deadline; a node that registers lets it go."""
+
+    async def run():
+        pool = NodePool("decode", [])
+        admission = Admission(pool, RouterMetrics())
+        t0 = time.monotonic()
+        entering = asyncio.create_task(admission.enter(t0 + 30))
+        await asyncio.sleep(0.2)
+        assert not entering.done()  # held, not refused
+        pool.sync(["d:1"])  # a node registers (discovery)
+        admitted = await asyncio.wait_for(entering, 5)
+        assert admitted.prediction is not None and time.monotonic() - t0 >= 0.2
+        # No node ever comes: back to the caller (who answers UNAVAILABLE) at its deadline.
+        empty = NodePool("decode", [])
+        t0 = time.monotonic()
+        admitted = await Admission(empty, RouterMetrics()).enter(t0 + 0.3)
+        assert admitted.prediction is None and 0.25 <= time.monotonic() - t0 < 2
+
+    asyncio.run(run())
