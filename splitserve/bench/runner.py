@@ -7,16 +7,24 @@ a new request as soon as one ends. Neither: every request at once. The run ends 
 ``--num-requests`` requests, or once ``--duration`` seconds have passed (no request is sent
 after that; those in flight are awaited), whichever comes first. ``--warmup`` requests go first
 and are not counted.
+
+While the load runs, Python's cyclic garbage collector only looks at young objects, once a
+second (``young_collections_only``): a full collection stops the event loop for as long as it
+takes to walk every object the process holds (100+ ms once the run has made many), and every
+send due meanwhile leaves late; on the development machine that alone made sends' p99 lateness
+3-4x what it was with the collector off (docs/benchmarks.md, "The load generator's lateness").
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import itertools
 import math
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +32,36 @@ from splitserve.bench.arrivals import arrival_times
 from splitserve.bench.metrics import RequestRecord
 from splitserve.bench.workloads import BenchRequest
 
-__all__ = ["Load", "Share", "run_load", "run_users"]
+__all__ = ["Load", "Share", "run_load", "run_users", "young_collections_only"]
+
+YOUNG_GC_EVERY_S = 1.0
+
+
+@contextlib.asynccontextmanager
+async def young_collections_only(every_s: float = YOUNG_GC_EVERY_S) -> AsyncIterator[None]:
+    """For the measured run: what lives now (imports, the workload's buffers) is frozen out of
+    the collector's sight, automatic collection is off, and every ``every_s`` a task collects
+    the two young generations only (what was made since, less what refcounting freed: cheap).
+    Cycles that outlive that (rare: a finished request's are garbage at once) wait for the end,
+    where everything is as it was before."""
+    gc.collect()
+    gc.freeze()
+    was_enabled = gc.isenabled()
+    gc.disable()
+
+    async def collect() -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            gc.collect(1)
+
+    task = asyncio.create_task(collect())
+    try:
+        yield
+    finally:
+        task.cancel()
+        gc.unfreeze()
+        if was_enabled:
+            gc.enable()
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,8 +146,21 @@ async def run_load(
     # NOTE: a workload may build its prompts on its first request (shared-prefix: every system
     # prompt): done now, not at the start, where it would make the first sends late.
     requests = itertools.chain([next(requests)], requests)
-    if share.t0 is not None and (wait := share.t0 - time.perf_counter()) > 0:
-        await asyncio.sleep(wait)
+    async with young_collections_only():  # (before the start: its full collection is slow)
+        if share.t0 is not None and (wait := share.t0 - time.perf_counter()) > 0:
+            await asyncio.sleep(wait)
+        return await _open_loop(target, requests, load, on_done, on_start, share)
+
+
+async def _open_loop(
+    target,
+    requests: Iterator[BenchRequest],
+    load: Load,
+    on_done: Callable[[RequestRecord], object],
+    on_start: Callable[[], object],
+    share: Share,
+) -> tuple[list[RequestRecord], float]:
+    """``run_load``'s measured part: each request sent at its arrival time (or a slot)."""
     target.t0 = share.t0 if share.t0 is not None else time.perf_counter()
     on_start()
     records: list[RequestRecord] = []
@@ -182,48 +232,49 @@ async def run_users(
         raise ValueError(
             f"--processes {share.of} is more than the {num_users} users (--conversations)"
         )
-    if share.t0 is not None and (wait := share.t0 - time.perf_counter()) > 0:
-        await asyncio.sleep(wait)
-    target.t0 = share.t0 if share.t0 is not None else time.perf_counter()
-    records: list[RequestRecord] = []
-    sent = 0
+    async with young_collections_only():  # (before the start: its full collection is slow)
+        if share.t0 is not None and (wait := share.t0 - time.perf_counter()) > 0:
+            await asyncio.sleep(wait)
+        target.t0 = share.t0 if share.t0 is not None else time.perf_counter()
+        records: list[RequestRecord] = []
+        sent = 0
 
-    def more() -> bool:
-        if load.duration is not None and target.now() >= load.duration:
-            return False
-        return load.num_requests is None or sent < share.concurrency(load.num_requests)
+        def more() -> bool:
+            if load.duration is not None and target.now() >= load.duration:
+                return False
+            return load.num_requests is None or sent < share.concurrency(load.num_requests)
 
-    async def user_loop(u: int) -> None:
-        nonlocal sent
-        rng = random.Random(load.seed * 1_000_003 + u)
-        user = make_user(u)
-        await asyncio.sleep(rng.uniform(0, think_time))
-        while more():
-            req = user.next()
-            record = RequestRecord(
-                len(records) * share.of + share.index,
-                req.prompt_len,
-                req.max_tokens,
-                arrival=target.now(),
-                turn=user.turn,
-                new_tokens=user.new_tokens,
-            )
-            record.answer = "" if isinstance(req.prompt, str) else []
-            records.append(record)
-            sent += 1
-            await target.send(req, record)
-            if record.ok:
-                user.answered(record.answer)
-            else:
-                user.failed()
-            record.answer = None  # (fed back; not kept)
-            on_done(record)
-            if think_time > 0 and more():  # (no think time after the last turn of the run)
-                pause = rng.expovariate(1 / think_time)
-                if load.duration is not None:
-                    pause = min(pause, max(load.duration - target.now(), 0.0))
-                await asyncio.sleep(pause)
+        async def user_loop(u: int) -> None:
+            nonlocal sent
+            rng = random.Random(load.seed * 1_000_003 + u)
+            user = make_user(u)
+            await asyncio.sleep(rng.uniform(0, think_time))
+            while more():
+                req = user.next()
+                record = RequestRecord(
+                    len(records) * share.of + share.index,
+                    req.prompt_len,
+                    req.max_tokens,
+                    arrival=target.now(),
+                    turn=user.turn,
+                    new_tokens=user.new_tokens,
+                )
+                record.answer = "" if isinstance(req.prompt, str) else []
+                records.append(record)
+                sent += 1
+                await target.send(req, record)
+                if record.ok:
+                    user.answered(record.answer)
+                else:
+                    user.failed()
+                record.answer = None  # (fed back; not kept)
+                on_done(record)
+                if think_time > 0 and more():  # (no think time after the last turn of the run)
+                    pause = rng.expovariate(1 / think_time)
+                    if load.duration is not None:
+                        pause = min(pause, max(load.duration - target.now(), 0.0))
+                    await asyncio.sleep(pause)
 
-    await asyncio.gather(*(user_loop(u) for u in range(num_users) if share.mine(u)))
-    duration = max((r.end for r in records), default=target.now())
-    return records, max(duration, 1e-9)
+        await asyncio.gather(*(user_loop(u) for u in range(num_users) if share.mine(u)))
+        duration = max((r.end for r in records), default=target.now())
+        return records, max(duration, 1e-9)

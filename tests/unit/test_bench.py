@@ -713,3 +713,28 @@ def test_users_mode_takes_a_duration_and_refuses_what_it_cannot_honour():
         _load(args("--duration", "10", "--request-rate", "5"))
     with pytest.raises(ValueError, match="--prompt-format text"):
         _load(args("--duration", "10", "--target", "http://localhost:1"))
+
+
+def test_the_measured_run_collects_young_garbage_only_and_restores_the_collector():
+    import gc
+    import weakref
+
+    class Cycle:
+        pass
+
+    async def run():
+        assert gc.isenabled()
+        async with runner.young_collections_only(every_s=0.01):
+            assert not gc.isenabled() and gc.get_freeze_count() > 0
+            a = Cycle()
+            a.me = a  # garbage only a cyclic collection frees
+            gone = weakref.ref(a)
+            del a
+            for _ in range(200):
+                if gone() is None:
+                    break
+                await asyncio.sleep(0.01)
+            assert gone() is None  # the periodic young collection took it
+        assert gc.isenabled() and gc.get_freeze_count() == 0
+
+    asyncio.run(run())
