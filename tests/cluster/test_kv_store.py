@@ -310,7 +310,11 @@ def test_up_with_an_embedded_store_serves_what_the_host_tiers_lost(tmp_path):
         for i in rng.sample(range(len(prompts)), 2):
             assert list(second[i].token_ids) == hf_greedy(model_dir, prompts[i], 4)
         cached = sum(r.usage.cached_tokens for r in second)
-        assert cached >= 0.9 * 48 * 240, cached
+        # Unloaded, 90%+ come from a tier (host or store). A prompt whose store probe is not
+        # answered within 50 ms is computed instead, as it should be: on a 2-core machine busy
+        # with other tests that happened to a few (89.6% once), hence 80% here. Without the
+        # store the host tiers hold at most a third of the blocks.
+        assert cached >= 0.8 * 48 * 240, cached
         deadline = time.monotonic() + 30  # (a node's figures may be a moment old)
         while min(reads := counters(cluster, "splitserve_decode_store_tier_read_blocks_total")) < (
             0.25 * 24 * 16
