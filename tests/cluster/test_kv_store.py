@@ -313,7 +313,8 @@ def test_up_with_an_embedded_store_serves_what_the_host_tiers_lost(tmp_path):
         # Unloaded, 90%+ come from a tier (host or store). A prompt whose store probe is not
         # answered within 50 ms is computed instead, as it should be: on a 2-core machine busy
         # with other tests that happened to a few (89.6% once), hence 80% here. Without the
-        # store the host tiers hold at most a third of the blocks.
+        # store little would be: each host tier keeps the last blocks its node computed, and the
+        # second round asks in the first's order.
         assert cached >= 0.8 * 48 * 240, cached
         deadline = time.monotonic() + 30  # (a node's figures may be a moment old)
         while min(reads := counters(cluster, "splitserve_decode_store_tier_read_blocks_total")) < (
