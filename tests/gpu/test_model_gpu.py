@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from support.ties import assert_same_choice
 
 from splitserve.engine.core import LLMEngine
 from splitserve.kvstore import ModelIdentity
@@ -97,7 +98,7 @@ def test_graph_replay_matches_eager_decode(checkpoint):
         eager = runner.model.compute_logits(runner.model(ids, pos, runner.kv_pool, meta))
     rel = ((graph_logits - eager).norm() / eager.norm()).item()
     assert rel < 1e-2, rel
-    assert (graph_logits.argmax(-1) == eager.argmax(-1)).all()
+    assert_same_choice(graph_logits, eager)  # (near-ties may go either way in bf16)
 
 
 def test_batched_prefill_as_close_to_fp32_as_transformers_bf16(checkpoint):
@@ -160,4 +161,4 @@ def test_a_mixed_step_runs_its_one_token_sequences_through_the_decode_kernel(che
         rel = ((mixed[i] - alone).norm() / alone.norm()).item()
         # bf16 with two kernels' reduction orders: ~1% apart at random weights (0.0103 seen)
         assert rel < 2e-2, (i, rel)
-        assert mixed[i].argmax() == alone.argmax()
+        assert_same_choice(mixed[i], alone)  # (a bf16 near-tie may go either way)

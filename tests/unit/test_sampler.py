@@ -295,3 +295,20 @@ def test_logprobs_are_log_softmax_of_penalised_logits_at_chosen_token():
 def test_sample_rejects_mismatched_lengths():
     with pytest.raises(AssertionError):
         SAMPLER.sample(torch.randn(2, 5), [SamplingParams()], [[]], [[]], [None], None)
+
+
+def test_a_near_tie_may_go_either_way_in_a_choice_check_and_nothing_else():
+    """tests/support/ties.py, which the GPU tests compare reduced-precision logits with: a
+    near-tie (top two within a tenth of the row's spread) may be chosen either way; a clear
+    winner may not."""
+    from support.ties import assert_same_choice
+
+    expected = torch.tensor([[0.0, 3.0, 2.999, -1.0], [0.0, 3.0, 1.0, -1.0]])
+    assert_same_choice(expected, expected)
+    swapped = expected.clone()
+    swapped[0, 2] = 3.001  # row 0 picks index 2: 0.001 from the best, a tie
+    assert_same_choice(swapped, expected)
+    wrong = expected.clone()
+    wrong[1, 2] = 3.5  # row 1 picks index 2: 2.0 from the best, not a tie
+    with pytest.raises(AssertionError, match="row 1: chose 2, expected 1"):
+        assert_same_choice(wrong, expected)
