@@ -14,6 +14,7 @@ modules of their own already.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -43,6 +44,9 @@ __all__ = ["FirstFacts", "LLMEngine", "Request", "RequestDoesNotFit", "StepOutpu
 
 
 _PLACEHOLDER = -1  # a sampled token still on the device (Request.num_pending)
+# Steps computing fewer prompt tokens than this say more about a step's overheads than about
+# the prefill's speed: not sampled for the tier's compute-or-read choice (``_time_prefill``).
+PREFILL_SAMPLE_MIN_TOKENS = 256
 
 
 class _Launched:
@@ -146,6 +150,7 @@ class LLMEngine:
         self.pool = BlockPool(runner.num_blocks, enable_events=enable_kv_events)
         self.kv = KVCacheManager(self.pool, self.block_size, enable_caching=enable_prefix_caching)
         self.host_tier: HostTier | None = None
+        self._last_step: tuple[float | None, int] = (None, 0)  # (its start, prompt tokens)
         if host_cache_blocks > 0 and enable_prefix_caching:
             if runner.tp.size > 1:
                 # NOTE: rank 0's pool holds its heads only; the tier would need every rank's.
@@ -397,10 +402,26 @@ class LLMEngine:
 
         With a host tier, the blocks cached by the steps read here are then copied out to it
         (on a GPU: queued on the tier's stream while the launched step computes)."""
+        tier = self.host_tier
+        if tier is not None:
+            self._time_prefill(tier)
         outputs = self._step(on_launch)
-        if self.host_tier is not None:
-            self.host_tier.offload()
+        if tier is not None:
+            tier.offload()
         return outputs
+
+    def _time_prefill(self, tier: HostTier) -> None:
+        """What computing a block costs here, for the tier's choice between reading a block from
+        disk or the store and computing it: the time from the last step's start to this one's
+        over the prompt tokens it computed, when they were many (a moving average). A step's
+        decodes and any idle gap count as prefill time: the estimate errs towards reading."""
+        now = time.perf_counter()
+        began, tokens = self._last_step
+        if began is not None and tokens >= PREFILL_SAMPLE_MIN_TOKENS:
+            block_s = (now - began) / tokens * self.block_size
+            old = tier.compute_block_s
+            tier.compute_block_s = block_s if old is None else 0.8 * old + 0.2 * block_s
+        self._last_step = (now, 0)
 
     def _step(self, on_launch: Callable[[], None] | None) -> list[StepOutput]:
         self._apply_aborts()
@@ -409,6 +430,8 @@ class LLMEngine:
             outputs += self._read(self._inflight)
         scheduled = self.scheduler.schedule()
         self.last_num_scheduled = len(scheduled)
+        if self.host_tier is not None:  # prompt tokens this step computes (``_time_prefill``)
+            self._last_step = (self._last_step[0], sum(n for _, n in scheduled if n > 1))
         if not scheduled:
             if self._inflight is not None:  # nothing to launch behind it: wait for its tokens
                 outputs += self._read(self._inflight)

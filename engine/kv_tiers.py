@@ -45,6 +45,9 @@ MAX_SPILLING = 256  # host blocks being written to the disk tier at once (pinned
 # more about a step's or a call's overhead than about the tier) and kept as a moving average.
 LOAD_SAMPLE_MIN_BLOCKS = 8
 LOAD_SAMPLE_WEIGHT = 0.2
+# With loads priced (``HostTier.price_loads``), a disk or store measured slower than computing is
+# still read for one load in this many, so that its time is measured again (it may recover).
+SLOWER_PROBE_EVERY = 16
 
 
 class TierStats(NamedTuple):
@@ -134,6 +137,16 @@ class HostTier:
         # pool; "disk", "store": the reads into host memory), a moving average: what the router
         # prices a prefix held there at (GetStats' tier_block_load_s). Absent: not measured.
         self.block_load_s: dict[str, float] = {}
+        # What computing a block takes here (the engine's measured prefill time per token times
+        # the block size; None: not measured). With ``price_loads`` a block on disk or in the
+        # store whose tier is measured slower than that is computed instead of read: over TCP
+        # on a fast GPU the store is (docs/benchmarks.md, KV tiers). On by default on a GPU; on
+        # the CPU device the tiers are always read (a test machine's timings are too noisy to
+        # decide by).
+        self.compute_block_s: float | None = None
+        self.price_loads = self._cuda
+        self.slower_skipped_blocks = 0
+        self._slower_seen: dict[str, int] = {}
         if self._cuda:
             self._offload_stream = torch.cuda.Stream(kv_pool.device)
             self._load_stream = torch.cuda.Stream(kv_pool.device)
@@ -379,6 +392,10 @@ class HostTier:
                 if store is not None and block_hash in store
                 else None
             )
+            if source is not None and not below and not self._worth_reading(source):
+                # (decided once per load: the rest of the run is computed)
+                self.slower_skipped_blocks += self._held_below(block_hashes[num_ready:])
+                break
             slot = index.reserve(block_hash) if source is not None else None
             if source is None or slot is None:
                 break
@@ -398,6 +415,30 @@ class HostTier:
             if source is store:
                 load.store_reads[i] = job
         self._copy_in(load, num_ready)
+
+    def _held_below(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many leading ``block_hashes`` the disk or the store holds."""
+        n = 0
+        for block_hash in block_hashes:
+            if not (
+                (self.disk is not None and block_hash in self.disk)
+                or (self.store is not None and block_hash in self.store)
+            ):
+                break
+            n += 1
+        return n
+
+    def _worth_reading(self, source: DiskTier | StoreTier) -> bool:
+        """Reading from ``source`` beats computing, as far as measured (``price_loads``); a tier
+        measured slower is still read once in SLOWER_PROBE_EVERY decisions, to measure again."""
+        if not self.price_loads or self.compute_block_s is None:
+            return True
+        tier = "store" if source is self.store else "disk"
+        load_s = self.block_load_s.get(tier)
+        if load_s is None or load_s <= self.compute_block_s:
+            return True
+        seen = self._slower_seen[tier] = self._slower_seen.get(tier, 0) + 1
+        return seen % SLOWER_PROBE_EVERY == 0
 
     def _copy_in(self, load: _Load, upto: int) -> None:
         """Queue the copies of the load's slots ``[copied, upto)`` into its pool blocks."""
@@ -487,6 +528,8 @@ class HostTier:
             "host_tier_skipped_blocks": self.skipped_blocks,
             "host_tier_loaded_blocks": self.loaded_blocks,
             "host_tier_evicted_blocks": self.index.num_evicted,
+            # blocks on disk or in the store computed instead: their tier measured slower
+            "host_tier_slower_skipped_blocks": self.slower_skipped_blocks,
             **(self.disk.counters() if self.disk is not None else {}),
             **(self.store.counters() if self.store is not None else {}),
         }

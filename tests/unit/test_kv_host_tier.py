@@ -598,3 +598,40 @@ def test_each_tier_measures_its_load_time_per_block_for_the_router(checkpoint, t
     assert disk.host_tier.disk_hit_blocks == LOAD_SAMPLE_MIN_BLOCKS
     assert 0 < disk.host_tier.block_load_s["disk"] < 5
     _assert_all_released(disk)
+
+
+def test_a_tier_measured_slower_than_computing_is_computed_instead_and_probed_now_and_then(
+    checkpoint, tmp_path
+):
+    """With loads priced (a GPU's default), a prefix on a disk (or in a store) measured slower
+    than computing it is computed, token-exact, and counted; one load in SLOWER_PROBE_EVERY
+    still reads, to measure the tier again; a tier as fast as computing is read. The engine
+    measures what computing a block costs from its long prefills."""
+    from splitserve.engine.kv_tiers import SLOWER_PROBE_EVERY
+
+    prompts = _prompts(2)
+    plain = _engine(checkpoint, "auto", 10, 0)
+    expected = [r.output_token_ids for r in plain.generate(prompts, GREEDY)]
+    roomy = _engine(checkpoint, "auto", 32, 64)
+    assert not roomy.host_tier.price_loads  # (the CPU device's default: always read)
+    roomy.generate([_prompts(1, 300)[0]], GREEDY)  # a step of 300 prompt tokens, then decodes
+    assert roomy.host_tier.compute_block_s is not None and roomy.host_tier.compute_block_s > 0
+    engine = _engine(checkpoint, "auto", 10, 4, disk=tmp_path)
+    tier = engine.host_tier
+    _on_disk_only(engine, prompts)
+    tier.price_loads = True
+    tier.compute_block_s = 1e-6
+    tier.block_load_s["disk"] = 1.0  # far slower than computing
+    reads = tier.disk_hit_blocks
+    got = engine.generate(prompts[:1], GREEDY)[0]
+    assert got.output_token_ids == expected[0] and got.num_cached_tokens == 0
+    assert tier.disk_hit_blocks == reads and tier.slower_skipped_blocks == 3
+    for _ in range(SLOWER_PROBE_EVERY - 2):  # (decisions only: nothing generated)
+        assert not tier._worth_reading(tier.disk)
+    assert tier._worth_reading(tier.disk)  # the probe: measured again
+    tier.block_load_s["disk"] = 1e-7  # as fast as the pool would be
+    got = engine.generate(prompts[1:], GREEDY)[0]
+    _settle(engine)
+    assert got.output_token_ids == expected[1] and got.num_cached_tokens == 48
+    assert tier.disk_hit_blocks == reads + 3
+    _assert_all_released(engine)
