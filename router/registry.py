@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -139,7 +140,7 @@ class NodeRegistry:
                 node.verified = True  # nothing to check; its capacity stays unknown
             return  # checked again on the next round
         node.verified = True
-        node.tier_block_load_s = dict(stats.tier_block_load_s)
+        node.tier_block_load_s = tier_times(stats)
         if pool.role == "decode" and stats.max_num_seqs:
             node.slots = stats.max_num_seqs
             node.full_slots = stats.max_num_seqs * self.decode_overcommit
@@ -236,7 +237,7 @@ class NodeRegistry:
                 s = await self.stats(node)
             except grpc.aio.AioRpcError:
                 return None
-            node.tier_block_load_s = dict(s.tier_block_load_s)  # (what its tiers cost now)
+            node.tier_block_load_s = tier_times(s)  # (what its tiers cost now)
             return LoadFigures(
                 s.running,
                 s.waiting,
@@ -272,3 +273,18 @@ class NodeRegistry:
             if node.channel is not None:
                 await node.channel.close()
                 node.channel = None
+
+
+TIER_NAMES = ("host", "disk", "store")
+
+
+def tier_times(stats: nodes_pb2.GetStatsResponse) -> dict[str, float]:
+    """A node's reported load time per block of each tier, as far as it makes sense: known tier
+    names, finite and not negative, at most an hour (anything else is dropped: the tier then
+    counts as unmeasured, i.e. as good as the pool)."""
+    out = {}
+    for tier in TIER_NAMES:
+        value = stats.tier_block_load_s.get(tier)
+        if value is not None and math.isfinite(value) and 0.0 <= value <= 3600.0:
+            out[tier] = value
+    return out

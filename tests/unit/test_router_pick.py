@@ -177,3 +177,23 @@ class _MeasuredRate:
 
     def rate(self) -> float:
         return self._rate
+
+
+def test_a_nodes_reported_tier_times_are_checked_before_use():
+    """GetStats comes from another process: unknown tiers, NaN, negative or absurd times are
+    dropped (the tier then counts as unmeasured), the rest kept."""
+    from splitserve.router.registry import tier_times
+    from splitserve.v1 import nodes_pb2
+
+    stats = nodes_pb2.GetStatsResponse(
+        tier_block_load_s={
+            "host": 0.0001,
+            "disk": float("nan"),
+            "store": -1.0,
+            "gpu0": 0.5,
+            "x" * 1000: 1.0,
+        }
+    )
+    assert tier_times(stats) == {"host": 0.0001}
+    stats = nodes_pb2.GetStatsResponse(tier_block_load_s={"disk": 1e9, "store": 0.002})
+    assert tier_times(stats) == {"store": 0.002}
