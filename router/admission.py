@@ -264,6 +264,7 @@ class Admission:
             slo = Slo(ttft_s, tpot_s)
         if not self._decode.has_candidates():
             await self._wait_for_a_node(deadline, start)
+            start = time.monotonic()  # (what follows judges from now: the wait counts)
         if not self._decode.usable():
             return Admitted(start, None, PrefillLoad(None, 0), work, client)
         self._check_fits(demand)
