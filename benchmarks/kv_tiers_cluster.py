@@ -43,6 +43,7 @@ def run(
         port=0,
         kv_store_mb=args.store_mb if store else None,
         prefix_index=not args.no_index,
+        metrics_port=0,
         node_args=tuple(node_args),
         startup_timeout_s=900,
     )
@@ -64,9 +65,34 @@ def run(
         (Path(args.out) / f"{name}.log").write_text(bench.stdout + bench.stderr)
         if bench.returncode != 0:
             raise SystemExit(f"{name}: bench failed:\n{bench.stderr[-3000:]}")
+        tiers = {
+            node: tier_counters(cluster.addresses.metrics[node])
+            for node in cluster.addresses.decode
+        }
     report = json.loads(out.read_text())
     report["started_s"] = started
+    report["tier_counters"] = tiers  # each decode node's, at the end of the run
     return report
+
+
+TIER_COUNTERS = ("prefix_", "host_tier_", "disk_tier_", "store_tier_")
+
+
+def tier_counters(url: str) -> dict[str, float]:
+    """A node's prefix and tier counters from its /metrics (what the tiers did in the run:
+    blocks offloaded, skipped, loaded, evicted; hits per tier)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name.removeprefix("splitserve_decode_").removesuffix("_total")
+            if name.startswith(TIER_COUNTERS) and sample.name.endswith("_total"):
+                out[name] = sample.value
+    return out
 
 
 def main() -> None:
@@ -132,6 +158,10 @@ def main() -> None:
             f"{ttft['p50'] * 1e3:.0f} / {ttft['p90'] * 1e3:.0f} | {r['goodput']:.2f} | "
             f"{r['output_throughput']:,.0f} |"
         )
+    print("\nthe decode nodes' tier counters at the end of each run (those not 0):")
+    for name, rep in reports.items():
+        for node, counters in rep["tier_counters"].items():
+            print(f"  {name} {node}: { ({k: int(v) for k, v in counters.items() if v}) }")
     print(
         "\n| host tier | turn | requests | prompt tokens | computed | new in the turn | "
         "computed / new | TTFT p50 / p90 ms |"
