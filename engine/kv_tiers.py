@@ -35,7 +35,7 @@ from splitserve.engine.kv_store import Probe, StoreTier
 from splitserve.kvstore.block import KVCacheBlock
 from splitserve.kvstore.block_pool import BlockPool, KVCacheEvent
 from splitserve.kvstore.hashing import BlockHash
-from splitserve.kvstore.host_cache import HostBlockIndex
+from splitserve.kvstore.host_cache import DISK, HOST, STORE, HostBlockIndex
 
 logger = logging.getLogger(__name__)
 
@@ -341,7 +341,7 @@ class HostTier:
         n = len(load.sources)
         if n < LOAD_SAMPLE_MIN_BLOCKS or load.first_bad < len(load.slots):
             return  # (a failed read ends early: its time says nothing of the tier's speed)
-        kinds = {"store" if source is self.store else "disk" for source in load.sources}
+        kinds = {self._tier_name(source) for source in load.sources}
         if len(kinds) == 1:
             self._sample(kinds.pop(), time.monotonic() - load.started, n)
 
@@ -351,15 +351,7 @@ class HostTier:
         """How many leading ``block_hashes`` the tier holds, in host memory or further on disk
         or in the store (as far as its probes have told)."""
         n = len(self.index.match(block_hashes))
-        while n < len(block_hashes):
-            block_hash = block_hashes[n]
-            if not (
-                (self.disk is not None and block_hash in self.disk)
-                or (self.store is not None and block_hash in self.store)
-            ):
-                break
-            n += 1
-        return n
+        return n + self._held_below(block_hashes[n:])
 
     def probe(self, block_hashes: Sequence[BlockHash]) -> Probe | None:
         """Ask the store about ``block_hashes`` past what it is known to hold (None: no store,
@@ -428,12 +420,15 @@ class HostTier:
             n += 1
         return n
 
+    def _tier_name(self, source: DiskTier | StoreTier) -> str:
+        return STORE if source is self.store else DISK
+
     def _worth_reading(self, source: DiskTier | StoreTier) -> bool:
         """Reading from ``source`` beats computing, as far as measured (``price_loads``); a tier
         measured slower is still read once in SLOWER_PROBE_EVERY decisions, to measure again."""
         if not self.price_loads or self.compute_block_s is None:
             return True
-        tier = "store" if source is self.store else "disk"
+        tier = self._tier_name(source)
         load_s = self.block_load_s.get(tier)
         if load_s is None or load_s <= self.compute_block_s:
             return True
@@ -491,9 +486,9 @@ class HostTier:
             if (timing := load.host_timing) is not None:
                 if self._cuda:
                     start, end, blocks = timing
-                    self._sample("host", start.elapsed_time(end) / 1e3, blocks)
+                    self._sample(HOST, start.elapsed_time(end) / 1e3, blocks)
                 else:
-                    self._sample("host", *timing)
+                    self._sample(HOST, *timing)
             self.index.unpin(load.slots[: load.num_ready])
             self.index.unpin(load.read_in)
             self._pool.free_blocks(load.blocks)

@@ -31,6 +31,7 @@ from splitserve.kvstore.hashing import BlockHash
 
 HOST = "host"  # the tiers behind the accelerator's pool (kvstore.block_pool.DEVICE), by name
 DISK = "disk"
+STORE = "store"  # the shared store (not indexed: each node probes it)
 
 
 class HostBlockIndex:

@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from redis.exceptions import RedisError
 
 from splitserve.kvstore import ModelIdentity
+from splitserve.kvstore.host_cache import DISK, HOST, STORE
 from splitserve.kvstore.redis_index import NodeInfo, PrefixIndex
 from splitserve.router.pool import DEFAULT_DOWN_S, Node, NodePool
 from splitserve.runtime import tls
@@ -275,7 +276,7 @@ class NodeRegistry:
                 node.channel = None
 
 
-TIER_NAMES = ("host", "disk", "store")
+TIER_NAMES = (HOST, DISK, STORE)
 
 
 def tier_times(stats: nodes_pb2.GetStatsResponse) -> dict[str, float]:
