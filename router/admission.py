@@ -50,6 +50,10 @@ from splitserve.runtime.metrics import REFUSAL_REASONS, RouterMetrics
 from splitserve.runtime.slo import Slo
 
 RECHECK_S = 0.5  # waiters look again this often even without news (a node joined, came back)
+# Every JUDGE_S the queue's waiters are judged again from where they stand now and the queue's
+# recent pace: one that can no longer go before its limit (its TTFT target, deadline or
+# --queue-timeout-s) is refused then, not when the limit passes.
+JUDGE_S = 0.1
 # A router with no decode node to try (started before its nodes registered, or all of them gone)
 # holds a request this long at most (never past its deadline) for one to appear, looking again
 # every NODE_POLL_S, before answering UNAVAILABLE: nodes register within seconds of starting.
@@ -81,6 +85,10 @@ class Waiter:
     tpot_s: float | None = None  # its TPOT target: decode room is a batch that still meets it
     client: str = ""  # who sent it (router.fair_queue)
     ttft_s: float | None = None  # its TTFT target: prefill room is a backlog well within it
+    give_up: float = math.inf  # the latest it may still be let go (its limit)
+    ttft_by: float | None = None  # that limit when it is its TTFT target's
+    prediction: TTFTPrediction | None = None  # what was predicted for it at arrival
+    refusal: GenerateError | None = None  # set when it was judged unable to go in time
 
     @property
     def cost(self) -> int:
@@ -124,6 +132,7 @@ class Admission:
         # its deadline is refused rather than let go to fail there (its prefill thrown away).
         self._service = RunningQuantile(SERVICE_QUANTILE)
         self._decoding = RunningQuantile(SERVICE_QUANTILE)  # from the first token to the end
+        self._judge: asyncio.Task | None = None  # re-judges the waiters while any wait
         decode.on_release = self.notify  # a request left a decode node: the head may go
         if prefill is not None:
             prefill.on_release = self.notify
@@ -291,7 +300,10 @@ class Admission:
             give_up = min(give_up, ttft_by)
         loop = asyncio.get_running_loop()
         me = Waiter(loop.create_future(), demand, work, start, tpot_s, client, ttft_s)
+        me.give_up, me.ttft_by, me.prediction = give_up, ttft_by, prediction
         self._queue.append(me)
+        if self._judge is None or self._judge.done():
+            self._judge = loop.create_task(self._judge_while_waiting())
         self._metrics.queue_length.set(len(self._queue))
         decode = self._decode
         decode.waiting += 1
@@ -299,7 +311,9 @@ class Admission:
             decode.load_changed()  # its nodes' leases: it wants all it may fill now
         let_go = False
         try:
-            while not (self._queue.head() is me and self._can_go(me)):
+            while me.refusal is not None or not (self._queue.head() is me and self._can_go(me)):
+                if me.refusal is not None:
+                    raise me.refusal
                 left = give_up - time.monotonic()
                 if left <= 0:
                     if ttft_by is not None and time.monotonic() >= ttft_by:
@@ -328,6 +342,66 @@ class Admission:
             if let_go:
                 self._departures.append(now)
             self.notify()  # the next in line looks again
+
+    async def _judge_while_waiting(self) -> None:
+        """Judge the waiters again every JUDGE_S while any wait (see ``_judge_waiters``)."""
+        while self._queue:
+            await asyncio.sleep(JUDGE_S)
+            self._judge_waiters(time.monotonic())
+
+    def _judge_waiters(self, now: float) -> None:
+        """Refuse, now, each waiter whose wait from where it stands (its place in the fair
+        queue's order at the recent pace, and the prompt tokens ahead of it at the prefill
+        pool's rate, as at arrival) ends past its limit; the predictor learns its wait as
+        one that ran that much longer than predicted (its margin grows, so fewer are let in
+        that will not make it)."""
+        pace = self._pace()
+        capacity = self.load().capacity
+        queue = self._queue
+        waiting = len(queue)
+        if not waiting or (not pace and not capacity):
+            return
+        tokens = self.queued_prompt_tokens
+        for client, waiters in queue.by_client():
+            share = queue.share(client)
+            for k, w in enumerate(waiters):
+                if w.refusal is not None or w.give_up == math.inf:
+                    continue
+                position = min(waiting, max(1, round((k + 1) / share)))
+                wait = position / pace if pace else 0.0
+                if capacity:
+                    wait = max(wait, tokens * (position - 1) / waiting / capacity)
+                if now + wait <= w.give_up:
+                    continue
+                w.refusal = self._cannot_go_in_time(w, now, wait, position)
+                if w.prediction is not None and w.ttft_by is not None:
+                    self.predictor.expired(w.prediction, now - w.since + wait, w.client)
+                if not w.wake.done():
+                    w.wake.set_result(None)
+
+    def _cannot_go_in_time(
+        self, w: Waiter, now: float, wait: float, position: int
+    ) -> GenerateError:
+        pace = self._pace()
+        where = (
+            f"waited {now - w.since:.2f} s; {position - 1} requests go before it"
+            + (f" at ~{pace:.1f}/s" if pace else "")
+            + f" (~{wait:.2f} s more)"
+        )
+        if w.ttft_by is not None and w.give_up >= w.ttft_by:
+            own = w.prediction.own_s if w.prediction is not None else 0.0
+            return self._refuse(
+                "slo_expired",
+                f"{where}; with ~{own:.2f} s more to its first token it can no longer meet its "
+                f"TTFT target of {w.ttft_s} s: retry later, with a larger target, or add nodes",
+                wait,
+            )
+        return self._refuse(
+            "queue_wait",
+            f"{where}: it could no longer be let go in time to be served before its deadline "
+            "or the router's --queue-timeout-s; retry later or add nodes",
+            wait,
+        )
 
     async def _wait_for_a_node(self, deadline: float, start: float) -> None:
         """No decode node to try: hold the request until one registers, at most NODE_WAIT_S and

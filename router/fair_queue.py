@@ -91,6 +91,10 @@ class FairQueue(Generic[W]):
                 if self._vtime[client] <= self._now:
                     del self._vtime[client]
 
+    def by_client(self) -> list[tuple[str, deque[W]]]:
+        """Each waiting client with its waiters in arrival order (the order it lets them go)."""
+        return list(self._queues.items())
+
     def share(self, client: str) -> float:
         """The share of departures ``client`` gets while it waits beside those waiting now."""
         active = set(self._queues) | {client}

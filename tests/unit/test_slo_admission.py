@@ -11,7 +11,7 @@ import grpc
 import pytest
 from router_fakes import refused_at_once
 
-from splitserve.router.admission import PROBE_S, Admission
+from splitserve.router.admission import JUDGE_S, PROBE_S, Admission
 from splitserve.router.errors import GenerateError
 from splitserve.router.pool import NodePool
 from splitserve.router.predictor import (
@@ -197,6 +197,55 @@ def test_a_queued_request_whose_ttft_target_passes_is_refused_before_any_node_wo
         assert expired.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert metrics.refused.labels(reason="slo_expired")._value.get() == 1
         assert len(admission) == 0 and decode.nodes[0].in_flight == 1
+
+    asyncio.run(run())
+
+
+def test_a_waiter_the_queue_can_no_longer_serve_in_time_is_refused_when_that_is_known():
+    """Let in on a pace of 2/s, three waiters with a 10 s TTFT target find the queue slowed to
+    one every 5 s: the second and third (10 s and 15 s from going, past their targets) and a
+    request without a target whose deadline (12 s) falls before its turn are refused at the next
+    judgement, well before their limits pass; the first (~5 s from going) keeps waiting; the
+    refused waits teach the predictor its margin."""
+
+    async def run():
+        decode, prefill = _pools()
+        metrics = RouterMetrics()
+        admission = Admission(decode, metrics, prefill=prefill)
+        decode.acquire(decode.nodes[0])  # full: everything queues
+        _teach_pace(admission, 2.0)
+        start = time.monotonic()
+        slo = Slo(ttft_s=10.0)
+        tasks = [
+            asyncio.create_task(admission.enter(start + 60, work=10, slo=slo, arrival=start))
+            for _ in range(3)
+        ]
+        tasks.append(asyncio.create_task(admission.enter(start + 12, work=10)))
+        await asyncio.sleep(0.05)
+        assert len(admission) == 4 and not any(t.done() for t in tasks)
+        # The pools slow down: the queue now lets one go every 5 s.
+        admission._departures.clear()
+        _teach_pace(admission, 0.2)
+        done, _ = await asyncio.wait(tasks[1:], timeout=3 * JUDGE_S + 1.0)
+        assert set(done) == set(tasks[1:]), "not refused when the slower pace became known"
+        assert time.monotonic() - start < 5.0  # far from the limits (10 s, 12 s)
+        refusals = [t.exception() for t in tasks[1:]]
+        assert all(isinstance(r, GenerateError) for r in refusals)
+        *late, no_target = refusals
+        for r in late:
+            assert r.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "requests go before it" in r.message and "TTFT target" in r.message
+            assert r.retry_after_s is not None and r.retry_after_s >= 10
+        assert "deadline" in no_target.message
+        assert metrics.refused.labels(reason="slo_expired")._value.get() == 2
+        assert metrics.refused.labels(reason="queue_wait")._value.get() == 1
+        assert not tasks[0].done() and len(admission) == 1  # ~5 s from going: within 10 s
+        # What the refused taught: waits that ran ~10-15 s past a ~0.5-1.5 s prediction.
+        errors = admission.predictor._errors.values()
+        assert len(errors) == 2 and min(errors) > 8
+        tasks[0].cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert len(admission) == 0 and decode.waiting == 0
 
     asyncio.run(run())
 
