@@ -16,8 +16,12 @@ RESOURCE_EXHAUSTED, before any node did work for it, when the queue is full (``-
 when its prompt is larger than any decode node's KV, when the queue's recent pace says its wait
 would outlast its deadline or ``--queue-timeout-s``, or when it has waited that long; with a TTFT
 target (``--slo`` or the request's own), when its predicted time to first token is past it
-(``slo_ttft``, at arrival) or it waited until it could no longer meet it (``slo_expired``). Its
-deadline passing in the queue is DEADLINE_EXCEEDED. Each refusal carries a retry-after hint and
+(``slo_ttft``, at arrival) or it waited until it could no longer meet it (``slo_expired``).
+Waiters are judged again every ``JUDGE_S`` from where they stand (their place in the fair queue's
+order at its recent pace, the prompt tokens ahead at the prefill rate): one that can no longer go
+before its TTFT target, deadline or ``--queue-timeout-s`` is refused then, not when the limit
+passes, and the predictor's margin learns from it. Its deadline passing in the queue is
+DEADLINE_EXCEEDED. Each refusal carries a retry-after hint and
 is counted by reason (``splitserve_router_refused_total{reason}``). A request that finds room
 (nothing waiting) is still refused (``slo_ttft``) when the prefill nodes' backlog puts its first
 token past its target, unless none was let go for ``PROBE_S``: the predictor learns only from
