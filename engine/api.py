@@ -60,6 +60,7 @@ class EngineInfo:
     num_params: int  # the model's parameter count (priors of the prefill rate)
     pid: int  # the process the engine runs in
     tensor_parallel_size: int = 1  # ranks the model is split over (engine.ranks)
+    host_tier: bool = False  # a host KV tier sits behind the pool (``read_tier`` reads it)
 
     def check_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
         """The prompt as a list, or ``ValueError`` saying what is wrong with it (the engine's
@@ -266,6 +267,10 @@ class NodeEngine(ABC):
 
     @abstractmethod
     async def read(self, block_ids: list[int]) -> bytes: ...
+
+    @abstractmethod
+    async def read_tier(self, block_hashes: list[BlockHash]) -> list[bytes]:
+        """The bytes of the leading run of the hashes held in the host tier's memory."""
 
     @abstractmethod
     async def block_ids(self, request_id: str) -> list[int]: ...

@@ -328,6 +328,9 @@ class EngineClient(NodeEngine):
     async def read(self, block_ids: list[int]) -> bytes:
         return await self._call("read", block_ids)
 
+    async def read_tier(self, block_hashes: list[BlockHash]) -> list[bytes]:
+        return await self._call("read_tier", block_hashes)
+
     async def block_ids(self, request_id: str) -> list[int]:
         return await self._call("block_ids", request_id)
 

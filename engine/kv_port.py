@@ -121,6 +121,11 @@ class KVPort:
         """The blocks' bytes, over all layers and KV heads, in order."""
         return self._runner.read_blocks(block_ids)
 
+    def read_tier(self, block_hashes: Sequence[BlockHash]) -> list[bytes]:
+        """The bytes of the leading run of ``block_hashes`` the host tier holds in memory (as
+        ``read`` gives a pool block's), one entry a block; empty without a tier."""
+        return self._tier.read_held(block_hashes) if self._tier is not None else []
+
     def block_ids(self, request_id: str) -> list[int]:
         """The request's blocks in order (empty when it holds none)."""
         return self._kv.get_block_ids(request_id)

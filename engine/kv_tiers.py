@@ -408,6 +408,16 @@ class HostTier:
                 load.store_reads[i] = job
         self._copy_in(load, num_ready)
 
+    def read_held(self, block_hashes: Sequence[BlockHash]) -> list[bytes]:
+        """The bytes of the leading run of ``block_hashes`` the tier holds in host memory (not
+        on disk or in the store), in order, in the pool's block layout: what a peer fetching
+        them is sent (engine thread: the copies are made now, so no slot can change under
+        them)."""
+        return [
+            self._slot_views[slot].view(torch.uint8).numpy().tobytes()
+            for slot in self.index.match(block_hashes)
+        ]
+
     def _held_below(self, block_hashes: Sequence[BlockHash]) -> int:
         """How many leading ``block_hashes`` the disk or the store holds."""
         n = 0

@@ -91,6 +91,7 @@ class LocalEngine(NodeEngine):
             num_params=sum(p.numel() for p in runner.model.parameters()),
             pid=os.getpid(),
             tensor_parallel_size=runner.tp.size,
+            host_tier=core.host_tier is not None,
         )
         self._sides: dict[str, Any] = {}  # RX/TX/FETCH_TX → transfer.KVReceiver / KVSender
         self._reservations: dict[int, Any] = {}  # res id → transfer.Reservation
@@ -203,6 +204,9 @@ class LocalEngine(NodeEngine):
 
     async def read(self, block_ids: list[int]) -> bytes:
         return await self.loop_engine.call(self.port.read, block_ids)
+
+    async def read_tier(self, block_hashes: list[BlockHash]) -> list[bytes]:
+        return await self.loop_engine.call(self.port.read_tier, block_hashes)
 
     async def block_ids(self, request_id: str) -> list[int]:
         return await self.loop_engine.call(self.port.block_ids, request_id)

@@ -70,6 +70,7 @@ COMMANDS = frozenset(
         "pin",
         "unpin",
         "read",
+        "read_tier",
         "block_ids",
         "take_events",
         "cache_snapshot",

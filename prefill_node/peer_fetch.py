@@ -187,15 +187,24 @@ class PeerFetcher:
         self, request: nodes_pb2.FetchBlocksRequest
     ) -> AsyncGenerator[nodes_pb2.FetchBlocksResponse, None]:
         """``FetchBlocks``: the longest leading run of the requested blocks held here, as
-        BlockData messages, or (with a ticket) through the transfer layer; the blocks are
-        pinned while they are read."""
+        BlockData messages: those in the accelerator pool (pinned while they are read), then,
+        from where that run ends, those in the host tier's memory (copied out a batch at a
+        time, so a long run does not hold the engine for long); with a ticket, the pool's
+        through the transfer layer."""
         hashes = list(map(BlockHash, request.block_hashes))
         # A caller cancelled before the pin is answered has the blocks unpinned for it.
         pinned = await self.engine.pin(hashes)
         try:
             if request.ticket:
                 declined = nodes_pb2.FetchBlocksResponse()  # no transfer_path: fetch bytes
-                yield await self.layer.serve(request, pinned) if self.layer else declined
+                # The layer sends pool blocks only: a run the pool holds only part of may go on
+                # in the host tier, which the byte path reads.
+                partial = len(pinned.block_ids) < len(hashes) and self.engine.info.host_tier
+                yield (
+                    await self.layer.serve(request, pinned)
+                    if self.layer and not partial
+                    else declined
+                )
                 return
             block_ids = pinned.block_ids
             for run in batch_indices(list(range(len(block_ids))), self.block_nbytes):
@@ -203,6 +212,18 @@ class PeerFetcher:
                 meta, data = await asyncio.to_thread(encode_blocks, run, data)
                 yield nodes_pb2.FetchBlocksResponse(meta=meta, data=data)
             self.counters[names.BLOCKS_SERVED_TO_PEERS] += len(block_ids)
+            first = len(block_ids)
+            rest = list(range(first, len(hashes)))
+            for run in batch_indices(rest, self.block_nbytes):
+                held = await self.engine.read_tier([hashes[i] for i in run])
+                if held:
+                    sent = run[: len(held)]
+                    meta, data = await asyncio.to_thread(encode_blocks, sent, b"".join(held))
+                    yield nodes_pb2.FetchBlocksResponse(meta=meta, data=data)
+                    self.counters[names.BLOCKS_SERVED_TO_PEERS] += len(held)
+                    self.counters[names.TIER_BLOCKS_SERVED_TO_PEERS] += len(held)
+                if len(held) < len(run):  # the tier's run ended (or was evicted meanwhile)
+                    break
         finally:
             # To the end: run even if the call is cancelled again meanwhile.
             await self.engine.unpin(pinned.pin_id)

@@ -161,13 +161,13 @@ async def _unless_stalled(
 def _peer_hint(
     pool: NodePool, chosen: Node, cached: CachedPrefix, unreachable: set[Node]
 ) -> dict[str, Any]:
-    """When another prefill node holds a longer prefix in its accelerator pool than the chosen
-    one holds in any tier (the imbalance guard sent the request elsewhere), name it: the chosen
-    node fetches those blocks from it rather than computing them. (A peer serves blocks from its
-    pool only, so blocks in its host tier or on its disk are not counted.)"""
+    """When another prefill node holds a longer prefix in its accelerator pool or host tier than
+    the chosen one holds in any tier (the imbalance guard sent the request elsewhere), name it:
+    the chosen node fetches those blocks from it rather than computing them. (A peer serves
+    blocks from its pool and its host tier's memory; those on its disk are not counted.)"""
     here = cached.held[chosen.address].blocks if chosen.address in cached.held else 0
     peers = [n for n in pool.nodes if n is not chosen and n not in unreachable]
-    best = max(peers, key=lambda n: cached.device_blocks(n.address), default=None)
-    if best is None or cached.device_blocks(best.address) <= here:
+    best = max(peers, key=lambda n: cached.peer_blocks(n.address), default=None)
+    if best is None or cached.peer_blocks(best.address) <= here:
         return {}
-    return {"peer_address": best.address, "peer_blocks": cached.device_blocks(best.address)}
+    return {"peer_address": best.address, "peer_blocks": cached.peer_blocks(best.address)}

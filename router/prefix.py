@@ -121,7 +121,7 @@ class CachedPrefix(dict[str, float]):
     """Node address → the leading blocks of a prompt it holds, priced: what holding them saves,
     in blocks of computation (a block in the accelerator pool counts 1, one in the host tier or
     on disk ``block_worth``). ``held`` keeps the index's counts by tier (a peer fetch reads a
-    peer's pool blocks only: ``held[address].device``)."""
+    peer's pool and host-tier blocks, not its disk: ``peer_blocks``)."""
 
     def __init__(
         self,
@@ -141,7 +141,8 @@ class CachedPrefix(dict[str, float]):
             )
         super().__init__(priced)
 
-    def device_blocks(self, address: str) -> int:
-        """Leading blocks of the prompt in ``address``'s accelerator pool."""
+    def peer_blocks(self, address: str) -> int:
+        """Leading blocks of the prompt ``address`` can send a peer: in its accelerator pool or
+        its host tier's memory (not on its disk)."""
         held = self.held.get(address)
-        return held.device if held is not None else 0
+        return held.device + held.host if held is not None else 0

@@ -41,6 +41,8 @@ PREFIX_BLOCKS_FETCHED = "prefix_blocks_fetched"
 PREFIX_FETCH_FAILED = "prefix_fetch_failed"
 PREFIX_FETCH_SKIPPED_SLOWER = "prefix_fetch_skipped_slower"
 BLOCKS_SERVED_TO_PEERS = "blocks_served_to_peers"
+# Of those, the blocks sent from the host tier's memory (the pool no longer held them).
+TIER_BLOCKS_SERVED_TO_PEERS = "tier_blocks_served_to_peers"
 
 
 def prefix_fetches_via(path: str) -> str:
@@ -89,6 +91,7 @@ _PREFILL = (
     PREFIX_FETCH_FAILED,
     PREFIX_FETCH_SKIPPED_SLOWER,
     BLOCKS_SERVED_TO_PEERS,
+    TIER_BLOCKS_SERVED_TO_PEERS,
     TRANSFERS_STREAMED,
 )
 _PREFILL_PER_PATH = (transfers_via, prefix_fetches_via, blocks_served_to_peers_via)

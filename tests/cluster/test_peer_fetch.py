@@ -1,6 +1,7 @@
 """A prefill node fetches a prefix a peer holds instead of computing it — through the transfer
-layer (tcp on CPU) by default, as gRPC bytes from a node without it; stale or dead peers fall
-back to computing; outputs are the same either way (token-exact with transformers)."""
+layer (tcp on CPU) by default, as gRPC bytes from a node without it, and from the peer's host
+tier when its pool no longer holds it; stale or dead peers fall back to computing; outputs are
+the same either way (token-exact with transformers)."""
 
 import random
 
@@ -35,6 +36,8 @@ def setup(tmp_path_factory):
         start_node("prefill", model, tmp),
         start_node("decode", model, tmp),
         start_node("prefill", model, tmp, "--kv-transfer", "none"),
+        # A pool of 63 blocks (1 MiB of 16 KiB blocks) before a host tier of 4 MiB.
+        start_node("prefill", model, tmp, "--kv-cache-mb", "1", "--kv-host-cache-mb", "4"),
     ]
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
@@ -82,7 +85,7 @@ def _stats(node):
 
 
 def test_prefix_fetched_from_peer_then_stale_and_dead_peers(setup):
-    (p1, p2, d, _), hf = setup
+    (p1, p2, d, *_), hf = setup
     system = [random.randrange(256) for _ in range(96)]  # six full blocks
     a, b = [*system, 1, 2, 3], [*system, 7, 8]
     resp, tokens = _run(p1, d, "a", a)
@@ -117,7 +120,7 @@ def test_prefix_fetched_from_peer_then_stale_and_dead_peers(setup):
 
 
 def test_a_node_without_the_layer_fetches_bytes(setup):
-    (p1, _, d, plain), hf = setup
+    (p1, _, d, plain, _), hf = setup
     system = [random.randrange(256) for _ in range(64)]  # four full blocks
     a, b = [*system, 4, 5], [*system, 9]
     _run(p1, d, "f", a)
@@ -129,6 +132,25 @@ def test_a_node_without_the_layer_fetches_bytes(setup):
     assert after["blocks_served_to_peers"] - served["blocks_served_to_peers"] == 4
     assert after["blocks_served_to_peers_tcp"] == served["blocks_served_to_peers_tcp"]
     assert not _stats(plain).transfer_endpoint  # it offers no path
+
+
+def test_a_prefix_the_peer_holds_only_in_its_host_tier_is_sent_from_there(setup):
+    (_, p2, d, _, small), hf = setup
+    system = [random.randrange(256) for _ in range(96)]  # six full blocks
+    a, b = [*system, 3], [*system, 5, 6]
+    _run(small, d, "t-a", a)
+    # Six prompts of 15 blocks each (90 > the pool's 63) push a's blocks out of small's pool;
+    # its host tier (256 blocks) keeps them.
+    for i in range(6):
+        _run(small, d, f"t-fill-{i}", [random.randrange(256) for _ in range(241)])
+    before = _stats(small).counters
+    resp, tokens = _run(p2, d, "t-b", b, peer_address=small.address, peer_blocks=6)
+    assert resp.blocks_fetched == 6 and resp.cached_tokens == 96
+    assert tokens == _greedy(hf, b)
+    after = _stats(small).counters
+    served = after["tier_blocks_served_to_peers"] - before.get("tier_blocks_served_to_peers", 0)
+    assert served == 6  # from the tier's memory: the pool no longer held them
+    assert after["blocks_served_to_peers"] - before["blocks_served_to_peers"] == 6
 
 
 def test_a_prefix_is_fetched_only_when_that_beats_computing_it():
@@ -151,7 +173,7 @@ def test_knowing_the_hashes_is_not_enough_to_read_blocks(setup):
     token ids (and salt) they hash from, else PERMISSION_DENIED and no blocks."""
     from splitserve.kvstore import hash_request_tokens
 
-    (p1, _, d, _), _ = setup
+    (p1, _, d, *_), _ = setup
     secret = [random.randrange(256) for _ in range(48)]  # three full blocks, salted
     with grpc.insecure_channel(p1.address) as pc, grpc.insecure_channel(d.address) as dc:
         nodes_pb2_grpc.PrefillNodeServiceStub(pc).Prefill(

@@ -149,7 +149,9 @@ def test_a_prefix_in_a_slower_tier_is_worth_what_its_load_saves():
     held = {"a": Held(device=4, host=10), "b": Held(disk=10), "c": Held(device=2, disk=8)}
     cached = CachedPrefix(held, {"a": fast, "b": slow, "c": fast}, 16)
     assert cached == pytest.approx({"a": 13.0, "b": 0.0, "c": 6.0})
-    assert cached.device_blocks("a") == 4 and cached.device_blocks("x") == 0
+    # What a peer can send: its pool's and its host tier's blocks, not its disk's.
+    assert cached.peer_blocks("a") == 14 and cached.peer_blocks("c") == 2
+    assert cached.peer_blocks("x") == 0
 
 
 def test_prefill_pick_prices_each_tier_against_computing():

@@ -157,11 +157,12 @@ def test_prefill_stage_names_a_peer_holding_a_longer_prefix():
         await stage.attempt(params(), p, session, cached, tried(), time.monotonic() + 5)
         session.close(release_kv=True)
         assert seen == [("p1", 3)]
-        # A peer serves from its pool only: its host-tier blocks are not offered, and a chosen
-        # node holding as many in any tier is sent to no peer.
+        # A peer serves from its pool and its host tier, not from its disk; a chosen node
+        # holding as many in any tier is sent to no peer.
         seen.clear()
         for held, hint in [
-            ({"p0": Held(1), "p1": Held(1, host=5), "p2": Held(2)}, ("p2", 2)),
+            ({"p0": Held(1), "p1": Held(1, host=5), "p2": Held(2)}, ("p1", 6)),
+            ({"p0": Held(1), "p1": Held(1, disk=5), "p2": Held(2)}, ("p2", 2)),
             ({"p0": Held(0, disk=3), "p1": Held(3), "p2": Held(2)}, ("", 0)),
         ]:
             session = decode.claim(registry.decode.nodes[0], None, "r")
