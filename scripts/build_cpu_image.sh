@@ -15,10 +15,6 @@ IMAGE=${1:-splitserve:cpu}
 BASE=splitserve-base:bookworm
 export CONTAINERS_CONF=${CONTAINERS_CONF:-$PWD/scripts/containers.conf}
 log() { printf '[build_cpu_image] %s\n' "$*" >&2; }
-# One build at a time: scripts/test.sh starts one in the background before the tests, and the
-# container test's own call waits here for it, then finds the image up to date.
-exec 9>"${TMPDIR:-/tmp}/splitserve-build-cpu-image.lock"
-flock 9
 label() { podman image inspect --format "{{index .Labels \"$2\"}}" "$1" 2>/dev/null || true; }
 
 base_key=$(sha256sum scripts/build_cpu_image.sh | cut -c1-16)

@@ -15,14 +15,6 @@ if [[ "${1:-}" == "--fast" ]]; then
     exec .venv/bin/python -m pytest -q tests/unit "$@"
 fi
 bash scripts/setup.sh
-# The container test's image takes minutes to build on a fresh machine (debootstrap, then pip
-# inside the build), mostly waiting on the network and the disk: for a whole-suite run, start it
-# now, beside lint, types and the other tests; the test's own build call waits for this one.
-image_build=
-if [[ $# -eq 0 && $(id -u) -eq 0 ]] && command -v podman debootstrap runc >/dev/null; then
-    bash scripts/build_cpu_image.sh >"${TMPDIR:-/tmp}/splitserve-image-build.log" 2>&1 &
-    image_build=$!
-fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 # Types: pyright's basic mode over the package, 0 errors ([tool.pyright] in pyproject.toml).
@@ -34,4 +26,3 @@ fi
 # The slowest tests, in every full run's log (what to make quicker first).
 workers=${SPLITSERVE_TEST_WORKERS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}
 .venv/bin/python -m pytest -n "$workers" --dist loadfile --durations=25 "$@"
-if [[ -n $image_build ]]; then wait "$image_build" || true; fi  # (the test reported its outcome)
