@@ -66,12 +66,16 @@ def run(
         if bench.returncode != 0:
             raise SystemExit(f"{name}: bench failed:\n{bench.stderr[-3000:]}")
         tiers = {
-            node: tier_counters(cluster.addresses.metrics[node])
-            for node in cluster.addresses.decode
+            f"{role} {node}": tier_counters(cluster.addresses.metrics[node])
+            for role, nodes in (
+                ("prefill", cluster.addresses.prefill),
+                ("decode", cluster.addresses.decode),
+            )
+            for node in nodes
         }
     report = json.loads(out.read_text())
     report["started_s"] = started
-    report["tier_counters"] = tiers  # each decode node's, at the end of the run
+    report["tier_counters"] = tiers  # each node's ("prefill ADDR", "decode ADDR") at the end
     return report
 
 
@@ -89,7 +93,10 @@ def tier_counters(url: str) -> dict[str, float]:
     out = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            name = sample.name.removeprefix("splitserve_decode_").removesuffix("_total")
+            name = sample.name.removeprefix("splitserve_decode_").removeprefix(
+                "splitserve_prefill_"
+            )
+            name = name.removesuffix("_total")
             if name.startswith(TIER_COUNTERS) and sample.name.endswith("_total"):
                 out[name] = sample.value
     return out
@@ -158,7 +165,7 @@ def main() -> None:
             f"{ttft['p50'] * 1e3:.0f} / {ttft['p90'] * 1e3:.0f} | {r['goodput']:.2f} | "
             f"{r['output_throughput']:,.0f} |"
         )
-    print("\nthe decode nodes' tier counters at the end of each run (those not 0):")
+    print("\neach node's tier counters at the end of each run (those not 0):")
     for name, rep in reports.items():
         for node, counters in rep["tier_counters"].items():
             print(f"  {name} {node}: { ({k: int(v) for k, v in counters.items() if v}) }")
