@@ -430,8 +430,6 @@ class LLMEngine:
             outputs += self._read(self._inflight)
         scheduled = self.scheduler.schedule()
         self.last_num_scheduled = len(scheduled)
-        if self.host_tier is not None:  # prompt tokens this step computes (``_time_prefill``)
-            self._last_step = (self._last_step[0], sum(n for _, n in scheduled if n > 1))
         if not scheduled:
             if self._inflight is not None:  # nothing to launch behind it: wait for its tokens
                 outputs += self._read(self._inflight)
@@ -467,7 +465,10 @@ class LLMEngine:
         placeholder token to every request that samples (read back by ``_read``)."""
         inflight = self._inflight
         seqs = []
+        prompt_tokens = 0  # what this step computes of prompts (``_time_prefill``)
         for req, n in scheduled:
+            if n > 1:
+                prompt_tokens += n
             start = req.num_computed_tokens
             tokens = req.token_ids[start : start + n]
             feed_row = -1
@@ -477,6 +478,7 @@ class LLMEngine:
             seqs.append(
                 SequenceInput(tokens, start, self.kv.get_block_ids(req.request_id), feed_row)
             )
+        self._last_step = (self._last_step[0], prompt_tokens)
         feed = inflight.sample.token_ids if inflight is not None else None
         hook = None
         if self.layer_streams:

@@ -377,16 +377,15 @@ class Admission:
                     wait = max(wait, tokens * (position - 1) / waiting / capacity)
                 if now + wait <= w.give_up:
                     continue
-                w.refusal = self._cannot_go_in_time(w, now, wait, position)
+                w.refusal = self._cannot_go_in_time(w, now, wait, position, pace)
                 if w.prediction is not None and w.ttft_by is not None:
                     self.predictor.expired(w.prediction, now - w.since + wait, w.client)
                 if not w.wake.done():
                     w.wake.set_result(None)
 
     def _cannot_go_in_time(
-        self, w: Waiter, now: float, wait: float, position: int
+        self, w: Waiter, now: float, wait: float, position: int, pace: float
     ) -> GenerateError:
-        pace = self._pace()
         where = (
             f"waited {now - w.since:.2f} s; {position - 1} requests go before it"
             + (f" at ~{pace:.1f}/s" if pace else "")

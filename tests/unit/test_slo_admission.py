@@ -226,7 +226,9 @@ def test_a_waiter_the_queue_can_no_longer_serve_in_time_is_refused_when_that_is_
         # The pools slow down: the queue now lets one go every 5 s.
         admission._departures.clear()
         _teach_pace(admission, 0.2)
-        done, _ = await asyncio.wait(tasks[1:], timeout=3 * JUDGE_S + 1.0)
+        # (Within 5 s of the pace taught: past that the first would be refused too, rightly,
+        # and the pace goes stale; judged every JUDGE_S, they are refused long before.)
+        done, _ = await asyncio.wait(tasks[1:], timeout=30 * JUDGE_S)
         assert set(done) == set(tasks[1:]), "not refused when the slower pace became known"
         assert time.monotonic() - start < 5.0  # far from the limits (10 s, 12 s)
         refusals = [t.exception() for t in tasks[1:]]
