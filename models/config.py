@@ -1,10 +1,13 @@
-"""What the model runner needs to know about a checkpoint, read through transformers' AutoConfig."""
+"""What the model runner needs to know about a checkpoint: its config.json, read directly where
+every field is plain, else through transformers' AutoConfig."""
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -97,7 +100,9 @@ class ModelConfig:
     max_model_len: int
     checkpoint_dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
-    hf_config: Any  # transformers PreTrainedConfig, for the rotary parameters
+    # transformers' PreTrainedConfig, or plain_config's reading of config.json: the rotary and
+    # quantization parameters
+    hf_config: Any
 
     @property
     def q_size(self) -> int:
@@ -147,10 +152,73 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
-        """Read ``config.json`` of a local checkpoint folder (never a hub download)."""
-        from transformers import AutoConfig
-
+        """Read ``config.json`` of a local checkpoint folder (never a hub download): directly when
+        it names every field itself (``plain_config``), else through AutoConfig."""
         path = Path(path)
         if not (path / "config.json").is_file():
             raise ValueError(f"{path} is not a model folder: it has no config.json")
+        plain = plain_config(path / "config.json")
+        if plain is not None:
+            return cls.from_hf_config(plain)
+        from transformers import AutoConfig
+
         return cls.from_hf_config(AutoConfig.from_pretrained(path, local_files_only=True))
+
+
+# The fields a supported checkpoint's config.json must name itself to be read without
+# transformers: their defaults differ between the architectures' config classes (e.g.
+# num_key_value_heads: None for Llama, 32 for Qwen2, 8 for Mistral), so a missing one is left to
+# AutoConfig, which knows them.
+_PLAIN_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "eos_token_id",
+)
+
+
+def plain_config(file: Path) -> SimpleNamespace | None:
+    """``config.json`` as the attributes ``ModelConfig.from_hf_config`` reads, or None where
+    AutoConfig must read it. Importing transformers and its config classes is half of a node's
+    start (~1.6 s of CPU); a checkpoint written by ``save_pretrained`` for a supported
+    architecture with the default rotary embedding names every field this needs, and those
+    fields mean the same without transformers' normalisation. Anything else (another or a
+    remote-code architecture, scaled rotary embeddings, a missing field, a dtype spelt otherwise)
+    goes to AutoConfig: tests/unit/test_model_loader.py checks both readings agree."""
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None  # (AutoConfig's error then says what is wrong)
+    if not isinstance(raw, dict) or "auto_map" in raw:
+        return None
+    archs = raw.get("architectures")
+    if not isinstance(archs, list) or not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        return None
+    if any(raw.get(key) is None for key in _PLAIN_REQUIRED):
+        return None
+    rope = raw.get("rope_parameters")
+    if raw.get("rope_scaling") is not None or (rope is not None and not isinstance(rope, dict)):
+        return None
+    rope = dict(rope or {})
+    theta = rope.get("rope_theta", raw.get("rope_theta"))
+    if rope.get("rope_type", "default") != "default" or not isinstance(theta, int | float):
+        return None
+    uses_window = "MistralForCausalLM" in archs or raw.get("use_sliding_window")
+    if uses_window and "sliding_window" not in raw:
+        return None
+    dtype = raw.get("dtype") or raw.get("torch_dtype")
+    if dtype is not None and dtype not in _DTYPES:
+        return None
+    fields = dict(raw)
+    fields.update(
+        rope_parameters={"rope_theta": theta, "rope_type": "default"},
+        dtype=dtype,
+        sliding_window=raw.get("sliding_window") if uses_window else None,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+    )
+    return SimpleNamespace(**fields)

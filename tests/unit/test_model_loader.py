@@ -121,3 +121,139 @@ def test_embedded_tiny_model_is_created_once_and_loads(tmp_path):
     assert ids == list(text.encode()) and tok.decode(ids) == text
     assert tok.eos_token_id == config.eos_token_ids[0] == 257
     assert len(build_byte_tokenizer()) == 258  # 256 bytes + BOS + EOS
+
+
+def _config_variants():
+    """config.json files as transformers writes them and as checkpoints in the wild spell them:
+    (name, architecture, fields changed from the config class's save_pretrained output)."""
+    llama = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=96)
+    return [
+        ("llama", "LlamaForCausalLM", llama, {}),
+        (
+            "llama-gqa-bias-tied",
+            "LlamaForCausalLM",
+            {
+                **llama,
+                "num_key_value_heads": 2,
+                "attention_bias": True,
+                "mlp_bias": True,
+                "tie_word_embeddings": True,
+            },
+            {},
+        ),
+        (
+            "llama-eos-list-head-dim",
+            "LlamaForCausalLM",
+            {**llama, "eos_token_id": [2, 7], "head_dim": 32},
+            {},
+        ),
+        (
+            "llama-legacy-keys",
+            "LlamaForCausalLM",
+            llama,
+            {
+                "rope_parameters": None,
+                "rope_theta": 500000.0,
+                "torch_dtype": "bfloat16",
+                "dtype": None,
+            },
+        ),
+        ("llama-no-tie-key", "LlamaForCausalLM", llama, {"tie_word_embeddings": None}),
+        (
+            "llama3-rope",
+            "LlamaForCausalLM",
+            {
+                **llama,
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "rope_theta": 500000.0,
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+            },
+            {},
+        ),
+        ("llama-no-kv-heads", "LlamaForCausalLM", llama, {"num_key_value_heads": None}),
+        ("qwen2", "Qwen2ForCausalLM", {**llama, "num_key_value_heads": 2}, {}),
+        (
+            "qwen2-window",
+            "Qwen2ForCausalLM",
+            {
+                **llama,
+                "num_key_value_heads": 2,
+                "use_sliding_window": True,
+                "sliding_window": 48,
+                "max_position_embeddings": 128,
+            },
+            {},
+        ),
+        (
+            "mistral",
+            "MistralForCausalLM",
+            {
+                **llama,
+                "num_key_value_heads": 2,
+                "sliding_window": 100,
+                "max_position_embeddings": 256,
+            },
+            {},
+        ),
+        (
+            "mistral-no-window",
+            "MistralForCausalLM",
+            {**llama, "num_key_value_heads": 2, "sliding_window": None},
+            {},
+        ),
+        (
+            "mistral-window-unnamed",
+            "MistralForCausalLM",
+            {**llama, "num_key_value_heads": 2},
+            {"sliding_window": "drop"},
+        ),
+    ]
+
+
+@pytest.mark.parametrize(
+    "name,arch,kwargs,edits", _config_variants(), ids=[v[0] for v in _config_variants()]
+)
+def test_config_read_without_transformers_agrees_with_autoconfig(
+    tmp_path, name, arch, kwargs, edits
+):
+    """A node reads a plain config.json itself (plain_config: it skips importing transformers,
+    half of its start); every field ModelConfig takes must then equal AutoConfig's reading, and
+    what it cannot read plainly goes to AutoConfig."""
+    import transformers
+    from transformers import AutoConfig
+
+    from splitserve.models.config import plain_config
+
+    cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    cls(architectures=[arch], eos_token_id=kwargs.pop("eos_token_id", 2), **kwargs).save_pretrained(
+        tmp_path
+    )
+    file = tmp_path / "config.json"
+    raw = json.loads(file.read_text())
+    for key, value in edits.items():
+        if value is None or value == "drop":
+            raw.pop(key, None)
+        if value is not None and value != "drop":
+            raw[key] = value
+    file.write_text(json.dumps(raw))
+
+    mine = ModelConfig.from_pretrained(tmp_path)
+    theirs = ModelConfig.from_hf_config(AutoConfig.from_pretrained(tmp_path, local_files_only=True))
+    for field in ModelConfig.__slots__:
+        if field != "hf_config":
+            assert getattr(mine, field) == getattr(theirs, field), field
+    plain = plain_config(file)
+    # The plain reading is taken exactly where the config names every field itself with the
+    # default rotary embedding (so the fast path is not silently unused).
+    expect_plain = name not in ("llama3-rope", "llama-no-kv-heads", "mistral-window-unnamed")
+    assert (plain is not None) == expect_plain
+    if plain is not None:
+        assert (
+            mine.hf_config.rope_parameters["rope_theta"]
+            == (theirs.hf_config.rope_parameters["rope_theta"])
+        )
