@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -45,6 +45,7 @@ from splitserve.router.fair_queue import FairQueue
 from splitserve.router.kv_budget import KVDemand
 from splitserve.router.pool import NodePool
 from splitserve.router.predictor import (
+    MAX_CLIENT_MARGINS,
     PrefillLoad,
     RunningQuantile,
     TTFTPrediction,
@@ -76,8 +77,20 @@ PROBE_S = 0.2
 MAX_MARGIN_SHARE = 0.5
 # With a TTFT target, the prefill nodes take work while what they hold is at most this share of
 # the target (in seconds at their measured rate): the rest waits in the router's fair queue,
-# where a light client's request goes ahead of a heavy client's burst (the nodes serve in order).
-BACKLOG_SHARE = 0.25
+# where a light client's request goes ahead of a heavy client's burst (the nodes serve in order,
+# so what they hold is every client's wait).
+BACKLOG_SHARE = 0.1
+# Admission's headroom, per client: a request that must queue is let in only when its predicted
+# TTFT is within this share of its target (the rest is slack for the queue running slower than
+# predicted). Each of the client's queued requests refused late (its target or limit passed, or
+# it was judged out of reach, while it waited) takes HEADROOM_DOWN of it off, to HEADROOM_MIN at
+# most; each let go in time gives HEADROOM_UP back, to 1. In balance about one late refusal per
+# HEADROOM_DOWN / HEADROOM_UP (~150) requests let go: the rest are refused at arrival, at once.
+# Per client: a heavy client's long queue runs late, a light client's short one does not (the
+# fair queue lets it go first), and one headroom for both would refuse the light one's requests.
+HEADROOM_MIN = 0.4
+HEADROOM_DOWN = 0.15  # multiplicative
+HEADROOM_UP = 0.001  # additive
 
 
 @dataclass(slots=True, eq=False)
@@ -137,6 +150,10 @@ class Admission:
         self._service = RunningQuantile(SERVICE_QUANTILE)
         self._decoding = RunningQuantile(SERVICE_QUANTILE)  # from the first token to the end
         self._judge: asyncio.Task | None = None  # re-judges the waiters while any wait
+        # Each client's share of a TTFT target its queued requests are admitted to (absent: 1),
+        # the least recently changed first.
+        self._headroom: OrderedDict[str, float] = OrderedDict()
+        metrics.admission_headroom.set(1.0)
         decode.on_release = self.notify  # a request left a decode node: the head may go
         if prefill is not None:
             prefill.on_release = self.notify
@@ -297,7 +314,8 @@ class Admission:
         ttft_by = None  # the latest it may be let go and still meet its TTFT target
         if slo is not None and slo.ttft_s is not None:
             target = arrival + slo.ttft_s
-            self._check_slo(prediction, target, start)
+            share = self.headroom(client)
+            self._check_slo(prediction, arrival + share * slo.ttft_s, start, slo.ttft_s, share)
             # NOTE: the margin buys the wait room to run late at arrival; once queued, a request
             # goes as long as its own part can still end within the target.
             ttft_by = target - prediction.own_s
@@ -320,6 +338,7 @@ class Admission:
                     raise me.refusal
                 left = give_up - time.monotonic()
                 if left <= 0:
+                    self._refused_late(client)
                     if ttft_by is not None and time.monotonic() >= ttft_by:
                         self.predictor.expired(prediction, time.monotonic() - start, client)
                         raise self._expired(arrival, start, slo, prediction)
@@ -332,6 +351,8 @@ class Admission:
             let_go = True
             self._queue.let_go(me)
             self._admitted = time.monotonic()
+            if ttft_by is not None:
+                self._let_go_in_time(client)
             return Admitted(self._admitted, prediction, self.load(), work, client)
         finally:
             self._queue.remove(me)
@@ -378,6 +399,7 @@ class Admission:
                 if now + wait <= w.give_up:
                     continue
                 w.refusal = self._cannot_go_in_time(w, now, wait, position, pace)
+                self._refused_late(w.client)
                 if w.prediction is not None and w.ttft_by is not None:
                     self.predictor.expired(w.prediction, now - w.since + wait, w.client)
                 if not w.wake.done():
@@ -435,24 +457,61 @@ class Admission:
         now = time.monotonic()
         self._check_wait(deadline, now, client)
         if slo is not None and slo.ttft_s is not None:
-            target = (now if arrival is None else arrival) + slo.ttft_s
-            self._check_slo(self.predict(0, client, slo.ttft_s), target, now)
+            share = self.headroom(client)
+            target = (now if arrival is None else arrival) + share * slo.ttft_s
+            self._check_slo(self.predict(0, client, slo.ttft_s), target, now, slo.ttft_s, share)
 
-    def _check_slo(self, prediction: TTFTPrediction, target: float, now: float) -> None:
-        """Refuse a request whose predicted time to first token ends past ``target``."""
+    def _check_slo(
+        self,
+        prediction: TTFTPrediction,
+        target: float,
+        now: float,
+        ttft_s: float | None = None,
+        share: float = 1.0,
+    ) -> None:
+        """Refuse a request whose predicted time to first token ends past ``target`` (when it
+        would queue: ``share`` of its TTFT target ``ttft_s``, its client's headroom)."""
         if now + prediction.ttft_s <= target:
             return
         # Retry once the queue has drained enough for a newcomer to meet the same target.
         budget = target - now - prediction.own_s - prediction.margin_s
+        within = "its TTFT target"
+        if ttft_s is not None and share < 1.0:
+            within = (
+                f"{share:.2f} of its TTFT target of {ttft_s:g} s (this client's queued requests "
+                "ran out of time lately, so the router admits them to less of it)"
+            )
         raise self._refuse(
             "slo_ttft",
             f"predicted time to first token {prediction.ttft_s:.2f} s (queue wait "
             f"{prediction.wait_s:.2f} s behind {len(self._queue)} requests, then "
             f"{prediction.own_s:.2f} s "
-            f"+ {prediction.margin_s:.2f} s margin) is past its TTFT target "
+            f"+ {prediction.margin_s:.2f} s margin) is past {within} "
             f"({target - now:.2f} s left): retry later, with a larger target, or add nodes",
             max(prediction.wait_s - max(budget, 0.0), 0.0),
         )
+
+    def headroom(self, client: str) -> float:
+        """The share of a TTFT target ``client``'s requests that must queue are admitted to."""
+        return self._headroom.get(client, 1.0)
+
+    def _set_headroom(self, client: str, share: float) -> None:
+        headroom = self._headroom
+        headroom.pop(client, None)
+        if share < 1.0:
+            headroom[client] = share  # the most recently changed last
+            if len(headroom) > MAX_CLIENT_MARGINS:
+                headroom.popitem(last=False)
+        self._metrics.admission_headroom.set(min(headroom.values(), default=1.0))
+
+    def _refused_late(self, client: str) -> None:
+        """A queued request of ``client`` was refused after waiting: admit to less."""
+        self._set_headroom(client, max(HEADROOM_MIN, self.headroom(client) * (1 - HEADROOM_DOWN)))
+
+    def _let_go_in_time(self, client: str) -> None:
+        """A queued request of ``client`` with a TTFT target was let go in time: admit to more."""
+        if client in self._headroom:
+            self._set_headroom(client, min(1.0, self.headroom(client) + HEADROOM_UP))
 
     def _expired(
         self, arrival: float, start: float, slo: Slo | None, prediction: TTFTPrediction

@@ -235,6 +235,13 @@ class RouterMetrics:
             "Requests waiting at the router for a decode node with room",
             registry=r,
         )
+        self.admission_headroom = Gauge(
+            "splitserve_router_admission_headroom",
+            "The share of its TTFT target a request that must queue is admitted to, the lowest "
+            "of any client's (1: all of it; lower while a client's queued requests recently "
+            "ran out of time and were refused late)",
+            registry=r,
+        )
         self.queue_wait = Histogram(
             "splitserve_router_queue_wait_seconds",
             "Time requests waited at the router for a decode node with room",

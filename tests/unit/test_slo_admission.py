@@ -11,7 +11,14 @@ import grpc
 import pytest
 from router_fakes import refused_at_once
 
-from splitserve.router.admission import JUDGE_S, PROBE_S, Admission
+from splitserve.router.admission import (
+    HEADROOM_DOWN,
+    HEADROOM_MIN,
+    HEADROOM_UP,
+    JUDGE_S,
+    PROBE_S,
+    Admission,
+)
 from splitserve.router.errors import GenerateError
 from splitserve.router.pool import NodePool
 from splitserve.router.predictor import (
@@ -248,6 +255,66 @@ def test_a_waiter_the_queue_can_no_longer_serve_in_time_is_refused_when_that_is_
         tasks[0].cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         assert len(admission) == 0 and decode.waiting == 0
+
+    asyncio.run(run())
+
+
+def test_a_client_whose_queued_requests_ran_late_is_admitted_to_less_of_its_target():
+    """Admission's headroom (HEADROOM_*): a client whose queued request was refused late is then
+    admitted only to a share of its TTFT target, so the next ones that would run as late are
+    refused at arrival, at once; another client's share stays whole (the fair queue keeps its
+    waits short); each request let go in time gives some back, and the share never falls below
+    HEADROOM_MIN."""
+
+    async def run():
+        decode, prefill = _pools()
+        metrics = RouterMetrics()
+        admission = Admission(decode, metrics, prefill=prefill)
+        decode.acquire(decode.nodes[0])  # full: everything queues
+        _teach_pace(admission, 2.0)
+        start = time.monotonic()
+        far = start + 60
+        first = asyncio.create_task(
+            admission.enter(far, work=10, slo=Slo(ttft_s=10.0), client="heavy")
+        )
+        second = asyncio.create_task(
+            admission.enter(far, work=10, slo=Slo(ttft_s=10.0), client="heavy")
+        )
+        await asyncio.sleep(0.05)
+        assert admission.headroom("heavy") == 1.0 and len(admission) == 2
+        # The queue slows to one every 5 s: the second (~10 s from going) is refused late.
+        admission._departures.clear()
+        _teach_pace(admission, 0.2)
+        done, _ = await asyncio.wait([second], timeout=30 * JUDGE_S)
+        assert done == {second} and isinstance(second.exception(), GenerateError)
+        share = admission.headroom("heavy")
+        assert share == pytest.approx(1 - HEADROOM_DOWN)
+        assert admission.headroom("light") == 1.0
+        assert metrics.admission_headroom._value.get() == pytest.approx(share)
+        # Predicted ~10 s (second in line at 0.2/s): within an 11 s target, but not within
+        # its share of it, so refused at arrival, at once, saying so.
+        refused = refused_at_once(
+            admission.enter(far, work=10, slo=Slo(ttft_s=11.0), client="heavy")
+        )
+        assert f"{share:.2f} of its TTFT target of 11 s" in refused.message
+        # Another client's request, also ~10 s from going (the fair queue's turns: one of the
+        # heavy client's, then its own), within a 10.5 s target: it waits (its share is whole;
+        # the heavy client's share of 10.5 s would have refused it).
+        light = asyncio.create_task(
+            admission.enter(far, work=10, slo=Slo(ttft_s=10.5), client="light")
+        )
+        await asyncio.sleep(0.05)
+        assert not light.done() and len(admission) == 2
+        # Both let go in time: the heavy client's share grows back by HEADROOM_UP.
+        # (Admission only lets them go; nothing here takes the slot, so both go.)
+        decode.release(decode.nodes[0])
+        await asyncio.wait_for(asyncio.gather(first, light), 5)
+        assert admission.headroom("heavy") == pytest.approx(share + HEADROOM_UP)
+        assert admission.headroom("light") == 1.0
+        # However many run late, the share stops at HEADROOM_MIN.
+        for _ in range(50):
+            admission._refused_late("heavy")
+        assert admission.headroom("heavy") == HEADROOM_MIN
 
     asyncio.run(run())
 
