@@ -56,7 +56,9 @@ def test_a_stopped_or_killed_gpu_node_leaves_no_memory_held(tmp_path, tp, how):
         pytest.skip(f"needs {tp} CUDA GPUs")
     model = write_random_checkpoint(tmp_path / "m", dtype="bfloat16")
     before = _used_mib()
-    flags = ["--device", "cuda:0", "--gpu-memory-utilization", "0.2", "--engine-process", "on"]
+    # A KV cache of 3 GiB, so what the node holds stands well above SLACK_MIB (start_node's
+    # 64 MB cache and a CUDA context come to ~950 MiB on an H100: within the slack).
+    flags = ["--device", "cuda:0", "--kv-cache-mb", "3072", "--engine-process", "on"]
     if tp > 1:
         flags += ["--tensor-parallel-size", str(tp)]
     node = start_node("decode", model, tmp_path, *flags)
