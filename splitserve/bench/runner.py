@@ -8,11 +8,14 @@ a new request as soon as one ends. Neither: every request at once. The run ends 
 after that; those in flight are awaited), whichever comes first. ``--warmup`` requests go first
 and are not counted.
 
-While the load runs, Python's cyclic garbage collector only looks at young objects, once a
-second (``young_collections_only``): a full collection stops the event loop for as long as it
+While the load runs, Python's cyclic garbage collector only looks at young objects, about once
+a second (``young_collections_only``): a full collection stops the event loop for as long as it
 takes to walk every object the process holds (100+ ms once the run has made many), and every
 send due meanwhile leaves late; on the development machine that alone made sends' p99 lateness
 3-4x what it was with the collector off (docs/benchmarks.md, "The load generator's lateness").
+A young collection still stops the loop for some milliseconds, so the open loop runs it in a
+gap of its schedule (``YoungCollector.in_gap``: the next send at least twice the last
+collection's time away), where it delays no send.
 """
 
 from __future__ import annotations
@@ -35,28 +38,74 @@ from splitserve.bench.workloads import BenchRequest
 __all__ = ["Load", "Share", "run_load", "run_users", "young_collections_only"]
 
 YOUNG_GC_EVERY_S = 1.0
+# With no gap long enough in the schedule (a closed loop has none), a young collection runs
+# anyway once this many YOUNG_GC_EVERY_S have passed: what it frees must not pile up.
+YOUNG_GC_OVERDUE = 3.0
+
+
+class YoungCollector:
+    """Collects the two young generations about every ``every_s``: by ``in_gap``, where the
+    caller's schedule leaves room, or by its own task where nothing calls that."""
+
+    def __init__(self, every_s: float = YOUNG_GC_EVERY_S) -> None:
+        self.every_s = every_s
+        self.last = time.perf_counter()
+        self.took_s = 0.005  # how long the last collection took (a guess before the first)
+        self.collections = 0
+        self.in_gaps = 0  # of them, in a gap of the caller's schedule
+
+    def collect(self) -> None:
+        start = time.perf_counter()
+        gc.collect(1)
+        self.last = time.perf_counter()
+        self.took_s = self.last - start
+        self.collections += 1
+
+    def due(self) -> bool:
+        return time.perf_counter() - self.last >= self.every_s
+
+    def in_gap(self, gap_s: float) -> None:
+        """The caller has nothing to do for ``gap_s`` seconds: collect now if one is due and it
+        will be over well before then (or once it is overdue, whatever the gap)."""
+        since = time.perf_counter() - self.last
+        if since < self.every_s:
+            return
+        if gap_s >= 2 * self.took_s:
+            self.in_gaps += 1
+        elif since < YOUNG_GC_OVERDUE * self.every_s:
+            return
+        self.collect()
 
 
 @contextlib.asynccontextmanager
-async def young_collections_only(every_s: float = YOUNG_GC_EVERY_S) -> AsyncIterator[None]:
+async def young_collections_only(
+    every_s: float = YOUNG_GC_EVERY_S, timer: bool = True
+) -> AsyncIterator[YoungCollector]:
     """For the measured run: what lives now (imports, the workload's buffers) is frozen out of
-    the collector's sight, automatic collection is off, and every ``every_s`` a task collects
-    the two young generations only (what was made since, less what refcounting freed: cheap).
-    Cycles that outlive that (rare: a finished request's are garbage at once) wait for the end,
-    where everything is as it was before."""
+    the collector's sight, automatic collection is off, and the two young generations are
+    collected about every ``every_s`` (what was made since, less what refcounting freed:
+    cheap): by a task of its own (``timer``), or by the caller through the ``YoungCollector``
+    it yields (``in_gap``, where its schedule leaves room). Cycles that outlive that (rare: a
+    finished request's are garbage at once) wait for the end, where everything is as it was
+    before."""
     gc.collect()
     gc.freeze()
     was_enabled = gc.isenabled()
     gc.disable()
+    collector = YoungCollector(every_s)
 
     async def collect() -> None:
         while True:
-            await asyncio.sleep(every_s)
-            gc.collect(1)
+            await asyncio.sleep(every_s / 4)
+            if timer:
+                if collector.due():
+                    collector.collect()
+            else:  # the caller collects in its gaps; this only catches a caller that stalls
+                collector.in_gap(0.0)
 
     task = asyncio.create_task(collect())
     try:
-        yield
+        yield collector
     finally:
         task.cancel()
         gc.unfreeze()
@@ -146,10 +195,11 @@ async def run_load(
     # NOTE: a workload may build its prompts on its first request (shared-prefix: every system
     # prompt): done now, not at the start, where it would make the first sends late.
     requests = itertools.chain([next(requests)], requests)
-    async with young_collections_only():  # (before the start: its full collection is slow)
+    # (before the start: its full collection is slow)
+    async with young_collections_only(timer=False) as collector:
         if share.t0 is not None and (wait := share.t0 - time.perf_counter()) > 0:
             await asyncio.sleep(wait)
-        return await _open_loop(target, requests, load, on_done, on_start, share)
+        return await _open_loop(target, requests, load, on_done, on_start, share, collector)
 
 
 async def _open_loop(
@@ -159,8 +209,10 @@ async def _open_loop(
     on_done: Callable[[RequestRecord], object],
     on_start: Callable[[], object],
     share: Share,
+    collector: YoungCollector,
 ) -> tuple[list[RequestRecord], float]:
-    """``run_load``'s measured part: each request sent at its arrival time (or a slot)."""
+    """``run_load``'s measured part: each request sent at its arrival time (or a slot); the
+    young collections in the gaps between this process's sends."""
     target.t0 = share.t0 if share.t0 is not None else time.perf_counter()
     on_start()
     records: list[RequestRecord] = []
@@ -192,7 +244,9 @@ async def _open_loop(
             next(requests)  # another process's: the same workload in every process
             continue
         if (wait := due - target.now()) > 0:
-            await asyncio.sleep(wait)
+            collector.in_gap(wait)
+            if (wait := due - target.now()) > 0:
+                await asyncio.sleep(wait)
         held = False
         if closed_loop and slots is not None:  # wait for a slot here: no unbounded queue
             await slots.acquire()
