@@ -84,13 +84,16 @@ BACKLOG_SHARE = 0.1
 # TTFT is within this share of its target (the rest is slack for the queue running slower than
 # predicted). Each of the client's queued requests refused late (its target or limit passed, or
 # it was judged out of reach, while it waited) takes HEADROOM_DOWN of it off, to HEADROOM_MIN at
-# most; each let go in time gives HEADROOM_UP back, to 1. In balance about one late refusal per
-# HEADROOM_DOWN / HEADROOM_UP (~150) requests let go: the rest are refused at arrival, at once.
+# most; each let go in time gives HEADROOM_UP back, to 1, and time gives it back too (all of it
+# over HEADROOM_RECOVER_S without a late refusal: what a burst taught is forgotten, as the
+# predictor forgets). In balance about one late refusal per HEADROOM_DOWN / HEADROOM_UP (~150)
+# requests let go: the rest are refused at arrival, at once.
 # Per client: a heavy client's long queue runs late, a light client's short one does not (the
 # fair queue lets it go first), and one headroom for both would refuse the light one's requests.
 HEADROOM_MIN = 0.4
 HEADROOM_DOWN = 0.15  # multiplicative
 HEADROOM_UP = 0.001  # additive
+HEADROOM_RECOVER_S = 60.0
 
 
 @dataclass(slots=True, eq=False)
@@ -152,7 +155,7 @@ class Admission:
         self._judge: asyncio.Task | None = None  # re-judges the waiters while any wait
         # Each client's share of a TTFT target its queued requests are admitted to (absent: 1),
         # the least recently changed first.
-        self._headroom: OrderedDict[str, float] = OrderedDict()
+        self._headroom: OrderedDict[str, tuple[float, float]] = OrderedDict()  # (share, when)
         metrics.admission_headroom.set(1.0)
         decode.on_release = self.notify  # a request left a decode node: the head may go
         if prefill is not None:
@@ -493,16 +496,21 @@ class Admission:
 
     def headroom(self, client: str) -> float:
         """The share of a TTFT target ``client``'s requests that must queue are admitted to."""
-        return self._headroom.get(client, 1.0)
+        held = self._headroom.get(client)
+        if held is None:
+            return 1.0
+        share, since = held
+        return min(1.0, share + (time.monotonic() - since) / HEADROOM_RECOVER_S)
 
     def _set_headroom(self, client: str, share: float) -> None:
         headroom = self._headroom
         headroom.pop(client, None)
         if share < 1.0:
-            headroom[client] = share  # the most recently changed last
+            headroom[client] = (share, time.monotonic())  # the most recently changed last
             if len(headroom) > MAX_CLIENT_MARGINS:
                 headroom.popitem(last=False)
-        self._metrics.admission_headroom.set(min(headroom.values(), default=1.0))
+        lowest = min((self.headroom(c) for c in headroom), default=1.0)
+        self._metrics.admission_headroom.set(lowest)
 
     def _refused_late(self, client: str) -> None:
         """A queued request of ``client`` was refused after waiting: admit to less."""
