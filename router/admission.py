@@ -156,7 +156,7 @@ class Admission:
         # Each client's share of a TTFT target its queued requests are admitted to (absent: 1),
         # the least recently changed first.
         self._headroom: OrderedDict[str, tuple[float, float]] = OrderedDict()  # (share, when)
-        metrics.admission_headroom.set(1.0)
+        metrics.admission_headroom.set_function(self.lowest_headroom)
         decode.on_release = self.notify  # a request left a decode node: the head may go
         if prefill is not None:
             prefill.on_release = self.notify
@@ -502,6 +502,13 @@ class Admission:
         share, since = held
         return min(1.0, share + (time.monotonic() - since) / HEADROOM_RECOVER_S)
 
+    def lowest_headroom(self) -> float:
+        """The lowest of any client's headroom (1: none held back). Read on the metrics
+        server's thread: it works on a C-level copy of the values, as the figures above do."""
+        now = time.monotonic()
+        held = tuple(self._headroom.values())
+        return min((min(1.0, s + (now - t) / HEADROOM_RECOVER_S) for s, t in held), default=1.0)
+
     def _set_headroom(self, client: str, share: float) -> None:
         headroom = self._headroom
         headroom.pop(client, None)
@@ -509,8 +516,6 @@ class Admission:
             headroom[client] = (share, time.monotonic())  # the most recently changed last
             if len(headroom) > MAX_CLIENT_MARGINS:
                 headroom.popitem(last=False)
-        lowest = min((self.headroom(c) for c in headroom), default=1.0)
-        self._metrics.admission_headroom.set(lowest)
 
     def _refused_late(self, client: str) -> None:
         """A queued request of ``client`` was refused after waiting: admit to less."""
