@@ -497,17 +497,13 @@ class Admission:
     def headroom(self, client: str) -> float:
         """The share of a TTFT target ``client``'s requests that must queue are admitted to."""
         held = self._headroom.get(client)
-        if held is None:
-            return 1.0
-        share, since = held
-        return min(1.0, share + (time.monotonic() - since) / HEADROOM_RECOVER_S)
+        return 1.0 if held is None else _recovered(held, time.monotonic())
 
     def lowest_headroom(self) -> float:
         """The lowest of any client's headroom (1: none held back). Read on the metrics
         server's thread: it works on a C-level copy of the values, as the figures above do."""
         now = time.monotonic()
-        held = tuple(self._headroom.values())
-        return min((min(1.0, s + (now - t) / HEADROOM_RECOVER_S) for s, t in held), default=1.0)
+        return min((_recovered(h, now) for h in tuple(self._headroom.values())), default=1.0)
 
     def _set_headroom(self, client: str, share: float) -> None:
         headroom = self._headroom
@@ -636,6 +632,12 @@ class Admission:
             "stayed full: retry later or add nodes",
             self._pace_wait(len(self._queue)),
         )
+
+
+def _recovered(held: tuple[float, float], now: float) -> float:
+    """A headroom ``(share, when it was set)`` as time has given it back by ``now``."""
+    share, since = held
+    return min(1.0, share + (now - since) / HEADROOM_RECOVER_S)
 
 
 def retry_after_hint(seconds: float | None) -> int:

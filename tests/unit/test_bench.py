@@ -764,6 +764,7 @@ def test_the_open_loop_collects_young_garbage_in_the_gaps_of_its_schedule():
 def test_a_paced_run_collects_in_its_gaps(monkeypatch):
     """run_load at 200 req/s for 1.5 s with collections due every 0.2 s: they ran, in the gaps
     between sends."""
+    import contextlib
     import gc
 
     seen = {}
@@ -778,8 +779,6 @@ def test_a_paced_run_collects_in_its_gaps(monkeypatch):
             record.end = self.now()
 
     real = runner.young_collections_only
-
-    import contextlib
 
     @contextlib.asynccontextmanager
     async def spy(every_s=runner.YOUNG_GC_EVERY_S, timer=True):

@@ -125,7 +125,8 @@ def test_embedded_tiny_model_is_created_once_and_loads(tmp_path):
 
 def _config_variants():
     """config.json files as transformers writes them and as checkpoints in the wild spell them:
-    (name, architecture, fields changed from the config class's save_pretrained output)."""
+    (name, architecture, the config class's arguments, keys then changed in the file it saved;
+    None: left out)."""
     llama = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=96)
     return [
         ("llama", "LlamaForCausalLM", llama, {}),
@@ -210,7 +211,7 @@ def _config_variants():
             "mistral-window-unnamed",
             "MistralForCausalLM",
             {**llama, "num_key_value_heads": 2},
-            {"sliding_window": "drop"},
+            {"sliding_window": None},
         ),
     ]
 
@@ -230,15 +231,12 @@ def test_config_read_without_transformers_agrees_with_autoconfig(
     from splitserve.models.config import plain_config
 
     cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
-    cls(architectures=[arch], eos_token_id=kwargs.pop("eos_token_id", 2), **kwargs).save_pretrained(
-        tmp_path
-    )
+    cls(architectures=[arch], **{"eos_token_id": 2, **kwargs}).save_pretrained(tmp_path)
     file = tmp_path / "config.json"
     raw = json.loads(file.read_text())
-    for key, value in edits.items():
-        if value is None or value == "drop":
-            raw.pop(key, None)
-        if value is not None and value != "drop":
+    for key, value in edits.items():  # None: the key is left out
+        raw.pop(key, None)
+        if value is not None:
             raw[key] = value
     file.write_text(json.dumps(raw))
 

@@ -160,6 +160,16 @@ def _teach_pace(admission: Admission, per_s: float) -> None:
         admission._departures.append(now - (31 - i) / per_s)
 
 
+def _full_admission(pace_per_s: float) -> tuple[NodePool, RouterMetrics, Admission]:
+    """An admission whose one decode slot is taken (everything queues), taught a pace."""
+    decode, prefill = _pools()
+    metrics = RouterMetrics()
+    admission = Admission(decode, metrics, prefill=prefill)
+    decode.acquire(decode.nodes[0])
+    _teach_pace(admission, pace_per_s)
+    return decode, metrics, admission
+
+
 def test_a_request_predicted_to_miss_its_ttft_is_refused_at_arrival():
     async def run():
         decode, prefill = _pools()
@@ -217,11 +227,7 @@ def test_a_waiter_the_queue_can_no_longer_serve_in_time_is_refused_when_that_is_
     refused waits teach the predictor its margin."""
 
     async def run():
-        decode, prefill = _pools()
-        metrics = RouterMetrics()
-        admission = Admission(decode, metrics, prefill=prefill)
-        decode.acquire(decode.nodes[0])  # full: everything queues
-        _teach_pace(admission, 2.0)
+        decode, metrics, admission = _full_admission(2.0)  # full: everything queues
         start = time.monotonic()
         slo = Slo(ttft_s=10.0)
         tasks = [
@@ -268,13 +274,8 @@ def test_a_client_whose_queued_requests_ran_late_is_admitted_to_less_of_its_targ
     HEADROOM_MIN."""
 
     async def run():
-        decode, prefill = _pools()
-        metrics = RouterMetrics()
-        admission = Admission(decode, metrics, prefill=prefill)
-        decode.acquire(decode.nodes[0])  # full: everything queues
-        _teach_pace(admission, 2.0)
-        start = time.monotonic()
-        far = start + 60
+        decode, metrics, admission = _full_admission(2.0)  # full: everything queues
+        far = time.monotonic() + 60
         first = asyncio.create_task(
             admission.enter(far, work=10, slo=Slo(ttft_s=10.0), client="heavy")
         )
@@ -294,8 +295,11 @@ def test_a_client_whose_queued_requests_ran_late_is_admitted_to_less_of_its_targ
         assert admission.headroom("light") == 1.0
         scraped = metrics.registry.get_sample_value("splitserve_router_admission_headroom")
         assert scraped == pytest.approx(share, abs=0.01)
-        # Predicted ~10 s (second in line at 0.2/s): within an 11 s target, but not within
-        # its share of it, so refused at arrival, at once, saying so.
+        # Predicted ~10 s (second in line at 0.2/s, taught again: however long the judge took,
+        # the pace is fresh): within an 11 s target, but not within its share of it, so
+        # refused at arrival, at once, saying so.
+        admission._departures.clear()
+        _teach_pace(admission, 0.2)
         refused = refused_at_once(
             admission.enter(far, work=10, slo=Slo(ttft_s=11.0), client="heavy")
         )
