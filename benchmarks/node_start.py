@@ -28,6 +28,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from splitserve.engine import lifeline
+
 
 def cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -51,7 +53,13 @@ def one(role: str, model: Path, folder: Path) -> tuple[float, float]:
     cmd = [sys.executable, "-P", "-m", "splitserve.cli", role, "--model", str(model)]
     cmd += ["--kv-cache-mb", "64", "--port", "0", "--port-file", str(port_file)]
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # (SIGTERM when this script ends, however it ends: no node outlives the benchmark)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=lifeline.term_with_parent,
+    )
     try:
         while True:
             if proc.poll() is not None:
