@@ -120,8 +120,11 @@ def counters(address: str) -> dict[str, float]:
         return dict(stub.GetStats(nodes_pb2.GetStatsRequest(), timeout=10).counters)
 
 
-def scrape(url: str) -> dict[str, float]:
+def scrape(url: str, keep: Path | None = None) -> dict[str, float]:
+    """A router's ``splitserve_router_*`` samples; ``keep``: also write its whole text there."""
     text = urllib.request.urlopen(url, timeout=5).read().decode()
+    if keep is not None:
+        keep.write_text(text)
     out = {}
     for line in text.splitlines():
         if line.startswith("splitserve_router_") and not line.startswith("#"):
@@ -191,11 +194,13 @@ def _wait_for(proc: subprocess.Popen, path: Path, deadline: float, what: str, ou
     return path.read_text().strip()
 
 
-def scrape_all(urls: list[str]) -> dict[str, float]:
-    """Every router's samples, summed by name (counters and histogram buckets add up)."""
+def scrape_all(urls: list[str], out: Path, tag: str) -> dict[str, float]:
+    """Every router's samples, summed by name (counters and histogram buckets add up); each
+    router's last /metrics text is kept in ``out`` (router-TAG-N.metrics.txt)."""
     total: dict[str, float] = {}
-    for url in urls:
-        for key, value in scrape(f"{url}/metrics").items():
+    for i, url in enumerate(urls):
+        keep = out / f"router-{tag}-{i}.metrics.txt"
+        for key, value in scrape(f"{url}/metrics", keep).items():
             total[key] = total.get(key, 0.0) + value
     return total
 
@@ -269,7 +274,7 @@ def one_rate(args, cluster, model: str, rate: float, index: str, out: Path, env=
     try:
         before = {a: counters(a) for a in (*prefill, *decode)}
         run_benches(commands, out)
-        router_figures = scrape_all(metrics)
+        router_figures = scrape_all(metrics, out, tag)
         after = {a: counters(a) for a in (*prefill, *decode)}
     finally:
         for router in routers:
