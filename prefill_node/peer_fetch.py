@@ -29,8 +29,21 @@ from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
+# A fetch saves computing the prefix, so it may not cost the request much more than computing
+# would: it gets FETCH_BUDGET_X times the blocks' compute time at the node's measured prefill
+# rate, at least FETCH_MIN_S (a round trip through two engines' step boundaries under load) and
+# at most FETCH_TIMEOUT_S (also the budget while that rate is unknown), never past the request's
+# deadline. Past it the request computes: a stalled holder, and every prompt of the same prefix
+# waiting on its one fetch, once waited FETCH_TIMEOUT_S (10 s: two tenants on one H100 saw TTFT
+# p99 of 5-12 s from it).
 FETCH_TIMEOUT_S = 10.0
+FETCH_MIN_S = 1.0
+FETCH_BUDGET_X = 4.0
+# A peer a fetch timed out on is not asked again for this long (its prompts are computed): what
+# stalled it may stall the next fetch too.
+PEER_BACKOFF_S = 10.0
 MAX_FETCH_BLOCKS = 1 << 16  # what one FetchBlocks may name (a 1M-token prompt of 16-token blocks)
+MAX_BACKOFF_PEERS = 1024  # peers backed off at once before the expired ones are dropped
 
 
 class PeerFetcher:
@@ -49,6 +62,7 @@ class PeerFetcher:
         self.block_size, self.block_nbytes = engine.info.block_size, engine.info.block_nbytes
         self.rates, self.channels, self.counters = rates, channels, counters
         self._fetching: dict[bytes, asyncio.Future] = {}  # last hash of a run → its fetch
+        self._backoff: dict[str, float] = {}  # peer → until when it is not asked (monotonic)
 
     # ------------------------------------------------------------------ client
 
@@ -61,22 +75,67 @@ class PeerFetcher:
         timeout: float | None,
     ) -> int:
         """Fetch the prompt's prefix blocks ``peer`` holds (up to ``peer_blocks``) into the
-        prefix cache; returns how many were adopted. Any failure: 0, and the prompt is simply
-        computed."""
+        prefix cache; returns how many were adopted. Any failure, or the fetch outlasting its
+        budget (``budget_s``, or ``timeout``: the request's time left, if less): 0, and the
+        prompt is simply computed."""
         hashes = hash_request_tokens(prompt, self.block_size, self.root, salt)
         # The last prompt token is always computed (its logits), as in get_computed_blocks.
         hashes = hashes[: min(peer_blocks, (len(prompt) - 1) // self.block_size)]
         if not hashes:
             return 0
+        now = time.monotonic()
+        if self._backoff.get(peer, 0.0) > now:
+            self.counters[names.PREFIX_FETCH_SKIPPED_PEER_SLOW] += 1
+            return 0
+        own = self.budget_s(len(hashes))
+        budget = own if timeout is None else min(own, timeout)
+        if budget <= 0:
+            return 0
+        try:
+            # Everything the fetch does waits within the budget: the route look-up, another
+            # prompt's fetch of the same prefix, the engines and the holder. Cancelling it is
+            # safe: each step frees what it reserved to its end (peer_layer, engine.adopt).
+            async with asyncio.timeout(budget):
+                return await self._single_flight(peer, hashes, prompt, salt, budget)
+        except TimeoutError:
+            self.counters[names.PREFIX_FETCH_TIMED_OUT] += 1
+            if budget < own:
+                return 0  # the request's own deadline came first: no fault of the peer's
+            self._backoff[peer] = time.monotonic() + PEER_BACKOFF_S
+            if len(self._backoff) > 2 * MAX_BACKOFF_PEERS:
+                now = time.monotonic()
+                self._backoff = {p: t for p, t in self._backoff.items() if t > now}
+            logger.warning(
+                "prefix fetch from %s took over its %.2f s budget: computing instead, and not "
+                "asking it again for %.0f s",
+                peer,
+                budget,
+                PEER_BACKOFF_S,
+            )
+            return 0
+
+    def budget_s(self, num_blocks: int) -> float:
+        """How long fetching ``num_blocks`` may take (see FETCH_BUDGET_X), before the request's
+        own deadline is counted."""
+        compute_s = self.rates.compute_seconds(num_blocks)
+        budget = FETCH_TIMEOUT_S if compute_s is None else FETCH_BUDGET_X * compute_s
+        return min(max(budget, FETCH_MIN_S), FETCH_TIMEOUT_S)
+
+    async def _single_flight(
+        self, peer: str, hashes: list[BlockHash], prompt: list[int], salt: str | None, budget: float
+    ) -> int:
         # NOTE: single flight: concurrent prompts with one prefix wait for the first fetch of it
         # (then find the blocks cached here) instead of each fetching the same blocks.
         key = hashes[-1]
         while (pending := self._fetching.get(key)) is not None:
             await asyncio.shield(pending)
+            if self._backoff.get(peer, 0.0) > time.monotonic():  # that fetch timed out
+                self.counters[names.PREFIX_FETCH_SKIPPED_PEER_SLOW] += 1
+                return 0
         done = asyncio.get_running_loop().create_future()
         self._fetching[key] = done
         try:
-            return await self._fetch_missing(peer, hashes, prompt, salt, timeout)
+            return await self._fetch_missing(peer, hashes, prompt, salt, budget)
         finally:
             del self._fetching[key]
             done.set_result(None)
@@ -87,7 +146,7 @@ class PeerFetcher:
         hashes: list[BlockHash],
         prompt: list[int],
         salt: str | None,
-        timeout: float | None,
+        timeout: float,
     ) -> int:
         local = await self.engine.count_cached(hashes)
         want = hashes[local:]
@@ -104,7 +163,6 @@ class PeerFetcher:
                 self.counters[names.PREFIX_FETCH_SKIPPED_SLOWER] += 1
             return 0
         t0 = time.perf_counter()
-        timeout = min(FETCH_TIMEOUT_S, timeout or FETCH_TIMEOUT_S)
         if layer is not None and path is not None:
             adopted = await layer.fetch(peer, self.root, want, proof, timeout)
             if adopted is not None:  # None: the layer declined; fetch bytes

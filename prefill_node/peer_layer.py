@@ -151,7 +151,10 @@ class LayerFetch:
 
         async def free() -> None:
             await asyncio.sleep(grace_s)
-            await self.engine.free(rid)
+            try:
+                await self.engine.free(rid)
+            except ConnectionError:  # engine.protocol.EngineGone: its blocks went with it
+                pass
 
         task = asyncio.create_task(free())
         self._later.add(task)

@@ -72,6 +72,11 @@ class Rates:
             self.compute_rate,
         )
 
+    def compute_seconds(self, num_blocks: int) -> float | None:
+        """How long computing ``num_blocks`` blocks' tokens takes here (None: rate unknown)."""
+        rate = self.compute_rate
+        return num_blocks * self.block_size / rate if rate else None
+
     def prefilled(self, computed_tokens: int, seconds: float) -> None:
         """A prefill computed ``computed_tokens`` in ``seconds`` (queueing counts too: a cautious
         estimate)."""

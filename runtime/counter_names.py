@@ -40,6 +40,10 @@ TRANSFER_SECONDS = "transfer_seconds"
 PREFIX_BLOCKS_FETCHED = "prefix_blocks_fetched"
 PREFIX_FETCH_FAILED = "prefix_fetch_failed"
 PREFIX_FETCH_SKIPPED_SLOWER = "prefix_fetch_skipped_slower"
+# Fetches that outlasted their budget (prefill_node.peer_fetch), and those then not tried
+# because their peer had just timed out.
+PREFIX_FETCH_TIMED_OUT = "prefix_fetch_timed_out"
+PREFIX_FETCH_SKIPPED_PEER_SLOW = "prefix_fetch_skipped_peer_slow"
 BLOCKS_SERVED_TO_PEERS = "blocks_served_to_peers"
 # Of those, the blocks sent from the host tier's memory (the pool no longer held them).
 TIER_BLOCKS_SERVED_TO_PEERS = "tier_blocks_served_to_peers"
@@ -90,6 +94,8 @@ _PREFILL = (
     PREFIX_BLOCKS_FETCHED,
     PREFIX_FETCH_FAILED,
     PREFIX_FETCH_SKIPPED_SLOWER,
+    PREFIX_FETCH_TIMED_OUT,
+    PREFIX_FETCH_SKIPPED_PEER_SLOW,
     BLOCKS_SERVED_TO_PEERS,
     TIER_BLOCKS_SERVED_TO_PEERS,
     TRANSFERS_STREAMED,

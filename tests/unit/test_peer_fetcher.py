@@ -1,16 +1,22 @@
 """PeerFetcher (prefill_node/peer_fetch.py) on its own, with a fake engine, transfer layer and
 rates: only full blocks before the last prompt token are asked for, blocks cached here are not, a
 fetch the rates say is slower than computing is skipped (and counted), the transfer layer's
-adoption is counted and timed by its path, and concurrent prompts with one prefix fetch it once.
+adoption is counted and timed by its path, concurrent prompts with one prefix fetch it once, and
+a fetch from a stalled peer gives up within its budget (the prompts compute; the peer is left
+alone for a while).
 Fetches between real nodes: tests/cluster/test_peer_fetch.py."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from types import SimpleNamespace
 
+import pytest
+
 from splitserve.kvstore import ModelIdentity, hash_request_tokens
+from splitserve.prefill_node import peer_fetch
 from splitserve.prefill_node.peer_fetch import PeerFetcher
 from splitserve.prefill_node.rates import MIN_FETCH_BLOCKS
 from splitserve.runtime import counter_names as names
@@ -50,9 +56,12 @@ class FakeLayer:
 
 
 class FakeRates:
-    def __init__(self, worth: bool = True) -> None:
-        self.worth = worth
+    def __init__(self, worth: bool = True, block_compute_s: float | None = None) -> None:
+        self.worth, self.block_compute_s = worth, block_compute_s
         self.timed: list[tuple[int, str]] = []
+
+    def compute_seconds(self, blocks):
+        return None if self.block_compute_s is None else blocks * self.block_compute_s
 
     def worth_fetching(self, blocks, path):
         return self.worth and blocks >= MIN_FETCH_BLOCKS  # as Rates: fewer are computed
@@ -122,5 +131,94 @@ def test_the_asked_hashes_are_the_prompts_chain_with_its_salt():
         ((root, want, proof),) = seen
         assert root == ROOT and want == hash_request_tokens(prompt, BS, ROOT, "tenant")[:2]
         assert proof == dict(prompt_token_ids=prompt[: 2 * BS], cache_salt="tenant", first_block=0)
+
+    asyncio.run(main())
+
+
+class StalledLayer(FakeLayer):
+    """A transfer layer whose fetches from ``stalled`` peers never end (a holder that stopped
+    answering); it records each cancelled fetch (where the real one frees its reservation)."""
+
+    def __init__(self, engine: FakeEngine, stalled: set[str]) -> None:
+        super().__init__(engine)
+        self.stalled, self.cancelled = stalled, 0
+
+    async def fetch(self, peer, root, want, proof, timeout):
+        if peer not in self.stalled:
+            return await super().fetch(peer, root, want, proof, timeout)
+        self.asked.append(len(want))
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        raise AssertionError("a stalled fetch ended")
+
+
+def test_a_fetch_from_a_stalled_peer_gives_up_within_its_budget_and_the_peer_is_left_alone(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    monkeypatch.setattr(peer_fetch, "FETCH_MIN_S", 0.2)
+
+    async def main():
+        engine = FakeEngine()
+        layer = StalledLayer(engine, {"stalled"})
+        # Computing a block takes 1 ms: the budget is FETCH_MIN_S (0.2 s here).
+        peers = fetcher(engine, FakeRates(block_compute_s=0.001), layer)
+        assert peers.budget_s(3) == pytest.approx(0.2)
+        prompt = list(range(3 * BS + 1))
+
+        async def later(delay: float) -> int:
+            await asyncio.sleep(delay)
+            return await peers.fetch("stalled", 3, prompt, None, 30.0)
+
+        t0 = time.monotonic()
+        # The first fetches; two prompts of the same prefix come 0.1 s later and wait for it.
+        got = await asyncio.gather(later(0.0), later(0.1), later(0.1))
+        waited = time.monotonic() - t0
+        assert got == [0, 0, 0]  # all three compute
+        assert waited < 2.0, waited  # not the hour the holder would have taken
+        assert layer.asked == [3] and layer.cancelled == 1  # one fetch, cancelled (freed)
+        assert peers.counters[names.PREFIX_FETCH_TIMED_OUT] == 1
+        # The two that waited for it (their budgets not spent yet) did not try again.
+        assert peers.counters[names.PREFIX_FETCH_SKIPPED_PEER_SLOW] == 2
+        assert not peers._fetching
+        # The stalled peer is not asked again for a while; another peer is.
+        assert await peers.fetch("stalled", 3, prompt, None, 30.0) == 0
+        assert layer.asked == [3]
+        assert peers.counters[names.PREFIX_FETCH_SKIPPED_PEER_SLOW] == 3
+        assert await peers.fetch("other", 3, prompt, None, 30.0) == 3
+        assert layer.asked == [3, 3]
+        # Once the back-off has passed, the peer is asked again.
+        peers._backoff["stalled"] = time.monotonic() - 1
+        engine.cached = 0
+        assert await peers.fetch("stalled", 3, prompt, None, 30.0) == 0
+        assert layer.asked == [3, 3, 3]
+        assert peers.counters[names.PREFIX_FETCH_TIMED_OUT] == 2
+
+    asyncio.run(main())
+
+
+def test_the_fetch_budget_follows_the_compute_time_and_the_request_deadline_blames_no_peer():
+    async def main():
+        engine = FakeEngine()
+        unknown = fetcher(engine, FakeRates(), FakeLayer(engine))
+        assert unknown.budget_s(8) == peer_fetch.FETCH_TIMEOUT_S  # no rate yet: the cap
+        slow = fetcher(engine, FakeRates(block_compute_s=0.5), FakeLayer(engine))
+        assert slow.budget_s(2) == pytest.approx(peer_fetch.FETCH_BUDGET_X * 1.0)
+        assert slow.budget_s(100) == peer_fetch.FETCH_TIMEOUT_S
+        fast = fetcher(engine, FakeRates(block_compute_s=1e-4), FakeLayer(engine))
+        assert fast.budget_s(2) == peer_fetch.FETCH_MIN_S
+        # The request's own deadline ends the fetch first: it computes, and the peer is still
+        # asked by the next request.
+        layer = StalledLayer(engine, {"p1"})
+        peers = fetcher(engine, FakeRates(block_compute_s=0.5), layer)
+        prompt = list(range(3 * BS + 1))
+        assert await peers.fetch("p1", 3, prompt, None, 0.05) == 0
+        assert await peers.fetch("p1", 3, prompt, None, 0.0) == 0  # no time left: not tried
+        assert layer.asked == [3] and layer.cancelled == 1
+        assert peers.counters[names.PREFIX_FETCH_TIMED_OUT] == 1
+        assert not peers._backoff
+        assert peers.counters[names.PREFIX_FETCH_SKIPPED_PEER_SLOW] == 0
 
     asyncio.run(main())
