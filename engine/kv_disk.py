@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import torch
 
+from splitserve.kernels.layout import host_bytes
 from splitserve.kvstore.block_pool import (
     BlockRemoved,
     BlockStored,
@@ -53,7 +54,10 @@ def block_header(magic: bytes, block_hash: BlockHash, payload: memoryview | byte
 
 
 def header_mismatch(
-    magic: bytes, block_hash: BlockHash, header: memoryview | bytes, payload: memoryview | bytes
+    magic: bytes,
+    block_hash: BlockHash,
+    header: memoryview | bytes | bytearray,
+    payload: memoryview | bytes,
 ) -> str | None:
     """Why ``header`` and ``payload`` are not block ``block_hash`` whole (None: they are)."""
     got_magic, name, size, crc = HEADER.unpack(header)
@@ -236,7 +240,7 @@ class DiskTier:
     # interval (5 ms) every time.
 
     def _write(self, block_hash: BlockHash, src: torch.Tensor) -> bool:
-        payload = memoryview(src.view(torch.uint8).reshape(-1).numpy())
+        payload = host_bytes(src)
         header = block_header(MAGIC, block_hash, payload)
         final = self.path(block_hash)
         tmp = final.with_name(f"{final.name}.tmp{threading.get_ident()}")
@@ -255,7 +259,7 @@ class DiskTier:
         return True
 
     def _read(self, block_hash: BlockHash, dst: torch.Tensor) -> bool:
-        out = memoryview(dst.view(torch.uint8).reshape(-1).numpy())
+        out = host_bytes(dst)
         header = bytearray(HEADER.size)
         fd = os.open(self.path(block_hash), os.O_RDONLY)
         try:

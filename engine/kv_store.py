@@ -42,6 +42,7 @@ from urllib.parse import parse_qs, urlsplit
 import torch
 
 from splitserve.engine.kv_disk import HEADER, Done, block_header, header_mismatch
+from splitserve.kernels.layout import host_bytes
 from splitserve.kvstore.hashing import BlockHash
 
 logger = logging.getLogger(__name__)
@@ -518,7 +519,7 @@ class StoreTier:
                 return
             if ok:
                 assert value is not None
-                out = memoryview(job.dst.view(torch.uint8).reshape(-1).numpy())
+                out = host_bytes(job.dst)
                 out[:] = memoryview(value)[HEADER.size :]
             job.finished = True
         if ok:

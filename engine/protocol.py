@@ -178,7 +178,9 @@ def _ext_hook(code: int, data: bytes) -> Any:
 
 
 def packb(value: Any) -> bytes:
-    return msgpack.packb(value, default=_default, use_bin_type=True, strict_types=True)
+    packed = msgpack.packb(value, default=_default, use_bin_type=True, strict_types=True)
+    assert packed is not None  # (None only from a Packer without autoreset)
+    return packed
 
 
 def unpackb(data: bytes) -> Any:

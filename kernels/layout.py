@@ -149,6 +149,13 @@ def scatter_blocks(kv_pool: torch.Tensor, block_ids: torch.Tensor, buffer: torch
     indexable(kv_pool).index_copy_(0, block_ids, source)
 
 
+def host_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy: a writable view that file and socket
+    calls (``os.preadv``, ``recv_into``) fill and read in place."""
+    array = t.view(torch.uint8).reshape(-1).numpy()
+    return memoryview(array)  # pyright: ignore[reportArgumentType] (an ndarray is a buffer)
+
+
 def read_blocks_bytes(kv_pool: torch.Tensor, block_ids: list[int]) -> bytes:
     """The raw bytes of blocks ``block_ids`` over all layers, in order (what a peer ships)."""
     ids = torch.tensor(block_ids, device=kv_pool.device)

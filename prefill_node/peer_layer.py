@@ -17,6 +17,7 @@ The transfer sides are the engine's (``engine.api``: the receiver ``RX``, the fe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -151,10 +152,9 @@ class LayerFetch:
 
         async def free() -> None:
             await asyncio.sleep(grace_s)
-            try:
+            # engine.protocol.EngineGone (at shutdown): its blocks went with it.
+            with contextlib.suppress(ConnectionError):
                 await self.engine.free(rid)
-            except ConnectionError:  # engine.protocol.EngineGone: its blocks went with it
-                pass
 
         task = asyncio.create_task(free())
         self._later.add(task)

@@ -165,6 +165,7 @@ def _send_tcp_half(
     data, on a connection of its own."""
     import socket
 
+    from splitserve.kernels.layout import host_bytes
     from splitserve.transfer.reservation import block_nbytes
     from splitserve.transfer.tcp.receiver import MAX_CHUNK_BYTES
     from splitserve.transfer.tcp.sender import DEFAULT_CHUNK_BYTES
@@ -173,7 +174,7 @@ def _send_tcp_half(
     chunk_bytes = min(tcp_options.get("chunk_bytes", DEFAULT_CHUNK_BYTES), MAX_CHUNK_BYTES)
     first = src[: max(1, chunk_bytes // block_nbytes(pool))]
     blocks = pool[torch.tensor(first, device=pool.device)].cpu().contiguous()
-    view = memoryview(blocks.view(torch.uint8).reshape(-1).numpy())  # pyright: ignore[reportArgumentType]
+    view = host_bytes(blocks)
     sock = socket.create_connection((address.host, address.port), timeout=5)
     sock.sendall(pack_chunk(ticket.token, 0, len(first), checksum(view)))
     sock.sendall(view[: len(view) // 2])

@@ -55,11 +55,11 @@ def _imports(path: Path) -> list[tuple[int, str]]:
 
 
 def _modules() -> list[tuple[str, Path]]:
-    """(part, file) of every module of the distribution, from pyproject's package-dir map."""
+    """(part, file) of every module of the distribution, from pyproject's package-dir map: each
+    part's folder and its sub-packages (``transfer/tcp/``...)."""
     out = []
     for package, folder in PACKAGE_DIRS.items():
-        pattern = "**/*.py" if package == "splitserve" else "*.py"
-        for path in sorted((ROOT / folder).glob(pattern)):
+        for path in sorted((ROOT / folder).glob("**/*.py")):
             out.append(
                 (_part(f"{package}.{path.stem}") if package != "splitserve" else "face", path)
             )
@@ -70,6 +70,14 @@ def test_every_part_has_a_layer():
     parts = {part for part, _ in _modules()}
     assert parts <= set(RANK), f"give these a layer in LAYERS: {sorted(parts - set(RANK))}"
     assert {"router", "kvstore", "models", "runtime", "v1"} <= parts
+
+
+def test_sub_packages_are_checked_too():
+    # A module in a part's sub-package is read, under that part's layer.
+    read = {str(path.relative_to(ROOT)): part for part, path in _modules()}
+    assert read.get("transfer/tcp/sender.py") == "transfer"
+    assert read.get("transfer/dist/group.py") == "transfer"
+    assert read.get("splitserve/bench/runner.py") == "face"
 
 
 def test_imports_flow_one_way():

@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from splitserve.kernels.layout import host_bytes
 from splitserve.transfer.base import BlockIds, KVReceiver, PathOptions, check_count, check_path
 from splitserve.transfer.dist.group import default_host
 from splitserve.transfer.endpoint import TCP, TcpAddress
@@ -301,7 +302,7 @@ class TcpReceiver(KVReceiver):
             return why
         block_shape = (hi - lo, *self.kv_pool.shape[2:])
         buf = self._buffer(nbytes)
-        view = memoryview(buf.numpy())  # pyright: ignore[reportArgumentType] (ndarray is a buffer)
+        view = host_bytes(buf)
         if not recv_exact(conn, view):
             raise WireError("connection closed before the chunk's data")
         if self._tls is None and checksum(view) != crc:  # inside TLS: the records' AEAD tags

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
-from splitserve.kernels.layout import indexable
+from splitserve.kernels.layout import host_bytes, indexable
 from splitserve.transfer.base import BlockIds, KVSender, PathOptions, as_endpoint, own_ticket
 from splitserve.transfer.endpoint import TCP, Endpoint, TcpAddress
 from splitserve.transfer.errors import NotConnected, PeerLost, TransferError, TransferTimeout
@@ -249,7 +249,7 @@ class TcpSender(KVSender):
             scratch = self._scratch()  # one chunk's buffer per lane, reused for its chunks
             for chunk in lane:
                 data = self._fill(chunk, scratch)
-                view = memoryview(data.numpy())  # pyright: ignore[reportArgumentType] (a buffer)
+                view = host_bytes(data)
                 # NOTE: inside TLS every record's AEAD tag checks the data: no CRC (0).
                 crc = 0 if self._tls is not None else checksum(view)
                 header = pack_chunk(token, chunk.first, chunk.num_blocks, crc, chunk.lo, chunk.hi)
