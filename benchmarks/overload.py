@@ -16,7 +16,9 @@ timeouts after admission), TTFT p50 / p99, SLO attainment and goodput (requests/
 (the router's ``prefill_wasted_tokens`` / ``prefill_computed_tokens``), the prefill pool's
 computed prompt tokens against the prompts of the requests served (the prefill nodes' own
 counters, ``prompt_tokens - cached_tokens``), prefill attempts retried (the router's), transfers
-that failed or waited on the decode node for blocks. Each rate's workload goes under its own
+that failed or waited on the decode node for blocks, the prefill nodes' peer prefix fetches
+(blocks fetched, fetches past their budget, fetches skipped for a holder that just timed out),
+and the load generator's busiest process and lateness. Each rate's workload goes under its own
 cache salt, so no run finds another's prompts cached. ``--index on`` routes with the Redis prefix
 index (the cluster always runs one; ``off`` gives the router static node lists and no index).
 
@@ -346,6 +348,11 @@ def one_rate(args, cluster, model: str, rate: float, index: str, out: Path, env=
         "prefill_transfers_failed": delta(prefill, "transfers_failed"),
         "decode_transfers_waited": delta(decode, "transfers_waited_for_blocks"),
         "decode_transfers_failed": delta(decode, "transfers_failed"),
+        # Peer prefix fetches between the prefill nodes: blocks fetched, fetches past their
+        # budget (computed instead), and those not tried because the holder had just timed out.
+        "prefix_blocks_fetched": delta(prefill, "prefix_blocks_fetched"),
+        "prefix_fetch_timed_out": delta(prefill, "prefix_fetch_timed_out"),
+        "prefix_fetch_skipped_peer_slow": delta(prefill, "prefix_fetch_skipped_peer_slow"),
         "client_cpu_max": max((max(c.get("cpu_cores") or [0]) for c in clients), default=None),
         "client_late_p99_ms": max(
             (1e3 * c["send_late_p99_s"] for c in clients if c.get("send_late_p99_s") is not None),
@@ -371,9 +378,10 @@ def table(rows: list[dict]) -> str:
         "| index | rate (req/s) | output tok/s | done / refused / failed | in time | refusals: "
         "by reason; client p99 ms; router <= 50 ms | TTFT p50 / p99 (ms) | SLO att. / goodput "
         "(req/s) | wasted prefill | computed / served prompt tokens (/ uncached) | prefill "
-        "retries | transfers failed P / waited D | load generator: busiest (cores) / sends "
+        "retries | transfers failed P / waited D | peer fetches: blocks / timed out / skipped "
+        "| load generator: busiest (cores) / sends "
         "late p99 (ms) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         uncached = max(r["served_prompt_tokens"] - r["served_cached_tokens"], 1)
@@ -392,6 +400,8 @@ def table(rows: list[dict]) -> str:
             f"{computed / max(r['served_prompt_tokens'], 1):.3f} ({computed / uncached:.3f}) | "
             f"{r['prefill_retries']:.0f} | "
             f"{r['prefill_transfers_failed']:.0f} / {r['decode_transfers_waited']:.0f} | "
+            f"{num(r.get('prefix_blocks_fetched'))} / {num(r.get('prefix_fetch_timed_out'))} / "
+            f"{num(r.get('prefix_fetch_skipped_peer_slow'))} | "
             f"{num(r.get('client_cpu_max'), '.2f')} / {num(r.get('client_late_p99_ms'))}"
             f"{' (warned)' if r.get('client_warnings') else ''} |"
         )
