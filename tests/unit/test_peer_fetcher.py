@@ -168,19 +168,24 @@ def test_a_fetch_from_a_stalled_peer_gives_up_within_its_budget_and_the_peer_is_
         assert peers.budget_s(3) == pytest.approx(0.2)
         prompt = list(range(3 * BS + 1))
 
-        async def later(delay: float) -> int:
-            await asyncio.sleep(delay)
-            return await peers.fetch("stalled", 3, prompt, None, 30.0)
+        def fetch() -> asyncio.Task[int]:
+            return asyncio.create_task(peers.fetch("stalled", 3, prompt, None, 30.0))
 
         t0 = time.monotonic()
-        # The first fetches; two prompts of the same prefix come 0.1 s later and wait for it.
-        got = await asyncio.gather(later(0.0), later(0.1), later(0.1))
+        first = fetch()
+        await asyncio.sleep(0.05)
+        assert peers._fetching  # its fetch is in flight
+        # Two prompts of the same prefix come now and wait for it; their own budgets are long
+        # (set before they start), so only the first fetch's budget can end the wait.
+        monkeypatch.setattr(peer_fetch, "FETCH_MIN_S", 30.0)
+        waiting = [fetch(), fetch()]
+        got = [await first, *[await w for w in waiting]]
         waited = time.monotonic() - t0
         assert got == [0, 0, 0]  # all three compute
         assert waited < 2.0, waited  # not the hour the holder would have taken
         assert layer.asked == [3] and layer.cancelled == 1  # one fetch, cancelled (freed)
         assert peers.counters[names.PREFIX_FETCH_TIMED_OUT] == 1
-        # The two that waited for it (their budgets not spent yet) did not try again.
+        # The two that waited for it did not try again themselves.
         assert peers.counters[names.PREFIX_FETCH_SKIPPED_PEER_SLOW] == 2
         assert not peers._fetching
         # The stalled peer is not asked again for a while; another peer is.
@@ -192,6 +197,7 @@ def test_a_fetch_from_a_stalled_peer_gives_up_within_its_budget_and_the_peer_is_
         # Once the back-off has passed, the peer is asked again.
         peers._backoff["stalled"] = time.monotonic() - 1
         engine.cached = 0
+        monkeypatch.setattr(peer_fetch, "FETCH_MIN_S", 0.2)
         assert await peers.fetch("stalled", 3, prompt, None, 30.0) == 0
         assert layer.asked == [3, 3, 3]
         assert peers.counters[names.PREFIX_FETCH_TIMED_OUT] == 2
