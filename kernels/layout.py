@@ -151,8 +151,9 @@ def scatter_blocks(kv_pool: torch.Tensor, block_ids: torch.Tensor, buffer: torch
 
 def host_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy: a writable view that file and socket
-    calls (``os.preadv``, ``recv_into``) fill and read in place."""
-    array = t.view(torch.uint8).reshape(-1).numpy()
+    calls (``os.preadv``, ``recv_into``) fill and read in place. A tensor that is not contiguous
+    raises (a copy would take the reads)."""
+    array = t.view(torch.uint8).view(-1).numpy()
     return memoryview(array)  # pyright: ignore[reportArgumentType] (an ndarray is a buffer)
 
 

@@ -43,7 +43,7 @@ FETCH_BUDGET_X = 4.0
 # stalled it may stall the next fetch too.
 PEER_BACKOFF_S = 10.0
 MAX_FETCH_BLOCKS = 1 << 16  # what one FetchBlocks may name (a 1M-token prompt of 16-token blocks)
-MAX_BACKOFF_PEERS = 1024  # peers backed off at once before the expired ones are dropped
+MAX_BACKOFF_PEERS = 1024  # peers held in the back-off map before the expired ones are dropped
 
 
 class PeerFetcher:
@@ -77,34 +77,58 @@ class PeerFetcher:
         """Fetch the prompt's prefix blocks ``peer`` holds (up to ``peer_blocks``) into the
         prefix cache; returns how many were adopted. Any failure, or the fetch outlasting its
         budget (``budget_s``, or ``timeout``: the request's time left, if less): 0, and the
-        prompt is simply computed."""
+        prompt is simply computed. Only a fetch that ran its whole budget itself backs its
+        holder off."""
         hashes = hash_request_tokens(prompt, self.block_size, self.root, salt)
         # The last prompt token is always computed (its logits), as in get_computed_blocks.
         hashes = hashes[: min(peer_blocks, (len(prompt) - 1) // self.block_size)]
         if not hashes:
             return 0
-        now = time.monotonic()
-        if self._backoff.get(peer, 0.0) > now:
-            self.counters[names.PREFIX_FETCH_SKIPPED_PEER_SLOW] += 1
+        if self._skipped(peer):
             return 0
         own = self.budget_s(len(hashes))
-        budget = own if timeout is None else min(own, timeout)
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+
+        def left() -> float | None:  # of the request's own time (None: no deadline)
+            return None if timeout is None else timeout - (loop.time() - began)
+
+        # NOTE: single flight: concurrent prompts with one prefix wait for the first fetch of it
+        # (then find the blocks cached here) instead of each fetching the same blocks. That
+        # fetch ends within its own budget; a waiter's own deadline may end the wait sooner.
+        key = hashes[-1]
+        while (pending := self._fetching.get(key)) is not None:
+            try:
+                async with asyncio.timeout(left()):
+                    blamed = await asyncio.shield(pending)
+            except TimeoutError:
+                return 0  # its deadline passed while it waited: it fails there, not here
+            if blamed == peer:  # that fetch outlasted its budget at this very holder
+                self.counters[names.PREFIX_FETCH_SKIPPED_PEER_SLOW] += 1
+                return 0
+        if self._skipped(peer):
+            return 0
+        rest = left()
+        budget = own if rest is None else min(own, rest)
         if budget <= 0:
             return 0
+        done: asyncio.Future[str | None] = loop.create_future()
+        self._fetching[key] = done
+        blamed = None
         try:
-            # Everything the fetch does waits within the budget: the route look-up, another
-            # prompt's fetch of the same prefix, the engines and the holder. Cancelling it is
-            # safe: each step frees what it reserved to its end (peer_layer, engine.adopt).
-            async with asyncio.timeout(budget):
-                return await self._single_flight(peer, hashes, prompt, salt, budget)
+            # Everything the fetch does waits within the budget: the route look-up, the engines
+            # and the holder. Cancelling it is safe: each step frees what it reserved to its
+            # end (peer_layer, engine.adopt), so the budget may run over by that clean-up.
+            async with asyncio.timeout(budget) as limit:
+                return await self._fetch_missing(peer, hashes, prompt, salt, budget)
         except TimeoutError:
+            if not limit.expired():
+                raise  # not the budget's (a transfer's own timeout): as any other failure
             self.counters[names.PREFIX_FETCH_TIMED_OUT] += 1
             if budget < own:
-                return 0  # the request's own deadline came first: no fault of the peer's
-            self._backoff[peer] = time.monotonic() + PEER_BACKOFF_S
-            if len(self._backoff) > 2 * MAX_BACKOFF_PEERS:
-                now = time.monotonic()
-                self._backoff = {p: t for p, t in self._backoff.items() if t > now}
+                return 0  # the request's own deadline came first: no fault of the holder's
+            blamed = peer
+            self._back_off(peer)
             logger.warning(
                 "prefix fetch from %s took over its %.2f s budget: computing instead, and not "
                 "asking it again for %.0f s",
@@ -113,6 +137,9 @@ class PeerFetcher:
                 PEER_BACKOFF_S,
             )
             return 0
+        finally:
+            del self._fetching[key]
+            done.set_result(blamed)  # the waiters: whether the holder timed out
 
     def budget_s(self, num_blocks: int) -> float:
         """How long fetching ``num_blocks`` may take (see FETCH_BUDGET_X), before the request's
@@ -121,24 +148,18 @@ class PeerFetcher:
         budget = FETCH_TIMEOUT_S if compute_s is None else FETCH_BUDGET_X * compute_s
         return min(max(budget, FETCH_MIN_S), FETCH_TIMEOUT_S)
 
-    async def _single_flight(
-        self, peer: str, hashes: list[BlockHash], prompt: list[int], salt: str | None, budget: float
-    ) -> int:
-        # NOTE: single flight: concurrent prompts with one prefix wait for the first fetch of it
-        # (then find the blocks cached here) instead of each fetching the same blocks.
-        key = hashes[-1]
-        while (pending := self._fetching.get(key)) is not None:
-            await asyncio.shield(pending)
-            if self._backoff.get(peer, 0.0) > time.monotonic():  # that fetch timed out
-                self.counters[names.PREFIX_FETCH_SKIPPED_PEER_SLOW] += 1
-                return 0
-        done = asyncio.get_running_loop().create_future()
-        self._fetching[key] = done
-        try:
-            return await self._fetch_missing(peer, hashes, prompt, salt, budget)
-        finally:
-            del self._fetching[key]
-            done.set_result(None)
+    def _skipped(self, peer: str) -> bool:
+        """``peer`` is being left alone (a fetch from it timed out lately): counted."""
+        if self._backoff.get(peer, 0.0) > time.monotonic():
+            self.counters[names.PREFIX_FETCH_SKIPPED_PEER_SLOW] += 1
+            return True
+        return False
+
+    def _back_off(self, peer: str) -> None:
+        now = time.monotonic()
+        self._backoff[peer] = now + PEER_BACKOFF_S
+        if len(self._backoff) > MAX_BACKOFF_PEERS:  # drop the expired ones (peers gone)
+            self._backoff = {p: t for p, t in self._backoff.items() if t > now}
 
     async def _fetch_missing(
         self,

@@ -148,7 +148,7 @@ class StalledLayer(FakeLayer):
             return await super().fetch(peer, root, want, proof, timeout)
         self.asked.append(len(want))
         try:
-            await asyncio.sleep(3600)
+            await asyncio.sleep(60)  # (the tests end within seconds when the budget works)
         except asyncio.CancelledError:
             self.cancelled += 1
             raise
@@ -175,8 +175,8 @@ def test_a_fetch_from_a_stalled_peer_gives_up_within_its_budget_and_the_peer_is_
         first = fetch()
         await asyncio.sleep(0.05)
         assert peers._fetching  # its fetch is in flight
-        # Two prompts of the same prefix come now and wait for it; their own budgets are long
-        # (set before they start), so only the first fetch's budget can end the wait.
+        # Two prompts of the same prefix come now and wait for it (their own budgets, set
+        # before they start, are long: only the first fetch's can end the wait).
         monkeypatch.setattr(peer_fetch, "FETCH_MIN_S", 30.0)
         waiting = [fetch(), fetch()]
         got = [await first, *[await w for w in waiting]]
@@ -202,7 +202,7 @@ def test_a_fetch_from_a_stalled_peer_gives_up_within_its_budget_and_the_peer_is_
         assert layer.asked == [3, 3, 3]
         assert peers.counters[names.PREFIX_FETCH_TIMED_OUT] == 2
 
-    asyncio.run(main())
+    asyncio.run(asyncio.wait_for(main(), 20))
 
 
 def test_the_fetch_budget_follows_the_compute_time_and_the_request_deadline_blames_no_peer():
@@ -227,4 +227,37 @@ def test_the_fetch_budget_follows_the_compute_time_and_the_request_deadline_blam
         assert not peers._backoff
         assert peers.counters[names.PREFIX_FETCH_SKIPPED_PEER_SLOW] == 0
 
-    asyncio.run(main())
+    asyncio.run(asyncio.wait_for(main(), 20))
+
+
+def test_a_prompt_that_waited_on_a_stalled_fetch_fetches_from_its_own_holder_with_a_whole_budget(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    # A prompt of the same prefix whose hint names another holder waits for the first fetch
+    # (from a stalled holder), then fetches from its own with a budget of its own: that holder is
+    # not blamed for the time the first one took.
+    monkeypatch.setattr(peer_fetch, "FETCH_MIN_S", 0.3)
+
+    class SlowLayer(StalledLayer):
+        async def fetch(self, peer, root, want, proof, timeout):
+            if peer == "healthy":
+                await asyncio.sleep(0.1)  # well within a budget, not within what was left
+            return await super().fetch(peer, root, want, proof, timeout)
+
+    async def main():
+        engine = FakeEngine()
+        layer = SlowLayer(engine, {"stalled"})
+        peers = fetcher(engine, FakeRates(block_compute_s=0.001), layer)
+        prompt = list(range(3 * BS + 1))
+        first = asyncio.create_task(peers.fetch("stalled", 3, prompt, None, 30.0))
+        # It comes 0.02 s later: when the first fetch's budget ends, the second's would have
+        # 0.02 s left, were its wait counted in it.
+        await asyncio.sleep(0.02)
+        second = asyncio.create_task(peers.fetch("healthy", 3, prompt, None, 30.0))
+        assert await first == 0
+        assert await second == 3
+        assert set(peers._backoff) == {"stalled"}
+        assert peers.counters[names.PREFIX_FETCH_TIMED_OUT] == 1
+        assert peers.counters[names.PREFIX_FETCH_SKIPPED_PEER_SLOW] == 0
+
+    asyncio.run(asyncio.wait_for(main(), 20))
