@@ -236,12 +236,14 @@ def test_a_prompt_that_waited_on_a_stalled_fetch_fetches_from_its_own_holder_wit
     # A prompt of the same prefix whose hint names another holder waits for the first fetch
     # (from a stalled holder), then fetches from its own with a budget of its own: that holder is
     # not blamed for the time the first one took.
-    monkeypatch.setattr(peer_fetch, "FETCH_MIN_S", 0.3)
+    # Both budgets are 1 s. The healthy holder takes 0.5 s: half a budget (room for a loaded
+    # machine's stalls), but more than the ~0.02 s that would be left were the wait counted.
+    monkeypatch.setattr(peer_fetch, "FETCH_MIN_S", 1.0)
 
     class SlowLayer(StalledLayer):
         async def fetch(self, peer, root, want, proof, timeout):
             if peer == "healthy":
-                await asyncio.sleep(0.1)  # well within a budget, not within what was left
+                await asyncio.sleep(0.5)
             return await super().fetch(peer, root, want, proof, timeout)
 
     async def main():
