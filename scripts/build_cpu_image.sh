@@ -5,6 +5,7 @@
 #   2. the Dockerfile on that base (BASE_IMAGE), torch's CPU build from a folder of wheels when
 #      one is given (else from the index pip is configured with) — rebuilt only when the tracked
 #      files change.
+# Untagged images this script built before are removed (each build replaces the last).
 # Needs root (debootstrap), podman, runc and debootstrap (Debian: apt-get install podman runc
 # debootstrap). Usage: scripts/build_cpu_image.sh [IMAGE]   (default: splitserve:cpu)
 # Environment: SPLITSERVE_TORCH_WHEELS (default: $PIP_FIND_LINKS), a folder with the torch CPU
@@ -49,5 +50,10 @@ cert=${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}
 if [ -f "$cert" ]; then  # the host's view of TLS (a proxy's CA, say) for pip inside the build
     args+=(-v "$(realpath "$cert"):/etc/ssl/host-ca.crt:ro" --build-arg PIP_CERT=/etc/ssl/host-ca.crt)
 fi
+# Each build leaves the image it replaces untagged (about 3 GB, most of it torch): remove those,
+# and what a failed build left, or a machine that builds on every change fills its disk.
+prune() { podman image prune -f --filter label=splitserve.source-key >/dev/null; }
+prune
 log "building $IMAGE on $BASE"
 podman build "${args[@]}" .
+prune
