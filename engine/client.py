@@ -18,11 +18,11 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import splitserve.settings as settings
 from splitserve.engine import lifeline
 from splitserve.engine.api import (
     EngineFigures,
@@ -62,23 +62,13 @@ FIGURES_EVERY_S = 0.5  # how often last_figures is refreshed (the metrics thread
 # then it is killed (and its tensor-parallel ranks with it: engine.lifeline), so a node whose
 # engine is stuck (a rank stopped in a collective) still ends. SPLITSERVE_ENGINE_STOP_TIMEOUT_S
 # sets it (seconds; e.g. to fit a container's stop grace period).
-STOP_TIMEOUT_S = 20.0
-STOP_TIMEOUT_VARIABLE = "SPLITSERVE_ENGINE_STOP_TIMEOUT_S"
+STOP_TIMEOUT_S = settings.ENGINE_STOP_TIMEOUT_S.default
 
 
-def stop_timeout_s(env: Any = None) -> float:
+def stop_timeout_s(env: Mapping[str, str] | None = None) -> float:
     """How long stopping the engine process may take (``STOP_TIMEOUT_S`` unless the variable
     sets it); ``ValueError`` naming the variable for a bad value."""
-    raw = (os.environ if env is None else env).get(STOP_TIMEOUT_VARIABLE, "").strip()
-    if not raw:
-        return STOP_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0 < value <= 3600:
-        raise ValueError(f"{STOP_TIMEOUT_VARIABLE} must be seconds in (0, 3600], got {raw!r}")
-    return value
+    return settings.ENGINE_STOP_TIMEOUT_S.get(env)
 
 
 ADOPT_BYTES = 64 << 20  # the most block bytes one adopt command carries

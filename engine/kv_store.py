@@ -30,7 +30,6 @@ dropped (``read_failed``) and computed.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -41,6 +40,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import torch
 
+import splitserve.settings as settings
 from splitserve.engine.kv_disk import HEADER, Done, block_header, header_mismatch
 from splitserve.kernels.layout import host_bytes
 from splitserve.kvstore.hashing import BlockHash
@@ -123,7 +123,7 @@ class MooncakeStore:
     ) -> None:
         self.master, self.metadata = parse_store_url(url)
         # NOTE: a master that is down costs one attempt (about 4 s), not twenty (90 s).
-        os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
+        settings.MC_STORE_CLIENT_SETUP_RETRIES.set_default("1")
         try:
             from mooncake.store import MooncakeDistributedStore  # pyright: ignore[reportMissingImports]
         except ImportError as exc:

@@ -27,9 +27,10 @@ import sys
 import threading
 from collections.abc import Mapping
 
+import splitserve.settings as settings
+
 logger = logging.getLogger(__name__)
 
-PARENT_VARIABLE = "SPLITSERVE_PARENT_PID"  # internal: the pid a helper must die with
 ORPHAN_EXIT_CODE = 71  # a helper whose parent was already gone when it started (EX_OSERR)
 _PR_SET_PDEATHSIG = 1
 POLL_S = 0.5  # the fallback thread's interval
@@ -64,14 +65,15 @@ def reap(process: subprocess.Popen, timeout: float, name: str) -> bool:
 
 def child_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """``env`` (default: this process's) for a helper that must end with this process."""
-    return {**(os.environ if env is None else env), PARENT_VARIABLE: str(os.getpid())}
+    base = settings.environment() if env is None else dict(env)
+    return {**base, settings.PARENT_PID.name: str(os.getpid())}
 
 
 def die_with_parent() -> bool:
     """In a helper started with ``child_env``: be SIGKILLed when the parent ends. Exits at once
     if the parent is already gone. Returns whether a lifeline is set (False: not started with
     ``child_env``, e.g. by hand)."""
-    expected = os.environ.pop(PARENT_VARIABLE, None)
+    expected = settings.PARENT_PID.take()
     if not expected:
         return False
     parent = int(expected)

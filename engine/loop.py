@@ -37,14 +37,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import TypeVar
 
+import splitserve.settings as settings
 from splitserve.engine.core import LLMEngine, RequestDoesNotFit, StepOutput
 from splitserve.engine.kv_port import KVPort
 
@@ -55,23 +55,11 @@ T = TypeVar("T")
 # the thread waits this long, or until a job comes, instead of spinning.
 IDLE_WAIT_S = 0.002
 STOP_POLL_S = 0.01
-MIN_STEP_VARIABLE = "SPLITSERVE_MIN_STEP_MS"
 
 
-def min_step_seconds(env=None) -> float:
+def min_step_seconds(env: Mapping[str, str] | None = None) -> float:
     """``SPLITSERVE_MIN_STEP_MS`` in seconds (0: no floor); a clear error for a bad value."""
-    raw = (os.environ if env is None else env).get(MIN_STEP_VARIABLE, "").strip()
-    if not raw:
-        return 0.0
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not (0 <= value <= 60_000):
-        raise ValueError(
-            f"{MIN_STEP_VARIABLE} must be a number of milliseconds from 0 to 60000, got {raw!r}"
-        )
-    return value / 1000
+    return settings.MIN_STEP_MS.get(env) / 1000
 
 
 class AsyncEngine:

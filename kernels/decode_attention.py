@@ -23,13 +23,13 @@ kernels share and the tilings with their measurements sit beside the one launche
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+import splitserve.settings as settings
 from splitserve.kernels.checks import check_decode
 
 LOG2E = 1.4426950408889634
@@ -65,17 +65,14 @@ FP8_DOTS_IN_FP16 = True
 """On an e4m3 cache, a bfloat16 query takes its dots in float16 (see `paged_decode_attention`);
 False keeps them in bfloat16 (`benchmarks/step_kernels.py --sweep-fp8-dots` compares the two)."""
 
-V_READ_ENV = "SPLITSERVE_DECODE_FP8_V"
+V_READ_ENV = settings.DECODE_FP8_V.name
 
 
 def _v_pairs_from_env() -> bool:
     """`SPLITSERVE_DECODE_FP8_V=bytes` (or ``pairs``, the default): how the decode kernel reads an
     e4m3 cache's V, for measuring the two in a whole engine without editing code. Read once, at
     import."""
-    raw = os.environ.get(V_READ_ENV, "").strip() or "pairs"
-    if raw not in ("pairs", "bytes"):
-        raise ValueError(f"{V_READ_ENV}={raw!r}: expected pairs or bytes")
-    return raw == "pairs"
+    return settings.DECODE_FP8_V.get() == "pairs"
 
 
 FP8_V_PAIRS = _v_pairs_from_env()
@@ -86,7 +83,7 @@ shared-memory loads (64 a tile with bytes) and holds 96 registers a thread again
 engine W with FP8 weights and cache 8,686 / 8,792 tok/s against 8,524 / 8,633. The sweep:
 `benchmarks/step_kernels.py --attention-sweep --kv-cache-dtype fp8 --sweep-fp8-v pairs bytes`."""
 
-CONFIG_ENV = "SPLITSERVE_DECODE_ATTENTION_CONFIG"
+CONFIG_ENV = settings.DECODE_ATTENTION_CONFIG.name
 
 
 def _config_from_env() -> DecodeConfig | None:
@@ -94,18 +91,10 @@ def _config_from_env() -> DecodeConfig | None:
     ``128,4,3`` or ``64,4,5,128``)
     replaces the default tiling of both KV dtypes: for trying a tiling on other GPUs or shapes
     without editing code. Read once, at import."""
-    raw = os.environ.get(CONFIG_ENV, "").strip()
-    if not raw:
+    values = settings.DECODE_ATTENTION_CONFIG.get()
+    if values is None:
         return None
-    try:
-        values = [int(x) for x in raw.split(",")]
-    except ValueError:
-        values = []
-    if len(values) not in (3, 4):
-        raise ValueError(
-            f"{CONFIG_ENV}={raw!r}: expected three or four integers "
-            "block_n,num_warps,num_stages[,max_registers], e.g. 64,4,3"
-        )
+    raw = settings.DECODE_ATTENTION_CONFIG.raw()
     block_n, warps, stages = values[:3]
     regs = values[3] if len(values) == 4 else None
     if block_n < 1 or block_n & (block_n - 1) or warps not in (1, 2, 4, 8, 16) or stages < 1:

@@ -16,13 +16,13 @@ the one place that checks inputs, picks the tiling and launches.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+import splitserve.settings as settings
 from splitserve.kernels.checks import check_prefill
 
 LOG2E = 1.4426950408889634
@@ -36,19 +36,14 @@ class PrefillConfig(NamedTuple):
     warp_specialize: bool = False  # Triton's automatic warp specialization of the key loop
 
 
-STAGES_ENV = "SPLITSERVE_PREFILL_ATTENTION_STAGES"
+STAGES_ENV = settings.PREFILL_ATTENTION_STAGES.name
 
 
 def _stages_from_env() -> int | None:
     """`SPLITSERVE_PREFILL_ATTENTION_STAGES=N` (1-8) replaces the pipeline depth of every tiling
     `choose_config` picks: for measuring another depth in a whole engine without editing code
     (Triton 3.6 compiles 3 and 4 alike; 5 prefetches, docs/kernels.md). Read once, at import."""
-    raw = os.environ.get(STAGES_ENV, "").strip()
-    if not raw:
-        return None
-    if not raw.isdigit() or not 1 <= int(raw) <= 8:
-        raise ValueError(f"{STAGES_ENV}={raw!r}: expected a number of stages from 1 to 8")
-    return int(raw)
+    return settings.PREFILL_ATTENTION_STAGES.get()
 
 
 _ENV_STAGES = _stages_from_env()

@@ -12,18 +12,17 @@ test_router_no_torch.py compares them with a tokenizer loaded beside torch).
 
 from __future__ import annotations
 
-import os
 import sys
 
-ESCAPE = "SPLITSERVE_ROUTER_TORCH"  # =1: let the router import torch (a tokenizer that needs it)
+import splitserve.settings as settings
 
 
 def keep_torch_out() -> bool:
     """Block torch in this process unless it is already imported or ``$SPLITSERVE_ROUTER_TORCH``
     is 1; True when blocked. Call before anything imports transformers."""
-    if "torch" in sys.modules or os.environ.get(ESCAPE) == "1":
+    if "torch" in sys.modules or settings.ROUTER_TORCH.get():
         return False
     sys.modules["torch"] = None  # type: ignore[assignment]  # import torch: ModuleNotFoundError
     # transformers' one advisory at import ("PyTorch was not found ...") is expected here.
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    settings.TRANSFORMERS_NO_ADVISORY_WARNINGS.set_default("1")
     return True

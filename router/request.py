@@ -13,9 +13,9 @@ from typing import Any
 
 # NOTE: the router validates with the nodes' own SamplingParams (so both agree on what is valid);
 # models.sampling_params is plain Python: importing it loads no torch.
+import splitserve.settings as settings
 from splitserve.kvstore.hashing import MAX_SALT_CHARS
 from splitserve.models.sampling_params import SamplingParams
-from splitserve.router.no_torch import ESCAPE
 from splitserve.runtime.protocol import sampling_from_proto
 from splitserve.runtime.slo import Slo
 from splitserve.v1 import router_pb2
@@ -221,5 +221,6 @@ def _load_tokenizer(path: Path) -> Any:
     except Exception as exc:
         hint = ""
         if sys.modules.get("torch", False) is None:  # router.no_torch blocked it
-            hint = f" (the router loads no torch; {ESCAPE}=1 lets it, for a tokenizer needing it)"
+            escape = settings.ROUTER_TORCH.name
+            hint = f" (the router loads no torch; {escape}=1 lets it, for a tokenizer needing it)"
         raise ValueError(f"cannot load a tokenizer from {path}: {exc}{hint}") from None

@@ -27,11 +27,11 @@ import subprocess
 import sys
 from typing import Any
 
+import splitserve.settings as settings
 from splitserve.runtime.config import NodeConfig
 
 logger = logging.getLogger(__name__)
 
-LOCK_FDS = "SPLITSERVE_GPU_LOCK_FDS"  # the inherited GPU lock descriptors (internal)
 GONE_EXIT_CODE = 70  # the node's exit status when its engine process went (EX_SOFTWARE)
 GONE_GRACE_S = 0.5  # the node's calls get their error out before it exits
 
@@ -57,7 +57,9 @@ async def spawn_engine(config: NodeConfig, role: str) -> Any:
         pass_fds=(*fds, *locks),
         # It ends with this process however this one ends (engine.lifeline): killed outright,
         # this node's front leaves no engine process holding the GPU.
-        env=lifeline.child_env({**os.environ, LOCK_FDS: ",".join(map(str, locks))}),
+        env=lifeline.child_env(
+            settings.environment(**{settings.GPU_LOCK_FDS.name: ",".join(map(str, locks))})
+        ),
     )
     cmd_engine.close()
     out_engine.close()
@@ -133,7 +135,7 @@ def main(argv: list[str]) -> int:
     from splitserve.runtime import gpus
 
     lifeline.die_with_parent()  # SIGKILLed when the node's process ends, however it ends
-    gpus.inherit_locks(os.environ.pop(LOCK_FDS, ""))
+    gpus.inherit_locks(settings.GPU_LOCK_FDS.take())
     if len(argv) != 2:
         print("usage: python -m splitserve.runtime.engine_process CMD_FD OUT_FD", file=sys.stderr)
         return 2

@@ -24,6 +24,8 @@ import subprocess
 from collections.abc import MutableMapping
 from pathlib import Path
 
+import splitserve.settings as settings
+
 logger = logging.getLogger(__name__)
 
 PROC_GPUS = Path("/proc/driver/nvidia/gpus")
@@ -97,8 +99,7 @@ def visible_gpus(
     dev_dir: Path = DEV,
 ) -> list[str]:
     """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries, in the order tried."""
-    env = os.environ if environ is None else environ
-    if given := env.get("CUDA_VISIBLE_DEVICES", "").strip():
+    if given := settings.CUDA_VISIBLE_DEVICES.raw(environ):
         return [g.strip() for g in given.split(",") if g.strip()]
     return _proc_gpus(proc_dir, dev_dir) or _nvidia_smi_gpus()
 
@@ -154,21 +155,20 @@ def claim_for_node(
     ``cuda:N`` or ``cpu`` is used as given)."""
     if not lock_dir or device != "cuda":
         return None
-    env = os.environ if environ is None else environ
-    gpus = visible_gpus(env)
+    gpus = visible_gpus(environ)
     if count > 1:
-        return _claim_several(lock_dir, gpus, count, env)
+        return _claim_several(lock_dir, gpus, count, environ)
     gpu, fd = claim_gpu(lock_dir, gpus)
     _held.append(fd)
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    settings.CUDA_VISIBLE_DEVICES.put(",".join(gpus), environ)
     index = gpus.index(gpu)
     logger.info("claimed GPU %s (lock in %s): computing on cuda:%d of %s", gpu, lock_dir, index,
-                env["CUDA_VISIBLE_DEVICES"])  # fmt: skip
+                ",".join(gpus))  # fmt: skip
     return f"cuda:{index}"
 
 
 def _claim_several(
-    lock_dir: str, gpus: list[str], count: int, env: MutableMapping[str, str]
+    lock_dir: str, gpus: list[str], count: int, environ: MutableMapping[str, str] | None
 ) -> str:
     """A tensor-parallel node's ``count`` GPUs: claimed one by one (all or none), then put first
     in ``CUDA_VISIBLE_DEVICES`` so its ranks compute on cuda:0..count-1 (the rest stay visible,
@@ -186,6 +186,6 @@ def _claim_several(
         ) from None
     _held.extend(fd for _, fd in claimed)
     mine = [g for g, _ in claimed]
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(mine + [g for g in gpus if g not in mine])
+    settings.CUDA_VISIBLE_DEVICES.put(",".join(mine + [g for g in gpus if g not in mine]), environ)
     logger.info("claimed GPUs %s (locks in %s): ranks on cuda:0..%d", mine, lock_dir, count - 1)
     return "cuda:0"

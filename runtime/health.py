@@ -9,7 +9,6 @@ Without ``--address`` it asks the component of this container: ``127.0.0.1:$SPLI
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.runtime.config import WILDCARD_HOSTS
+from splitserve.settings import option_value
 
 if TYPE_CHECKING:
     from splitserve.runtime.tls import TlsFiles
@@ -35,14 +35,13 @@ class HealthResult:
 def default_address(environ: Mapping[str, str] | None = None) -> str:
     """The address of the component configured by SPLITSERVE_HOST/SPLITSERVE_PORT (a port of 0:
     the one the component wrote to SPLITSERVE_PORT_FILE)."""
-    env = os.environ if environ is None else environ
-    host = env.get("SPLITSERVE_HOST", "").strip()
+    host = option_value("SPLITSERVE_HOST", environ)
     if host in WILDCARD_HOSTS:
         host = "127.0.0.1"
     elif ":" in host and not host.startswith("["):
         host = f"[{host}]"  # an IPv6 literal
-    port = env.get("SPLITSERVE_PORT", "").strip() or str(DEFAULT_PORT)
-    port_file = env.get("SPLITSERVE_PORT_FILE", "").strip()
+    port = option_value("SPLITSERVE_PORT", environ) or str(DEFAULT_PORT)
+    port_file = option_value("SPLITSERVE_PORT_FILE", environ)
     if port == "0" and port_file:  # a port picked at start: the component wrote it there
         # Not written yet: the check then fails as "not reachable", as it should.
         with contextlib.suppress(OSError):
@@ -62,9 +61,8 @@ def tls_from_env(environ: Mapping[str, str] | None = None) -> TlsFiles | None:
     """The component's mTLS files from SPLITSERVE_TLS_CERT/KEY/CA (None: plaintext)."""
     from splitserve.runtime.tls import TlsFiles
 
-    env = os.environ if environ is None else environ
     names = ("SPLITSERVE_TLS_CERT", "SPLITSERVE_TLS_KEY", "SPLITSERVE_TLS_CA")
-    return TlsFiles.load(*(env.get(n, "").strip() or None for n in names))
+    return TlsFiles.load(*(option_value(n, environ) or None for n in names))
 
 
 def check(

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+import splitserve.settings as settings
 from splitserve.runtime.auth import TokenCheck, read_token_file, use_token
 from splitserve.runtime.config import (
     CPU_KV_CACHE_MB,
@@ -324,7 +325,7 @@ def local_engine(
     # SPLITSERVE_STEP_PROFILE=PATH: the engine thread times every step's phases and writes them
     # to PATH.<role>.<pid>.json when the node stops (engine.step_profile). For measurement runs:
     # it keeps a row (and two CUDA events) per step until then.
-    profile = os.environ.get("SPLITSERVE_STEP_PROFILE")
+    profile = settings.STEP_PROFILE.get()
     profile_path = f"{profile}.{role}.{os.getpid()}.json" if profile else None
     engine = LocalEngine(core, profile_path, deliver=deliver, fail=fail, stop_timeout_s=timeout)
     engine.start()
@@ -360,15 +361,9 @@ def set_gil_switch_interval() -> None:
     """The engine thread and the event loop share the GIL; a thread that wants it waits up to the
     interpreter's switch interval (5 ms by default) for the holder to let go. A knob to measure
     that with (docs/benchmarks.md); unset, Python's default stands."""
-    switch_ms = os.environ.get("SPLITSERVE_GIL_SWITCH_INTERVAL_MS")
-    if switch_ms:
-        try:
-            sys.setswitchinterval(float(switch_ms) / 1000)
-        except ValueError:
-            raise ValueError(
-                "SPLITSERVE_GIL_SWITCH_INTERVAL_MS must be a positive number of milliseconds, "
-                f"got {switch_ms!r}"
-            ) from None
+    switch_ms = settings.GIL_SWITCH_INTERVAL_MS.get()
+    if switch_ms is not None:
+        sys.setswitchinterval(switch_ms / 1000)
 
 
 def use_credentials(config: NodeConfig) -> tuple[str | None, TlsFiles | None]:

@@ -3,17 +3,18 @@
 A config field made with :func:`option` carries its help (and, where the command line differs
 from the field, its flag, choices, command-line default or converter); :func:`add_options` turns
 such fields into argparse options (default and type from the field) and :func:`config_kwargs`
-turns the parsed values back into the config's arguments. :class:`EnvParser` is the one place
-that reads ``SPLITSERVE_<OPTION>`` variables.
+turns the parsed values back into the config's arguments. :class:`EnvParser` reads the
+``SPLITSERVE_<OPTION>`` variables (through splitserve.settings, where every variable is read).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 from collections.abc import Callable, Iterable
 from typing import Any
+
+from splitserve.settings import option_value
 
 ENV_PREFIX = "SPLITSERVE_"
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -166,6 +167,6 @@ class EnvParser(argparse.ArgumentParser):
 
     def parse_known_args(self, args=None, namespace=None):
         for name, (action, default) in (self._env_actions or {}).items():
-            raw = os.environ.get(name, "").strip()
+            raw = option_value(name)
             action.default = self._env_value(name, action, raw, default) if raw else default
         return super().parse_known_args(args, namespace)

@@ -19,16 +19,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
+
+import splitserve.settings as settings
 
 logger = logging.getLogger(__name__)
 
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
-_ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+_ENDPOINT_VARIABLES = (
+    settings.OTEL_EXPORTER_OTLP_TRACES_ENDPOINT,
+    settings.OTEL_EXPORTER_OTLP_ENDPOINT,
+)
 
 _tracer: Any = None  # the SDK's tracer once configured; None: tracing is off
 _provider: Any = None
@@ -80,7 +84,7 @@ def configure(service: str, endpoint: str | None = None, sample_ratio: float | N
     global _tracer, _provider
     if sample_ratio is not None and not 0.0 <= sample_ratio <= 1.0:
         raise ValueError(f"--otlp-sample-ratio {sample_ratio}: give a fraction in [0, 1]")
-    if not endpoint and not any(os.environ.get(name) for name in _ENDPOINT_VARIABLES):
+    if not endpoint and not any(s.get() for s in _ENDPOINT_VARIABLES):
         return False
     try:
         from opentelemetry import trace
@@ -91,7 +95,7 @@ def configure(service: str, endpoint: str | None = None, sample_ratio: float | N
     except ImportError as exc:
         raise RuntimeError(_MISSING.format(exc.name)) from None
     exporter = _exporter(endpoint)
-    name = os.environ.get("OTEL_SERVICE_NAME") or service
+    name = settings.OTEL_SERVICE_NAME.get() or service
     resource = Resource.create({SERVICE_NAME: name})
     sampler = None if sample_ratio is None else ParentBased(TraceIdRatioBased(sample_ratio))
     provider = TracerProvider(resource=resource, sampler=sampler)
@@ -111,9 +115,8 @@ def configure(service: str, endpoint: str | None = None, sample_ratio: float | N
 
 def _protocol() -> str:
     return (
-        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-        or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-        or "http/protobuf"
+        settings.OTEL_EXPORTER_OTLP_TRACES_PROTOCOL.get()
+        or settings.OTEL_EXPORTER_OTLP_PROTOCOL.get()
     )
 
 

@@ -10,13 +10,13 @@ handler (each short); split further, a command's options and its handler would l
 
 from __future__ import annotations
 
-import os
+import splitserve.settings as settings
 
 # NOTE: before grpc is imported. grpcio's fork handlers can deadlock a fork made while its threads
 # are busy (e.g. grpc/grpc#22624); `splitserve up` forks (fork + exec, for its parent-death signal)
 # while its health-check channels are open, and no splitserve process uses gRPC across a fork.
 # The processes it starts inherit the setting.
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+settings.GRPC_ENABLE_FORK_SUPPORT.set_default("false")
 
 import argparse
 import dataclasses
@@ -402,7 +402,7 @@ def cmd_kv_store(args: argparse.Namespace) -> int:
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    """prefill, decode, router, health, up, kv-store and planner."""
+    """prefill, decode, router, health, up, kv-store, planner, layout and env."""
     for role in ("prefill", "decode"):
         p = sub.add_parser(role, help=f"run one {role} node", epilog=ENV_EPILOG)
         add_options(p, NodeConfig)
@@ -462,6 +462,70 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     planner_cli.add_command(sub)
     layout_cli.add_commands(sub)
+
+    p = sub.add_parser("env", help=cmd_env.__doc__)
+    p.add_argument(
+        "--markdown",
+        action="store_true",
+        help="only the variables that are not options, as docs/deploy.md's table of them",
+    )
+    p.set_defaults(func=cmd_env)
+
+
+def option_variables() -> dict[str, tuple[list[str], argparse.Action, object]]:
+    """Every ``SPLITSERVE_<OPTION>`` variable: the commands that read it, its option (of the
+    first of them) and that option's default."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    out: dict[str, tuple[list[str], argparse.Action, object]] = {}
+    for command in ENV_COMMANDS:
+        for name, (action, default) in (sub.choices[command]._env_actions or {}).items():
+            out.setdefault(name, ([], action, default))[0].append(command)
+    return dict(sorted(out.items()))
+
+
+def _help_text(action: argparse.Action, default: object) -> str:
+    text = (action.help or "").split(" [env ")[0]
+    return text.replace("%(default)s", str(default)).replace("%%", "%")
+
+
+def _cell(value: object) -> str:
+    return "" if value in (None, "") else f"`{value}`"
+
+
+def env_listing(markdown: bool = False) -> str:
+    """``splitserve env``: every environment variable splitserve reads (splitserve.settings'
+    declarations, then the options' variables); ``markdown``: the declarations as docs/deploy.md's
+    table of the variables that are not options."""
+    options = option_variables()
+    lines: list[str] = []
+    if markdown:  # the options' variables have their own table there, with the image's values
+        lines += ["| variable | kind | takes | default | meaning |", "|---|---|---|---|---|"]
+        for s in settings.declared():
+            lines.append(f"| `{s.name}` | {s.kind} | {s.takes} | {_cell(s.default)} | {s.help} |")
+        return "\n".join(lines) + "\n"
+    for kind, meaning in settings.KINDS.items():
+        lines.append(f"# {kind}: {meaning}")
+        for s in settings.declared():
+            if s.kind == kind:
+                default = f" (default {s.default})" if s.default not in (None, "") else ""
+                lines.append(f"{s.name}  {s.takes}{default}\n    {s.help}")
+        lines.append("")
+    lines.append("# options: those of splitserve router|prefill|decode (the command line wins)")
+    for name, (commands, action, default) in options.items():
+        text = _help_text(action, default)
+        shown = (
+            f" (default {default})" if default not in (None, "") and "(default" not in text else ""
+        )
+        lines.append(
+            f"{name}  {action.option_strings[-1]}, {'/'.join(commands)}{shown}\n    {text}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    """List every environment variable splitserve reads: its values, default and meaning."""
+    sys.stdout.write(env_listing(markdown=args.markdown))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -23,12 +23,12 @@ and one file keeps them in step.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
 
+import splitserve.settings as settings
 from splitserve.runtime.slo import Slo
 from splitserve.types import Collector, GenerateResult, SplitserveError, StreamChunk, Usage
 from splitserve.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -126,12 +126,12 @@ def _error(exc: grpc.RpcError) -> SplitserveError:
     return SplitserveError(code, details or code.name)
 
 
-API_KEY_ENV = "SPLITSERVE_API_KEY"  # the key a client sends when none is given
+API_KEY_ENV = settings.API_KEY.name  # the key a client sends when none is given
 
 
 def _auth(api_key: str | None) -> tuple[tuple[str, str], ...]:
     """The metadata that presents ``api_key`` (default: $SPLITSERVE_API_KEY; none: empty)."""
-    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+    key = api_key if api_key is not None else settings.API_KEY.get()
     return (("authorization", f"Bearer {key}"),) if key else ()
 
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import os
 import random
 import sys
 import time
 from typing import Any
 
+import splitserve.settings as settings
 from splitserve import credentials
 from splitserve.runtime.slo import Slo
 
@@ -139,8 +139,8 @@ def _target(args: argparse.Namespace, slo: dict[str, float]):
         ignore_eos=args.ignore_eos,
         timeout=args.timeout,
         api_key=credentials.api_key(args)
-        or os.environ.get("SPLITSERVE_API_KEY")
-        or os.environ.get("OPENAI_API_KEY"),
+        or settings.API_KEY.get()
+        or settings.OPENAI_API_KEY.get(),
         cache_salt=args.cache_salt,
         slo=sent_slo(args, slo),
         client_id=args.client_id,

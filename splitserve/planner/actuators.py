@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import splitserve.settings as settings
 from splitserve.planner.policy import ROLES, Counts
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ _NUMBER = '{{index .Labels "com.docker.compose.container-number"}}'
 
 def _run(argv: Sequence[str], env: dict[str, str]) -> str:
     return subprocess.run(
-        list(argv), env={**os.environ, **env}, check=True, capture_output=True, text=True
+        list(argv), env=settings.environment(**env), check=True, capture_output=True, text=True
     ).stdout
 
 

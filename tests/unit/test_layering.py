@@ -3,7 +3,7 @@ load without torch, and what the wheel holds: tests/cluster/test_packaging.py).
 
 Layers, lowest first (a module may import from its own part and from parts of lower layers only):
 
-    kernels, kvstore, v1 (stubs)  ←  models  ←  transfer  ←  engine  ←  runtime
+    settings  ←  kernels, kvstore, v1 (stubs)  ←  models  ←  transfer  ←  engine  ←  runtime
         ←  prefill_node, decode_node, router  ←  the public face (cli, client, launcher)
 
 Every import counts, those inside functions too: a lazy import still runs back up.
@@ -20,6 +20,7 @@ PACKAGE_DIRS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["set
     "package-dir"
 ]
 LAYERS = [
+    {"settings"},  # every environment variable, read by kernels up to the face
     {"kernels", "kvstore", "v1"},
     {"models"},
     {"transfer"},

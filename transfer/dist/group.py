@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+import splitserve.settings as settings
 from splitserve.transfer.endpoint import BACKEND_FOR_DEVICE
 
 # One logger for the whole dist path (its modules were one), so log settings keep applying.
@@ -44,7 +45,7 @@ def prepare_backend(backend: str) -> None:
     ProcessGroupNCCL reads it when a group is constructed.
     """
     if backend == "nccl":
-        value = os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        value = settings.TORCH_NCCL_ASYNC_ERROR_HANDLING.set_default("2")
         if value not in ("0", "2"):
             logger.warning(
                 "TORCH_NCCL_ASYNC_ERROR_HANDLING=%s: a peer failing mid-transfer will take this "
