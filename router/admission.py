@@ -38,9 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import grpc
-
-from splitserve.router.errors import GenerateError
+from splitserve.router.errors import Failure, GenerateError
 from splitserve.router.fair_queue import FairQueue
 from splitserve.router.kv_budget import KVDemand
 from splitserve.router.pool import NodePool
@@ -605,9 +603,7 @@ class Admission:
         assert reason in REFUSAL_REASONS, reason
         self._metrics.refused.labels(reason=reason).inc()
         hint = retry_after_hint(retry_after_s)
-        return GenerateError(
-            grpc.StatusCode.RESOURCE_EXHAUSTED, message, retry_after_s=hint, reason=reason
-        )
+        return GenerateError(Failure.REFUSED, message, retry_after_s=hint, reason=reason)
 
     def _timed_out(self, deadline: float, latest: float, start: float) -> GenerateError:
         now = time.monotonic()
@@ -615,7 +611,7 @@ class Admission:
         if now >= deadline:
             self._metrics.refused.labels(reason="deadline").inc()
             return GenerateError(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
+                Failure.DEADLINE,
                 f"the request's deadline passed after {waited:.1f} s waiting for room in the pools",
             )
         if now >= latest:

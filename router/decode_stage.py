@@ -20,11 +20,12 @@ from typing import Any
 
 import grpc
 
-from splitserve.router.errors import UNREACHABLE, GenerateError
+from splitserve.router.errors import UNREACHABLE, Failure, GenerateError
 from splitserve.router.kv_budget import KVDemand
 from splitserve.router.pool import Node, NodePool
 from splitserve.router.registry import NodeRegistry
 from splitserve.router.relay import RelayCall, RelayChannel
+from splitserve.router.status import from_grpc
 from splitserve.runtime.auth import call_metadata
 from splitserve.runtime.protocol import LEASE_WHOLE
 from splitserve.v1 import nodes_pb2
@@ -243,22 +244,20 @@ class DecodeStage:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def error(
-        self, node: Node, code: grpc.StatusCode, details: str, deadline: float
-    ) -> GenerateError:
+    def error(self, node: Node, code: Failure, details: str, deadline: float) -> GenerateError:
         """What the client hears of a request's stream on D failing with ``code`` (D is marked
         down if unreachable)."""
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() >= deadline:
+        if code == Failure.DEADLINE and time.monotonic() >= deadline:
             return GenerateError(code, "the request's deadline passed while decoding")
         if code in UNREACHABLE:
-            self._registry.decode.mark_down(node, f"{code.name}: {details}")
+            self._registry.decode.mark_down(node, f"{code.value}: {details}")
             return GenerateError(
-                grpc.StatusCode.UNAVAILABLE,
+                Failure.UNAVAILABLE,
                 f"decode node {node.address} failed mid-request ({details}); retry the request",
             )
-        if code == grpc.StatusCode.NOT_FOUND:
+        if code == Failure.NOT_FOUND:
             return GenerateError(
-                grpc.StatusCode.INTERNAL,
+                Failure.INTERNAL,
                 f"decode node {node.address} no longer holds the request's KV ({details})",
             )
         return GenerateError(code, f"decode node {node.address}: {details}")
@@ -387,20 +386,20 @@ class DecodeCall:
                 reply = await self._call.read()
         except grpc.aio.AioRpcError as exc:
             raise self._stage.error(
-                self._node, exc.code(), exc.details() or "", self._deadline
+                self._node, from_grpc(exc.code()), exc.details() or "", self._deadline
             ) from None
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if self._stalled and not (task is not None and task.cancelling()):
                 raise GenerateError(  # the call was cancelled by _on_stall, not our caller
-                    grpc.StatusCode.UNAVAILABLE,
+                    Failure.UNAVAILABLE,
                     f"decode node {self._node.address} stopped answering health checks "
                     "mid-request; retry the request",
                 ) from None
             raise
         if reply is grpc.aio.EOF:  # pyright: ignore[reportAttributeAccessIssue] (not in the stubs)
             raise GenerateError(
-                grpc.StatusCode.INTERNAL,
+                Failure.INTERNAL,
                 f"decode node {self._node.address} ended the stream without finishing",
             )
         return reply  # pyright: ignore[reportReturnType] (the stubs type EOF as object)

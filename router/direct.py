@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import time
 
-import grpc
-
 from splitserve.router.decode_stage import DecodeSession
-from splitserve.router.errors import GenerateError
+from splitserve.router.errors import Failure, GenerateError
 from splitserve.router.first_token import FirstToken, Tried
 from splitserve.router.request import GenerateParams
 from splitserve.runtime.protocol import sampling_to_proto
@@ -39,15 +37,15 @@ class DirectStage:
             reply = await session.open_generate(request, deadline).read()  # marks D down when
             if len(reply.token_ids) != 1:  # it is unreachable
                 raise GenerateError(
-                    grpc.StatusCode.INTERNAL,
+                    Failure.INTERNAL,
                     f"decode node {d.address} sent {len(reply.token_ids)} first tokens",
                 )
             computed = max(len(params.prompt_token_ids) - reply.cached_tokens, 0)
         except GenerateError as exc:
-            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            if exc.code == Failure.REFUSED:
                 tried.busy.add(d)
                 return exc
-            if exc.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline:
+            if exc.code == Failure.UNAVAILABLE and time.monotonic() < deadline:
                 tried.unreachable.add(d)
                 return exc
             raise

@@ -22,14 +22,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import grpc
-
 from splitserve.kvstore import BlockHash
 from splitserve.kvstore.hashing import DEFAULT_BLOCK_SIZE
 from splitserve.router.admission import Admission
 from splitserve.router.decode_stage import DecodeStage
 from splitserve.router.direct import DirectStage
-from splitserve.router.errors import GenerateError
+from splitserve.router.errors import Failure, GenerateError
 from splitserve.router.first_token import FirstToken, Started, Tried
 from splitserve.router.kv_budget import KVDemand
 from splitserve.router.pool import Node, NodePool, prompt_tokens_to_compute
@@ -90,7 +88,7 @@ class Dispatcher:
         ``arrival``, when it reached the router (default: now); ``client``, who sent it."""
         arrival = time.monotonic() if arrival is None else arrival
         tried = Tried(set(), set())
-        error = GenerateError(grpc.StatusCode.UNAVAILABLE, "no attempt made")
+        error = GenerateError(Failure.UNAVAILABLE, "no attempt made")
         # The prompt is hashed once, for the index look-up and the decode KV ledger alike.
         hashes = None
         if self._lookup is not None:
@@ -145,9 +143,7 @@ class Dispatcher:
             )
             p = self._choose_prefill(n_prompt, tried, cached) if route == DISAGGREGATED else None
             if deadline - time.monotonic() <= 0:
-                raise GenerateError(
-                    grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed in prefill"
-                )
+                raise GenerateError(Failure.DEADLINE, "the request's deadline passed in prefill")
             t0 = time.monotonic()
             if tracing.enabled():
                 attributes = _route_attributes(route, p, d, cached, work, attempt)
@@ -280,7 +276,7 @@ def _held(cached: CachedPrefix, address: str) -> int:
 def _note_attempt(span: Any, result: Started | GenerateError) -> None:
     """What the attempt's node reported (P: its compute and the KV transfer), or its error."""
     if isinstance(result, GenerateError):
-        tracing.fail(span, f"{result.code.name}: {result.message}")
+        tracing.fail(span, f"{result.code.value}: {result.message}")
         return
     first = result.first
     span.set_attributes(
@@ -296,7 +292,7 @@ def _note_attempt(span: Any, result: Started | GenerateError) -> None:
 
 def _none_reachable(pool: NodePool) -> GenerateError:
     return GenerateError(
-        grpc.StatusCode.UNAVAILABLE,
+        Failure.UNAVAILABLE,
         f"no {pool.role} node is reachable ({pool.describe()}); "
         "start one or check the router's --prefill/--decode addresses",
     )

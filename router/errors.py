@@ -1,26 +1,47 @@
-"""How a request ends when it cannot be served: a gRPC status and a message for the client."""
+"""How a request ends when it cannot be served: a :class:`Failure` and a message for the client.
+
+The router's own terms, no transport's: the gRPC front answers a failure with the status its value
+names and the HTTP front with the status ``openai_api.HTTP_STATUS`` gives it; the stages that call
+nodes turn a node's status into a failure (``router/status.py``, the one mapping both ways).
+"""
 
 from __future__ import annotations
 
-import grpc
+import enum
+
+
+class Failure(enum.Enum):
+    """Why a request failed; the value is the gRPC status the public API answers with, and the
+    ``code`` label /metrics counts the request under."""
+
+    INVALID = "INVALID_ARGUMENT"  # the request is wrong: fix it before trying again
+    OUT_OF_RANGE = "OUT_OF_RANGE"
+    PRECONDITION = "FAILED_PRECONDITION"
+    NOT_FOUND = "NOT_FOUND"
+    REFUSED = "RESOURCE_EXHAUSTED"  # no room now: try again later (retry_after_s says when)
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
+    CANCELLED = "CANCELLED"
+    UNAVAILABLE = "UNAVAILABLE"  # no node could serve it: another try may find one
+    DEADLINE = "DEADLINE_EXCEEDED"  # its deadline passed
+    UNIMPLEMENTED = "UNIMPLEMENTED"
+    INTERNAL = "INTERNAL"
+    UNKNOWN = "UNKNOWN"
+
 
 # A node that did not answer (as opposed to one that answered with an error): it is marked down
 # and, where the stage allows, the request is retried elsewhere. CANCELLED is here because only
 # the node can have sent it (a call the router cancels itself raises asyncio.CancelledError, not
 # a status): the node's server stopped the call, as one does when it shuts down.
-UNREACHABLE = (
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.CANCELLED,
-)
+UNREACHABLE = (Failure.UNAVAILABLE, Failure.DEADLINE, Failure.CANCELLED)
 
 
 class GenerateError(Exception):
-    """Ends a request with a gRPC status."""
+    """Ends a request with a failure."""
 
     def __init__(
         self,
-        code: grpc.StatusCode,
+        code: Failure,
         message: str,
         retry_after_s: int | None = None,
         reason: str = "",

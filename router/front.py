@@ -12,9 +12,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncGenerator, Callable, Mapping
 
-import grpc
-
-from splitserve.router.errors import GenerateError
+from splitserve.router.errors import Failure, GenerateError
 from splitserve.router.loop_lag import LoopLag
 from splitserve.router.observe import RequestObserver
 from splitserve.router.orchestrator import DEADLINE_SLACK_S, Orchestrator, Step
@@ -91,7 +89,7 @@ class RequestFront:
             if self._in_flight[client] >= self._max_per_client:
                 self._metrics.refused.labels(reason="client_cap").inc()
                 raise GenerateError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    Failure.REFUSED,
                     f"client {client} has {self._in_flight[client]} requests in flight (the "
                     "router's --max-requests-per-client); wait for one to end",
                     retry_after_s=1,
@@ -100,7 +98,7 @@ class RequestFront:
             if self._max_loop_lag_s and lag > self._max_loop_lag_s:
                 self._metrics.refused.labels(reason="router_busy").inc()
                 raise GenerateError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    Failure.REFUSED,
                     f"the router is {lag * 1000:.0f} ms behind (its --max-loop-lag-s is "
                     f"{self._max_loop_lag_s * 1000:.0f} ms): retry shortly, or on another router",
                     retry_after_s=1,
@@ -116,7 +114,7 @@ class RequestFront:
                 else:  # off the event loop: tokenizing a long text takes long
                     params = await asyncio.to_thread(parse_request, request, self.model)
             except InvalidRequest as exc:
-                raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+                raise GenerateError(Failure.INVALID, str(exc)) from None
             if traced.span.is_recording():
                 traced.span.set_attributes(_request_attributes(params))
             # Closed here, not by the event loop's finalizer later: a cancelled request gives its
@@ -131,14 +129,14 @@ class RequestFront:
                             traced.span.set_attributes(_usage_attributes(step))
                     yield params, step
         except GenerateError as exc:
-            failure = f"{exc.code.name}: {exc.message}"
+            failure = f"{exc.code.value}: {exc.message}"
             if exc.reason and traced.span.is_recording():  # refused: why, as /metrics counts it
                 traced.span.set_attribute("splitserve.refusal_reason", exc.reason)
-            observer.failed(exc.code.name)
+            observer.failed(exc.code.value)
             if exc.retry_after_s is not None:  # refused for want of room
                 self._metrics.refusal_latency.observe(time.monotonic() - start)
             rid = params.request_id if params is not None else request.request_id or "-"
-            logger.info("request %s from %s: %s %s", rid, client, exc.code.name, exc.message)
+            logger.info("request %s from %s: %s %s", rid, client, exc.code.value, exc.message)
             raise
         finally:
             if counted:
@@ -146,7 +144,7 @@ class RequestFront:
                 if not self._in_flight[client]:
                     del self._in_flight[client]
             if observer.code == "CANCELLED" and time.monotonic() >= deadline - DEADLINE_SLACK_S:
-                observer.failed(grpc.StatusCode.DEADLINE_EXCEEDED.name)
+                observer.failed(Failure.DEADLINE.value)
             observer.end()
             if failure is None and observer.code not in ("", "OK"):
                 failure = observer.code
@@ -158,13 +156,13 @@ class RequestFront:
         try:
             own = request_slo(request)
         except InvalidRequest as exc:
-            raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            raise GenerateError(Failure.INVALID, str(exc)) from None
         slo = own.within(self._default_slo) if own is not None else self._default_slo
         if time_remaining is not None:
             slo = (slo or Slo()).capped(max(time_remaining, 0.0))
         return slo
 
-    def count_refused(self, code: grpc.StatusCode) -> None:
+    def count_refused(self, code: Failure) -> None:
         """A request a front refused before ``run`` (the HTTP front's JSON checks): counted
         like every other ending."""
         observer = RequestObserver(self._metrics, time.monotonic())

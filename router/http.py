@@ -26,11 +26,10 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import Any
 
-import grpc
 from aiohttp import web
 
 from splitserve.router.api_keys import ApiKeys
-from splitserve.router.errors import GenerateError
+from splitserve.router.errors import Failure, GenerateError
 from splitserve.router.front import CLIENT_KEY, RequestFront
 from splitserve.router.openai_api import (
     SLO_HEADER,
@@ -141,7 +140,7 @@ class HttpFront:
         self._created = int(time.time())
         middlewares: list = [_openai_errors]
         if api_keys is not None:
-            refused = functools.partial(front.count_refused, grpc.StatusCode.UNAUTHENTICATED)
+            refused = functools.partial(front.count_refused, Failure.UNAUTHENTICATED)
             middlewares.insert(0, _require_key(api_keys, refused))  # outermost: runs first
         self.app = web.Application(client_max_size=max_request_bytes, middlewares=middlewares)
         self.app.add_routes(
@@ -240,7 +239,7 @@ class HttpFront:
                 request.headers.get(SLO_HEADER),
             )
         except ApiError as exc:
-            self._front.count_refused(exc.grpc_code)
+            self._front.count_refused(exc.failure)
             return _error(exc)
         # With API keys the key is the client: a caller cannot dodge its cap by naming another.
         client = (
@@ -259,7 +258,7 @@ class HttpFront:
                     return await self._stream(request, api, outputs)
                 return await self._whole(api, outputs)
         except GenerateError as exc:
-            return _error(ApiError.of_grpc(exc.code, exc.message), exc.retry_after_s)
+            return _error(ApiError.of_failure(exc.code, exc.message), exc.retry_after_s)
 
     async def _outputs(
         self, api: ApiRequest, client: str, deadline: float | None, trace: Mapping[str, str]
@@ -375,7 +374,7 @@ class HttpFront:
             if api.include_usage:
                 await send({**head, "choices": [], "usage": usage_json(usages, api.n)})
         except GenerateError as exc:  # after the headers: an error event ends the stream
-            await send(ApiError.of_grpc(exc.code, exc.message).body())
+            await send(ApiError.of_failure(exc.code, exc.message).body())
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response

@@ -14,8 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
-
+from splitserve.router.errors import Failure
 from splitserve.router.request import ModelInfo
 from splitserve.runtime.slo import SLO_SYNTAX, Slo
 from splitserve.v1 import common_pb2, router_pb2
@@ -28,21 +27,21 @@ TIMEOUT_HEADER = "x-request-timeout"
 SLO_BODY_SYNTAX = '{"ttft": SECONDS, "tpot": SECONDS} (either may be left out)'
 CHAT_ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
 
-# gRPC status → HTTP status and OpenAI error type.
+# A failure → HTTP status and OpenAI error type (the one mapping to HTTP).
 HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
-    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    Failure.INVALID: (400, "invalid_request_error"),
+    Failure.OUT_OF_RANGE: (400, "invalid_request_error"),
+    Failure.PRECONDITION: (400, "invalid_request_error"),
+    Failure.NOT_FOUND: (404, "not_found_error"),
+    Failure.REFUSED: (429, "rate_limit_error"),
     # A client that cancels gets no answer, and the HTTP front's own API key check answers 401
     # itself: these codes come from the nodes (a cluster token that does not match, a node
     # stopping mid-call).
-    grpc.StatusCode.UNAUTHENTICATED: (502, "server_error"),
-    grpc.StatusCode.PERMISSION_DENIED: (502, "server_error"),
-    grpc.StatusCode.CANCELLED: (502, "server_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+    Failure.UNAUTHENTICATED: (502, "server_error"),
+    Failure.PERMISSION_DENIED: (502, "server_error"),
+    Failure.CANCELLED: (502, "server_error"),
+    Failure.UNAVAILABLE: (503, "service_unavailable_error"),
+    Failure.DEADLINE: (504, "timeout_error"),
 }
 
 # Fields OpenAI defines that the engine does not do: refused unless given their no-op value.
@@ -86,18 +85,18 @@ class ApiError(Exception):
         return cls(400, message, "invalid_request_error", param)
 
     @property
-    def grpc_code(self) -> grpc.StatusCode:
-        """The code the request metrics count a refusal of the HTTP front under."""
+    def failure(self) -> Failure:
+        """The failure the request metrics count a refusal of the HTTP front under."""
         return {
-            400: grpc.StatusCode.INVALID_ARGUMENT,
-            404: grpc.StatusCode.NOT_FOUND,
-            401: grpc.StatusCode.UNAUTHENTICATED,
-            413: grpc.StatusCode.RESOURCE_EXHAUSTED,
-        }.get(self.status, grpc.StatusCode.INTERNAL)
+            400: Failure.INVALID,
+            404: Failure.NOT_FOUND,
+            401: Failure.UNAUTHENTICATED,
+            413: Failure.REFUSED,
+        }.get(self.status, Failure.INTERNAL)
 
     @classmethod
-    def of_grpc(cls, code: grpc.StatusCode, message: str) -> ApiError:
-        status, kind = HTTP_STATUS.get(code, (500, "server_error"))
+    def of_failure(cls, failure: Failure, message: str) -> ApiError:
+        status, kind = HTTP_STATUS.get(failure, (500, "server_error"))
         return cls(status, message, kind)
 
     def body(self) -> dict[str, Any]:

@@ -20,11 +20,9 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from typing import NamedTuple
 
-import grpc
-
 from splitserve.router.decode_stage import DecodeSession
 from splitserve.router.dispatch import Dispatcher
-from splitserve.router.errors import GenerateError
+from splitserve.router.errors import Failure, GenerateError
 from splitserve.router.output import Delta, OutputAssembler, Usage
 from splitserve.router.request import GenerateParams, ModelInfo
 from splitserve.runtime import tracing
@@ -124,8 +122,8 @@ class Orchestrator:
                         if output.finished:
                             return
                 except GenerateError as exc:
-                    if exc.code != grpc.StatusCode.UNAVAILABLE or resumed >= MAX_RESUMES:
-                        failure = f"{exc.code.name}: {exc.message}"
+                    if exc.code != Failure.UNAVAILABLE or resumed >= MAX_RESUMES:
+                        failure = f"{exc.code.value}: {exc.message}"
                         raise
                     tracing.event("resumed", {"splitserve.after_tokens": len(tokens)})
                     logger.warning(

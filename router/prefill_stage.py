@@ -21,12 +21,13 @@ from typing import Any
 import grpc
 
 from splitserve.router.decode_stage import DecodeSession
-from splitserve.router.errors import UNREACHABLE, GenerateError
+from splitserve.router.errors import UNREACHABLE, Failure, GenerateError
 from splitserve.router.first_token import FirstToken, Tried
 from splitserve.router.pool import Node, NodePool, prompt_tokens_to_compute
 from splitserve.router.prefix import CachedPrefix
 from splitserve.router.registry import NodeRegistry
 from splitserve.router.request import GenerateParams
+from splitserve.router.status import from_grpc
 from splitserve.runtime.auth import call_metadata
 from splitserve.runtime.protocol import sampling_to_proto
 from splitserve.v1 import nodes_pb2
@@ -105,19 +106,17 @@ class PrefillStage:
         self, p: Node, d: Node, exc: grpc.aio.AioRpcError, deadline: float, tried: Tried
     ) -> GenerateError:
         """Classify a failed Prefill; raise when retrying cannot help, else return the error."""
-        code, details = exc.code(), exc.details()
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        code, details = from_grpc(exc.code()), exc.details()
+        if code == Failure.REFUSED:
             tried.busy.update((p, d))
             return GenerateError(
                 code, f"every node tried is full (last: {details}); retry later or add nodes"
             )
         if code not in UNREACHABLE:
-            raise GenerateError(code, details or f"prefill node {p.address} failed: {code.name}")
+            raise GenerateError(code, details or f"prefill node {p.address} failed: {code.value}")
         if time.monotonic() >= deadline:
-            raise GenerateError(
-                grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed in prefill"
-            )
-        reason = f"{code.name}: {details}"
+            raise GenerateError(Failure.DEADLINE, "the request's deadline passed in prefill")
+        reason = f"{code.value}: {details}"
         probe_timeout = min(1.0, max(deadline - time.monotonic(), 0.01))
         if await self._registry.probe(p, timeout=probe_timeout):
             culprit, pool = d, self._registry.decode  # P answers: its target D was the problem
@@ -126,7 +125,7 @@ class PrefillStage:
         pool.mark_down(culprit, reason)
         tried.unreachable.add(culprit)
         return GenerateError(
-            grpc.StatusCode.UNAVAILABLE,
+            Failure.UNAVAILABLE,
             f"no {pool.role} node reachable: {culprit.address} failed ({details}); "
             f"nodes: {pool.describe()}",
         )

@@ -26,17 +26,18 @@ from typing import NamedTuple
 
 import grpc
 
-from splitserve.router.errors import GenerateError
+from splitserve.router.errors import Failure, GenerateError
 from splitserve.router.pool import Node
+from splitserve.router.status import from_grpc
 from splitserve.runtime import tracing
 from splitserve.runtime.auth import credentials
 from splitserve.runtime.protocol import LEASE_WHOLE
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
-# What a failure of a request's stream on the node means for the client: (status, the node's
+# What a failure of a request's stream on the node means for the client: (failure, the node's
 # details, the request's deadline) -> the error (``DecodeStage.error``, which marks the node down
 # when it is unreachable).
-ErrorOf = Callable[[grpc.StatusCode, str, float], GenerateError]
+ErrorOf = Callable[[Failure, str, float], GenerateError]
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ class RelayChannel:
         if self._on_grant is not None:
             self._on_grant()
 
-    def error(self, code: grpc.StatusCode, details: str, deadline: float) -> GenerateError:
+    def error(self, code: Failure, details: str, deadline: float) -> GenerateError:
         return self._error_of(code, details, deadline)
 
     def first_decoded(self, seconds: float) -> None:
@@ -166,7 +167,7 @@ class RelayChannel:
                         call.feed(out)
                 if batch.HasField("grant"):  # pyright: ignore[reportAttributeAccessIssue]
                     self._granted(batch.grant)  # pyright: ignore[reportAttributeAccessIssue]
-            error = self.error(grpc.StatusCode.UNAVAILABLE, "it ended its relay stream", 0.0)
+            error = self.error(Failure.UNAVAILABLE, "it ended its relay stream", 0.0)
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             if code == grpc.StatusCode.UNIMPLEMENTED:
@@ -175,7 +176,7 @@ class RelayChannel:
                     "decode node %s serves no Relay stream (an older version): a call per request",
                     self.node.address,
                 )
-            error = self._ended_by(code, exc.details() or "")
+            error = self._ended_by(from_grpc(code), exc.details() or "")
         except asyncio.CancelledError:  # closed (grpc.aio raises this for a cancelled call)
             error = self._ended_by(None, "")
             task = asyncio.current_task()
@@ -184,17 +185,17 @@ class RelayChannel:
                 raise
         self._end(error)
 
-    def _ended_by(self, code: grpc.StatusCode | None, details: str) -> GenerateError:
+    def _ended_by(self, code: Failure | None, details: str) -> GenerateError:
         """What the stream's requests fail with: ``code`` (None: the router closed it)."""
         if self._stalled:
             return GenerateError(
-                grpc.StatusCode.UNAVAILABLE,
+                Failure.UNAVAILABLE,
                 f"decode node {self.node.address} stopped answering health checks mid-request; "
                 "retry the request",
             )
         if code is None:
             return GenerateError(
-                grpc.StatusCode.CANCELLED,
+                Failure.CANCELLED,
                 f"the router closed its relay stream to decode node {self.node.address}",
             )
         return self.error(code, details, 0.0)
@@ -281,7 +282,7 @@ class RelayCall:
             self._ended = True
         elif out.error_code:
             self._ended = True
-            code = _STATUS.get(out.error_code, grpc.StatusCode.UNKNOWN)
+            code = _STATUS.get(out.error_code, Failure.UNKNOWN)
             self.fail(self._channel.error(code, out.error_message, self._deadline))
             return
         self._wake()
@@ -298,11 +299,7 @@ class RelayCall:
 
     def _expire(self) -> None:
         self._timer = None
-        self.fail(
-            GenerateError(
-                grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed while decoding"
-            )
-        )
+        self.fail(GenerateError(Failure.DEADLINE, "the request's deadline passed while decoding"))
 
     # ------------------------------------------------------------------ for the request
 
@@ -346,7 +343,8 @@ class RelayCall:
             self._channel.cancel(self.request_id)
 
 
-_STATUS = {code.value[0]: code for code in grpc.StatusCode}
+# A node's RelayOutput.error_code (a gRPC status number) as a failure.
+_STATUS = {code.value[0]: from_grpc(code) for code in grpc.StatusCode}
 
 
 def _loop_time(loop: asyncio.AbstractEventLoop, deadline: float) -> float:

@@ -14,11 +14,12 @@ from typing import NoReturn
 import grpc
 
 from splitserve.router.api_keys import ApiKeys
-from splitserve.router.errors import GenerateError
+from splitserve.router.errors import Failure, GenerateError
 from splitserve.router.front import CLIENT_KEY, RequestFront
 from splitserve.router.orchestrator import Step
 from splitserve.router.output import Delta
 from splitserve.router.request import GenerateParams
+from splitserve.router.status import to_grpc
 from splitserve.runtime import tracing
 from splitserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -48,7 +49,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
                 presented = value if isinstance(value, str) else value.decode("latin-1")
         client = self._keys.client_of(presented)
         if client is None:
-            self.front.count_refused(grpc.StatusCode.UNAUTHENTICATED)
+            self.front.count_refused(Failure.UNAUTHENTICATED)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED)
         return client  # pyright: ignore[reportReturnType] (abort raises)
 
@@ -94,7 +95,7 @@ async def _abort(context: grpc.aio.ServicerContext, exc: GenerateError) -> NoRet
         context.set_trailing_metadata(
             (("grpc-retry-pushback-ms", str(int(exc.retry_after_s * 1000))),)
         )
-    await context.abort(exc.code, exc.message)
+    await context.abort(to_grpc(exc.code), exc.message)
 
 
 def client_of(context: grpc.aio.ServicerContext) -> str:

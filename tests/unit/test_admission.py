@@ -6,12 +6,11 @@ import asyncio
 import random
 import time
 
-import grpc
 import pytest
 from router_fakes import refused_at_once
 
 from splitserve.router.admission import Admission
-from splitserve.router.errors import GenerateError
+from splitserve.router.errors import Failure, GenerateError
 from splitserve.router.kv_budget import KVDemand
 from splitserve.router.pool import NodePool
 from splitserve.runtime.metrics import RouterMetrics
@@ -63,15 +62,13 @@ def test_a_full_queue_a_long_wait_and_a_deadline_fail_clearly():
         await asyncio.sleep(0.01)
         with pytest.raises(GenerateError) as full:
             await admission.enter(time.monotonic() + 30)
-        assert full.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max-queue" in str(
-            full.value.message
-        )
+        assert full.value.code == Failure.REFUSED and "max-queue" in str(full.value.message)
         with pytest.raises(GenerateError) as waited:
             await first
-        assert waited.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert waited.value.code == Failure.REFUSED
         with pytest.raises(GenerateError) as late:
             await admission.enter(time.monotonic() + 0.05)
-        assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert late.value.code == Failure.DEADLINE
         assert len(admission) == 0
 
     asyncio.run(run())
@@ -164,7 +161,7 @@ def test_a_prompt_larger_than_every_decode_node_is_refused_at_once():
         pool.nodes[0].kv.num_blocks = 10
         with pytest.raises(GenerateError) as big:
             await asyncio.wait_for(admission.enter(time.monotonic() + 30, _demand(200)), 0.1)
-        assert big.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert big.value.code == Failure.REFUSED
         assert "13 KV blocks" in big.value.message and "holds 10" in big.value.message
         assert metrics.refused.labels(reason="prompt_too_large")._value.get() == 1
         # Larger than the budget but not than the node: it goes, alone.
@@ -194,7 +191,7 @@ def test_a_wait_the_queue_pace_puts_past_the_deadline_is_refused_at_once():
         assert len(admission) == 20
         # 21st in line at ~100/s: ~0.2 s; a request with 0.05 s left is refused at once.
         late = refused_at_once(admission.enter(time.monotonic() + 0.05))
-        assert late.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert late.code == Failure.REFUSED
         assert "would outlast its deadline" in late.message
         assert late.retry_after_s is not None and late.retry_after_s >= 1
         assert metrics.refused.labels(reason="queue_wait")._value.get() == 1
@@ -219,7 +216,7 @@ def test_a_waiter_that_could_no_longer_be_served_in_time_is_refused_not_let_go()
         # Refused once less than ~10 s was left (at ~0.3 s), not at the deadline (10.3 s): the
         # bound sits far from both, so the machine's speed cannot decide it.
         assert time.monotonic() - t0 < 5.0
-        assert late.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert late.value.code == Failure.REFUSED
         assert metrics.refused.labels(reason="queue_wait")._value.get() == 1
 
     asyncio.run(run())
@@ -283,7 +280,7 @@ def test_a_request_that_may_not_queue_is_refused_before_its_prompt_is_read():
         await asyncio.sleep(0.01)
         with pytest.raises(GenerateError) as full:
             admission.check_arrival(time.monotonic() + 30)
-        assert full.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert full.value.code == Failure.REFUSED
         assert full.value.retry_after_s >= 1
         assert metrics.refused.labels(reason="queue_full")._value.get() == 1
         pool.release(pool.nodes[0])

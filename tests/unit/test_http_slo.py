@@ -9,13 +9,13 @@ import asyncio
 import json
 from unittest import mock
 
-import grpc
 import pytest
 from aiohttp import streams
 from aiohttp.test_utils import make_mocked_request
 from support.router_helpers import MODEL
 
 from splitserve.router import http
+from splitserve.router.errors import Failure
 from splitserve.router.openai_api import ApiError, parse_body, request_slo, request_timeout
 from splitserve.router.orchestrator import Step
 from splitserve.router.output import Delta, Usage
@@ -80,7 +80,7 @@ def test_no_slo_leaves_the_field_absent():
 def test_bad_slo_is_a_400_that_gives_the_syntax(fields, header, says):
     with pytest.raises(ApiError, match=says) as caught:
         parse_body(body(**fields), False, "m", MODEL, "", None, header)
-    assert caught.value.status == 400 and caught.value.grpc_code == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.status == 400 and caught.value.failure == Failure.INVALID
 
 
 def test_request_timeout_header(rng):
@@ -104,13 +104,13 @@ class FakeFront:
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
-        self.refused: list[grpc.StatusCode] = []
+        self.refused: list[Failure] = []
 
     async def run(self, request, client, time_remaining=None, trace=None):
         self.calls.append((request, client, time_remaining))
         yield None, Step(Delta("h", [104], [], "length"), Usage(1, 0, 1, 0.01))
 
-    def count_refused(self, code: grpc.StatusCode) -> None:
+    def count_refused(self, code: Failure) -> None:
         self.refused.append(code)
 
 
@@ -146,5 +146,5 @@ def test_the_handler_refuses_a_bad_timeout_before_any_work():
     front = FakeFront()
     response = asyncio.run(serve(front, body(), {http.TIMEOUT_HEADER: "-1"}))
     assert response.status == 400 and front.calls == []
-    assert front.refused == [grpc.StatusCode.INVALID_ARGUMENT]
+    assert front.refused == [Failure.INVALID]
     assert b"x-request-timeout" in response.body  # type: ignore[attr-defined]

@@ -110,3 +110,61 @@ def test_no_test_helpers_are_installed():
 def test_package_root_imports_nothing():
     # Every `import splitserve.x` runs splitserve/__init__.py first: it must stay light.
     assert not [m for _, m in _imports(ROOT / "splitserve" / "__init__.py")]
+
+
+# gRPC stays at the edges: the servicers, the clients of other nodes, and the plumbing they share
+# (server, credentials, TLS, health). Inside, requests and failures are plain types
+# (router/errors.Failure, mapped to status codes in router/status.py only); the core parts never
+# see the transport at all. A module that stops importing grpc leaves this list.
+CORE = {"settings", "kernels", "kvstore", "models", "transfer", "engine"}
+GRPC_EDGE = {
+    # the router: its public servicer, and its calls to the nodes
+    "router/service.py", "router/status.py", "router/registry.py", "router/pool.py",
+    "router/prefill_stage.py", "router/decode_stage.py", "router/relay.py",
+    # the nodes: their servicers and their calls to peers
+    "prefill_node/service.py", "prefill_node/channels.py", "prefill_node/shipper.py",
+    "prefill_node/peer_fetch.py", "prefill_node/peer_layer.py",
+    "decode_node/service.py", "decode_node/receiver.py", "decode_node/relay.py",
+    "decode_node/relay_stream.py", "decode_node/header.py", "decode_node/peer_caps.py",
+    # what every server and channel shares
+    "runtime/server.py", "runtime/node.py", "runtime/auth.py", "runtime/guard.py",
+    "runtime/health.py", "runtime/reflection.py", "runtime/tls.py",
+    # the public face: the SDK and what starts and checks a cluster
+    "splitserve/client.py", "splitserve/types.py", "splitserve/credentials.py",
+    "splitserve/launcher.py",
+}  # fmt: skip
+
+
+def _grpc_importers() -> dict[str, str]:
+    """{file: part} of every module (generated stubs aside) that imports grpc."""
+    out = {}
+    for part, path in _modules():
+        if part == "v1":
+            continue
+        if any(m == "grpc" or m.startswith(("grpc.", "grpc_")) for _, m in _imports(path)):
+            out[str(path.relative_to(ROOT))] = part
+    return out
+
+
+def test_grpc_only_at_the_edges():
+    importers = _grpc_importers()
+    in_core = sorted(f for f, part in importers.items() if part in CORE)
+    assert not in_core, f"the core imports grpc: {in_core}"
+    outside = sorted(set(importers) - GRPC_EDGE)
+    assert not outside, (
+        f"these import grpc but serve no RPC and call none: {outside} (use the domain's types, "
+        "router/errors.Failure for a failure; or, for a new servicer or client, add it to "
+        "GRPC_EDGE)"
+    )
+    gone = sorted(GRPC_EDGE - set(importers))
+    assert not gone, f"no longer import grpc: take them off GRPC_EDGE: {gone}"
+
+
+def test_the_grpc_check_sees_an_import(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from grpc import StatusCode\n    import grpc.aio\n")
+    assert [m for _, m in _imports(bad) if m.split(".")[0] == "grpc"] == [
+        "grpc",
+        "grpc.StatusCode",
+        "grpc.aio",
+    ]

@@ -7,12 +7,11 @@ from __future__ import annotations
 import asyncio
 import time
 
-import grpc
 import pytest
 from router_fakes import FakeNodes, all_given_back
 from test_router_stages import collect, front_for
 
-from splitserve.router.errors import GenerateError
+from splitserve.router.errors import Failure, GenerateError
 from splitserve.router.loop_lag import WINDOW, LoopLag
 
 
@@ -37,7 +36,7 @@ def test_a_router_that_runs_late_refuses_at_once_and_counts_the_wait():
         front.loop_lag.note(0.8)
         with pytest.raises(GenerateError) as err:
             await collect(front, prompt="abc")
-        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert err.value.code == Failure.REFUSED
         assert err.value.reason == "router_busy" and err.value.retry_after_s
         assert not nodes.prefill_calls and not nodes.generate_calls  # nothing was asked of them
         for _ in range(WINDOW):

@@ -19,7 +19,7 @@ from support.router_helpers import EOS, request
 from test_router_stages import collect, front_for, settle
 
 from splitserve.router.decode_stage import DecodeStage
-from splitserve.router.errors import GenerateError
+from splitserve.router.errors import Failure, GenerateError
 from splitserve.router.relay import RelayCall
 from splitserve.v1 import nodes_pb2
 
@@ -162,7 +162,7 @@ def test_a_request_past_its_deadline_fails_and_is_cancelled_on_the_node():
         with pytest.raises(GenerateError) as err:
             while True:
                 await call.read()
-        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert err.value.code == Failure.DEADLINE
         session.close()
         await settle()
         assert "r" in nodes.relays[0].cancels and not nodes.held

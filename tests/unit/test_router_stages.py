@@ -13,7 +13,6 @@ import contextlib
 import random
 import time
 
-import grpc
 import pytest
 from router_fakes import FakeNodes, FakeRegistry, all_given_back
 from support.router_helpers import MODEL, request
@@ -23,7 +22,7 @@ from splitserve.router.assembly import build_front
 from splitserve.router.decode_stage import DecodeStage
 from splitserve.router.direct import DirectStage
 from splitserve.router.dispatch import Dispatcher
-from splitserve.router.errors import GenerateError
+from splitserve.router.errors import Failure, GenerateError
 from splitserve.router.first_token import FirstToken, Tried
 from splitserve.router.kv_budget import KVDemand
 from splitserve.router.orchestrator import Orchestrator
@@ -121,12 +120,12 @@ def test_prefill_stage_classifies_refusals_and_failures():
         t = tried()
         result = await attempt(t)
         assert isinstance(result, GenerateError)
-        assert result.code == grpc.StatusCode.RESOURCE_EXHAUSTED and t.busy == {p, d}
+        assert result.code == Failure.REFUSED and t.busy == {p, d}
 
         nodes.fail_prefill, nodes.probe_ok = 1, True  # P answers health checks: D was at fault
         t = tried()
         result = await attempt(t)
-        assert isinstance(result, GenerateError) and result.code == grpc.StatusCode.UNAVAILABLE
+        assert isinstance(result, GenerateError) and result.code == Failure.UNAVAILABLE
         assert t.unreachable == {d} and not d.is_up(time.monotonic()) and p.is_up(time.monotonic())
 
         registry.decode.mark_up(d)
@@ -262,7 +261,7 @@ def test_a_decode_call_of_an_older_node_that_fails_or_ends_early_says_why():
         session = decode.claim(d, None, "unknown")
         with pytest.raises(GenerateError) as err:
             await session.stream(time.monotonic() + 5).read()
-        assert err.value.code == grpc.StatusCode.INTERNAL  # NOT_FOUND: D lost the KV
+        assert err.value.code == Failure.INTERNAL  # NOT_FOUND: D lost the KV
         session.close()
 
         nodes.held["r"] = [7, 8]
@@ -271,7 +270,7 @@ def test_a_decode_call_of_an_older_node_that_fails_or_ends_early_says_why():
         assert list((await call.read()).token_ids) == [7, 8]
         with pytest.raises(GenerateError) as err:
             await call.read()  # EOF before a finish reason
-        assert err.value.code == grpc.StatusCode.INTERNAL
+        assert err.value.code == Failure.INTERNAL
         session.close()
         await settle()
         assert not all_given_back(registry)
@@ -424,12 +423,12 @@ def test_the_front_refuses_bad_input_and_a_client_over_its_cap():
         front, registry = front_for(nodes, max_requests_per_client=1)
         with pytest.raises(GenerateError) as err:
             await collect(front, prompt="")
-        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.code == Failure.INVALID
         first = front.run(request(prompt="long prompt"), "client")
         await anext(first)
         with pytest.raises(GenerateError) as err:
             await collect(front, prompt="abc")
-        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert err.value.code == Failure.REFUSED
         await first.aclose()  # cancels it: everything given back at once
         assert not all_given_back(registry) and not front._in_flight
         await settle()
@@ -446,7 +445,7 @@ def test_a_request_that_exhausts_its_attempts_fails_with_the_last_error():
         nodes.refuse_prefill = 5
         with pytest.raises(GenerateError) as err:
             await collect(front, prompt="abc")
-        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert err.value.code == Failure.REFUSED
         assert len(nodes.prefill_calls) == 2
         assert not all_given_back(registry)
 
@@ -499,7 +498,7 @@ def test_requests_cancelled_at_random_moments_give_back_everything(rng: random.R
             for r in results
             if isinstance(r, BaseException)
             and not isinstance(r, asyncio.CancelledError)
-            and not (isinstance(r, GenerateError) and r.code == grpc.StatusCode.RESOURCE_EXHAUSTED)
+            and not (isinstance(r, GenerateError) and r.code == Failure.REFUSED)
         ]
         assert not errors, errors[:3]
         cancelled = sum(isinstance(r, asyncio.CancelledError) for r in results)

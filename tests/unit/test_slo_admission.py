@@ -7,7 +7,6 @@ import asyncio
 import random
 import time
 
-import grpc
 import pytest
 from router_fakes import refused_at_once
 
@@ -20,7 +19,7 @@ from splitserve.router.admission import (
     PROBE_S,
     Admission,
 )
-from splitserve.router.errors import GenerateError
+from splitserve.router.errors import Failure, GenerateError
 from splitserve.router.pool import NodePool
 from splitserve.router.predictor import (
     MIN_SAMPLES,
@@ -182,7 +181,7 @@ def test_a_request_predicted_to_miss_its_ttft_is_refused_at_arrival():
         _teach_pace(admission, 2.0)  # 2/s with 9 ahead: ~5 s of queue
         with pytest.raises(GenerateError) as refused:
             admission.check_arrival(far, Slo(ttft_s=2.0))
-        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert refused.value.code == Failure.REFUSED
         assert "TTFT target" in refused.value.message
         assert refused.value.retry_after_s is not None and refused.value.retry_after_s >= 3
         # At once: before it ever waited (it never suspends), whatever the machine's speed.
@@ -212,7 +211,7 @@ def test_a_queued_request_whose_ttft_target_passes_is_refused_before_any_node_wo
             await admission.enter(start + 60, work=10, slo=Slo(ttft_s=0.2), arrival=start)
         waited = time.monotonic() - start
         assert 0.15 <= waited < 30  # given up at its target (0.2 s), not at the deadline (60 s)
-        assert expired.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert expired.value.code == Failure.REFUSED
         assert metrics.refused.labels(reason="slo_expired")._value.get() == 1
         assert len(admission) == 0 and decode.nodes[0].in_flight == 1
 
@@ -249,7 +248,7 @@ def test_a_waiter_the_queue_can_no_longer_serve_in_time_is_refused_when_that_is_
         assert all(isinstance(r, GenerateError) for r in refusals)
         *late, no_target = refusals
         for r in late:
-            assert r.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert r.code == Failure.REFUSED
             assert "requests go before it" in r.message and "TTFT target" in r.message
             assert r.retry_after_s is not None and r.retry_after_s >= 10
         assert "deadline" in no_target.message
@@ -355,7 +354,7 @@ def test_room_by_count_is_not_enough_when_the_nodes_backlog_is_past_the_target()
         prefill.acquire(p, 3_000)  # requests let go earlier: 3 s of work on the node
         with pytest.raises(GenerateError) as refused:
             await admission.enter(far, work=10, slo=Slo(ttft_s=1.0))
-        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert refused.value.code == Failure.REFUSED
         assert "TTFT target" in refused.value.message and len(admission) == 0
         # A 5 s target could wait out the backlog, but not in the node's FIFO: it waits here
         # (fairly between clients) until the node holds at most a quarter of its target.
