@@ -27,6 +27,10 @@ class Failure(enum.Enum):
     UNIMPLEMENTED = "UNIMPLEMENTED"
     INTERNAL = "INTERNAL"
     UNKNOWN = "UNKNOWN"
+    # Passed on as a node sent them (no router code raises them).
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    ABORTED = "ABORTED"
+    DATA_LOSS = "DATA_LOSS"
 
 
 # A node that did not answer (as opposed to one that answered with an error): it is marked down

@@ -132,7 +132,7 @@ class RequestFront:
             failure = f"{exc.code.value}: {exc.message}"
             if exc.reason and traced.span.is_recording():  # refused: why, as /metrics counts it
                 traced.span.set_attribute("splitserve.refusal_reason", exc.reason)
-            observer.failed(exc.code.value)
+            observer.failed(exc.code)
             if exc.retry_after_s is not None:  # refused for want of room
                 self._metrics.refusal_latency.observe(time.monotonic() - start)
             rid = params.request_id if params is not None else request.request_id or "-"
@@ -144,7 +144,7 @@ class RequestFront:
                 if not self._in_flight[client]:
                     del self._in_flight[client]
             if observer.code == "CANCELLED" and time.monotonic() >= deadline - DEADLINE_SLACK_S:
-                observer.failed(Failure.DEADLINE.value)
+                observer.failed(Failure.DEADLINE)
             observer.end()
             if failure is None and observer.code not in ("", "OK"):
                 failure = observer.code
@@ -166,7 +166,7 @@ class RequestFront:
         """A request a front refused before ``run`` (the HTTP front's JSON checks): counted
         like every other ending."""
         observer = RequestObserver(self._metrics, time.monotonic())
-        observer.failed(code.name)
+        observer.failed(code)
         observer.end()
 
     async def complete(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from splitserve.router.errors import Failure
 from splitserve.router.output import Usage
 from splitserve.runtime.metrics import RouterMetrics
 from splitserve.runtime.slo import Slo
@@ -41,8 +42,8 @@ class RequestObserver:
         self._m.cached_tokens.inc(usage.cached_tokens)
         self._m.generation_tokens.inc(usage.completion_tokens)
 
-    def failed(self, code: str) -> None:
-        self.code = code
+    def failed(self, failure: Failure) -> None:
+        self.code = failure.value  # the status name /metrics counts endings under
 
     def end(self) -> None:
         """The stream is over, however it ended."""
