@@ -77,6 +77,13 @@ class Slo(NamedTuple):
             return self._replace(ttft_s=seconds_left)
         return self
 
+    def both(self) -> tuple[float, float]:
+        """(ttft_s, tpot_s) of an SLO that bounds both (the planner's and a layout's aim);
+        ``ValueError`` when one is unset."""
+        if self.ttft_s is None or self.tpot_s is None:
+            raise ValueError(f"SLO {self}: give both bounds, ttft=SECONDS,tpot=SECONDS")
+        return self.ttft_s, self.tpot_s
+
     def __str__(self) -> str:
         parts = [f"{k}={v:g}" for k, v in (("ttft", self.ttft_s), ("tpot", self.tpot_s)) if v]
         return ",".join(parts) or "none"

@@ -8,11 +8,9 @@ import signal
 import sys
 import threading
 
-from splitserve.planner.policy import Bounds, PolicyConfig, Slo
+from splitserve.planner.policy import AIM, Bounds, PolicyConfig, aim
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_SLO = "ttft=2,tpot=0.1"  # the planner's aim when no --slo is given
 
 
 def add_policy_options(p: argparse.ArgumentParser, slo: bool = True) -> None:
@@ -26,7 +24,8 @@ def add_policy_options(p: argparse.ArgumentParser, slo: bool = True) -> None:
         g.add_argument(
             "--slo",
             default=None,
-            help=f"the latency aimed at: ttft=SECONDS,tpot=SECONDS (default: {DEFAULT_SLO})",
+            help=f"the latency aimed at: ttft=SECONDS,tpot=SECONDS (default: {AIM}, also for a "
+            "bound left out)",
         )
     g.add_argument("--interval", type=float, default=5.0, help="seconds between decisions")
     g.add_argument(
@@ -74,7 +73,7 @@ def policy_from(args: argparse.Namespace, prefill: int = 1, decode: int = 1):
         settle_s=args.settle,
         max_step=args.max_step,
     )
-    return bounds, Slo.parse(args.slo or DEFAULT_SLO), config
+    return bounds, aim(args.slo), config
 
 
 def serve_planner_metrics(planner, port: int | None, host: str) -> int | None:

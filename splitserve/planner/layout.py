@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from splitserve.planner.policy import Slo
+from splitserve.runtime.slo import Slo
 
 TAIL = 2.3  # the 90th percentile of an exponential tail, in means (ln 10)
 COLOCATED = "colocated"
@@ -107,7 +107,8 @@ class Estimate:
     decode_batch: float
 
     def meets(self, slo: Slo) -> bool:
-        return self.ttft_p90_s <= slo.ttft_s and self.tpot_s <= slo.tpot_s
+        ttft_s, tpot_s = slo.both()
+        return self.ttft_p90_s <= ttft_s and self.tpot_s <= tpot_s
 
 
 def _queue_ttft(rho: float, service_s: float) -> float:

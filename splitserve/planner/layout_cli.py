@@ -10,8 +10,7 @@ import sys
 from pathlib import Path
 
 from splitserve.planner.layout import COLOCATED, Ranked, Workload, choose
-from splitserve.planner.policy import Slo
-from splitserve.runtime.slo import parse_bounds
+from splitserve.runtime.slo import Slo, parse_bounds
 
 WORKLOAD_SYNTAX = "rate=REQUESTS_PER_S,prompt=TOKENS,output=TOKENS (means)"
 
@@ -44,10 +43,11 @@ def table(ranked: list[Ranked], work: Workload, slo: Slo) -> str:
     def ms(s: float) -> str:
         return "-" if math.isinf(s) else f"{s * 1000:.1f}"
 
+    ttft_s, tpot_s = slo.both()
     lines = [
         f"layouts for {work.rate:g} req/s of {work.prompt_tokens:g} prompt + "
-        f"{work.output_tokens:g} output tokens, SLO TTFT {slo.ttft_s:g} s / TPOT "
-        f"{slo.tpot_s * 1000:g} ms (estimates, best first):",
+        f"{work.output_tokens:g} output tokens, SLO TTFT {ttft_s:g} s / TPOT "
+        f"{tpot_s * 1000:g} ms (estimates, best first):",
         "| layout | GPUs | capacity req/s | at the rate: TTFT p90 ms | TPOT ms | meets |",
         "|---|---|---|---|---|---|",
     ]

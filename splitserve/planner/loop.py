@@ -18,10 +18,10 @@ from splitserve.planner.policy import (
     Decision,
     PolicyConfig,
     PolicyState,
-    Slo,
     decide,
 )
 from splitserve.planner.scrape import Scraper
+from splitserve.runtime.slo import Slo
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +106,7 @@ class Planner:
             self.bounds.max_prefill,
             self.bounds.min_decode,
             self.bounds.max_decode,
-            self.slo.ttft_s,
-            self.slo.tpot_s,
+            *self.slo.both(),
         )
         while not stop.is_set():
             started = time.monotonic()

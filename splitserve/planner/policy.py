@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
-from splitserve.runtime.slo import parse_bounds
+from splitserve.runtime.slo import Slo
 
 ROLES = ("prefill", "decode")
 
@@ -59,17 +59,13 @@ class Bounds:
         return min(max(n, lo), hi)
 
 
-@dataclass(frozen=True, slots=True)
-class Slo:
-    ttft_s: float = 2.0
-    tpot_s: float = 0.1
+AIM = Slo(ttft_s=2.0, tpot_s=0.1)  # the planner's aim where --slo leaves a bound unset
 
-    @classmethod
-    def parse(cls, text: str) -> Slo:
-        """``ttft=S,tpot=S`` (either may be left out: this class's default), the router's
-        syntax (``runtime.slo``)."""
-        bounds = parse_bounds(text, ("ttft", "tpot"))
-        return cls(**{f"{key}_s": value for key, value in bounds.items()})
+
+def aim(text: str | None) -> Slo:
+    """The planner's aim: ``--slo`` (the router's syntax, runtime.slo), AIM's bound for any it
+    leaves out."""
+    return (Slo.parse(text) or AIM).within(AIM)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,37 +148,39 @@ def decode_load(f: Figures) -> float:
 
 def _decode_signal(f: Figures, slo: Slo, cfg: PolicyConfig) -> _Signal:
     load, n = decode_load(f), f.decode.nodes
-    slow = f.tpot_s is not None and f.tpot_s > slo.tpot_s
+    _, tpot_s = slo.both()
+    slow = f.tpot_s is not None and f.tpot_s > tpot_s
     if load >= cfg.out_util:
         return _Signal(True, False, load / cfg.target_util, f"decode load {load:.2f}")
     if slow and load >= cfg.in_util:
         return _Signal(True, False, 1.0, f"TPOT {f.tpot_s:.3f} s > SLO, load {load:.2f}")
     projected = load * n / (n - 1) if n > 1 else math.inf
-    calm = f.tpot_s is None or f.tpot_s < 0.8 * slo.tpot_s
+    calm = f.tpot_s is None or f.tpot_s < 0.8 * tpot_s
     low = projected < cfg.in_util and f.queue_length == 0 and calm
     return _Signal(False, low, 0.0, f"decode load {load:.2f} ({projected:.2f} with one fewer)")
 
 
 def _prefill_signal(f: Figures, slo: Slo, cfg: PolicyConfig, node_rate: float) -> _Signal:
+    ttft_s, _ = slo.both()
     n = f.prefill.nodes
     decode_room = decode_load(f) < cfg.out_util
     wait = max(f.oldest_wait_s, 0.0)
     rate = f.prefill_tokens_per_s
     backlog_s = f.prefill.prompt_tokens / rate if rate > 0 else 0.0
-    if f.queue_length and decode_room and wait >= cfg.wait_share * slo.ttft_s:
+    if f.queue_length and decode_room and wait >= cfg.wait_share * ttft_s:
         why = f"queue waits {wait:.2f} s ({f.queue_length} requests) while decode has room"
-        return _Signal(True, False, wait / (cfg.wait_share * slo.ttft_s), why)
+        return _Signal(True, False, wait / (cfg.wait_share * ttft_s), why)
     # NOTE: more requests than nodes: one client's long prompts, one at a time, keep a node
     # busy (a backlog) that more nodes would not shorten.
     crowded = f.prefill.in_flight > n
-    if decode_room and crowded and backlog_s >= cfg.backlog_share * slo.ttft_s:
+    if decode_room and crowded and backlog_s >= cfg.backlog_share * ttft_s:
         why = f"prefill backlog {backlog_s:.2f} s at {rate:.0f} tokens/s"
-        return _Signal(True, False, backlog_s / (cfg.backlog_share * slo.ttft_s), why)
+        return _Signal(True, False, backlog_s / (cfg.backlog_share * ttft_s), why)
     if node_rate > 0 and n > 1:
         projected = rate / ((n - 1) * node_rate)
     else:
         projected = 0.0 if rate == 0 else math.inf
-    calm = f.ttft_s is None or f.ttft_s < 0.8 * slo.ttft_s
+    calm = f.ttft_s is None or f.ttft_s < 0.8 * ttft_s
     quiet = f.queue_length == 0 and f.oldest_wait_s == 0
     low = quiet and calm and projected < cfg.in_util and n > 0
     return _Signal(False, low, 0.0, f"prefill {rate:.0f} tokens/s, queue {f.queue_length}")

@@ -32,7 +32,7 @@ from splitserve.planner.layout import (
     layouts,
     max_rate,
 )
-from splitserve.planner.policy import Slo
+from splitserve.runtime.slo import Slo
 
 H200_8B = EngineRates(
     prefill_tokens_per_s=36_700, step_base_s=0.0052, step_per_seq_s=0.000036, transfer_s=0.005

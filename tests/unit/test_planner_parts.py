@@ -16,9 +16,10 @@ from splitserve.planner import placement
 from splitserve.planner.actuators import ComposeActuator, KubernetesActuator
 from splitserve.planner.cli import policy_from
 from splitserve.planner.loop import Planner
-from splitserve.planner.policy import Bounds, Counts, Figures, PoolFigures, Slo
+from splitserve.planner.policy import AIM, Bounds, Counts, Figures, PoolFigures, aim
 from splitserve.planner.scrape import Scraper, quantile
 from splitserve.runtime.metrics import PoolPressure, PressureFigures, RouterMetrics
+from splitserve.runtime.slo import Slo
 
 
 def _router_page(ttft: list[float], itl: list[float], queued: int = 3) -> tuple[str, RouterMetrics]:
@@ -211,7 +212,7 @@ def test_a_planner_round_acts_logs_and_exports(caplog, tmp_path):
         FakeScraper(short),  # type: ignore[arg-type]
         act,
         Bounds(1, 2, 1, 3),
-        Slo(),
+        AIM,
         interval_s=1.0,
         record=str(tmp_path / "trace.jsonl"),
     )
@@ -245,6 +246,11 @@ def test_planner_and_up_autoscale_command_lines():
     for bad in ("ttft=0", "ttfb=1", "ttft=fast"):
         with pytest.raises(ValueError):
             Slo.parse(bad)
+    # One Slo (runtime.slo) for the router and the planner: the planner fills a bound left out.
+    assert aim(None) == AIM == Slo(2.0, 0.1)
+    assert aim("ttft=1") == Slo(1.0, 0.1) and aim("tpot=20ms") == Slo(2.0, 0.02)
+    with pytest.raises(ValueError, match="give both bounds"):
+        Slo(1.0, None).both()
     with pytest.raises(ValueError):
         Bounds(min_prefill=2, max_prefill=1)
 

@@ -18,10 +18,10 @@ from splitserve.planner.policy import (
     Figures,
     PolicyConfig,
     PoolFigures,
-    Slo,
     decide,
     decode_load,
 )
+from splitserve.runtime.slo import Slo
 
 DATA = Path(__file__).parent / "data"
 SLO = Slo(ttft_s=2.0, tpot_s=0.1)
