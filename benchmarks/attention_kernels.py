@@ -80,7 +80,9 @@ PREFILL_VARIANTS = {
     "m128_n64_w4_s4": PrefillConfig(128, 64, 4, 4),
     # Triton 3.6 compiles 3 and 4 stages of this kernel alike: two K/V buffers and a wait for
     # every copy in flight at the top of each key step (no prefetch past the PV dot); 5 stages
-    # give three buffers and a real prefetch (docs/kernels.md; measured: docs/benchmarks.md).
+    # give three buffers and a real prefetch (docs/kernels.md; measured:
+    # docs/benchmarks-history.md, "V read as 16-bit pairs and a 5-stage prefill tile, measured:
+    # one H100 (2026-12-05, night)").
     "m256_n64_w8_s5": PrefillConfig(256, 64, 8, 5),
     "m256_n64_w16_s5": PrefillConfig(256, 64, 16, 5),
     "m128_n128_w8_s5": PrefillConfig(128, 128, 8, 5),

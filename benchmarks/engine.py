@@ -16,7 +16,8 @@ those that computed prompt tokens ("prefill", chunks mixed with decodes) and dec
 wall ms per step, the GPU time of the forward and sampling, the GPU's idle time between them
 (wall - GPU: what overlapping the CPU's step work with the GPU can win back), and the CPU time of
 schedule, input preparation, the forward's launch, sampling and the rest. A node records the
-same profile with ``SPLITSERVE_STEP_PROFILE=FILE`` (docs/benchmarks.md compares the two).
+same profile with ``SPLITSERVE_STEP_PROFILE=FILE`` (docs/benchmarks.md, "A node's steps
+against the engine's: step_compare.py", compares the two).
 """
 
 from __future__ import annotations

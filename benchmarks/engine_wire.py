@@ -7,7 +7,8 @@ socket pair, the engine side a thread writing with ``OutputWriter`` as the engin
 
 * a step's outputs: N ``StepOutput``s (one request in 16 with ``FirstFacts``) packed, written,
   read and unpacked by the front's asyncio reader into ``StepOutput``s — microseconds per step
-  frame on each side, against a decode step of ~14 ms on an H200 (docs/benchmarks.md);
+  frame on each side, against a decode step of ~14 ms on an H200 (docs/benchmarks.md, "The wire
+  between a node and its engine process: engine_wire.py");
 * a command's round trip: ``holds`` (a trivial command) through ``EngineClient`` and
   ``serve_commands`` on a ``LocalEngine``-shaped stand-in that answers at once — microseconds
   per call, one at a time and 64 in flight.

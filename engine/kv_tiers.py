@@ -140,9 +140,9 @@ class HostTier:
         # What computing a block takes here (the engine's measured prefill time per token times
         # the block size; None: not measured). With ``price_loads`` a block on disk or in the
         # store whose tier is measured slower than that is computed instead of read: over TCP
-        # on a fast GPU the store is (docs/benchmarks.md, KV tiers). On by default on a GPU; on
-        # the CPU device the tiers are always read (a test machine's timings are too noisy to
-        # decide by).
+        # on a fast GPU the store is (docs/benchmarks.md, "The KV tiers in one engine:
+        # kv_tiers.py"). On by default on a GPU; on the CPU device the tiers are always read (a
+        # test machine's timings are too noisy to decide by).
         self.compute_block_s: float | None = None
         self.price_loads = self._cuda
         self.slower_skipped_blocks = 0
@@ -152,7 +152,8 @@ class HostTier:
             self._load_stream = torch.cuda.Stream(kv_pool.device)
             # NOTE: pinned now, not as the tier fills: pinning hundreds of MB beside running
             # steps slowed them by a fifth to a third on an H100, and blocks cached before
-            # their slab was ready were never copied (docs/benchmarks.md, KV tiers).
+            # their slab was ready were never copied (docs/benchmarks-history.md, "KV tiers:
+            # the host and disk tiers and the shared store behind the pool (2026-12-06)").
             try:
                 seconds = self.reserve_memory()
             except (RuntimeError, MemoryError) as exc:  # pinnable memory ran out: keep what is

@@ -14,10 +14,11 @@ not before: the loop and the engine thread share the GIL, and a loop that wakes 
 tokens holds it in bursts of milliseconds. Woken before the next step is prepared, it stretched
 that preparation (Python, and torch calls that each give the GIL up and wait to get it back)
 while the GPU idled: decode steps of 256 requests took 26-33 ms in a node against 16.5 ms in
-process (docs/benchmarks.md). Woken after the launch, its burst runs while the GPU computes and
-the engine thread waits for the results. A token reaches the loop one schedule-and-prepare later
-(~2-3 ms); when no step follows, at once. On the CPU the forward runs inside the launch, so
-outputs are handed over at once.
+process (docs/benchmarks-history.md, "A node's steps against the engine's: where the colocated
+layout lost, and two fixes, one H200 (2026-12-01)"). Woken after the launch, its burst runs while
+the GPU computes and the engine thread waits for the results. A token reaches the loop one
+schedule-and-prepare later (~2-3 ms); when no step follows, at once. On the CPU the forward runs
+inside the launch, so outputs are handed over at once.
 
 Releases must happen whatever interrupts them. ``await call(free, rid)`` is not enough: cancelling
 the awaiting task (a client cancel, then the call torn down while it cleans up) cancels the

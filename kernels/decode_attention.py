@@ -52,9 +52,10 @@ class DecodeConfig(NamedTuple):
 DEFAULT_CONFIG = DecodeConfig()
 FP8_CONFIG = DecodeConfig(block_n=128)
 """The tiling for an e4m3 KV cache (half the bytes a token) read with `FP8_V_PAIRS`: 128 tokens a
-step, 3 stages. One H100, one layer of W's decode step (docs/benchmarks.md, 2026-12-05): 133.7 us
-(82% of copy) against 142.6 for 64 tokens and 134.8 at 5 stages. `benchmarks/step_kernels.py
---attention-sweep --kv-cache-dtype fp8` is the sweep to choose it from."""
+step, 3 stages. One H100, one layer of W's decode step (docs/benchmarks.md, "A step's kernels:
+step_kernels.py", 2026-12-05): 133.7 us (82% of copy) against 142.6 for 64 tokens and 134.8 at 5
+stages. `benchmarks/step_kernels.py --attention-sweep --kv-cache-dtype fp8` is the sweep to
+choose it from."""
 
 FP8_BYTES_CONFIG = DecodeConfig(num_stages=5)
 """The e4m3 tiling where V is read byte by byte (`SPLITSERVE_DECODE_FP8_V=bytes`): 5 stages give
@@ -79,7 +80,8 @@ FP8_V_PAIRS = _v_pairs_from_env()
 """On an e4m3 cache, read V as int16 pairs of head dims (see `paged_decode_attention`) instead of
 byte by byte. Compiled for sm_90 (Triton 3.6, ptxas) the pairs kernel has no byte-wide
 shared-memory loads (64 a tile with bytes) and holds 96 registers a thread against 160. One H100
-(docs/benchmarks.md, 2026-12-05): one layer 133.7 us against 154.6 at the best bytes tiling;
+(docs/benchmarks-history.md, "V read as 16-bit pairs and a 5-stage prefill tile, measured: one
+H100 (2026-12-05, night)"): one layer 133.7 us against 154.6 at the best bytes tiling;
 engine W with FP8 weights and cache 8,686 / 8,792 tok/s against 8,524 / 8,633. The sweep:
 `benchmarks/step_kernels.py --attention-sweep --kv-cache-dtype fp8 --sweep-fp8-v pairs bytes`."""
 
@@ -437,7 +439,8 @@ def paged_decode_attention(
         IS_FP8=kv_scales is not None,
         # NOTE: e4m3 pairs convert to float16 in one instruction on sm_89+, to bfloat16 by way
         # of float32: with bfloat16 dots the kernel ran at 59% of copy on an H100 (a bfloat16
-        # cache: ~90% on an H200; docs/benchmarks.md). So a 16-bit query takes its dots in float16
+        # cache: ~90% on an H200; docs/benchmarks-history.md, "FP8 weights and an FP8 KV cache:
+        # speed, one H200 (2026-12-05)"). So a 16-bit query takes its dots in float16
         # against an e4m3 cache: its 10-bit mantissa holds bfloat16's 8, and e4m3 values and
         # softmax weights fit its range (the query is clamped to it).
         DOT_FP16=kv_scales is not None

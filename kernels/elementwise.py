@@ -2,9 +2,10 @@
 rotary embedding (in place on q and k) and SiLU-and-multiply.
 
 Unfused, these are ~35 small torch kernels per decoder layer; in a decode step of an 8B model
-their launch gaps cost as much as reading the weights (docs/benchmarks.md). Each kernel here does
-one row (one token) per program and rounds to the activation dtype at the same points as the
-torch reference in `kernels.reference`, which CPU runs use.
+their launch gaps cost as much as reading the weights (docs/benchmarks-history.md, "Model
+runner, Llama-3-8B shape (H200, 2026-11-29)"). Each kernel here does one row (one token) per
+program and rounds to the activation dtype at the same points as the torch reference in
+`kernels.reference`, which CPU runs use.
 """
 
 from __future__ import annotations

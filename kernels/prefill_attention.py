@@ -53,8 +53,9 @@ def choose_config(max_query_len: int) -> PrefillConfig:
     """Tiling by the longest new-token run: a 256-row tile for long prompts, 64 x 64 for the
     rest, so that short chunks do not waste a mostly masked big tile. The 256-row tile runs 16
     warps and 5 stages (three K/V buffers: the next tile's load overlaps the whole key step;
-    Triton 3.6 compiles 3 and 4 stages alike, with two). One H100 (docs/benchmarks.md,
-    2026-12-05), head dim 128, 8,192 tokens: 1,298 us against 1,372 for 8 warps and 3 stages;
+    Triton 3.6 compiles 3 and 4 stages alike, with two). One H100 (docs/benchmarks-history.md,
+    "V read as 16-bit pairs and a 5-stage prefill tile, measured: one H100 (2026-12-05,
+    night)"), head dim 128, 8,192 tokens: 1,298 us against 1,372 for 8 warps and 3 stages;
     2,048: 110.8 against 120.4. One H200 (2026-12-06), one prompt step of the 256-prompt
     workload (14 prompts of 128-1,024 tokens): 64 x 64 with 4 warps 202 us, 128 x 128 with 8
     warps 232, 256 x 64 235-248; at 2,048 tokens 64 x 64 still edges 128 x 128 (117 vs 119 us).

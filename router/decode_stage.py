@@ -358,7 +358,8 @@ class DecodeCall:
         # (frozen, its host gone), the call is cancelled at once, so a read in progress or the
         # next one ends with UNAVAILABLE rather than a wait until the request's deadline.
         # NOTE: reads are plain awaits of the call; racing each one against the signal took a
-        # task and an asyncio.wait per token batch (~6% of the router's CPU; docs/benchmarks.md).
+        # task and an asyncio.wait per token batch (~6% of the router's CPU;
+        # docs/benchmarks-history.md, "The router's CPU per relayed token, CPU (2026-12-01)").
         self._stalled = False
         self._stall = asyncio.ensure_future(node.stall_signal().wait())
         self._stall.add_done_callback(self._on_stall)

@@ -360,7 +360,9 @@ def kv_spec(config: NodeConfig, role: str, address: str) -> KVSpec:
 def set_gil_switch_interval() -> None:
     """The engine thread and the event loop share the GIL; a thread that wants it waits up to the
     interpreter's switch interval (5 ms by default) for the holder to let go. A knob to measure
-    that with (docs/benchmarks.md); unset, Python's default stands."""
+    that with (docs/benchmarks-history.md, "A node's steps against the engine's: where the
+    colocated layout lost, and two fixes, one H200 (2026-12-01)"); unset, Python's default
+    stands."""
     switch_ms = settings.GIL_SWITCH_INTERVAL_MS.get()
     if switch_ms is not None:
         sys.setswitchinterval(switch_ms / 1000)

@@ -153,7 +153,8 @@ def settle_garbage_collector() -> None:
     thousands of containers that live as long as the process) out of the collector's scans,
     and collect the young generation less often. NOTE: measured on a router relaying 256
     streams, full collections over those objects stopped every stream for 290-520 ms about once
-    a second (docs/benchmarks.md, "the colocated layout")."""
+    a second (docs/benchmarks-history.md, "The in-process engine, its step profile, and the
+    colocated layout, one H200 (2026-12-01)")."""
     gc.collect()
     gc.freeze()
     _, gen1, gen2 = gc.get_threshold()

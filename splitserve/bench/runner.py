@@ -12,7 +12,8 @@ While the load runs, Python's cyclic garbage collector only looks at young objec
 a second (``young_collections_only``): a full collection stops the event loop for as long as it
 takes to walk every object the process holds (100+ ms once the run has made many), and every
 send due meanwhile leaves late; on the development machine that alone made sends' p99 lateness
-3-4x what it was with the collector off (docs/benchmarks.md, "The load generator's lateness").
+3-4x what it was with the collector off (docs/benchmarks.md, "The load generator's own
+lateness: stand_in_router.py").
 A young collection still stops the loop for some milliseconds, so the open loop runs it in a
 gap of its schedule (``YoungCollector.in_gap``: the next send at least twice the last
 collection's time away), where it delays no send.

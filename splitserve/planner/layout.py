@@ -19,8 +19,8 @@ Pure functions of measured rates (``EngineRates``: what one engine does on one G
 A layout's capacity is the highest arrival rate at which both targets hold (``max_rate``, by
 bisection); ``choose`` ranks every layout of ``num_gpus`` by it. The estimates ignore batching
 gains in prefill and the spread of prompt lengths: they rank layouts (tests/unit/test_layout.py
-checks them against the two-GPU measurements of docs/benchmarks.md) rather than predict a
-latency to the millisecond.
+checks them against the two-GPU measurements of docs/benchmarks.md, "splitserve layout:
+estimates against two GPUs") rather than predict a latency to the millisecond.
 """
 
 from __future__ import annotations

@@ -2,11 +2,12 @@
 disaggregated layouts from one engine's measured rates, checked against what two GPUs measured.
 
 The rates are the engine's alone, measured on one H200 with the Llama-3-8B shape
-(docs/benchmarks.md): a prefill step at ~590 TFLOP/s of model FLOPs (16.06 GFLOP a token:
-~36,700 prompt tokens/s), decode steps of 5.24 ms at batch 1 and 13.9 ms at ~240 requests
-(base 5.2 ms + 36 us a sequence). The layouts' figures they are checked against were measured
-separately, on two H200s serving Poisson arrivals of 256-2,048-token prompts (mean 1,152), 128
-out (docs/benchmarks.md; the tensor-parallelism issue's table):
+(docs/benchmarks.md, "splitserve layout: estimates against two GPUs"): a prefill step at ~590
+TFLOP/s of model FLOPs (16.06 GFLOP a token: ~36,700 prompt tokens/s), decode steps of 5.24 ms
+at batch 1 and 13.9 ms at ~240 requests (base 5.2 ms + 36 us a sequence). The layouts' figures
+they are checked against were measured separately, on two H200s serving Poisson arrivals of
+256-2,048-token prompts (mean 1,152), 128 out (the same section; the tensor-parallelism issue's
+table):
 
 | layout | rate | goodput (TTFT 1 s, TPOT 50 ms) | TTFT p50 / p99 | TPOT mean |
 |---|---|---|---|---|

@@ -119,5 +119,6 @@ PATH = TransferPath(
     reaches=lambda sender, receiver: True,
     open_receiver=GrpcReceiver.open,
     open_sender=GrpcSender.open,
-    rate_prior=0.25e9,  # 0.22 GB/s measured (docs/benchmarks.md)
+    rate_prior=0.25e9,  # 0.22 GB/s measured (docs/benchmarks.md, "KV transfer paths:
+    # transfer.py")
 )

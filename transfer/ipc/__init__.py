@@ -206,5 +206,6 @@ PATH = TransferPath(
     reaches=reaches,
     open_receiver=IpcReceiver.open,
     open_sender=IpcSender.open,
-    rate_prior=100e9,  # 384 GB/s measured (docs/benchmarks.md), taken lower: see chooser
+    rate_prior=100e9,  # 384 GB/s measured (docs/benchmarks-history.md, "The tcp byte path,
+    # H200 (2026-12-01)"), taken lower: see chooser
 )

@@ -364,7 +364,8 @@ def why_not_nixl(sender: Endpoint, receiver: Endpoint) -> str | None:
     """Why the pair does not take nixl (None: it does): the receiver offers it, the pools are of
     one device kind, and either both are on one host (UCX's shared memory or cuda_ipc) or both
     hosts have RDMA devices. Between hosts without RDMA UCX falls back to TCP, measured at a
-    ninth of the tcp path's rate (docs/benchmarks.md): the tcp and dist paths go first there."""
+    ninth of the tcp path's rate (docs/benchmarks.md, "KV transfer paths: transfer.py"): the tcp
+    and dist paths go first there."""
     raw = receiver.offered(NIXL)
     if not isinstance(raw, bytes | bytearray):
         return (
@@ -393,5 +394,6 @@ PATH = TransferPath(
     reaches=reaches,
     open_receiver=NixlReceiver.open,
     open_sender=NixlSender.open,
-    rate_prior=None,  # not measured on this project's machines yet (docs/benchmarks.md)
+    rate_prior=None,  # not measured on this project's machines yet (docs/benchmarks.md, "KV
+    # transfer paths: transfer.py")
 )

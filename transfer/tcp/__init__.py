@@ -19,7 +19,8 @@ PATH = TransferPath(
     reaches=reaches,
     open_receiver=TcpReceiver.open,
     open_sender=TcpSender.open,
-    rate_prior=2e9,  # 3.8 GB/s measured (docs/benchmarks.md), taken lower: see chooser
+    rate_prior=2e9,  # 3.8 GB/s measured (docs/benchmarks-history.md, "The tcp byte path, H200
+    # (2026-12-01)"), taken lower: see chooser
 )
 
 __all__ = ["PATH", "TcpReceiver", "TcpSender", "reaches"]
