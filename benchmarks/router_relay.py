@@ -4,17 +4,17 @@
     taskset -c 1 .venv/bin/python benchmarks/router_relay.py --points 8:512 --profile /tmp/relay
 
 The real router (``python -m splitserve.cli router --decode ...``, no prefill node: the direct
-route, every request a ``DecodeNodeService.Generate`` stream) runs pinned to one core
+route, every request a generate command on its node's ``Relay`` stream) runs pinned to one core
 (``taskset -c 0``: its gRPC threads too). Behind it, ``--points K:C`` puts K *scripted* decode
-nodes (gRPC servers in this process, on ``--load-core``): each serves ``Generate``, ``GetStats``
+nodes (gRPC servers in this process, on ``--load-core``): each serves ``Relay``, ``GetStats``
 (role decode, the router's model identity, ``--max-num-seqs`` slots, ample KV blocks) and
-grpc.health.v1, and every ``--step-ms`` it "decodes" one token for each of its open streams
-(the first token one step after the call, then one per step; tokens that queued up while this
-process was busy go out in one message, as ``decode_node.relay`` does). In front, C streams
-(``RouterService.Generate`` over 4 channels, token-id prompts of ``--prompt-len``, ``--output-len``
-tokens each, ignore_eos; the first request of each stream has a random length so that streams
-end spread out) in a closed loop: a stream that ends is replaced at once. So the nodes offer
-about C / step_s tokens/s (C = 512 at 15 ms: 34,000 tok/s).
+grpc.health.v1, and every ``--step-ms`` it "decodes" one token for each of its requests and
+sends them in one message per step for all the requests of the stream (tokens that queued up
+while this process was busy go out together, as ``decode_node.relay_stream`` does). In front, C
+streams (``RouterService.Generate`` over 4 channels, token-id prompts of ``--prompt-len``,
+``--output-len`` tokens each, ignore_eos; the first request of each stream has a random length so
+that streams end spread out) in a closed loop: a stream that ends is replaced at once. So the
+nodes offer about C / step_s tokens/s (C = 512 at 15 ms: 34,000 tok/s).
 
 Per point, over ``--duration`` seconds after ``--warmup``: *offered* tok/s (tokens the scripted
 nodes produced), *relayed* tok/s (tokens the client received), the router process's CPU seconds
@@ -79,14 +79,6 @@ def core_busy(core: int) -> float:
 # ------------------------------------------------------------------ scripted decode nodes
 
 
-class Stream:
-    __slots__ = ("pending", "waiter")
-
-    def __init__(self) -> None:
-        self.pending = 0  # tokens decoded, not sent yet
-        self.waiter: asyncio.Future | None = None
-
-
 class RelayRequest:
     __slots__ = ("left", "offset", "pending")
 
@@ -105,10 +97,9 @@ class ScriptedRelay:
 
 
 class ScriptedDecodeNode(nodes_pb2_grpc.DecodeNodeServiceServicer):
-    """A decode node whose 'engine' makes one token per open stream every ``step_s``: a
-    Generate call's tokens go out on the call, a Relay stream's in one message per step for
-    all its requests (as ``decode_node.relay_stream`` does; ``relay=False``: no Relay, as a
-    node of an older version)."""
+    """A decode node whose 'engine' makes one token per request every ``step_s``, a Relay
+    stream's in one message per step for all its requests (as ``decode_node.relay_stream``
+    does)."""
 
     def __init__(
         self,
@@ -116,15 +107,12 @@ class ScriptedDecodeNode(nodes_pb2_grpc.DecodeNodeServiceServicer):
         step_s: float,
         max_num_seqs: int,
         per_step: int = 1,
-        relay: bool = True,
     ) -> None:
-        self.relay = relay
         self.relays: set[ScriptedRelay] = set()
         self.identity = identity
         self.step_s = step_s
         self.per_step = per_step  # tokens a step makes per stream (1: plain decoding)
         self.max_num_seqs = max_num_seqs
-        self.streams: set[Stream] = set()
         self.tokens_sent = 0
         self.vocab = [random.randrange(300, 40000) for _ in range(4096)]
 
@@ -136,11 +124,6 @@ class ScriptedDecodeNode(nodes_pb2_grpc.DecodeNodeServiceServicer):
             next_at = max(next_at + self.step_s, loop.time())
             await asyncio.sleep(next_at - loop.time())
             per_step = self.per_step
-            for s in self.streams:
-                s.pending += per_step
-                w = s.waiter
-                if w is not None and not w.done():
-                    w.set_result(None)
             for relay in self.relays:
                 for r in relay.requests.values():
                     r.pending += per_step
@@ -148,11 +131,9 @@ class ScriptedDecodeNode(nodes_pb2_grpc.DecodeNodeServiceServicer):
 
     @property
     def running(self) -> int:
-        return len(self.streams) + sum(len(r.requests) for r in self.relays)
+        return sum(len(r.requests) for r in self.relays)
 
     async def Relay(self, request_iterator, context):
-        if not self.relay:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
         await context.send_initial_metadata(())
         relay = ScriptedRelay()
 
@@ -195,32 +176,6 @@ class ScriptedDecodeNode(nodes_pb2_grpc.DecodeNodeServiceServicer):
             self.relays.discard(relay)
             reader.cancel()
 
-    async def Generate(self, request, context):
-        n = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else 16
-        stream = Stream()
-        self.streams.add(stream)
-        loop = asyncio.get_running_loop()
-        await context.send_initial_metadata(())  # as the real node: the request is in
-        offset = random.randrange(len(self.vocab) - n) if n < len(self.vocab) else 0
-        try:
-            sent, first = 0, True
-            while sent < n:
-                if not stream.pending:
-                    stream.waiter = loop.create_future()
-                    await stream.waiter
-                    stream.waiter = None
-                k = 1 if first else min(stream.pending, n - sent)
-                first = False
-                stream.pending -= k
-                ids = self.vocab[offset + sent : offset + sent + k]
-                sent += k
-                self.tokens_sent += k
-                yield nodes_pb2.DecodeResponse(
-                    token_ids=ids, finish_reason="length" if sent >= n else ""
-                )
-        finally:
-            self.streams.discard(stream)
-
     async def Release(self, request, context):
         return nodes_pb2.ReleaseResponse(released=False)
 
@@ -243,10 +198,8 @@ class ScriptedStats(nodes_pb2_grpc.NodeStatsServiceServicer):
         )
 
 
-async def start_node(
-    identity: ModelIdentity, step_s: float, max_num_seqs: int, per_step: int, relay: bool
-):
-    node = ScriptedDecodeNode(identity, step_s, max_num_seqs, per_step, relay)
+async def start_node(identity: ModelIdentity, step_s: float, max_num_seqs: int, per_step: int):
+    node = ScriptedDecodeNode(identity, step_s, max_num_seqs, per_step)
     server = grpc.aio.server()
     nodes_pb2_grpc.add_DecodeNodeServiceServicer_to_server(node, server)
     nodes_pb2_grpc.add_NodeStatsServiceServicer_to_server(ScriptedStats(node), server)
@@ -404,12 +357,6 @@ def parse_args() -> argparse.Namespace:
         help="tokens a scripted step makes per stream, sent in one message (>1: how much of the "
         "router's cost is per message rather than per token)",
     )
-    ap.add_argument(
-        "--calls",
-        action="store_true",
-        help="the scripted nodes serve no Relay stream (as a node of an older version): a "
-        "Generate call per request, a message per token batch (the router's old token path)",
-    )
     ap.add_argument("--output-len", type=int, default=512)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=4096, help="each scripted node's slots")
@@ -431,7 +378,7 @@ async def amain(args: argparse.Namespace) -> list[dict]:
     nodes = []
     for _ in range(max(k for k, _ in points)):
         node, server, ticker, address = await start_node(
-            identity, step_s, args.max_num_seqs, args.tokens_per_step, not args.calls
+            identity, step_s, args.max_num_seqs, args.tokens_per_step
         )
         nodes.append(((node, server, ticker), address))
     workdir = Path(tempfile.mkdtemp(prefix="router-relay-"))
@@ -472,7 +419,7 @@ def main() -> None:
     print(
         f"\nstep {args.step_ms:g} ms, {args.tokens_per_step} token(s) a step, output "
         f"{args.output_len} tokens (closed loop), prompt {args.prompt_len} token ids, "
-        f"{'a call per request' if args.calls else 'a Relay stream per node'}; "
+        "a Relay stream per node; "
         f"router on core {args.router_core}, scripted nodes and "
         f"client on core {args.load_core}"
     )

@@ -6,7 +6,7 @@ it back once, whatever ends it (``PeerHold.release``: adopted, failed, cancelled
 deadline). A peer is its header's ``sender_id`` (the sending node's transfer-layer id), or the
 connection's host for a sender that names none. Blocks are counted from the header (every
 block of the prompt, the partial tail included, cached here or not) until the transfer ends;
-once adopted, a request's blocks wait for the router's Decode call under the node's own
+once adopted, a request's blocks wait for the router's decode command under the node's own
 ``--transfer-deadline-s`` and are no longer its sender's.
 
 NOTE: a peer's first transfer is always let through whatever its size (the node still refuses a

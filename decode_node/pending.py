@@ -1,4 +1,4 @@
-"""Requests whose KV has arrived, waiting for the router's ``Decode`` call.
+"""Requests whose KV has arrived, waiting for the router's decode command.
 
 An entry that is not claimed by its deadline (the router died, the client left between prefill
 and decode) is dropped and its blocks freed, so an orphaned transfer cannot hold the pool.
@@ -19,7 +19,7 @@ EXPIRY_POLL_S = 1.0
 # at once instead of at its transfer deadline.
 RELEASED_KEEP_S = 60.0
 RELEASED_MAX = 4096
-# A draining node holds an adopted request this long for its Decode call (the router makes it
+# A draining node holds an adopted request this long for its decode command (the router makes it
 # right after the prefill answered): one whose client has gone must not hold the drain for the
 # whole transfer deadline.
 DRAIN_HOLD_S = 5.0
@@ -27,7 +27,7 @@ DRAIN_HOLD_S = 5.0
 
 @dataclass(slots=True)
 class Pending:
-    """A request whose KV is adopted, waiting for ``Decode``."""
+    """A request whose KV is adopted, waiting for its decode command."""
 
     prompt: list[int]
     first_token: int
@@ -49,7 +49,7 @@ class PendingTable:
         return len(self._items)
 
     def add(self, request_id: str, pending: Pending) -> None:
-        """Hold ``pending`` for its Decode call; one released already expires at the next poll
+        """Hold ``pending`` for its decode command; one released already expires at the next poll
         (its blocks are freed there, within ``EXPIRY_POLL_S``)."""
         if self._released.pop(request_id, None) is not None:
             pending.deadline = 0.0

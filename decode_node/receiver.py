@@ -75,7 +75,7 @@ class KVInbox:
         # having the same bytes shipped again (a burst of prompts with a new shared prefix).
         self.receiving: dict[bytes, asyncio.Future] = {}
         self.in_transfer: set[str] = set()  # request ids with a TransferKV call in progress
-        # Request ids a Decode or Generate call of this node added to the engine and has not
+        # Request ids a relay stream's decode or generate command added to the engine and has not
         # ended yet (added just before the engine is asked, dropped once it has ended the
         # request): the node's own table, never the engine's, which lives on its thread (or in
         # its process).
@@ -98,7 +98,7 @@ class KVInbox:
         return Transfer(self, header, params, prompt, hold)
 
     def in_use(self, rid: str) -> bool:
-        """The id is taken here: in transfer, waiting for its Decode call, or in the engine."""
+        """The id is taken here: in transfer, waiting for its decode command, or in the engine."""
         return rid in self.pending or rid in self.live or rid in self.in_transfer
 
     async def free(self, rid: str) -> None:

@@ -27,12 +27,12 @@ import grpc
 
 from splitserve.decode_node.header import Refused
 from splitserve.decode_node.leases import Holder, LeaseBook
-from splitserve.decode_node.relay import stream_failure_code
 from splitserve.engine.api import OutputSink
 from splitserve.engine.core import StepOutput
 from splitserve.models.sampling_params import SamplingParams
 from splitserve.runtime import counter_names as names
 from splitserve.runtime import tracing
+from splitserve.runtime.node import failure_code
 from splitserve.v1 import nodes_pb2
 
 logger = logging.getLogger(__name__)
@@ -41,9 +41,18 @@ MAX_REQUEST_ID_CHARS = 1024  # a command's request id (input from another proces
 MAX_DEADLINE_S = 86400.0  # a command's deadline_s beyond this (or not finite) is ignored
 
 
+def stream_failure_code(exc: BaseException) -> grpc.StatusCode:
+    """The status of a request the engine failed: UNAVAILABLE when the engine itself is gone (an
+    engine process that died raises ``ConnectionError``s: the node exits, and the router resumes
+    the request on another decode node on that status only), else ``failure_code``'s."""
+    if isinstance(exc, ConnectionError):
+        return grpc.StatusCode.UNAVAILABLE
+    return failure_code(exc)
+
+
 class Requests(Protocol):
     """What a relay stream needs of its node's service (``DecodeService``): starting and ending
-    requests as its Decode and Generate calls do, and the books a drain and metrics read."""
+    requests, and the books a drain and metrics read."""
 
     counters: Counter[str]
     stream_interval: int  # tokens per output after the first, at most (--stream-interval)

@@ -1,13 +1,15 @@
-"""DecodeNodeService servicer: turns TransferKV, Decode, Generate and GetStats messages into calls.
+"""DecodeNodeService servicer: turns TransferKV, Relay, Release and GetStats messages into calls.
 
 Receiving KV (any path) is ``receiver.KVInbox`` / ``Transfer``; requests waiting for their
-Decode call are ``pending.PendingTable``. An adopted request joins the continuous-batching engine
-when the router's ``Decode`` call comes (or is freed at its deadline). ``Generate`` (the router's
-direct route) is a whole request: prefilled in this node's own engine, then decoded there. Both
-stream the tokens with ``relay.relay_tokens``.
+decode command are ``pending.PendingTable``. Tokens leave only on a router's ``Relay`` stream
+(``relay_stream.RelayStream``): its decode command joins an adopted request to the
+continuous-batching engine (or the request is freed at its deadline), its generate command (the
+router's direct route) serves a whole request, prefilled in this node's own engine, then decoded
+there. ``start_decode``/``join_decode``, ``start_generate``/``join_generate`` and ``end`` are what
+the stream calls.
 
-Over 300 lines: the decode service's five RPCs (TransferKV, Decode, Generate, Release, GetStats),
-each a thin translation; they share one request table and drain state.
+Over 300 lines: the decode service's four RPCs, each a thin translation; they share one request
+table and drain state.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from typing import NoReturn
 
 import grpc
@@ -26,10 +28,8 @@ from splitserve.decode_node.leases import LeaseBook
 from splitserve.decode_node.peer_caps import PeerCaps, PeerLimits
 from splitserve.decode_node.pending import DRAIN_HOLD_S, Pending, PendingTable
 from splitserve.decode_node.receiver import BAD, KVInbox, Transfer
-from splitserve.decode_node.relay import relay_tokens
 from splitserve.decode_node.relay_stream import RelayStream
 from splitserve.engine.api import EngineFigures, NodeEngine, OutputSink
-from splitserve.engine.core import StepOutput
 from splitserve.kvstore import ModelIdentity
 from splitserve.models.sampling_params import SamplingParams
 from splitserve.runtime import counter_names as names
@@ -69,12 +69,12 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
         self.counters: Counter[str] = Counter()
         caps = None if peer_limits is None else PeerCaps(peer_limits, self.counters)
         self.inbox = KVInbox(engine, identity, self.pending, self.counters, caps)
-        # Set on SIGTERM: new transfers and Generate calls are refused, accepted ones finish.
+        # Set on SIGTERM: new transfers and generate commands are refused, accepted ones finish.
         self.draining = False
         self._transfers = 0  # TransferKV calls in flight
-        # Decode and Generate calls in flight: counted from the handler's first line, so a drain
-        # cannot end in the moment a call has taken its pending entry but not yet reached the
-        # engine.
+        # Requests in flight on the relay streams and Release calls: counted from their start, so
+        # a drain cannot end in the moment a request has taken its pending entry but not yet
+        # reached the engine.
         self.calls = 0
         self.relay_streams: set[RelayStream] = set()  # one per router connected
         # The relay streams' requests, each a task (``relay_stream``) that may outlive its stream.
@@ -92,7 +92,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
 
     async def drain(self, timeout_s: float) -> None:
         """Wait (up to ``timeout_s``) until every accepted request is done: transfers in flight,
-        transferred requests waiting for their Decode call, and requests decoding (those this
+        transferred requests waiting for their decode command, and requests decoding (those this
         node added to the engine and has not ended: ``KVInbox.live``)."""
         deadline = time.monotonic() + timeout_s
         self.pending.hold_at_most(min(DRAIN_HOLD_S, timeout_s))
@@ -257,7 +257,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
         return end.first_token_id
 
     def _adopted(self, transfer: Transfer, first_token: int | None) -> None:
-        """The transfer's blocks are registered: the request waits for its Decode call.
+        """The transfer's blocks are registered: the request waits for its decode command.
         ``first_token``: the one TransferEnd brought (None: the header's)."""
         header = transfer.header
         self.pending.add(
@@ -279,36 +279,6 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
         self.counters[names.BYTES_RECEIVED] += transfer.nbytes
 
     # ------------------------------------------------------------------ decode
-
-    async def Decode(
-        self, request: nodes_pb2.DecodeRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[nodes_pb2.DecodeResponse]:
-        replies = self._counted(self._decode(request, context), "Decode", request, context)
-        async for reply in replies:
-            yield reply
-
-    async def _decode(
-        self, request: nodes_pb2.DecodeRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncGenerator[nodes_pb2.DecodeResponse, None]:
-        rid = request.request_id
-        queue: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
-        started = False
-        finished = False
-        try:
-            try:
-                self.start_decode(rid, queue)
-                started = True
-                await self.join_decode(rid)
-            except Refused as exc:
-                await context.abort(exc.code, str(exc))
-            async for reply in relay_tokens(
-                queue, context, "decoding", self.counters, interval=self.stream_interval
-            ):
-                finished = bool(reply.finish_reason)
-                yield reply
-        finally:
-            if started:
-                await self.end(rid, finished)
 
     def start_decode(self, rid: str, sink: OutputSink) -> None:
         """Take a transferred request out of the pending table and subscribe ``sink`` to its
@@ -332,7 +302,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             await self.engine.add_transferred(
                 rid, pending.prompt, pending.first_token, pending.params, pending.cache_salt
             )
-        except ValueError as exc:  # the id is taken (a repeated Decode of one request)
+        except ValueError as exc:  # the id is taken (a repeated decode of one request)
             raise Refused(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
         except ConnectionError as exc:
             raise Refused(
@@ -344,7 +314,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
     async def Release(
         self, request: nodes_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> nodes_pb2.ReleaseResponse:
-        """Free a transferred request's blocks that no Decode call will claim (the router's
+        """Free a transferred request's blocks that no decode command will claim (the router's
         client had its answer with the first token); idempotent. Authenticated like every
         internal call (``runtime.auth``); the id is checked before it is looked up."""
         rid = request.request_id
@@ -365,51 +335,6 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
         return nodes_pb2.ReleaseResponse(released=True)
 
     # ------------------------------------------------------------------ generate (direct route)
-
-    async def Generate(
-        self, request: nodes_pb2.GenerateOnNodeRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[nodes_pb2.DecodeResponse]:
-        """A whole request on this node: prefill (chunked, cached prefix reused) and decode in
-        the one engine, every token streamed, the first message with ``cached_tokens``."""
-        replies = self._counted(self._generate(request, context), "Generate", request, context)
-        async for reply in replies:
-            yield reply
-
-    async def _generate(
-        self, request: nodes_pb2.GenerateOnNodeRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncGenerator[nodes_pb2.DecodeResponse, None]:
-        rid = request.request_id
-        queue: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
-        started = False
-        finished = False
-        try:
-            try:
-                prompt, params = self.start_generate(request, queue)
-                started = True
-                await self.join_generate(request, prompt, params)
-            except Refused as exc:
-                await context.abort(exc.code, str(exc))
-            # The router cancels an abandoned call only once it has heard from this handler (a
-            # cancel arriving before the handler runs is lost): tell it now, not at the first
-            # token, which a long prompt delays.
-            await context.send_initial_metadata(())
-            first = True
-            async for reply in relay_tokens(
-                queue,
-                context,
-                "generating",
-                self.counters,
-                first_alone=True,
-                interval=self.stream_interval,
-            ):
-                if first:  # cached_tokens: from the first token's facts (relay_tokens)
-                    first = False
-                    self.count_direct(len(request.prompt_token_ids), reply.cached_tokens)
-                finished = bool(reply.finish_reason)
-                yield reply
-        finally:
-            if started:
-                await self.end(rid, finished)
 
     def start_generate(
         self, request: nodes_pb2.GenerateOnNodeRequest, sink: OutputSink
@@ -469,9 +394,10 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             yield batch
 
     async def end(self, rid: str, finished: bool) -> None:
-        """A Decode or Generate call's end: cancelled (mid-prefill too), failed, or never joined
-        (add_* refused, or dropped from the engine's queue by the cancel), the request is ended
-        and every block held under its id freed, to the end; then it leaves the live set."""
+        """A request's end (its relay stream's task): cancelled (mid-prefill too), failed, or
+        never joined (add_* refused, or dropped from the engine's queue by the cancel), the
+        request is ended and every block held under its id freed, to the end; then it leaves
+        the live set."""
         self.engine.unsubscribe(rid)
         self._joining.pop(rid, None)
         try:
@@ -482,41 +408,6 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
         finally:
             self.inbox.live.discard(rid)
             self.inbox.freed.notify()
-
-    async def _counted(
-        self,
-        replies: AsyncGenerator[nodes_pb2.DecodeResponse, None],
-        method: str,
-        request: nodes_pb2.DecodeRequest | nodes_pb2.GenerateOnNodeRequest,
-        context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[nodes_pb2.DecodeResponse]:
-        """``replies`` as a call in flight: a drain waits until its last message is sent. Traced
-        (when on) as one span of the call, with its wait for the first token (``queue``)."""
-        self.calls += 1
-        trace = tracing.carrier_of(context.invocation_metadata())
-        traced = tracing.start(f"decode_node.{method}", carrier=trace, server=True)
-        started, tokens, failure = time.monotonic(), 0, "cancelled"
-        try:
-            async for reply in replies:
-                if not tokens:  # (the first token: in the engine, through its queue)
-                    tracing.record("queue", started, time.monotonic())
-                tokens += len(reply.token_ids)
-                yield reply
-            failure = None
-        except grpc.aio.AbortError:
-            failure = f"{context.code()}: {context.details()}"
-            raise
-        finally:
-            try:
-                await replies.aclose()  # its own cleanup now, not when the loop finalizes it
-            finally:
-                self.calls -= 1
-                self.inbox.freed.notify()
-                if traced.span.is_recording():
-                    traced.span.set_attributes(
-                        {"splitserve.request_id": request.request_id, "splitserve.tokens": tokens}
-                    )
-                traced.end(failure)
 
 
 def _transfer_attributes(transfer: Transfer) -> dict[str, str | int | bool]:

@@ -7,13 +7,11 @@ that request's ``RelayCall``, waking its reader once; the request's handler drai
 that arrived meanwhile in one ``read``. So the router pays a message per step and node, not per
 token and request, and a client that reads slower than the node decodes gets fuller messages.
 
-A stream carries requests once the node has answered it (its initial metadata: it serves
-``Relay``); until then, and on a node that answers UNIMPLEMENTED (an older version), requests go
-as calls of their own (``Decode``/``Generate``), so no request is ever caught on a stream the node
-cannot serve. The stream failing (the node gone, or silent to health checks:
-``Node.stall_signal``) fails every request on it as one ``Decode`` stream's failure would
-(``DecodeStage.error``: UNAVAILABLE, and the orchestrator resumes it elsewhere); the next request
-opens a new stream.
+It is the one way tokens leave a decode node. A request started while the stream still opens
+waits in it: commands go in order once the node answers. The stream failing, or failing to open
+(the node gone, silent to health checks: ``Node.stall_signal``, or of an older version without
+``Relay``), fails every request on it as the node's failure (``DecodeStage.error``: UNAVAILABLE,
+and the orchestrator resumes it elsewhere); the next request opens a new stream.
 """
 
 from __future__ import annotations
@@ -54,9 +52,10 @@ class Tokens(NamedTuple):
 
 
 class RelayChannel:
-    """The ``Relay`` stream to one decode node; ``start`` a request on it once ``ready``, read its
+    """The ``Relay`` stream to one decode node, the one way its tokens come: ``start`` a request
+    on it (while it still opens too: commands wait in order until the node answers), read its
     ``RelayCall``. Open until it fails (``broken``; the router's channel to the node closing ends
-    it too)."""
+    it too), which fails every request on it."""
 
     def __init__(
         self,
@@ -74,9 +73,8 @@ class RelayChannel:
         self._on_end = on_end
         self._calls: dict[str, RelayCall] = {}
         self._commands: asyncio.Queue[nodes_pb2.RelayCommand | None] = asyncio.Queue()
-        self.ready = False  # the node answered: it serves Relay
+        self.ready = False  # the node answered: the stream is open
         self.broken = False
-        self.unimplemented = False  # the node serves no Relay (an older version)
         self._stalled = False
         self._call = stub.Relay(self._send(), metadata=credentials())
         self._reader = asyncio.create_task(self._read())
@@ -101,7 +99,7 @@ class RelayChannel:
     ) -> RelayCall:
         """Send ``command`` (a decode or generate of ``request_id``); its tokens come to the
         returned call."""
-        assert self.ready and not self.broken, "start on a relay stream not ready"
+        assert not self.broken, "start on a relay stream that ended"
         call = RelayCall(self, request_id, deadline, first_alone)
         self._calls[request_id] = call
         command.deadline_s = max(deadline - time.monotonic(), 0.001)
@@ -169,14 +167,7 @@ class RelayChannel:
                     self._granted(batch.grant)  # pyright: ignore[reportAttributeAccessIssue]
             error = self.error(Failure.UNAVAILABLE, "it ended its relay stream", 0.0)
         except grpc.aio.AioRpcError as exc:
-            code = exc.code()
-            if code == grpc.StatusCode.UNIMPLEMENTED:
-                self.unimplemented = True
-                logger.info(
-                    "decode node %s serves no Relay stream (an older version): a call per request",
-                    self.node.address,
-                )
-            error = self._ended_by(from_grpc(code), exc.details() or "")
+            error = self._ended_by(from_grpc(exc.code()), exc.details() or "")
         except asyncio.CancelledError:  # closed (grpc.aio raises this for a cancelled call)
             error = self._ended_by(None, "")
             task = asyncio.current_task()
@@ -225,8 +216,7 @@ class RelayChannel:
 
 
 class RelayCall:
-    """One request's tokens on a ``RelayChannel``: ``read`` them, always ``close`` it (the
-    interface of ``DecodeCall``, a request's call of its own)."""
+    """One request's tokens on a ``RelayChannel``: ``read`` them, always ``close`` it."""
 
     __slots__ = (
         "_cached",

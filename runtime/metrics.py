@@ -61,7 +61,7 @@ class LoadFigures:
     num_blocks: int
     num_free_blocks: int
     prefill_tokens_waiting: int
-    pending_transfers: int = 0  # decode: transferred, waiting for their Decode call
+    pending_transfers: int = 0  # decode: transferred, waiting for their decode command
     # KV slot utilisation (kvstore.kv_cache_manager.SlotUsage): tokens held by the blocks in use
     # and their slots (blocks in use x block size), each block once however many requests share
     # it. None: not known (figures from a node that does not report them); not exported then.
@@ -102,7 +102,7 @@ _LOAD_HELP = {
     "kv_usage": "Share of the KV cache blocks in use (0..1)",
     "num_free_blocks": "KV cache blocks free (cached prefix blocks included)",
     "prefill_tokens_waiting": "Prompt tokens admitted or queued but not computed yet",
-    "pending_transfers": "Decode: requests whose KV arrived, waiting for their Decode call",
+    "pending_transfers": "Decode: requests whose KV arrived, waiting for their decode command",
     "kv_slot_utilization": "KV tokens held / token slots of the blocks in use, a shared block "
     "once (0..1; NaN when none is in use: average kv_tokens_held / kv_token_slots over time)",
     "kv_tokens_held": "Tokens held by the KV blocks in use (a block shared by requests once)",
@@ -358,7 +358,7 @@ STAGES = {
     "compute": "the prefill node's engine, from the request joining it to its first token",
     "transfer": "what shipping the KV into the decode node added after the first token",
     "direct": "a decode node prefilling the prompt itself, to its first token",
-    "first_decode": "from a decode node's Decode call to its first token",
+    "first_decode": "from a decode command on a decode node's Relay stream to its first token",
 }
 
 REFUSAL_REASONS = {

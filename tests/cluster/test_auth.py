@@ -96,8 +96,8 @@ def test_internal_calls_without_the_token_are_refused_before_any_work(cluster, t
         header = nodes_pb2.TransferHeader(request_id="forged", prompt_token_ids=[1] * 40)
         messages = [nodes_pb2.TransferKVRequest(header=header)]
         refused(lambda: d_stub.TransferKV(iter(messages), timeout=10, metadata=md))
-        refused(lambda: d_stub.Decode(
-            nodes_pb2.DecodeRequest(request_id="forged"), timeout=10, metadata=md))  # fmt: skip
+        refused(lambda: d_stub.Release(
+            nodes_pb2.ReleaseRequest(request_id="forged"), timeout=10, metadata=md))  # fmt: skip
         # Garbage bytes under a protected method: refused unread, no parse error.
         raw = pc.unary_unary("/splitserve.v1.PrefillNodeService/Prefill")
         refused(lambda: raw(b"\xff\x00garbage", timeout=10, metadata=md))

@@ -8,6 +8,7 @@ import time
 
 import grpc
 import pytest
+from support.relay import relay_one, tokens_of
 
 from splitserve.decode_node.server import make_service
 from splitserve.engine.api import KVSpec
@@ -50,16 +51,16 @@ def test_drain_waits_for_a_call_not_yet_in_the_engine(tmp_path):
                     prompt_token_ids=list(range(3, 40)),
                     sampling=common_pb2.SamplingParams(max_tokens=6, ignore_eos=True),
                 )
-                call = stub.Generate(request, timeout=60)
-                tokens = asyncio.ensure_future(_tokens(call))
-                await asyncio.sleep(0.3)  # the handler has started; the engine is still busy
+                command = nodes_pb2.RelayCommand(generate=request)
+                tokens = asyncio.ensure_future(relay_one(stub, command, timeout=60))
+                await asyncio.sleep(0.3)  # the request has started; the engine is still busy
                 assert not core.requests
                 service.draining = True
                 await service.drain(30)
                 # The call could not have finished before the engine thread was free again: a
                 # drain that ended earlier did not wait for it.
-                assert busy.done(), "the drain ended while a call was still in flight"
-                assert len(await tokens) == 6
+                assert busy.done(), "the drain ended while a request was still in flight"
+                assert len(tokens_of(await tokens)) == 6
                 assert not service.inbox.live  # the node's own table of requests in the engine
         finally:
             await server.stop(None)
@@ -91,10 +92,3 @@ def test_the_endpoint_is_offered_only_with_a_path_besides_bytes(tmp_path, paths,
             await engine.stop()
 
     asyncio.run(scenario())
-
-
-async def _tokens(call) -> list[int]:
-    out = []
-    async for reply in call:
-        out.extend(reply.token_ids)
-    return out

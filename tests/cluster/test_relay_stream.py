@@ -7,6 +7,7 @@ import asyncio
 
 import grpc
 from support.held_node import HeldNode as Node
+from support.relay import Commands, relay_one, tokens_of
 
 from splitserve.v1 import common_pb2, nodes_pb2
 
@@ -23,29 +24,15 @@ def generate(rid: str, prompt: list[int], max_tokens: int) -> nodes_pb2.RelayCom
     )
 
 
-class Commands:
-    """The router's side of the stream: commands put here are sent in order."""
-
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue = asyncio.Queue()
-
-    async def __aiter__(self):
-        while (command := await self.queue.get()) is not None:
-            yield command
-
-
 def test_one_stream_carries_every_request_in_one_message_per_step(tmp_path):
     node = Node(tmp_path)
     prompts = {f"r{i}": [3 + i, *range(10, 30 + 3 * i)] for i in range(6)}
 
     async def scenario():
         async with node.serving() as stub:
-            alone = {}  # each prompt on its own Generate call: what the stream must give too
+            alone = {}  # each prompt on a stream of its own: what the shared stream must give
             for rid, prompt in prompts.items():
-                request = generate(rid + "-alone", prompt, 12).generate
-                alone[rid] = [
-                    t for m in [m async for m in stub.Generate(request)] for t in m.token_ids
-                ]
+                alone[rid] = tokens_of(await relay_one(stub, generate(rid + "-alone", prompt, 12)))
             await node.settled()
             steps_before = (await node.engine.figures()).counters["steps"]
 
@@ -69,7 +56,7 @@ def test_one_stream_carries_every_request_in_one_message_per_step(tmp_path):
             steps = (await node.engine.figures()).counters["steps"] - steps_before
             commands.queue.put_nowait(None)
             call.cancel()
-            assert tokens == alone  # token-exact with a call of its own
+            assert tokens == alone  # token-exact with a stream of its own
             # A step's outputs never go out as more than one message (several steps' may share
             # one when the reader is slower than the engine).
             assert batches <= steps, (batches, steps)

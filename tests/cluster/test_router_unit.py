@@ -9,6 +9,7 @@ import time
 
 import grpc
 import pytest
+from support.relay import serve_relay
 from support.router_helpers import EOS, MODEL, TOKENIZER, byte_ids, request
 
 from splitserve.router.server import start_router
@@ -28,8 +29,8 @@ class FakeCluster:
         self.decode_cancelled: list[str] = []
         self.decode_delay_s = 0.0
         self.live_decode: set[str] = set()
-        self.generate_calls: list[str] = []  # decode addresses of the Generate calls (direct)
-        self.refuse_generate = 0  # the next n Generate calls answer RESOURCE_EXHAUSTED
+        self.generate_calls: list[str] = []  # decode addresses of the generate commands (direct)
+        self.refuse_generate = 0  # the next n generate commands fail RESOURCE_EXHAUSTED
 
 
 class FakePrefill(nodes_pb2_grpc.PrefillNodeServiceServicer):
@@ -61,11 +62,22 @@ class FakePrefill(nodes_pb2_grpc.PrefillNodeServiceServicer):
 
 
 class FakeDecode(nodes_pb2_grpc.DecodeNodeServiceServicer):
+    """Serves each request of the router's Relay stream with a generator of its own."""
+
     def __init__(self, cluster: FakeCluster) -> None:
         self.cluster = cluster
         self.address = ""
 
-    async def Generate(self, request, context):
+    async def Relay(self, request_iterator, context):
+        async for batch in serve_relay(request_iterator, context, self._request):
+            yield batch
+
+    def _request(self, command, context):
+        if command.HasField("generate"):
+            return self._generate(command.generate, context)
+        return self._decode(command.decode, context)
+
+    async def _generate(self, request, context):
         """The direct route: the same fake answer, the first token alone with cached_tokens."""
         c = self.cluster
         c.generate_calls.append(self.address)
@@ -79,23 +91,24 @@ class FakeDecode(nodes_pb2_grpc.DecodeNodeServiceServicer):
                     await asyncio.sleep(c.decode_delay_s)
                 last = i == len(answer) - 1
                 finish = ("stop" if token == EOS else "length") if last else ""
-                yield nodes_pb2.DecodeResponse(
+                yield nodes_pb2.RelayOutput(
                     token_ids=[token], finish_reason=finish, cached_tokens=5 if i == 0 else 0
                 )
         except asyncio.CancelledError:
             c.decode_cancelled.append(request.request_id)
             raise
 
-    async def Decode(self, request, context):
+    async def _decode(self, request, context):
         tokens = self.cluster.transferred.pop(request.request_id, None)
         if tokens is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, "unknown request")
+            return
         try:
             for i in range(0, len(tokens), 2):
                 await asyncio.sleep(self.cluster.decode_delay_s)
                 last = i + 2 >= len(tokens)
                 finish = ("stop" if tokens[-1] == EOS else "length") if last else ""
-                yield nodes_pb2.DecodeResponse(token_ids=tokens[i : i + 2], finish_reason=finish)
+                yield nodes_pb2.RelayOutput(token_ids=tokens[i : i + 2], finish_reason=finish)
         except asyncio.CancelledError:
             self.cluster.decode_cancelled.append(request.request_id)
             raise

@@ -54,53 +54,8 @@ class FakeUnary:
         return self._task.cancel()
 
 
-class FakeStream:
-    """A server-streaming call: the handler runs in a task from the moment the call is made;
-    ``read`` returns its messages, then ``grpc.aio.EOF``; ``cancel`` cancels the handler and any
-    read in progress (CancelledError), as grpc.aio does."""
-
-    def __init__(self, handler: AsyncIterator) -> None:
-        loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._metadata = loop.create_future()
-        self.cancelled = False
-        self._task = asyncio.ensure_future(self._produce(handler))
-
-    async def _produce(self, handler: AsyncIterator) -> None:
-        self._metadata.set_result(())  # the handler runs: a cancel reaches it from now on
-        try:
-            async for msg in handler:
-                self._queue.put_nowait(msg)
-            self._queue.put_nowait(grpc.aio.EOF)
-        except grpc.aio.AioRpcError as exc:
-            self._queue.put_nowait(exc)
-
-    async def read(self):
-        if self.cancelled:
-            raise asyncio.CancelledError
-        item = await self._queue.get()
-        if item is _CANCELLED:
-            raise asyncio.CancelledError
-        if isinstance(item, grpc.aio.AioRpcError):
-            raise item
-        return item
-
-    async def initial_metadata(self):
-        return await self._metadata
-
-    def cancel(self) -> bool:
-        if self._task.done() or self.cancelled:
-            return False
-        self.cancelled = True
-        self._task.cancel()
-        if not self._metadata.done():
-            self._metadata.cancel()
-        self._queue.put_nowait(_CANCELLED)
-        return True
-
-
 class FakeRelay:
-    """A ``Relay`` stream: each command's request served by the fake node's Decode or Generate
+    """A ``Relay`` stream: each command's request served by the fake node's decode or generate
     handler in a task of its own, each of their messages sent as its request's part of a
     ``RelayBatch``, a failure as an error output; a cancel command cancels the handler. Iterate
     it for the batches; ``cancel`` ends it (CancelledError to the reader, as grpc.aio does)."""
@@ -113,7 +68,7 @@ class FakeRelay:
         self.cancels: list[str] = []  # request ids of its cancel commands
         self.cancelled = False
         self._answered = asyncio.get_running_loop().create_future()
-        if not nodes.relay_implemented:
+        if not nodes.relay_implemented:  # a decode node of an older version
             error = rpc_error(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
             self._answered.set_exception(error)
             self._answered.exception()  # retrieved, whether or not the router awaits it
@@ -195,14 +150,13 @@ class FakeNodes:
         self.max_delay_s = max_delay_s
         self.held: dict[str, list[int]] = {}  # decode side: node request id → tokens to send
         self.prefill_calls: list[tuple[str, str]] = []  # (prefill node, decode node)
-        self.generate_calls: list[str] = []  # decode nodes of Generate calls (direct route)
+        self.generate_calls: list[str] = []  # decode nodes of generate commands (direct route)
         self.released: list[str] = []  # node request ids of Release calls
-        self.decode_cancelled: list[str] = []  # node request ids of cancelled Decode calls
+        self.decode_cancelled: list[str] = []  # node request ids of cancelled decodes and generates
         self.refuse_prefill = 0  # the next n Prefill calls answer RESOURCE_EXHAUSTED
         self.fail_prefill = 0  # the next n Prefill calls answer UNAVAILABLE
-        self.refuse_generate = 0  # the next n Generate calls answer RESOURCE_EXHAUSTED
-        self.release_implemented = True  # False: a decode node of an older version
-        self.relay_implemented = True  # False: a decode node without the Relay stream
+        self.refuse_generate = 0  # the next n generate commands fail RESOURCE_EXHAUSTED
+        self.relay_implemented = True  # False: a decode node of an older version, no Relay
         self.relays: list[FakeRelay] = []  # every Relay stream opened
         self.probe_ok = True  # what grpc.health.v1 says of every node
         self.cached_tokens = 3
@@ -228,7 +182,7 @@ class FakeNodes:
         finish = ""
         if len(answer) == 1:
             finish = "stop" if answer[0] == EOS else "length"
-        else:  # shipped: D holds the KV until Decode or Release claims it
+        else:  # shipped: D holds the KV until a decode command or Release claims it
             self.held[request.request_id] = answer[1:]
         path, blocks, nbytes = self.shipped if not finish else ("", 0, 0)
         return nodes_pb2.PrefillResponse(
@@ -239,13 +193,6 @@ class FakeNodes:
             blocks_shipped=blocks,
             bytes_shipped=nbytes,
         )
-
-    async def decode(self, request: nodes_pb2.DecodeRequest):
-        """A Decode call's handler: takes the request's KV once it runs (a call cancelled before
-        its handler ran leaves it held, as gRPC drops such a cancel)."""
-        tokens = self.held.pop(request.request_id, None)
-        async for msg in self.decode_taken(request.request_id, tokens):
-            yield msg
 
     def decode_started(self, request: nodes_pb2.DecodeRequest):
         """A Relay decode command: the KV is taken at once (the node starts every command it
@@ -260,7 +207,7 @@ class FakeNodes:
                 await self.pause()
                 last = i + 2 >= len(tokens)
                 finish = ("stop" if tokens[-1] == EOS else "length") if last else ""
-                yield nodes_pb2.DecodeResponse(token_ids=tokens[i : i + 2], finish_reason=finish)
+                yield nodes_pb2.RelayOutput(token_ids=tokens[i : i + 2], finish_reason=finish)
         except asyncio.CancelledError:
             self.decode_cancelled.append(rid)
             raise
@@ -278,7 +225,7 @@ class FakeNodes:
                     await self.pause()
                 last = i == len(answer) - 1
                 finish = ("stop" if token == EOS else "length") if last else ""
-                yield nodes_pb2.DecodeResponse(
+                yield nodes_pb2.RelayOutput(
                     token_ids=[token], finish_reason=finish, cached_tokens=5 if i == 0 else 0
                 )
         except asyncio.CancelledError:
@@ -287,8 +234,6 @@ class FakeNodes:
 
     async def release(self, request: nodes_pb2.ReleaseRequest):
         await self.pause()
-        if not self.release_implemented:
-            raise rpc_error(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
         self.released.append(request.request_id)
         held = self.held.pop(request.request_id, None)
         return nodes_pb2.ReleaseResponse(released=held is not None)
@@ -305,12 +250,6 @@ class _PrefillStub:
 class _DecodeStub:
     def __init__(self, nodes: FakeNodes, address: str) -> None:
         self._nodes, self._address = nodes, address
-
-    def Decode(self, request, timeout=None, metadata=None) -> FakeStream:
-        return FakeStream(self._nodes.decode(request))
-
-    def Generate(self, request, timeout=None, metadata=None) -> FakeStream:
-        return FakeStream(self._nodes.generate(self._address, request))
 
     def Release(self, request, timeout=None, metadata=None) -> FakeUnary:
         return FakeUnary(self._nodes.release(request))

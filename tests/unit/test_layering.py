@@ -124,7 +124,7 @@ GRPC_EDGE = {
     # the nodes: their servicers and their calls to peers
     "prefill_node/service.py", "prefill_node/channels.py", "prefill_node/shipper.py",
     "prefill_node/peer_fetch.py", "prefill_node/peer_layer.py",
-    "decode_node/service.py", "decode_node/receiver.py", "decode_node/relay.py",
+    "decode_node/service.py", "decode_node/receiver.py",
     "decode_node/relay_stream.py", "decode_node/header.py", "decode_node/peer_caps.py",
     # what every server and channel shares
     "runtime/server.py", "runtime/node.py", "runtime/auth.py", "runtime/guard.py",

@@ -108,17 +108,20 @@ def test_a_read_takes_every_token_that_arrived_and_a_direct_first_token_alone():
     asyncio.run(main())
 
 
-def test_a_node_without_relay_is_served_by_calls_of_its_own():
+def test_a_node_without_relay_is_marked_down_and_its_request_fails_saying_why():
+    # Tokens come only on the Relay stream: a node of an older version serves no request.
     async def main():
         nodes = FakeNodes(max_delay_s=0.01)
         nodes.relay_implemented = False
         front, registry = front_for(nodes, num_decode=1)
-        for i in range(4):
-            steps = await collect(front, prompt=f"abc{i}")
-            assert "".join(s.delta.text for s in steps) == f"{i}cba"
-        assert len(nodes.relays) == 1  # asked once, not per request
+        with pytest.raises(GenerateError) as err:
+            await collect(front, prompt="abc")
+        assert err.value.code == Failure.UNAVAILABLE
+        assert "serves no Relay stream" in err.value.message
+        d = registry.decode.nodes[0]
+        assert not d.is_up(time.monotonic()) and "UNIMPLEMENTED" in d.last_error
         await settle()
-        assert not all_given_back(registry) and not nodes.held
+        assert not all_given_back(registry)  # (the KV shipped to it: freed at its deadline there)
 
     asyncio.run(main())
 

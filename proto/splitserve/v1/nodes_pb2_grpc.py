@@ -160,16 +160,6 @@ class DecodeNodeServiceStub:
                 request_serializer=splitserve_dot_v1_dot_nodes__pb2.TransferKVRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_nodes__pb2.TransferKVResponse.FromString,
                 _registered_method=True)
-        self.Decode = channel.unary_stream(
-                '/splitserve.v1.DecodeNodeService/Decode',
-                request_serializer=splitserve_dot_v1_dot_nodes__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=splitserve_dot_v1_dot_nodes__pb2.DecodeResponse.FromString,
-                _registered_method=True)
-        self.Generate = channel.unary_stream(
-                '/splitserve.v1.DecodeNodeService/Generate',
-                request_serializer=splitserve_dot_v1_dot_nodes__pb2.GenerateOnNodeRequest.SerializeToString,
-                response_deserializer=splitserve_dot_v1_dot_nodes__pb2.DecodeResponse.FromString,
-                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/splitserve.v1.DecodeNodeService/Release',
                 request_serializer=splitserve_dot_v1_dot_nodes__pb2.ReleaseRequest.SerializeToString,
@@ -195,45 +185,28 @@ class DecodeNodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Decode(self, request, context):
-        """Start decoding a request whose KV was transferred; streams tokens.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Generate(self, request, context):
-        """Serve a whole request on this node (the router's direct route, no prefill node): prefill the
-        prompt in this node's own engine (cached prefix blocks reused, long prompts in chunks beside
-        the running decodes) and stream every token, the first one included, as Decode does. The
-        first message carries exactly the first token and cached_tokens. Refused with UNAVAILABLE
-        while the node drains.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Release(self, request, context):
-        """Free the KV a transfer left here for a request no Decode call will claim (the router's
-        client had its whole answer with the first token: a stop string). Idempotent: an id holding
-        nothing here (never adopted, already decoding, released or expired) answers released =
-        false. A request already decoding is untouched: cancel its Decode call instead. An empty or
-        over-long request_id is refused with INVALID_ARGUMENT.
+        """Free the KV a transfer left here for a request no Relay decode command will claim (the
+        router's client had its whole answer with the first token: a stop string). Idempotent: an id
+        holding nothing here (never adopted, already decoding, released or expired) answers released
+        = false. A request already decoding is untouched: cancel it on the Relay stream instead. An
+        empty or over-long request_id is refused with INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Relay(self, request_iterator, context):
-        """One long-lived stream per (router, decode node) that carries every request of that router on
-        this node, instead of a Decode or Generate stream each. The router starts requests (a
-        transferred one, as Decode; a whole one, as Generate) and cancels them; the node answers
-        with one RelayBatch per engine step holding every new token of that router's requests here,
-        their ends and their failures (a batch holds more when the router reads slower than the
-        engine steps). Commands act in the order sent: a cancel always finds the request it follows.
-        When the stream ends (the router went), every request it started here is ended and its
-        blocks freed: nothing decodes for nobody. A node without it answers UNIMPLEMENTED, and the
-        router uses Decode and Generate.
+        """The one way tokens leave a decode node: a long-lived stream per (router, decode node) that
+        carries every request of that router on this node. The router starts requests (a
+        transferred one: decode; a whole one, the direct route: generate, whose prefill runs in this
+        node's engine, cached prefix blocks reused, refused with UNAVAILABLE while the node drains)
+        and cancels them; the node answers with one RelayBatch per engine step holding every new
+        token of that router's requests here, their ends and their failures (a batch holds more when
+        the router reads slower than the engine steps; a generate's first output holds exactly its
+        first token and cached_tokens). Commands act in the order sent: a cancel always finds the
+        request it follows. When the stream ends (the router went), every request it started here is
+        ended and its blocks freed: nothing decodes for nobody.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -246,16 +219,6 @@ def add_DecodeNodeServiceServicer_to_server(servicer, server):
                     servicer.TransferKV,
                     request_deserializer=splitserve_dot_v1_dot_nodes__pb2.TransferKVRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_nodes__pb2.TransferKVResponse.SerializeToString,
-            ),
-            'Decode': grpc.unary_stream_rpc_method_handler(
-                    servicer.Decode,
-                    request_deserializer=splitserve_dot_v1_dot_nodes__pb2.DecodeRequest.FromString,
-                    response_serializer=splitserve_dot_v1_dot_nodes__pb2.DecodeResponse.SerializeToString,
-            ),
-            'Generate': grpc.unary_stream_rpc_method_handler(
-                    servicer.Generate,
-                    request_deserializer=splitserve_dot_v1_dot_nodes__pb2.GenerateOnNodeRequest.FromString,
-                    response_serializer=splitserve_dot_v1_dot_nodes__pb2.DecodeResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -295,60 +258,6 @@ class DecodeNodeService:
             '/splitserve.v1.DecodeNodeService/TransferKV',
             splitserve_dot_v1_dot_nodes__pb2.TransferKVRequest.SerializeToString,
             splitserve_dot_v1_dot_nodes__pb2.TransferKVResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Decode(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/splitserve.v1.DecodeNodeService/Decode',
-            splitserve_dot_v1_dot_nodes__pb2.DecodeRequest.SerializeToString,
-            splitserve_dot_v1_dot_nodes__pb2.DecodeResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Generate(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/splitserve.v1.DecodeNodeService/Generate',
-            splitserve_dot_v1_dot_nodes__pb2.GenerateOnNodeRequest.SerializeToString,
-            splitserve_dot_v1_dot_nodes__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,
