@@ -1,13 +1,13 @@
 """Cancelled work gives every block back: a router, a prefill and two decode nodes on loopback.
 
 Many calls are cancelled at random moments, many within their first 100 ms: transfers the sender
-abandons (half-closed and then cancelled, the way a prefill node gives up on one), Decode calls
-cancelled before they answered, and whole requests through the router (in prefill, in the
-transfer, while decoding). Afterwards every node's pool is back at its idle free count (cached
-blocks count as free) with nothing running or waiting for its Decode call, and the next request
-succeeds. The prefill node and one decode node schedule asynchronously (``--async-scheduling
-on``, a GPU's default: step N+1 launched before step N's tokens are read), the other decode node
-synchronously (the CPU's default), so both paths meet every cancellation."""
+abandons (half-closed and then cancelled, the way a prefill node gives up on one), decodes whose
+Relay stream is cancelled before they answered, and whole requests through the router (in
+prefill, in the transfer, while decoding). Afterwards every node's pool is back at its idle free
+count (cached blocks count as free) with nothing running or waiting for its decode command, and
+the next request succeeds. The prefill node and one decode node schedule asynchronously
+(``--async-scheduling on``, a GPU's default: step N+1 launched before step N's tokens are read),
+the other decode node synchronously (the CPU's default), so both paths meet every cancellation."""
 
 import asyncio
 import contextlib
@@ -24,6 +24,7 @@ from support.processes import (
     start_node,
     start_router,
 )
+from support.relay import Commands
 from support.streams import cancel_at_random_moments
 
 from splitserve.client import Client
@@ -33,7 +34,7 @@ from splitserve.transfer.grpc_bytes.codec import encode_blocks
 from splitserve.v1 import common_pb2, nodes_pb2, nodes_pb2_grpc
 
 BS = 16
-# A transfer whose request was cancelled between its prefill and its Decode call is freed at
+# A transfer whose request was cancelled between its prefill and its decode command is freed at
 # this deadline; short, so that the pools settle within the test.
 # dist: a receiver-driven path, whose cancel frees at once (a sender-writes path, ipc or nixl,
 # holds cancelled blocks for a grace: tests/support/transfer_contract.py covers that).
@@ -81,7 +82,8 @@ class Sender:
                 block_hashes=hash_request_tokens(prompt, BS, self.root),
                 model_root_hash=self.root,
                 block_nbytes=self.block_nbytes,
-                # A Decode cancelled before its handler ran leaves the request to this deadline.
+                # A decode whose stream ended before the node read it leaves the request to this
+                # deadline.
                 deadline_s=2,
                 sampling=common_pb2.SamplingParams(
                     temperature=0.0, max_tokens=max_tokens, ignore_eos=True
@@ -107,13 +109,19 @@ class Sender:
         assert (await call.read()).done
 
     async def decode(self, rid: str, cancel_after: float | None = None) -> None:
-        call = self.stub.Decode(nodes_pb2.DecodeRequest(request_id=rid))
+        """The request on a Relay stream of its own; ``cancel_after``: the stream cancelled
+        then (its end ends the request on the node)."""
+        commands = Commands(nodes_pb2.RelayCommand(decode=nodes_pb2.DecodeRequest(request_id=rid)))
+        call = self.stub.Relay(commands)
         if cancel_after is not None:
             await asyncio.sleep(cancel_after)
             call.cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            async for _ in call:
-                pass
+            async for batch in call:
+                if any(o.finish_reason or o.error_code for o in batch.outputs):
+                    break
+        commands.queue.put_nowait(None)
+        call.cancel()
 
     async def abandon(self, rid: str, half_close: bool) -> None:
         """Header, the node's reply, then gone (half-closed first, like a prefill node)."""

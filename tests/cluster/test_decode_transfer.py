@@ -8,6 +8,7 @@ import time
 import grpc
 import pytest
 from support.processes import start_node
+from support.relay import SyncRelayCall, decode_on_relay
 
 from splitserve.kvstore import ModelIdentity, hash_request_tokens
 from splitserve.transfer.grpc_bytes.codec import encode_blocks
@@ -123,18 +124,14 @@ def test_good_transfer_then_decode_frees_everything(decode):
     replies = _transfer(stub, root, nbytes, "good", prompt)
     assert list(replies[0].missing) == [0, 1] and replies[-1].done
     assert _stats(stub).pending_transfers == 1
-    tokens = [
-        t
-        for m in stub.Decode(nodes_pb2.DecodeRequest(request_id="good"), timeout=30)
-        for t in m.token_ids
-    ]
+    tokens = decode_on_relay(stub, "good", timeout=30)
     assert len(tokens) == 3  # max_tokens 4, the first came from the prefill node
     stats = _stats(stub)
     assert stats.num_free_blocks == idle and stats.pending_transfers == 0
     # The same prompt again: both full blocks are already here, only the tail is sent.
     again = _transfer(stub, root, nbytes, "good-2", prompt)
     assert list(again[0].missing) == [] and again[-1].blocks_reused == 2
-    list(stub.Decode(nodes_pb2.DecodeRequest(request_id="good-2"), timeout=30))
+    decode_on_relay(stub, "good-2", timeout=30)
 
 
 @pytest.mark.parametrize(
@@ -152,7 +149,7 @@ def test_malformed_transfer_is_refused_and_adopts_nothing(decode, corrupt):
     assert after.pending_transfers == 0
     replies = _transfer(stub, root, nbytes, f"after-{corrupt}", _prompt())
     assert replies[-1].done
-    list(stub.Decode(nodes_pb2.DecodeRequest(request_id=f"after-{corrupt}"), timeout=30))
+    decode_on_relay(stub, f"after-{corrupt}", timeout=30)
 
 
 def test_abandoned_transfer_and_cancelled_decode_free_their_blocks(decode):
@@ -166,9 +163,10 @@ def test_abandoned_transfer_and_cancelled_decode_free_their_blocks(decode):
     assert _stats(stub).num_free_blocks == idle
 
     _transfer(stub, root, nbytes, "cancelled", _prompt(), max_tokens=500)
-    call = stub.Decode(nodes_pb2.DecodeRequest(request_id="cancelled"), timeout=30)
-    next(call)  # decoding has started
-    call.cancel()
+    command = nodes_pb2.RelayCommand(decode=nodes_pb2.DecodeRequest(request_id="cancelled"))
+    call = SyncRelayCall(stub, command, timeout=30)
+    next(iter(call))  # decoding has started
+    call.cancel()  # the stream's end ends the request
     deadline = time.monotonic() + 10
     while _stats(stub).num_free_blocks != idle and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -210,7 +208,7 @@ def test_concurrent_transfers_of_one_new_prefix_ship_it_once(decode):
     assert list(replies["dedupe-b"][0].missing) == [3]
     assert replies["dedupe-b"][-1].blocks_reused == 3
     for rid in prompts:
-        list(stub.Decode(nodes_pb2.DecodeRequest(request_id=rid), timeout=30))
+        decode_on_relay(stub, rid, timeout=30)
 
 
 def test_transfers_of_one_new_prefix_arriving_at_once_reserve_it_once(decode):
@@ -243,7 +241,7 @@ def test_transfers_of_one_new_prefix_arriving_at_once_reserve_it_once(decode):
     assert len(shippers) == 1, {rid: list(r[0].missing) for rid, r in replies.items()}
     assert all(list(r[0].missing) == [3] for rid, r in replies.items() if rid not in shippers)
     for rid in prompts:
-        list(stub.Decode(nodes_pb2.DecodeRequest(request_id=rid), timeout=30))
+        decode_on_relay(stub, rid, timeout=30)
     _wait_until(lambda: _stats(stub).num_free_blocks == _stats(stub).num_blocks)
 
 
@@ -266,20 +264,20 @@ def test_a_second_transfer_of_a_request_in_transfer_is_refused(decode):
     gate.set()
     first.join(30)
     assert replies[-1].done  # the first one was not disturbed
-    list(stub.Decode(nodes_pb2.DecodeRequest(request_id="twice"), timeout=30))
+    decode_on_relay(stub, "twice", timeout=30)
     assert _stats(stub).num_free_blocks == idle
 
 
 def test_decode_of_an_unknown_request_is_not_found(decode):
     stub, _, _ = decode
     with pytest.raises(grpc.RpcError) as err:
-        list(stub.Decode(nodes_pb2.DecodeRequest(request_id="nope"), timeout=10))
+        decode_on_relay(stub, "nope", timeout=10)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 def test_a_burst_waits_for_blocks_instead_of_failing(tmp_path):
     """A 1 MB pool holds 63 blocks: a second 40-block transfer waits until the first request's
-    blocks are freed by its Decode, then succeeds; a prompt larger than the pool fails at once."""
+    blocks are freed by its decode, then succeeds; a prompt larger than the pool fails at once."""
     import threading
 
     from splitserve.models.tiny import write_random_checkpoint
@@ -302,10 +300,10 @@ def test_a_burst_waits_for_blocks_instead_of_failing(tmp_path):
             _wait_until(lambda: _stats(stub).counters["transfers_waited_for_blocks"] == 1)
             time.sleep(0.3)
             assert not second, "the second transfer cannot have its blocks yet"
-            list(stub.Decode(nodes_pb2.DecodeRequest(request_id="first"), timeout=30))
+            decode_on_relay(stub, "first", timeout=30)
             waiter.join(30)
             assert second and second[-1].done
-            list(stub.Decode(nodes_pb2.DecodeRequest(request_id="second"), timeout=30))
+            decode_on_relay(stub, "second", timeout=30)
             with pytest.raises(grpc.RpcError) as err:
                 _transfer(stub, root, nbytes, "huge", _prompt(1020))
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

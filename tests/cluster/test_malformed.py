@@ -36,8 +36,8 @@ METHODS = [  # (component, method, request streaming, response streaming)
     ("prefill", "/splitserve.v1.PrefillNodeService/Prefill", False, False),
     ("prefill", "/splitserve.v1.PrefillNodeService/FetchBlocks", False, True),
     ("decode", "/splitserve.v1.DecodeNodeService/TransferKV", True, True),
-    ("decode", "/splitserve.v1.DecodeNodeService/Decode", False, True),
-    ("decode", "/splitserve.v1.DecodeNodeService/Generate", False, True),
+    ("decode", "/splitserve.v1.DecodeNodeService/Relay", True, True),
+    ("decode", "/splitserve.v1.DecodeNodeService/Release", False, False),
     ("decode", "/splitserve.v1.NodeStatsService/GetStats", False, False),
 ]
 

@@ -9,6 +9,7 @@ import grpc
 import pytest
 import torch
 from support.processes import start_node
+from support.relay import decode_on_relay
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from splitserve.models.tiny import write_random_checkpoint
@@ -69,13 +70,8 @@ def _run(prefill, decode, rid, prompt, **hint):
             ),
             timeout=60,
         )
-        tokens = [resp.first_token_id] + [
-            t
-            for m in nodes_pb2_grpc.DecodeNodeServiceStub(dc).Decode(
-                nodes_pb2.DecodeRequest(request_id=rid), timeout=60
-            )
-            for t in m.token_ids
-        ]
+        decoded = decode_on_relay(nodes_pb2_grpc.DecodeNodeServiceStub(dc), rid, timeout=60)
+        tokens = [resp.first_token_id, *decoded]
     return resp, tokens
 
 
@@ -182,11 +178,7 @@ def test_knowing_the_hashes_is_not_enough_to_read_blocks(setup):
                                      cache_salt="tenant-a"),
             timeout=60,
         )  # fmt: skip
-        list(
-            nodes_pb2_grpc.DecodeNodeServiceStub(dc).Decode(
-                nodes_pb2.DecodeRequest(request_id="t1")
-            )
-        )
+        decode_on_relay(nodes_pb2_grpc.DecodeNodeServiceStub(dc), "t1")
         stats = _stats(p1)
         hashes = hash_request_tokens(secret, 16, stats.model_root_hash, "tenant-a")
         stub = nodes_pb2_grpc.PrefillNodeServiceStub(pc)

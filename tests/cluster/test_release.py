@@ -12,6 +12,7 @@ import asyncio
 import grpc
 import pytest
 from support.processes import start_node
+from support.relay import decode_on_relay
 
 from splitserve.models.tiny import write_random_checkpoint
 from splitserve.router.decode_stage import DecodeStage
@@ -46,7 +47,7 @@ def stats(proc, token):
 
 
 def prefill_into(prefill, decode, token: str, request_id: str) -> None:
-    """P's Prefill shipping a prompt's KV into D, which then holds it for a Decode call."""
+    """P's Prefill shipping a prompt's KV into D, which then holds it for a decode command."""
     with grpc.insecure_channel(prefill.address) as channel:
         nodes_pb2_grpc.PrefillNodeServiceStub(channel).Prefill(
             nodes_pb2.PrefillRequest(
@@ -96,7 +97,7 @@ def test_release_frees_a_transferred_request_once(cluster):
         unknown = nodes_pb2.ReleaseRequest(request_id="never-sent")
         assert not stub.Release(unknown, timeout=10, metadata=md).released
         with pytest.raises(grpc.RpcError) as err:  # nothing left to decode
-            list(stub.Decode(nodes_pb2.DecodeRequest(request_id="held-1"), timeout=10, metadata=md))
+            decode_on_relay(stub, "held-1", timeout=10, metadata=md)
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
     after = stats(decode, token)

@@ -113,3 +113,65 @@ async def serve_relay(
         reader.cancel()
         for task in list(tasks.values()):
             task.cancel()
+
+
+class RelayFailed(grpc.RpcError):
+    """A request's error output on a Relay stream, read like a failed call's status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class SyncRelayCall:
+    """One request on a Relay stream of its own, from a blocking stub: iterate its outputs (an
+    error output raises ``RelayFailed``; the finish ends the iteration); ``cancel`` ends the
+    stream, which ends the request on the node."""
+
+    def __init__(self, stub, command: nodes_pb2.RelayCommand, timeout: float = 60, metadata=None):
+        import threading
+
+        kind = command.WhichOneof("kind")
+        self.request_id = getattr(command, kind).request_id
+        self._done = threading.Event()
+
+        def commands():
+            yield command
+            self._done.wait(timeout)  # the stream stays open while the request runs
+
+        self._call = stub.Relay(commands(), timeout=timeout, metadata=metadata)
+
+    def __iter__(self):
+        try:
+            for batch in self._call:
+                for out in batch.outputs:
+                    if out.request_id != self.request_id:
+                        continue
+                    if out.error_code:
+                        raise RelayFailed(
+                            _STATUS.get(out.error_code, grpc.StatusCode.UNKNOWN), out.error_message
+                        )
+                    yield out
+                    if out.finish_reason:
+                        return
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        self._done.set()
+        self._call.cancel()
+
+
+def decode_on_relay(stub, request_id: str, timeout: float = 60, metadata=None) -> list[int]:
+    """Decode a transferred request to its end on a Relay stream of its own: its tokens."""
+    command = nodes_pb2.RelayCommand(decode=nodes_pb2.DecodeRequest(request_id=request_id))
+    return [t for out in SyncRelayCall(stub, command, timeout, metadata) for t in out.token_ids]

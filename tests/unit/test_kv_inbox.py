@@ -92,7 +92,7 @@ def test_the_engines_receiver_endpoint_and_id_are_offered():
 def test_an_id_in_transfer_pending_or_in_the_engine_is_in_use():
     box, _ = inbox()
     assert not box.in_use("r")
-    box.live.add("r")  # a Decode or Generate call of this node added it to the engine
+    box.live.add("r")  # a relay stream's decode or generate command added it to the engine
     assert box.in_use("r")
     box.live.discard("r")
     box.in_transfer.add("r")

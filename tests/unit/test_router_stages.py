@@ -185,7 +185,7 @@ def test_direct_stage_reads_d_first_token_and_leaves_the_stream_to_the_session()
         session = decode.claim(d, None, "r-2")
         first = await DirectStage().attempt(params("xyz"), session, tried(), time.monotonic() + 5)
         assert first == FirstToken(ord("z"), 0.0, "", 5)
-        call = session.stream(time.monotonic() + 5)  # the Generate stream, not a new Decode
+        call = session.stream(time.monotonic() + 5)  # the direct route's call, not a new decode
         reply = await call.read()
         assert list(reply.token_ids) == [ord("y")] and nodes.generate_calls == ["d1"]
         session.close()
@@ -315,7 +315,7 @@ def test_the_orchestrator_joins_the_stages_and_closes_the_session_whatever_ends_
         assert not all_given_back(registry)
 
         run = orchestrator.run(params("abcdefghij", max_tokens=20), start, start + 5)
-        await anext(run)  # the first token: the Decode stream is open
+        await anext(run)  # the first token: the decode is started
         await anext(run)
         await run.aclose()  # the client left
         assert not all_given_back(registry)
