@@ -272,6 +272,31 @@ PARENT_PID = _declare(
 )  # fmt: skip
 
 
+def problems(*checked: Setting[Any]) -> list[str]:
+    """What is wrong with the values of ``checked`` (each a line naming its variable): for a
+    command to refuse to start with, before anything reads them deeper in."""
+    out = []
+    for setting in checked:
+        try:
+            setting.get()
+        except ValueError as exc:
+            out.append(str(exc))
+    return out
+
+
+# What a node reads (its engine, the kernels at import), and what a router reads.
+NODE_SETTINGS = (
+    ENGINE_STOP_TIMEOUT_S,
+    MIN_STEP_MS,
+    STEP_PROFILE,
+    GIL_SWITCH_INTERVAL_MS,
+    DECODE_FP8_V,
+    DECODE_ATTENTION_CONFIG,
+    PREFILL_ATTENTION_STAGES,
+)
+ROUTER_SETTINGS = (ROUTER_TORCH,)
+
+
 def option_value(name: str, environ: Mapping[str, str] | None = None) -> str:
     """The text of a command-line option's variable (``SPLITSERVE_<OPTION>``), stripped: declared
     by the option (runtime/options.py), read here."""

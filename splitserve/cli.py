@@ -71,6 +71,8 @@ def cmd_node(args: argparse.Namespace) -> int:
     """Run one prefill or decode node until SIGTERM/Ctrl-C."""
     from splitserve.runtime.gpus import GpuClaimError, claim_for_node
 
+    if bad := settings.problems(*settings.NODE_SETTINGS):
+        return _error("; ".join(bad), 2)
     try:  # before anything starts CUDA: it fixes the order CUDA numbers the GPUs in
         claimed = claim_for_node(
             args.device, args.gpu_lock_dir, count=max(args.tensor_parallel_size or 1, 1)
@@ -127,6 +129,8 @@ def cmd_router(args: argparse.Namespace) -> int:
     """Run the router (the public Generate service) until SIGTERM/Ctrl-C."""
     from splitserve.router.no_torch import keep_torch_out
 
+    if bad := settings.problems(*settings.ROUTER_SETTINGS):
+        return _error("; ".join(bad), 2)
     keep_torch_out()  # it runs no model: transformers' tokenizers need no torch (router.no_torch)
     if not args.redis_url and not args.decode_addresses:
         return _error(
@@ -218,6 +222,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     from splitserve.launcher import LocalCluster, StartInterrupted
 
+    # The processes it starts inherit its environment: a bad setting stops them all, so say so now.
+    if bad := settings.problems(*settings.NODE_SETTINGS, *settings.ROUTER_SETTINGS):
+        return _error("; ".join(bad), 2)
     node_args = up_node_args(args)
     try:
         path = model_path(args.model_path)

@@ -148,3 +148,26 @@ def test_deploy_doc_holds_the_listing():
     )
     for name in settings.REGISTRY:
         assert f"`{name}`" in table
+
+
+def test_a_serving_command_refuses_a_bad_setting_before_it_starts(monkeypatch, capsys):
+    monkeypatch.setenv("SPLITSERVE_ENGINE_STOP_TIMEOUT_S", "soon")
+    monkeypatch.setenv("SPLITSERVE_DECODE_FP8_V", "int4")
+    assert cli.main(["decode", "--model", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "SPLITSERVE_ENGINE_STOP_TIMEOUT_S='soon'" in err and "SPLITSERVE_DECODE_FP8_V='int4'" in err
+    )
+    assert cli.main(["up", "--model", "tiny"]) == 2
+    monkeypatch.delenv("SPLITSERVE_ENGINE_STOP_TIMEOUT_S")
+    monkeypatch.delenv("SPLITSERVE_DECODE_FP8_V")
+    monkeypatch.setenv("SPLITSERVE_ROUTER_TORCH", "maybe")
+    assert cli.main(["router", "--model", "tiny"]) == 2
+    assert "SPLITSERVE_ROUTER_TORCH='maybe'" in capsys.readouterr().err
+    assert settings.problems(*settings.NODE_SETTINGS) == []  # the router's variable is not theirs
+
+
+def test_every_knob_is_checked_by_the_command_that_reads_it():
+    checked = set(settings.NODE_SETTINGS) | set(settings.ROUTER_SETTINGS)
+    knobs = {s for s in settings.REGISTRY.values() if s.kind == "tuning"}
+    assert knobs == checked, sorted(s.name for s in knobs ^ checked)
