@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 
 from splitserve.router.errors import Failure
-from splitserve.router.output import Usage
 from splitserve.runtime.metrics import RouterMetrics
+from splitserve.runtime.protocol import Usage
 from splitserve.runtime.slo import Slo
 
 

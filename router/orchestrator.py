@@ -23,9 +23,10 @@ from typing import NamedTuple
 from splitserve.router.decode_stage import DecodeSession
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.errors import Failure, GenerateError
-from splitserve.router.output import Delta, OutputAssembler, Usage
+from splitserve.router.output import Delta, OutputAssembler
 from splitserve.router.request import GenerateParams, ModelInfo
 from splitserve.runtime import tracing
+from splitserve.runtime.protocol import Usage
 from splitserve.runtime.slo import Slo
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ class Orchestrator:
                 served.append(time.monotonic() - admitted_at)
                 if self._on_decoded is not None and started.first_at and not resumed:
                     self._on_decoded(time.monotonic() - started.first_at)
-                return Step(delta, usage._replace(completion_tokens=output.num_tokens))
+                return Step(delta, dataclasses.replace(usage, completion_tokens=output.num_tokens))
 
             while True:  # once, and again for each resume on another decode node
                 tokens.append(started.first.token_id)

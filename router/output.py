@@ -17,15 +17,6 @@ class Delta(NamedTuple):
     finish_reason: str  # "" while the request goes on
 
 
-class Usage(NamedTuple):
-    """What the last public stream message reports about the request."""
-
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    time_to_first_token_s: float
-
-
 class OutputAssembler:
     """Detokenizes incrementally, applies stop strings and counts completion tokens.
 

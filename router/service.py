@@ -21,7 +21,8 @@ from splitserve.router.output import Delta
 from splitserve.router.request import GenerateParams
 from splitserve.router.status import to_grpc
 from splitserve.runtime import tracing
-from splitserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from splitserve.runtime.protocol import usage_to_proto
+from splitserve.v1 import router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -118,5 +119,5 @@ def _message(params: GenerateParams, step: Step) -> router_pb2.GenerateResponse:
         request_id=params.request_id,
     )
     if step.usage is not None:
-        msg.usage.CopyFrom(common_pb2.Usage(**step.usage._asdict()))
+        msg.usage.CopyFrom(usage_to_proto(step.usage))
     return msg

@@ -3,12 +3,41 @@ servicers)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from splitserve.models.sampling_params import SamplingParams
 from splitserve.v1 import common_pb2
 
 # A decode node's whole capacity in the shares of RelayLease and RelayGrant (nodes.proto): parts
 # per million (decode_node.leases grants them, router.relay asks for them).
 LEASE_WHOLE = 1_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """A request's usage, reported with its last message: the router makes it, the client SDK
+    hands it back (``splitserve.Usage``); one type for both, the proto's ``Usage`` on the wire."""
+
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens whose KV came from a cache instead of being computed
+    completion_tokens: int
+    time_to_first_token_s: float
+
+
+def usage_to_proto(usage: Usage) -> common_pb2.Usage:
+    return common_pb2.Usage(
+        prompt_tokens=usage.prompt_tokens,
+        cached_tokens=usage.cached_tokens,
+        completion_tokens=usage.completion_tokens,
+        time_to_first_token_s=usage.time_to_first_token_s,
+    )
+
+
+def usage_from_proto(msg: common_pb2.Usage) -> Usage:
+    return Usage(
+        msg.prompt_tokens, msg.cached_tokens, msg.completion_tokens, msg.time_to_first_token_s
+    )
+
 
 _OPTIONAL = (
     "temperature",

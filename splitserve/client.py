@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 
 import splitserve.settings as settings
+from splitserve.runtime.protocol import usage_from_proto
 from splitserve.runtime.slo import Slo
 from splitserve.types import Collector, GenerateResult, SplitserveError, StreamChunk, Usage
 from splitserve.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -104,12 +105,7 @@ def _build_request(
 
 
 def _chunk(msg: router_pb2.GenerateResponse) -> StreamChunk:
-    usage = None
-    if msg.HasField("usage"):
-        u = msg.usage
-        usage = Usage(
-            u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.time_to_first_token_s
-        )
+    usage = usage_from_proto(msg.usage) if msg.HasField("usage") else None
     return StreamChunk(
         text=msg.text,
         token_ids=tuple(msg.token_ids),

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from splitserve.runtime.protocol import Usage
+
 
 class SplitserveError(Exception):
     """A request failed. ``code`` is a ``grpc.StatusCode``; ``message`` says what went wrong."""
@@ -18,14 +20,6 @@ class SplitserveError(Exception):
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    prompt_tokens: int
-    cached_tokens: int  # prompt tokens whose KV came from a cache instead of being computed
-    completion_tokens: int
-    time_to_first_token_s: float
 
 
 @dataclass(frozen=True, slots=True)

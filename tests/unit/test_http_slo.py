@@ -18,7 +18,8 @@ from splitserve.router import http
 from splitserve.router.errors import Failure
 from splitserve.router.openai_api import ApiError, parse_body, request_slo, request_timeout
 from splitserve.router.orchestrator import Step
-from splitserve.router.output import Delta, Usage
+from splitserve.router.output import Delta
+from splitserve.runtime.protocol import Usage
 from splitserve.runtime.slo import Slo
 
 
