@@ -152,7 +152,7 @@ def settle_garbage_collector() -> None:
     """Keep what start-up made (modules, the tokenizer, the model's Python objects: hundreds of
     thousands of containers that live as long as the process) out of the collector's scans,
     and collect the young generation less often. NOTE: measured on a router relaying 256
-    streams, full collections over those objects stopped every stream for 290-520 ms about once
+    streams, full collections over those objects stopped every stream for 352-519 ms about once
     a second (docs/benchmarks-history.md, "The in-process engine, its step profile, and the
     colocated layout, one H200 (2026-12-01)")."""
     gc.collect()
