@@ -41,15 +41,6 @@ MAX_REQUEST_ID_CHARS = 1024  # a command's request id (input from another proces
 MAX_DEADLINE_S = 86400.0  # a command's deadline_s beyond this (or not finite) is ignored
 
 
-def stream_failure_code(exc: BaseException) -> grpc.StatusCode:
-    """The status of a request the engine failed: UNAVAILABLE when the engine itself is gone (an
-    engine process that died raises ``ConnectionError``s: the node exits, and the router resumes
-    the request on another decode node on that status only), else ``failure_code``'s."""
-    if isinstance(exc, ConnectionError):
-        return grpc.StatusCode.UNAVAILABLE
-    return failure_code(exc)
-
-
 class Requests(Protocol):
     """What a relay stream needs of its node's service (``DecodeService``): starting and ending
     requests, and the books a drain and metrics read."""
@@ -117,7 +108,7 @@ class _Live:
         if self.finished or self.failure is not None:
             return
         if isinstance(out, BaseException):
-            self.fail(stream_failure_code(out), f"decoding failed: {out}")
+            self.fail(failure_code(out), f"decoding failed: {out}")
             return
         self.tokens.append(out.new_token_id)
         self.produced += 1
