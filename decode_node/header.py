@@ -10,11 +10,10 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import grpc
-
 from splitserve.kvstore import ModelIdentity, hash_request_tokens
 from splitserve.kvstore.hashing import MAX_SALT_CHARS
 from splitserve.models.sampling_params import SamplingParams
+from splitserve.runtime.failure import Failure
 from splitserve.runtime.protocol import sampling_from_proto
 
 if TYPE_CHECKING:
@@ -23,10 +22,11 @@ if TYPE_CHECKING:
 
 
 class Refused(Exception):
-    """A call (or one request of a relay stream) this node refuses; ``code`` is its gRPC
-    status, the message says what to change."""
+    """A call (or one request of a relay stream) this node refuses; ``code`` is why (the
+    servicer answers with its gRPC status, ``runtime.status.to_grpc``), the message says what to
+    change."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: Failure, message: str) -> None:
         super().__init__(message)
         self.code = code
 
@@ -44,12 +44,12 @@ def check_header(
     """The request's sampling parameters and prompt, or ``TransferRefused``. ``info``: the
     engine's (block size in bytes, prompt and vocabulary checks); ``in_use(rid)``: the id is
     taken here."""
-    bad = grpc.StatusCode.INVALID_ARGUMENT
+    bad = Failure.INVALID
     if not header.request_id:
         raise TransferRefused(bad, "request_id is empty")
     if in_use(header.request_id):
         raise TransferRefused(
-            grpc.StatusCode.ALREADY_EXISTS,
+            Failure.ALREADY_EXISTS,
             f"request {header.request_id!r} is already on this node",
         )
     if header.model_root_hash != identity.root_hash:

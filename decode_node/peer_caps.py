@@ -20,10 +20,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-import grpc
-
 from splitserve.decode_node.header import TransferRefused
 from splitserve.runtime import counter_names as names
+from splitserve.runtime.failure import Failure
 
 MAX_PEER_ID_CHARS = 256  # a sender id is input from another node: bounded before it is a key
 
@@ -75,7 +74,7 @@ class PeerCaps:
         RESOURCE_EXHAUSTED, naming the limit and the option that raises it, beyond its caps."""
         if len(peer) > MAX_PEER_ID_CHARS:
             raise TransferRefused(
-                grpc.StatusCode.INVALID_ARGUMENT,
+                Failure.INVALID,
                 f"sender_id is over {MAX_PEER_ID_CHARS} characters",
             )
         held = self._held.get(peer) or _Held()
@@ -83,7 +82,7 @@ class PeerCaps:
         if held.transfers >= limits.max_transfers:
             self.counters[names.TRANSFERS_REFUSED_PEER_TRANSFERS] += 1
             raise TransferRefused(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                Failure.REFUSED,
                 f"sender {peer!r} already has {held.transfers} transfers in flight to this decode "
                 f"node, its limit (raise it with the decode node's --max-transfers-per-peer); "
                 "retry on another node",
@@ -91,7 +90,7 @@ class PeerCaps:
         if held.transfers and held.blocks + num_blocks > limits.max_blocks:
             self.counters[names.TRANSFERS_REFUSED_PEER_BLOCKS] += 1
             raise TransferRefused(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                Failure.REFUSED,
                 f"sender {peer!r} holds {held.blocks} KV blocks in transfers to this decode node; "
                 f"{num_blocks} more would pass its limit of {limits.max_blocks} (raise it with the "
                 "decode node's --max-kv-share-per-peer); retry on another node",

@@ -27,8 +27,6 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
-import grpc
-
 from splitserve.decode_node.cleanup import Signal
 from splitserve.decode_node.header import TransferRefused, check_header
 from splitserve.decode_node.peer_caps import PeerCaps, PeerHold
@@ -37,6 +35,7 @@ from splitserve.engine.api import RX, NodeEngine, Reserved, ResInfo
 from splitserve.engine.loop import settle
 from splitserve.kvstore import BlockHash, ModelIdentity
 from splitserve.runtime import counter_names as names
+from splitserve.runtime.failure import Failure
 from splitserve.transfer import Incomplete, decode_blocks
 from splitserve.transfer import TransferError as TransferLayerError
 
@@ -47,7 +46,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 RESERVE_WAIT_S = 30.0  # a transfer waits this long for blocks held by other requests to free
-BAD = grpc.StatusCode.INVALID_ARGUMENT
+BAD = Failure.INVALID
 
 
 class KVInbox:
@@ -130,7 +129,7 @@ class KVInbox:
             await asyncio.wait(pending, timeout=timeout)
             if deadline is not None and time.monotonic() >= deadline:
                 raise TransferRefused(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    Failure.DEADLINE,
                     "deadline passed waiting for another transfer of the same blocks",
                 )
 
@@ -145,7 +144,7 @@ class KVInbox:
         usable = info.num_usable_blocks
         if need > usable:
             raise TransferRefused(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                Failure.REFUSED,
                 f"the prompt needs {need} KV blocks, this decode node has {usable} in all",
             )
         now = time.monotonic()
@@ -160,7 +159,7 @@ class KVInbox:
             left = give_up - time.monotonic()
             if left <= 0:
                 raise TransferRefused(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    Failure.REFUSED,
                     f"decode node is out of KV blocks (waited up to {RESERVE_WAIT_S:.0f} s for "
                     "other requests to free some); retry on another node",
                 )
@@ -252,7 +251,7 @@ class Transfer:
         # Blocks still held under the id: an unfinished ipc transfer's, freed after the grace.
         if await inbox.engine.holds(self.rid):
             raise TransferRefused(
-                grpc.StatusCode.ALREADY_EXISTS, f"request {self.rid!r} is already on this node"
+                Failure.ALREADY_EXISTS, f"request {self.rid!r} is already on this node"
             )
         deadline = None if time_remaining is None else time.monotonic() + time_remaining
         if self.streamed:
@@ -282,7 +281,7 @@ class Transfer:
         reserved = await inbox.reserve_blocks(self.rid, self.hashes, len(self.prompt), deadline)
         if self._released:  # released meanwhile (its claims are gone): free what was reserved
             await inbox.free(self.rid)
-            raise TransferRefused(grpc.StatusCode.CANCELLED, "transfer ended while reserving")
+            raise TransferRefused(Failure.CANCELLED, "transfer ended while reserving")
         self.missing = reserved.missing
         to_write = {self.hashes[i] for i in self.missing}
         for block_hash in self._claimed:
@@ -331,9 +330,7 @@ class Transfer:
         try:
             await self.inbox.engine.rx_receive(RX, res.res_id, timeout)
         except TransferLayerError as exc:
-            raise TransferRefused(
-                grpc.StatusCode.UNAVAILABLE, f"{res.path} transfer: {exc}"
-            ) from None
+            raise TransferRefused(Failure.UNAVAILABLE, f"{res.path} transfer: {exc}") from None
 
     async def commit(self) -> None:
         """The sender said it finished: the layer ends the reservation as done (or says which
@@ -344,9 +341,7 @@ class Transfer:
         except Incomplete as exc:
             raise TransferRefused(BAD, str(exc)) from None
         except TransferLayerError as exc:
-            raise TransferRefused(
-                grpc.StatusCode.UNAVAILABLE, f"{res.path} transfer: {exc}"
-            ) from None
+            raise TransferRefused(Failure.UNAVAILABLE, f"{res.path} transfer: {exc}") from None
         await self.inbox.engine.register(self.rid, self.hashes)
         self.adopted = True
 

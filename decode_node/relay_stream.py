@@ -23,8 +23,6 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-import grpc
-
 from splitserve.decode_node.header import Refused
 from splitserve.decode_node.leases import Holder, LeaseBook
 from splitserve.engine.api import OutputSink
@@ -32,7 +30,9 @@ from splitserve.engine.core import StepOutput
 from splitserve.models.sampling_params import SamplingParams
 from splitserve.runtime import counter_names as names
 from splitserve.runtime import tracing
+from splitserve.runtime.failure import Failure
 from splitserve.runtime.node import failure_code
+from splitserve.runtime.status import to_grpc
 from splitserve.v1 import nodes_pb2
 
 logger = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class _Live:
         self.logprobs: list[float] = []
         self.cached = -1  # the first token's cached prompt tokens, until sent (-1: not known)
         self.finished = ""  # the engine's finish reason
-        self.failure: tuple[grpc.StatusCode, str] | None = None
+        self.failure: tuple[Failure, str] | None = None
         self.sent_first = False
         self.prompt_tokens = 0  # a whole request's (generate): counted at its first token
         self.done = asyncio.get_running_loop().create_future()  # resolved at the request's end
@@ -127,7 +127,7 @@ class _Live:
         if not self.sent_first or self.finished or len(self.tokens) >= self.stream.interval:
             self.stream.ready(self)
 
-    def fail(self, code: grpc.StatusCode, message: str) -> None:
+    def fail(self, code: Failure, message: str) -> None:
         """End the request with ``code``: sent after the tokens before it."""
         if self.finished or self.failure is not None:
             return
@@ -157,7 +157,7 @@ class _Live:
         if self.finished:
             out.finish_reason = self.finished
         elif self.failure is not None:
-            out.error_code = self.failure[0].value[0]
+            out.error_code = to_grpc(self.failure[0]).value[0]
             out.error_message = self.failure[1]
 
 
@@ -222,7 +222,7 @@ class RelayStream:
     def _close(self) -> None:
         """The stream ended (the router closed it or went): end every request it started."""
         for live in list(self._live.values()):
-            live.fail(grpc.StatusCode.CANCELLED, "the router's relay stream ended")
+            live.fail(Failure.CANCELLED, "the router's relay stream ended")
 
     async def _read(self, commands: AsyncIterator[nodes_pb2.RelayCommand]) -> None:
         async for command in commands:
@@ -230,7 +230,7 @@ class RelayStream:
             if kind == "cancel":
                 live = self._live.get(command.cancel)
                 if live is not None:
-                    live.fail(grpc.StatusCode.CANCELLED, "cancelled by the router")
+                    live.fail(Failure.CANCELLED, "cancelled by the router")
                 continue
             if kind == "lease":
                 if self._holder is not None:
@@ -246,14 +246,12 @@ class RelayStream:
             live = _Live(self, rid)
             if not rid or len(rid) > MAX_REQUEST_ID_CHARS:
                 live.fail(
-                    grpc.StatusCode.INVALID_ARGUMENT,
+                    Failure.INVALID,
                     f"request_id must have 1 to {MAX_REQUEST_ID_CHARS} characters, got {len(rid)}",
                 )
                 continue
             if rid in self._live:
-                live.fail(
-                    grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already on this stream"
-                )
+                live.fail(Failure.ALREADY_EXISTS, f"request {rid!r} is already on this stream")
                 continue
             self._live[rid] = live
             task = asyncio.create_task(self._serve(live, command, kind))
@@ -267,7 +265,7 @@ class RelayStream:
         # The router closed its side (it is stopping): its requests end with the stream.
 
     def _expire(self, live: _Live) -> None:
-        live.fail(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed on the node")
+        live.fail(Failure.DEADLINE, "the request's deadline passed on the node")
 
     async def _serve(self, live: _Live, command: nodes_pb2.RelayCommand, kind: str) -> None:
         """One request from its start to its end. A cancel, its deadline or the stream's end
@@ -304,7 +302,7 @@ class RelayStream:
             finally:
                 service.calls -= 1
                 self._live.pop(rid, None)
-                live.fail(grpc.StatusCode.CANCELLED, "the request was cancelled")
+                live.fail(Failure.CANCELLED, "the request was cancelled")
                 if traced.span.is_recording():
                     if live.first_at:  # its wait for the first token, in the engine's queue
                         tracing.record("queue", begun, live.first_at)
@@ -312,4 +310,4 @@ class RelayStream:
                         {"splitserve.request_id": rid, "splitserve.tokens": live.produced}
                     )
                 failure = live.failure
-                traced.end(None if failure is None else f"{failure[0].name}: {failure[1]}")
+                traced.end(None if failure is None else f"{failure[0].value}: {failure[1]}")

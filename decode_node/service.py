@@ -34,8 +34,10 @@ from splitserve.kvstore import ModelIdentity
 from splitserve.models.sampling_params import SamplingParams
 from splitserve.runtime import counter_names as names
 from splitserve.runtime import tracing
+from splitserve.runtime.failure import Failure
 from splitserve.runtime.metrics import LoadFigures
 from splitserve.runtime.node import checked_request, node_stats
+from splitserve.runtime.status import to_grpc
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -183,11 +185,11 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             failure = None
             yield nodes_pb2.TransferKVResponse(done=True, blocks_reused=reused)
         except TransferRefused as exc:
-            failure = f"{exc.code.name}: {exc}"
+            failure = f"{exc.code.value}: {exc}"
             self.counters[names.TRANSFERS_FAILED] += 1
             if transfer is not None:
                 await transfer.release()
-            await context.abort(exc.code, str(exc))
+            await context.abort(to_grpc(exc.code), str(exc))
         except ConnectionError as exc:  # the engine is gone: the sender ships to another node
             failure = f"the engine is gone: {exc}"
             self.counters[names.TRANSFERS_FAILED] += 1
@@ -241,7 +243,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
             return await asyncio.wait_for(anext(messages, None), idle_s)
         except TimeoutError:
             raise TransferRefused(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
+                Failure.DEADLINE,
                 f"the sender sent nothing for {idle_s:.0f} s: transfer given up",
             ) from None
 
@@ -287,7 +289,7 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
         pending = self.pending.pop(rid)
         if pending is None:
             raise Refused(
-                grpc.StatusCode.NOT_FOUND,
+                Failure.NOT_FOUND,
                 f"request {rid!r} has no transferred KV here (never sent, or its deadline passed)",
             )
         # No await since the pop: the id goes from the pending table to the live set at once.
@@ -303,11 +305,9 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
                 rid, pending.prompt, pending.first_token, pending.params, pending.cache_salt
             )
         except ValueError as exc:  # the id is taken (a repeated decode of one request)
-            raise Refused(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
+            raise Refused(Failure.ALREADY_EXISTS, str(exc)) from None
         except ConnectionError as exc:
-            raise Refused(
-                grpc.StatusCode.UNAVAILABLE, f"the decode node's engine is gone: {exc}"
-            ) from None
+            raise Refused(Failure.UNAVAILABLE, f"the decode node's engine is gone: {exc}") from None
 
     # ------------------------------------------------------------------ release
 
@@ -343,19 +343,15 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
         parameters, for ``join_generate``. From here it is the caller's: end it with ``end``
         whatever follows. ``Refused`` saying why when it cannot start."""
         if self.draining:
-            raise Refused(
-                grpc.StatusCode.UNAVAILABLE, "decode node is draining; retry on another node"
-            )
+            raise Refused(Failure.UNAVAILABLE, "decode node is draining; retry on another node")
         rid = request.request_id
         try:
             params, prompt = checked_request(self.engine.info, request)
         except ValueError as exc:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            raise Refused(Failure.INVALID, str(exc)) from None
         if self.inbox.in_use(rid):
             # Another call's (decoding, transferred, in transfer): touch nothing of it.
-            raise Refused(
-                grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already on this node"
-            )
+            raise Refused(Failure.ALREADY_EXISTS, f"request {rid!r} is already on this node")
         self.engine.subscribe_sink(rid, sink)
         self.inbox.live.add(rid)
         return prompt, params
@@ -369,11 +365,9 @@ class DecodeService(nodes_pb2_grpc.DecodeNodeServiceServicer):
                 request.request_id, prompt, params, request.cache_salt or None
             )
         except ValueError as exc:  # the id is taken
-            raise Refused(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
+            raise Refused(Failure.ALREADY_EXISTS, str(exc)) from None
         except ConnectionError as exc:
-            raise Refused(
-                grpc.StatusCode.UNAVAILABLE, f"the decode node's engine is gone: {exc}"
-            ) from None
+            raise Refused(Failure.UNAVAILABLE, f"the decode node's engine is gone: {exc}") from None
         self.counters[names.DIRECT_REQUESTS] += 1
 
     def count_direct(self, prompt_tokens: int, cached_tokens: int) -> None:

@@ -30,6 +30,7 @@ from splitserve.runtime import counter_names as names
 from splitserve.runtime import tracing
 from splitserve.runtime.metrics import LoadFigures
 from splitserve.runtime.node import checked_request, failure_code, node_stats
+from splitserve.runtime.status import to_grpc
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -215,7 +216,7 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
         try:
             return await self.shipper.open_stream(request, prompt, context.time_remaining())
         except ShipError as exc:
-            await context.abort(exc.code(), exc.details())
+            await context.abort(to_grpc(exc.code), exc.message)
             raise  # (abort raised already)
 
     async def _streamed(
@@ -225,7 +226,7 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
         try:
             return await streaming
         except ShipError as exc:
-            await context.abort(exc.code(), exc.details())
+            await context.abort(to_grpc(exc.code), exc.message)
             raise  # (abort raised already)
 
     @staticmethod
@@ -265,7 +266,7 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
         prompt's blocks)."""
         out = await queue.get()
         if isinstance(out, BaseException):
-            await context.abort(failure_code(out), str(out))
+            await context.abort(to_grpc(failure_code(out)), str(out))
         assert isinstance(out, StepOutput)
         facts = out.facts
         if facts is None or facts.block_hashes is None or facts.block_ids is None:
@@ -303,7 +304,7 @@ class PrefillService(nodes_pb2_grpc.PrefillNodeServiceServicer):
                 context.time_remaining(),
             )
         except ShipError as exc:
-            await context.abort(exc.code(), exc.details())
+            await context.abort(to_grpc(exc.code), exc.message)
         self._shipped(shipped, response)
 
     # ------------------------------------------------------------------ FetchBlocks, GetStats

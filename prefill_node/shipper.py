@@ -28,6 +28,8 @@ from splitserve.kvstore import BlockHash, hash_request_tokens
 from splitserve.prefill_node.channels import Channels
 from splitserve.runtime import counter_names as names
 from splitserve.runtime.auth import call_metadata
+from splitserve.runtime.failure import UNREACHABLE, Failure
+from splitserve.runtime.status import from_grpc
 from splitserve.transfer import Endpoint, StreamFailed, batch_indices, encode_blocks
 from splitserve.transfer import TransferError as TransferLayerError
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
@@ -44,17 +46,12 @@ GRPC_BYTES = "grpc"  # how the figures name the byte stream (the services' own, 
 
 
 class ShipError(Exception):
-    """A failed shipment, with the status the Prefill call answers (AioRpcError's accessors)."""
+    """A failed shipment: why (the Prefill call answers with its status) and what happened."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
+    def __init__(self, code: Failure, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
 
 
 class Shipped(NamedTuple):
@@ -85,10 +82,10 @@ class _Stream:
         """Queue ``msg`` (None: end the request stream)."""
         self.outbox.put_nowait(msg)
 
-    async def read(self, error: grpc.StatusCode, what: str) -> nodes_pb2.TransferKVResponse:
+    async def read(self, error: Failure, what: str) -> nodes_pb2.TransferKVResponse:
         reply = await self.call.read()
         if reply is grpc.aio.EOF:  # pyright: ignore[reportAttributeAccessIssue] (not in the stubs)
-            raise grpc.aio.AioRpcError(error, grpc.aio.Metadata(), grpc.aio.Metadata(), what)
+            raise ShipError(error, what)
         return reply
 
     def abandon(self) -> None:
@@ -178,18 +175,17 @@ class KVShipper:
     def _failed(self, address: str, exc: grpc.aio.AioRpcError | ShipError) -> ShipError:
         """The ShipError a failed transfer's call answers with."""
         self.counters[names.TRANSFERS_FAILED] += 1
-        code = exc.code()
-        if code == grpc.StatusCode.INTERNAL and exc.details() == TRANSPORT_BROKE:
-            code = grpc.StatusCode.UNAVAILABLE  # the stream broke, not the transfer
+        if isinstance(exc, ShipError):
+            code, details = exc.code, exc.message
+        else:
+            code, details = from_grpc(exc.code()), exc.details() or ""
+        if code == Failure.INTERNAL and details == TRANSPORT_BROKE:
+            code = Failure.UNAVAILABLE  # the stream broke, not the transfer
         # CANCELLED: the decode node's server stopped the call (shutting down); the stream
         # is ours, so a cancel of our own would have raised asyncio.CancelledError instead.
-        if code in (
-            grpc.StatusCode.UNAVAILABLE,
-            grpc.StatusCode.DEADLINE_EXCEEDED,
-            grpc.StatusCode.CANCELLED,
-        ):
-            return ShipError(code, f"decode node {address} unreachable: {exc.details()}")
-        return ShipError(code, f"decode node {address}: {exc.details()}")
+        if code in UNREACHABLE:
+            return ShipError(code, f"decode node {address} unreachable: {details}")
+        return ShipError(code, f"decode node {address}: {details}")
 
     # ------------------------------------------------------------------ layer-wise streams
 
@@ -225,9 +221,7 @@ class KVShipper:
         )
         t0 = time.perf_counter()
         try:
-            reply = await stream.read(
-                grpc.StatusCode.UNAVAILABLE, "decode node closed the transfer"
-            )
+            reply = await stream.read(Failure.UNAVAILABLE, "decode node closed the transfer")
             if not reply.ticket:  # declined (it restarted?): bytes after the prefill instead
                 stream.abandon()
                 self._routes.pop(address, None)
@@ -243,7 +237,7 @@ class KVShipper:
         except (TransferLayerError, ValueError) as exc:
             stream.abandon()
             self.counters[names.TRANSFERS_FAILED] += 1
-            raise ShipError(grpc.StatusCode.UNAVAILABLE, f"{path} stream failed: {exc}") from None
+            raise ShipError(Failure.UNAVAILABLE, f"{path} stream failed: {exc}") from None
         except BaseException:
             stream.abandon()
             raise
@@ -267,9 +261,7 @@ class KVShipper:
             except (TransferLayerError, ValueError) as exc:
                 if not isinstance(exc, StreamFailed):  # (the request's fault, not the path's)
                     self._routes.pop(address, None)
-                raise ShipError(
-                    grpc.StatusCode.UNAVAILABLE, f"{path} stream failed: {exc}"
-                ) from None
+                raise ShipError(Failure.UNAVAILABLE, f"{path} stream failed: {exc}") from None
             self.counters[names.transfers_via(path)] += 1
             got = await first
             if got is None:  # it ended at its first token: nothing to decode
@@ -321,7 +313,7 @@ class KVShipper:
     ) -> tuple[int, int, str]:
         """The stream after the header; returns (full blocks shipped, bytes shipped, the path
         they took)."""
-        reply = await stream.read(grpc.StatusCode.UNAVAILABLE, "decode node closed the transfer")
+        reply = await stream.read(Failure.UNAVAILABLE, "decode node closed the transfer")
         missing = list(reply.missing)
         # The partial tail block (if any) follows the full ones in the request's blocks.
         tail = [ids[len(hashes)]] if num_tokens % self.block_size else []
@@ -342,16 +334,9 @@ class KVShipper:
         end = nodes_pb2.TransferEnd(first_token_id=first_token or 0)
         stream.send(nodes_pb2.TransferKVRequest(end=end))
         stream.send(None)
-        reply = await stream.read(
-            grpc.StatusCode.INTERNAL, "decode node did not confirm the transfer"
-        )
+        reply = await stream.read(Failure.INTERNAL, "decode node did not confirm the transfer")
         if not reply.done:
-            raise grpc.aio.AioRpcError(
-                grpc.StatusCode.INTERNAL,
-                grpc.aio.Metadata(),
-                grpc.aio.Metadata(),
-                "decode node did not confirm the transfer",
-            )
+            raise ShipError(Failure.INTERNAL, "decode node did not confirm the transfer")
 
     async def _send_bytes(
         self, stream: _Stream, missing: list[int], ids: list[int], tail: list[int]
@@ -384,7 +369,7 @@ class KVShipper:
             nbytes = await self.engine.tx_send(TX, ticket, src, timeout or self.deadline_s)
         except (TransferLayerError, ValueError) as exc:
             self._routes.pop(address, None)
-            raise ShipError(grpc.StatusCode.UNAVAILABLE, f"{path} transfer failed: {exc}") from None
+            raise ShipError(Failure.UNAVAILABLE, f"{path} transfer failed: {exc}") from None
         self.counters[names.transfers_via(path)] += 1
         return nbytes
 

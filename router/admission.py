@@ -38,9 +38,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from splitserve.router.errors import Failure, GenerateError
+from splitserve.router.errors import GenerateError
 from splitserve.router.fair_queue import FairQueue
 from splitserve.router.kv_budget import KVDemand
+from splitserve.router.metrics import REFUSAL_REASONS, RouterMetrics
 from splitserve.router.pool import NodePool
 from splitserve.router.predictor import (
     MAX_CLIENT_MARGINS,
@@ -49,7 +50,7 @@ from splitserve.router.predictor import (
     TTFTPrediction,
     TTFTPredictor,
 )
-from splitserve.runtime.metrics import REFUSAL_REASONS, RouterMetrics
+from splitserve.runtime.failure import Failure
 from splitserve.runtime.slo import Slo
 
 RECHECK_S = 0.5  # waiters look again this often even without news (a node joined, came back)

@@ -1,5 +1,5 @@
 """The router's request path put together from its configuration: admission, the stages, the
-dispatcher, the orchestrator and the front that both public fronts (gRPC, HTTP) serve through.
+dispatcher and the front that both public fronts (gRPC, HTTP) serve through.
 
 The one place the router's parts are wired: ``build_front``. The servicers only serve.
 """
@@ -8,20 +8,17 @@ from __future__ import annotations
 
 from splitserve.kvstore.redis_index import PrefixIndex
 from splitserve.router.admission import Admission
-from splitserve.router.decode_stage import DecodeStage
-from splitserve.router.direct import DirectStage
-from splitserve.router.dispatch import Dispatcher
+from splitserve.router.config import RouterConfig
+from splitserve.router.decode_stage import DecodeStage, DirectStage
+from splitserve.router.dispatch import Dispatcher, RoutePolicy
 from splitserve.router.front import RequestFront
 from splitserve.router.loop_lag import LoopLag
-from splitserve.router.orchestrator import Orchestrator
+from splitserve.router.metrics import RouterMetrics
 from splitserve.router.prefill_stage import PrefillStage
 from splitserve.router.prefix import PrefixLookup
 from splitserve.router.pressure import Pressure
 from splitserve.router.registry import NodeRegistry
 from splitserve.router.request import ModelInfo
-from splitserve.router.route import RoutePolicy
-from splitserve.runtime.config import RouterConfig
-from splitserve.runtime.metrics import RouterMetrics
 
 
 def build_front(
@@ -72,23 +69,6 @@ def build_front(
         policy=policy,
         kv_reserve_tokens=config.decode_kv_reserve_tokens,
     )
-    orchestrator = Orchestrator(
-        model,
-        dispatch,
-        on_served=admission.note_served,
-        on_wasted=metrics.wasted_prompt_tokens.inc,
-        on_decoded=admission.note_decoded,
-    )
     loop_lag = LoopLag()  # measured once the router runs it (router.server)
     metrics.loop_lag.set_function(lambda: loop_lag.seconds)
-    return RequestFront(
-        model,
-        orchestrator,
-        metrics,
-        config.request_timeout_s,
-        config.max_requests_per_client,
-        check_arrival=admission.check_arrival,
-        default_slo=config.slo,
-        loop_lag=loop_lag,
-        max_loop_lag_s=config.max_loop_lag_s,
-    )
+    return RequestFront(config, model, dispatch, metrics, admission, loop_lag)

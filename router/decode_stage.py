@@ -2,7 +2,7 @@
 its call on D's ``Relay`` stream (a decode command, or on the direct route a generate command),
 and freeing D's blocks when the request is abandoned.
 
-D failing mid-request: the client gets ``UNAVAILABLE`` (the orchestrator resumes the request on
+D failing mid-request: the client gets ``UNAVAILABLE`` (``RequestFront`` resumes the request on
 another node where it can) and D is marked down. A client cancel or disconnect sends a cancel
 command; the node frees the request's blocks. A request that ends at its first token starts no
 decode: D's ``Release`` frees the KV shipped there.
@@ -20,13 +20,16 @@ from typing import Any
 
 import grpc
 
-from splitserve.router.errors import UNREACHABLE, Failure, GenerateError
+from splitserve.router.errors import GenerateError
+from splitserve.router.first_token import FirstToken, Tried
 from splitserve.router.kv_budget import KVDemand
 from splitserve.router.pool import Node, NodePool
 from splitserve.router.registry import NodeRegistry
 from splitserve.router.relay import RelayCall, RelayChannel
+from splitserve.router.request import GenerateParams
 from splitserve.runtime.auth import call_metadata
-from splitserve.runtime.protocol import LEASE_WHOLE
+from splitserve.runtime.failure import UNREACHABLE, Failure
+from splitserve.runtime.protocol import LEASE_WHOLE, sampling_to_proto
 from splitserve.v1 import nodes_pb2
 
 logger = logging.getLogger(__name__)
@@ -261,3 +264,52 @@ class DecodeSession:
                 self._stage.release(self.node, self.request_id)
         finally:  # the slot and the ledger charge go back whatever closing the stream raised
             self._pool.release(self.node, demand=self.demand)
+
+
+class DirectStage:
+    """One direct attempt: D's Generate up to its first token.
+
+    The direct route's stage (``router.dispatch.choose_route``): D's Generate prefills the
+    prompt on D itself, no prefill node, no KV transfer; the stage ends at D's first token, the
+    stream stays open in the request's ``DecodeSession`` for the decode stage to relay."""
+
+    async def attempt(
+        self, params: GenerateParams, session: DecodeSession, tried: Tried, deadline: float
+    ) -> FirstToken | GenerateError:
+        """The first token; the error when another attempt may succeed (raised when none can).
+        The stream stays in ``session`` either way: its owner closes it."""
+        d = session.node
+        request = nodes_pb2.GenerateOnNodeRequest(
+            request_id=session.request_id,
+            prompt_token_ids=params.prompt_token_ids,
+            sampling=sampling_to_proto(params.sampling),
+            cache_salt=params.cache_salt,
+        )
+        # D's busy rate while it prefills our prompts (tokens per busy second): what its tiers'
+        # loads are priced against (router.prefix.CachedPrefix), as a prefill node's are.
+        d.rate.start()
+        computed = 0
+        try:
+            reply = await session.open_generate(request, deadline).read()  # marks D down when
+            if len(reply.token_ids) != 1:  # it is unreachable
+                raise GenerateError(
+                    Failure.INTERNAL,
+                    f"decode node {d.address} sent {len(reply.token_ids)} first tokens",
+                )
+            computed = max(len(params.prompt_token_ids) - reply.cached_tokens, 0)
+        except GenerateError as exc:
+            if exc.code == Failure.REFUSED:
+                tried.busy.add(d)
+                return exc
+            if exc.code == Failure.UNAVAILABLE and time.monotonic() < deadline:
+                tried.unreachable.add(d)
+                return exc
+            raise
+        finally:
+            d.rate.end(computed)
+        return FirstToken(
+            token_id=reply.token_ids[0],
+            logprob=reply.logprobs[0] if reply.logprobs else 0.0,
+            finish_reason=reply.finish_reason,
+            cached_tokens=reply.cached_tokens,
+        )

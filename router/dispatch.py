@@ -6,7 +6,7 @@ refusing or failed attempt elsewhere.
   back-off when a node that refused must be asked again.
 - ``UNAVAILABLE`` before the request's deadline: the failed node is marked down (by the stage)
   and the next attempt avoids it. No node left → ``UNAVAILABLE`` naming every node's state.
-- The route is chosen again on each attempt (``router.route``): a direct attempt that failed may
+- The route is chosen again on each attempt (``choose_route``): a direct attempt that failed may
   be followed by a disaggregated one and the other way round.
 
 Each attempt claims the request's slot on its D (``DecodeStage.claim``) and either hands it on
@@ -19,31 +19,96 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from splitserve.kvstore import BlockHash
 from splitserve.kvstore.hashing import DEFAULT_BLOCK_SIZE
 from splitserve.router.admission import Admission
-from splitserve.router.decode_stage import DecodeStage
-from splitserve.router.direct import DirectStage
-from splitserve.router.errors import Failure, GenerateError
-from splitserve.router.first_token import FirstToken, Started, Tried
+from splitserve.router.decode_stage import DecodeSession, DecodeStage, DirectStage
+from splitserve.router.errors import GenerateError
+from splitserve.router.first_token import FirstToken, Tried
 from splitserve.router.kv_budget import KVDemand
+from splitserve.router.metrics import RouterMetrics
 from splitserve.router.pool import Node, NodePool, prompt_tokens_to_compute
 from splitserve.router.prefill_stage import PrefillStage
 from splitserve.router.prefix import CachedPrefix, PrefixLookup
 from splitserve.router.registry import NodeRegistry
 from splitserve.router.request import GenerateParams
-from splitserve.router.route import DISAGGREGATED, NO_DIRECT, RoutePolicy, choose_route
 from splitserve.runtime import tracing
-from splitserve.runtime.metrics import RouterMetrics
+from splitserve.runtime.failure import Failure
 from splitserve.runtime.slo import Slo
 
 logger = logging.getLogger(__name__)
 
 
 TRANSFER_PATHS = frozenset({"ipc", "nixl", "dist", "tcp", "grpc"})
+
+
+class Started(NamedTuple):
+    """A request past its first token, held on its decode node."""
+
+    first: FirstToken
+    session: DecodeSession  # D's slot and stream: whoever receives this closes it
+    admitted_at: float  # when admission let it go to the pools (time.monotonic())
+    first_at: float = 0.0  # when its first token came (time.monotonic())
+
+
+# ------------------------------------------------------------------ the route
+
+DIRECT = "direct"
+DISAGGREGATED = "disaggregated"
+
+
+class RoutePolicy(NamedTuple):
+    direct_prefill_tokens: int = 0  # uncached prompt tokens at most this: direct (0: never)
+    direct_prefill_backlog_tokens: int = 0  # every P at least this backlogged: direct (0: never)
+
+
+NO_DIRECT = RoutePolicy()  # direct only when no prefill node is usable
+
+
+def choose_route(
+    policy: RoutePolicy,
+    prefill: NodePool,
+    decode_node: Node,
+    cached: Mapping[str, float],
+    prompt_tokens: int,
+    block_size: int,
+    exclude: Collection[Node] = (),
+) -> str:
+    """``DIRECT`` or ``DISAGGREGATED`` for a prompt of ``prompt_tokens`` whose decode node is
+    ``decode_node``; ``exclude``: prefill nodes this request found unreachable.
+
+    Which way a request goes: disaggregated (P prefills and ships its KV to D, which decodes) or
+    direct (D prefills the prompt in its own engine and decodes it: no KV transfer).
+
+    Pure rules over the router's own bookkeeping (no I/O). Direct when
+
+    - no prefill node may take work (none configured: ``splitserve up --num-prefill 0`` or a router
+      with decode nodes only; or every one down, leaving or already failed for this request);
+    - the prompt's uncached part on the chosen decode node (its prompt length less the prefix the
+      index says that node holds; without an index, the prompt length) is at most
+      ``direct_prefill_tokens`` (0: never): shipping the KV of a short prompt costs more than
+      computing it beside the decodes. The break-even depends on the model, the GPU and the
+      transfer path: measure it with benchmarks (docs/deploy.md), it is not guessed here;
+    - every usable prefill node has at least ``direct_prefill_backlog_tokens`` prompt tokens of this
+      router's requests in flight (0: never) while the decode node has a free batch slot (fewer of
+      this router's requests than its ``max_num_seqs``; unknown until its GetStats answered)."""
+    usable = [n for n in prefill.usable() if n not in exclude]
+    if not usable:
+        return DIRECT
+    uncached = prompt_tokens_to_compute(
+        prompt_tokens, cached.get(decode_node.address, 0), block_size
+    )
+    if uncached <= policy.direct_prefill_tokens:
+        return DIRECT
+    backlog = policy.direct_prefill_backlog_tokens
+    if backlog > 0 and all(n.queued_tokens >= backlog for n in usable):
+        slots = decode_node.slots
+        if slots is not None and decode_node.in_flight < slots:
+            return DIRECT
+    return DISAGGREGATED
 
 
 class Dispatcher:

@@ -1,12 +1,11 @@
 """What a request's first stage hands on, whichever route it took: its first token
-(``FirstToken``) and the request on its decode node (``Started``); and the nodes an attempt
-already tried (``Tried``)."""
+(``FirstToken``); and the nodes an attempt already tried (``Tried``). The dispatcher hands the
+front both the token and the request's session on its decode node (``router.dispatch.Started``)."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from splitserve.router.decode_stage import DecodeSession
 from splitserve.router.pool import Node
 
 
@@ -26,15 +25,6 @@ class FirstToken(NamedTuple):
     transfer_path: str = ""
     blocks_shipped: int = 0  # as P reported them: blocks sent with data, and their bytes
     bytes_shipped: int = 0
-
-
-class Started(NamedTuple):
-    """A request past its first token, held on its decode node."""
-
-    first: FirstToken
-    session: DecodeSession  # D's slot and stream: whoever receives this closes it
-    admitted_at: float  # when admission let it go to the pools (time.monotonic())
-    first_at: float = 0.0  # when its first token came (time.monotonic())
 
 
 class Tried(NamedTuple):

@@ -1,21 +1,38 @@
 """The one request path behind both public fronts (gRPC ``RouterService`` and the OpenAI-compatible
-HTTP API): the per-client cap, checking and tokenizing, the orchestrator, and the request
-metrics. Every way a request ends - served, refused, failed, cancelled, timed out - is counted
-once, by its gRPC status code; the fronts only translate messages and errors."""
+HTTP API), start to end: the per-client cap, checking and tokenizing, the first token
+(``router.dispatch``: prefill on P shipping to D, or, the direct route, on D itself), then D's
+tokens read from its relay stream (``router.relay``) and turned into public steps by the output
+step (``router.output``). Every way a request ends - served, refused, failed, cancelled, timed
+out - is counted once; the fronts only translate messages and errors.
+
+The stages own their failure handling (``router.dispatch``, ``router.prefill_stage``,
+``router.decode_stage``); this joins them and closes the request's
+``DecodeSession`` (its slot and stream on D) when it ends.
+
+A decode node that fails mid-answer (UNAVAILABLE: gone, or silent to health checks) does not end
+the stream: the prompt and the tokens already sent become a new request, prefilled (its blocks
+found in the index or recomputed) and decoded elsewhere, and the client's stream goes on with
+the next token (``resumed_params``; at most ``MAX_RESUMES`` times).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Mapping
 
-from splitserve.router.errors import Failure, GenerateError
+from splitserve.router.admission import Admission
+from splitserve.router.config import RouterConfig
+from splitserve.router.decode_stage import DecodeSession
+from splitserve.router.dispatch import Dispatcher
+from splitserve.router.errors import GenerateError
 from splitserve.router.loop_lag import LoopLag
-from splitserve.router.observe import RequestObserver
-from splitserve.router.orchestrator import DEADLINE_SLACK_S, Orchestrator, Step
+from splitserve.router.metrics import RouterMetrics
+from splitserve.router.output import RequestObserver, RequestOutput, Step
 from splitserve.router.request import (
     GenerateParams,
     InvalidRequest,
@@ -24,7 +41,8 @@ from splitserve.router.request import (
     request_slo,
 )
 from splitserve.runtime import tracing
-from splitserve.runtime.metrics import RouterMetrics
+from splitserve.runtime.failure import Failure
+from splitserve.runtime.protocol import Usage
 from splitserve.runtime.slo import Slo
 from splitserve.v1 import router_pb2
 
@@ -32,34 +50,38 @@ logger = logging.getLogger(__name__)
 
 CLIENT_KEY = "x-splitserve-client"  # gRPC metadata / HTTP header naming the client (a tenant)
 
+MAX_RESUMES = 2  # a stream whose decode node fails goes on elsewhere at most this many times
+
+# A request that ended this close to its deadline was cut off by it (timed out, not cancelled):
+# the client's clock and ours start a few milliseconds apart.
+DEADLINE_SLACK_S = 0.05
+
 
 class RequestFront:
     def __init__(
         self,
+        config: RouterConfig,
         model: ModelInfo,
-        orchestrator: Orchestrator,
+        dispatch: Dispatcher,
         metrics: RouterMetrics,
-        request_timeout_s: float,
-        max_requests_per_client: int,
-        check_arrival: Callable[[float, Slo | None, str, float], None] | None = None,
-        default_slo: Slo | None = None,
+        admission: Admission | None = None,
         loop_lag: LoopLag | None = None,
-        max_loop_lag_s: float = 0.0,
     ) -> None:
         self.model = model
-        self._orchestrator = orchestrator
+        self._dispatch = dispatch
         self._metrics = metrics
-        self._request_timeout_s = request_timeout_s
-        self._max_per_client = max_requests_per_client
+        self._request_timeout_s = config.request_timeout_s
+        self._max_per_client = config.max_requests_per_client
         self._in_flight: Counter[str] = Counter()  # client → its requests in flight
-        # Admission's refusals that need no prompt (router.admission.check_arrival): made before
-        # the request is parsed, so a refusal under overload costs next to nothing.
-        self._check_arrival = check_arrival
-        self._default_slo = default_slo  # the router's --slo: a request's own bounds win
+        # Admission's refusals that need no prompt (``Admission.check_arrival``) are made before
+        # the request is parsed, so a refusal under overload costs next to nothing; it learns
+        # how long serving takes from the requests that end.
+        self._admission = admission
+        self._default_slo = config.slo  # the router's --slo: a request's own bounds win
         # The wait before a handler runs (router.loop_lag): a request's clock starts that much
-        # earlier; past max_loop_lag_s (0: never) new requests are refused at once.
+        # earlier; past --max-loop-lag-s (0: never) new requests are refused at once.
         self.loop_lag = loop_lag
-        self._max_loop_lag_s = max_loop_lag_s
+        self._max_loop_lag_s = config.max_loop_lag_s
 
     async def run(
         self,
@@ -106,8 +128,8 @@ class RequestFront:
                 )
             self._in_flight[client] += 1
             counted = True
-            if self._check_arrival is not None:
-                self._check_arrival(deadline, slo, client, start)
+            if self._admission is not None:
+                self._admission.check_arrival(deadline, slo, client, start)
             try:
                 if request.WhichOneof("prompt") == "token_ids":  # nothing to tokenize: at once
                     params = parse_request(request, self.model)
@@ -119,14 +141,11 @@ class RequestFront:
                 traced.span.set_attributes(_request_attributes(params))
             # Closed here, not by the event loop's finalizer later: a cancelled request gives its
             # nodes back (and its KV ledger charge) at once.
-            steps = self._orchestrator.run(params, start, deadline, slo, client)
+            steps = self._serve(params, start, deadline, slo, client, observer)
             async with contextlib.aclosing(steps):
                 async for step in steps:
-                    observer.tokens(len(step.delta.token_ids))
-                    if step.usage is not None:
-                        observer.finished(step.usage)
-                        if traced.span.is_recording():
-                            traced.span.set_attributes(_usage_attributes(step))
+                    if step.usage is not None and traced.span.is_recording():
+                        traced.span.set_attributes(_usage_attributes(step))
                     yield params, step
         except GenerateError as exc:
             failure = f"{exc.code.value}: {exc.message}"
@@ -149,6 +168,104 @@ class RequestFront:
             if failure is None and observer.code not in ("", "OK"):
                 failure = observer.code
             traced.end(failure)
+
+    async def _serve(
+        self,
+        params: GenerateParams,
+        start: float,
+        deadline: float,
+        slo: Slo | None,
+        client: str,
+        observer: RequestObserver,
+    ) -> AsyncGenerator[Step, None]:
+        """The checked request's output; raises ``GenerateError`` when it cannot be served."""
+        started = await self._dispatch.run(params, deadline, slo, start, client)
+        first, session = started.first, started.session
+        admitted_at = started.admitted_at
+        tracing.event("first_token", {"splitserve.decode_node": session.node.address})
+        decoding = tracing.start("decode", {"splitserve.decode_node": session.node.address})
+        failure: str | None = None
+        served: list[float] = []  # seconds from admission to its last token, once served
+        tokens: list[int] = []  # its output so far (a resumed request's prompt carries them)
+        resumed = 0
+        try:
+            usage = Usage(
+                prompt_tokens=len(params.prompt_token_ids),
+                cached_tokens=first.cached_tokens,
+                completion_tokens=0,
+                time_to_first_token_s=time.monotonic() - start,
+            )
+            output = RequestOutput(self.model.tokenizer, params.stop, usage, observer)
+
+            def served_by(step: Step) -> Step:
+                if step.usage is not None:
+                    served.append(time.monotonic() - admitted_at)
+                    if self._admission is not None and started.first_at and not resumed:
+                        self._admission.note_decoded(time.monotonic() - started.first_at)
+                return step
+
+            while True:  # once, and again for each resume on another decode node
+                tokens.append(started.first.token_id)
+                step = output.add(
+                    [started.first.token_id], [started.first.logprob], started.first.finish_reason
+                )
+                if output.finished:
+                    # NOTE: a stop string on the first token: D holds the shipped blocks until its
+                    # transfer deadline unless told (direct: closing the stream ends it on D).
+                    session.close(release_kv=not started.first.finish_reason)
+                    yield served_by(step)
+                    return
+                call = session.stream(deadline)
+                yield served_by(step)
+                batch = session.node.in_flight  # the batch it met on D, at its first token
+                try:
+                    while True:
+                        reply = await call.read()
+                        tokens.extend(reply.token_ids)
+                        step = output.add(reply.token_ids, reply.logprobs, reply.finish_reason)
+                        session.grow(output.num_tokens)  # output past the reserve fills blocks
+                        if output.finished and not resumed:
+                            _note_tpot(session, started.first_at, output.num_tokens, batch)
+                        yield served_by(step)
+                        if output.finished:
+                            return
+                except GenerateError as exc:
+                    if exc.code != Failure.UNAVAILABLE or resumed >= MAX_RESUMES:
+                        failure = f"{exc.code.value}: {exc.message}"
+                        raise
+                    tracing.event("resumed", {"splitserve.after_tokens": len(tokens)})
+                    logger.warning(
+                        "request %s: %s; resuming after %d tokens on another decode node",
+                        params.request_id,
+                        exc.message,
+                        len(tokens),
+                    )
+                session.close()  # the failed node's slot and stream
+                resumed += 1
+                started = await self._dispatch.run(
+                    resumed_params(params, tokens), deadline, None, time.monotonic(), client
+                )
+                session = started.session
+        finally:
+            session.close()  # idempotent
+            if decoding.span.is_recording():
+                decoding.span.set_attribute("splitserve.output_tokens", len(tokens))
+            decoding.end(failure if not served else None)
+            self._note_service(served, admitted_at, deadline)
+            if not served and first.computed_tokens:
+                self._metrics.wasted_prompt_tokens.inc(first.computed_tokens)
+
+    def _note_service(self, served: list[float], admitted_at: float, deadline: float) -> None:
+        """Tell admission how long serving took; a request cut off at its deadline took at least
+        that long (without it, an estimate drawn only from served requests trails a service time
+        that grows with the load, and more requests are let go too late)."""
+        if self._admission is None:
+            return
+        now = time.monotonic()
+        if served:
+            self._admission.note_served(served[0])
+        elif now >= deadline - DEADLINE_SLACK_S:
+            self._admission.note_served(now - admitted_at)
 
     def _slo(self, request: router_pb2.GenerateRequest, time_remaining: float | None) -> Slo | None:
         """The request's targets: its own bounds, the router's ``--slo`` for those it left
@@ -204,3 +321,29 @@ def _usage_attributes(step: Step) -> dict[str, str | int | float]:
         "splitserve.ttft_s": usage.time_to_first_token_s,
         "splitserve.finish_reason": step.delta.finish_reason or "",
     }
+
+
+def _note_tpot(session: DecodeSession, first_at: float, tokens: int, batch: int) -> None:
+    """Teach D's TPOT line (``router.predictor``) what a request among ``batch`` (the mean of
+    D's requests at its first and last token) saw: its time per output token after the first."""
+    if tokens < 2 or not first_at:
+        return
+    node = session.node
+    tpot = (time.monotonic() - first_at) / (tokens - 1)
+    node.tpot.add((batch + node.in_flight) / 2, tpot)
+
+
+def resumed_params(params: GenerateParams, tokens: list[int]) -> GenerateParams:
+    """The rest of a request whose decode node failed after ``tokens``: its prompt and those
+    tokens as the new prompt, the output budget less what was sent. Greedy output goes on exactly
+    as it would have; penalties over the output and seeded sampling see the sent tokens as
+    prompt."""
+    n = len(tokens)
+    sampling = dataclasses.replace(
+        params.sampling,
+        max_tokens=params.sampling.max_tokens - n,
+        min_tokens=max(params.sampling.min_tokens - n, 0),
+    )
+    return dataclasses.replace(
+        params, prompt_token_ids=(*params.prompt_token_ids, *tokens), sampling=sampling
+    )

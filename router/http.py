@@ -10,8 +10,9 @@ the handler on disconnect), which frees its KV blocks. With ``--api-key-file`` e
 ``/health`` needs ``Authorization: Bearer <key>`` (``router.api_keys``; else 401); with
 ``--http-tls-cert/--http-tls-key`` it is served over HTTPS (``https_context``).
 
-Over 300 lines: the OpenAI-compatible routes (completions, chat, models), their request checks and
-their streaming replies; the request path below them is shared with gRPC.
+Over 300 lines: the OpenAI-compatible routes (completions, chat, models), their request checks,
+their streaming replies and OpenAI's response objects; the request path below them is shared
+with gRPC.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 from aiohttp import web
 
 from splitserve.router.api_keys import ApiKeys
-from splitserve.router.errors import Failure, GenerateError
+from splitserve.router.errors import GenerateError
 from splitserve.router.front import CLIENT_KEY, RequestFront
 from splitserve.router.openai_api import (
     SLO_HEADER,
@@ -39,9 +40,10 @@ from splitserve.router.openai_api import (
     parse_body,
     request_timeout,
 )
-from splitserve.router.openai_out import Choice, logprobs_json, usage_json
-from splitserve.router.orchestrator import Step
+from splitserve.router.output import Step
+from splitserve.router.request import ModelInfo
 from splitserve.runtime import tracing
+from splitserve.runtime.failure import Failure
 from splitserve.v1 import router_pb2
 
 logger = logging.getLogger(__name__)
@@ -398,3 +400,59 @@ class HttpFront:
         if api.return_token_ids:
             choice["token_ids"] = delta.token_ids
         return choice
+
+
+# ------------------------------------------------------------------ OpenAI's response objects
+
+
+def token_text(model: ModelInfo, token_id: int) -> str:
+    if model.tokenizer is None:
+        return f"token_id:{token_id}"
+    return model.tokenizer.decode([token_id])
+
+
+def logprobs_json(
+    model: ModelInfo, chat: bool, token_ids: list[int], logprobs: list[float]
+) -> dict[str, Any]:
+    tokens = [token_text(model, t) for t in token_ids]
+    if chat:
+        return {
+            "content": [
+                {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
+                for tok, lp in zip(tokens, logprobs, strict=False)
+            ]
+        }
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None}
+
+
+def usage_json(usages: list[tuple[int, Any]], n: int) -> dict[str, Any]:
+    """OpenAI's usage of a request: each prompt counted once, every choice's completion."""
+    prompt = sum(u.prompt_tokens for i, u in usages if i % n == 0)
+    cached = sum(u.cached_tokens for i, u in usages if i % n == 0)
+    completion = sum(u.completion_tokens for _, u in usages)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+class Choice:
+    """One choice's output, gathered for a non-streamed answer."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish_reason: str | None = None
+        self.usage = None
+
+    def add(self, step: Step) -> None:
+        self.text.append(step.delta.text)
+        self.token_ids.extend(step.delta.token_ids)
+        self.logprobs.extend(step.delta.logprobs)
+        if step.delta.finish_reason:
+            self.finish_reason = step.delta.finish_reason
+        if step.usage is not None:
+            self.usage = step.usage

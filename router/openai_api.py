@@ -1,6 +1,6 @@
 """OpenAI's JSON in: a ``/v1/completions`` or ``/v1/chat/completions`` body becomes one
 ``GenerateRequest`` per choice (prompts x ``n``); errors go out in OpenAI's error JSON (the
-response objects: ``router.openai_out``). Plain functions, no I/O (``router.http`` serves them).
+response objects are ``router.http``'s). Plain functions, no I/O (``router.http`` serves them).
 
 Value checks stay where the gRPC API has them (``router.request``): this module only checks what
 JSON can get wrong (types, shapes, unsupported fields) and names the field in its message.
@@ -14,8 +14,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from splitserve.router.errors import Failure
 from splitserve.router.request import ModelInfo
+from splitserve.runtime.failure import Failure
 from splitserve.runtime.slo import SLO_SYNTAX, Slo
 from splitserve.v1 import common_pb2, router_pb2
 

@@ -21,15 +21,16 @@ from typing import Any
 import grpc
 
 from splitserve.router.decode_stage import DecodeSession
-from splitserve.router.errors import UNREACHABLE, Failure, GenerateError
+from splitserve.router.errors import GenerateError
 from splitserve.router.first_token import FirstToken, Tried
 from splitserve.router.pool import Node, NodePool, prompt_tokens_to_compute
 from splitserve.router.prefix import CachedPrefix
 from splitserve.router.registry import NodeRegistry
 from splitserve.router.request import GenerateParams
-from splitserve.router.status import from_grpc
 from splitserve.runtime.auth import call_metadata
+from splitserve.runtime.failure import UNREACHABLE, Failure
 from splitserve.runtime.protocol import sampling_to_proto
+from splitserve.runtime.status import from_grpc
 from splitserve.v1 import nodes_pb2
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""The pools' pressure as the router sees it, read at scrape time (``runtime.metrics``): the
+"""The pools' pressure as the router sees it, read at scrape time (``router.metrics``): the
 autoscaler's inputs (docs/deploy.md, "Overload")."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import time
 from collections import deque
 
 from splitserve.router.admission import Admission
+from splitserve.router.metrics import PoolPressure, PressureFigures
 from splitserve.router.pool import NodePool
 from splitserve.router.registry import NodeRegistry
-from splitserve.runtime.metrics import PoolPressure, PressureFigures
 
 RATE_WINDOW_S = 10.0
 

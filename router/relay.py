@@ -11,7 +11,7 @@ It is the one way tokens leave a decode node. A request started while the stream
 waits in it: commands go in order once the node answers. The stream failing, or failing to open
 (the node gone, silent to health checks: ``Node.stall_signal``, or of an older version without
 ``Relay``), fails every request on it as the node's failure (``DecodeStage.error``: UNAVAILABLE,
-and the orchestrator resumes it elsewhere); the next request opens a new stream.
+and the request path resumes it elsewhere); the next request opens a new stream.
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ from typing import NamedTuple
 
 import grpc
 
-from splitserve.router.errors import Failure, GenerateError
+from splitserve.router.errors import GenerateError
 from splitserve.router.pool import Node
-from splitserve.router.status import from_grpc
 from splitserve.runtime import tracing
 from splitserve.runtime.auth import credentials
+from splitserve.runtime.failure import Failure
 from splitserve.runtime.protocol import LEASE_WHOLE
+from splitserve.runtime.status import from_grpc
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc
 
 # What a failure of a request's stream on the node means for the client: (failure, the node's

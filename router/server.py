@@ -10,14 +10,15 @@ from splitserve.kvstore import ModelIdentity
 from splitserve.kvstore.redis_index import PrefixIndex
 from splitserve.router.api_keys import ApiKeys
 from splitserve.router.assembly import build_front
+from splitserve.router.config import RouterConfig
 from splitserve.router.front import RequestFront
 from splitserve.router.http import HttpFront, https_context
+from splitserve.router.metrics import RouterMetrics
 from splitserve.router.registry import NodeRegistry
 from splitserve.router.request import ModelInfo
 from splitserve.router.service import RouterService
 from splitserve.runtime.auth import read_token_file, registry_key, use_token
-from splitserve.runtime.config import RouterConfig
-from splitserve.runtime.metrics import RouterMetrics, serve_metrics
+from splitserve.runtime.metrics import serve_metrics
 from splitserve.runtime.server import Server, write_port_file
 from splitserve.runtime.tls import TlsFiles, use_tls
 from splitserve.v1 import router_pb2, router_pb2_grpc
@@ -163,7 +164,7 @@ async def start_http(
         name,
         config.max_request_bytes,
         # A usable decode node serves every request, prefilling it itself when no prefill
-        # node is configured or usable (the direct route, router.route).
+        # node is configured or usable (the direct route, router.dispatch.choose_route).
         ready=lambda: bool(registry.decode.usable()),
         grace_s=GRACE_S,
         api_keys=keys,

@@ -14,14 +14,14 @@ from typing import NoReturn
 import grpc
 
 from splitserve.router.api_keys import ApiKeys
-from splitserve.router.errors import Failure, GenerateError
+from splitserve.router.errors import GenerateError
 from splitserve.router.front import CLIENT_KEY, RequestFront
-from splitserve.router.orchestrator import Step
-from splitserve.router.output import Delta
+from splitserve.router.output import Delta, Step
 from splitserve.router.request import GenerateParams
-from splitserve.router.status import to_grpc
 from splitserve.runtime import tracing
+from splitserve.runtime.failure import Failure
 from splitserve.runtime.protocol import usage_to_proto
+from splitserve.runtime.status import to_grpc
 from splitserve.v1 import router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)

@@ -21,6 +21,7 @@ from splitserve.runtime.config import (
     auto_disk_cache_mb,
     auto_host_cache_mb,
 )
+from splitserve.runtime.failure import Failure
 from splitserve.runtime.node_life import NodeLife, NodeService, index_publisher
 from splitserve.runtime.protocol import sampling_from_proto
 from splitserve.runtime.server import Server
@@ -432,17 +433,17 @@ def checked_request(
     return sampling_from_proto(request.sampling), info.check_prompt(request.prompt_token_ids)
 
 
-def failure_code(exc: BaseException) -> grpc.StatusCode:
+def failure_code(exc: BaseException) -> Failure:
     """The status of a request the engine failed: a prompt that can never fit the KV cache is
     RESOURCE_EXHAUSTED (another node may have room), an engine process that went (the node exits
     next) UNAVAILABLE (the router retries elsewhere), anything else INTERNAL."""
     from splitserve.engine.core import RequestDoesNotFit
 
     if isinstance(exc, RequestDoesNotFit):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
+        return Failure.REFUSED
     if isinstance(exc, ConnectionError):  # engine.protocol.EngineGone
-        return grpc.StatusCode.UNAVAILABLE
-    return grpc.StatusCode.INTERNAL
+        return Failure.UNAVAILABLE
+    return Failure.INTERNAL
 
 
 def node_stats(

@@ -31,7 +31,8 @@ from splitserve.launcher import ClusterSpec
 from splitserve.planner import cli as planner_cli
 from splitserve.planner import layout_cli
 from splitserve.planner.cli import add_policy_options
-from splitserve.runtime.config import NodeConfig, RouterConfig
+from splitserve.router.config import RouterConfig
+from splitserve.runtime.config import NodeConfig
 from splitserve.runtime.options import EnvParser, add_options, config_kwargs, env_name, flag_of
 
 __all__ = ["ENV_COMMANDS", "build_parser", "env_name", "env_names", "main"]

@@ -487,7 +487,7 @@ def test_pools_down_is_503_and_a_full_client_cap_is_429(cluster, model_dir, tmp_
 
 
 def test_http_api_beside_mtls_listens_on_loopback_only_unless_https_and_keys():
-    from splitserve.runtime.config import RouterConfig
+    from splitserve.router.config import RouterConfig
 
     tls = dict(tls_cert="c.pem", tls_key="k.pem", tls_ca="ca.pem")
     base = dict(model_path="m", prefill_addresses=(), decode_addresses=(), host="0.0.0.0")

@@ -161,7 +161,7 @@ def test_unreachable_nodes_give_unavailable(model_dir, tmp_path):
 
 
 def test_killed_decode_nodes_stream_resumes_and_the_router_moves_on(model_dir, tmp_path, hf):
-    """The stream goes on on the other decode node (router.orchestrator's resume; its tokens are
+    """The stream goes on on the other decode node (router.front's resume; its tokens are
     checked against transformers in test_decode_resume.py), and new requests avoid the dead one."""
     prefill = start_node("prefill", model_dir, tmp_path)
     decode = [start_node("decode", model_dir, tmp_path) for _ in range(2)]

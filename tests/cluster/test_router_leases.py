@@ -12,9 +12,9 @@ import grpc
 from support.held_node import HeldNode
 from support.router_helpers import request
 
+from splitserve.router.config import RouterConfig
 from splitserve.router.request import ModelInfo
 from splitserve.router.server import start_router
-from splitserve.runtime.config import RouterConfig
 from splitserve.v1 import router_pb2_grpc
 
 MAX_NUM_SEQS = 4

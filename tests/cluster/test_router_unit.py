@@ -12,8 +12,8 @@ import pytest
 from support.relay import serve_relay
 from support.router_helpers import EOS, MODEL, TOKENIZER, byte_ids, request
 
+from splitserve.router.config import RouterConfig
 from splitserve.router.server import start_router
-from splitserve.runtime.config import RouterConfig
 from splitserve.v1 import nodes_pb2, nodes_pb2_grpc, router_pb2_grpc
 
 

@@ -19,7 +19,7 @@ from support.processes import scrape_metrics, start_node, start_redis, start_rou
 
 from splitserve.client import Client
 from splitserve.models.tiny import write_random_checkpoint
-from splitserve.runtime.metrics import STAGES
+from splitserve.router.metrics import STAGES
 
 
 @pytest.fixture(scope="module")

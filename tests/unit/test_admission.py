@@ -10,10 +10,11 @@ import pytest
 from router_fakes import refused_at_once
 
 from splitserve.router.admission import Admission
-from splitserve.router.errors import Failure, GenerateError
+from splitserve.router.errors import GenerateError
 from splitserve.router.kv_budget import KVDemand
+from splitserve.router.metrics import RouterMetrics
 from splitserve.router.pool import NodePool
-from splitserve.runtime.metrics import RouterMetrics
+from splitserve.runtime.failure import Failure
 
 
 def _setup(capacity=2, **kw):

@@ -14,7 +14,7 @@ import pytest
 
 from splitserve.router import api_keys
 from splitserve.router.api_keys import ApiKeys, read_api_keys, write_api_key_file
-from splitserve.runtime.config import RouterConfig
+from splitserve.router.config import RouterConfig
 
 
 def test_keys_are_read_one_a_line_and_bad_files_say_which_line(tmp_path):

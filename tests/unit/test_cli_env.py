@@ -6,7 +6,8 @@ import pytest
 
 from splitserve import cli
 from splitserve.kvstore.hashing import DEFAULT_BLOCK_SIZE
-from splitserve.runtime.config import NodeConfig, RouterConfig
+from splitserve.router.config import RouterConfig
+from splitserve.runtime.config import NodeConfig
 
 
 @pytest.fixture(autouse=True)

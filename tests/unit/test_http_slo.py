@@ -15,10 +15,9 @@ from aiohttp.test_utils import make_mocked_request
 from support.router_helpers import MODEL
 
 from splitserve.router import http
-from splitserve.router.errors import Failure
 from splitserve.router.openai_api import ApiError, parse_body, request_slo, request_timeout
-from splitserve.router.orchestrator import Step
-from splitserve.router.output import Delta
+from splitserve.router.output import Delta, Step
+from splitserve.runtime.failure import Failure
 from splitserve.runtime.protocol import Usage
 from splitserve.runtime.slo import Slo
 

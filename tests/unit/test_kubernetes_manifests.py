@@ -169,7 +169,7 @@ def test_the_router_mounts_the_token_and_the_api_key_secrets(rendered):
 def test_the_autoscaler_examples_name_real_objects_and_metrics():
     from prometheus_client import generate_latest
 
-    from splitserve.runtime.metrics import PoolPressure, PressureFigures, RouterMetrics
+    from splitserve.router.metrics import PoolPressure, PressureFigures, RouterMetrics
 
     metrics = RouterMetrics()
     pool = PoolPressure(0, 0, 0, 0, 0, 0)

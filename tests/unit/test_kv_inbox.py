@@ -13,7 +13,6 @@ import time
 from collections import Counter
 from types import SimpleNamespace
 
-import grpc
 import pytest
 
 from splitserve.decode_node.header import TransferRefused
@@ -23,6 +22,7 @@ from splitserve.engine.api import RX, KVSides, Reserved, ResInfo
 from splitserve.kvstore import ModelIdentity
 from splitserve.models.sampling_params import SamplingParams
 from splitserve.runtime import counter_names as names
+from splitserve.runtime.failure import Failure
 
 
 class FakeEngine:
@@ -126,7 +126,7 @@ def test_waiting_for_the_same_blocks_ends_at_the_deadline():
         box.receiving[b"h1"] = asyncio.get_running_loop().create_future()  # never done
         with pytest.raises(TransferRefused) as refused:
             await box.wait_for_receiving([b"h1"], deadline=time.monotonic() + 0.05)
-        assert refused.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert refused.value.code == Failure.DEADLINE
 
     asyncio.run(main())
 
@@ -137,7 +137,7 @@ def test_a_prompt_larger_than_the_node_is_refused_at_once():
         hashes = [bytes([i]) for i in range(8)]  # 8 full blocks and a partial one: 9 > 8
         with pytest.raises(TransferRefused) as refused:
             await box.reserve_blocks("r", hashes, 8 * 16 + 3, deadline=None)
-        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert refused.value.code == Failure.REFUSED
         assert "needs 9 KV blocks" in str(refused.value)
 
     asyncio.run(main())
@@ -158,7 +158,7 @@ def test_a_short_pool_past_the_deadline_is_refused():
         box, _ = inbox(FakeEngine(free_after=10**6))
         with pytest.raises(TransferRefused) as refused:
             await box.reserve_blocks("r", [b"a"], 16, deadline=time.monotonic() + 0.1)
-        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert refused.value.code == Failure.REFUSED
 
     asyncio.run(main())
 

@@ -29,6 +29,7 @@ from splitserve.models.tiny import write_random_checkpoint
 from splitserve.prefill_node import shipper as shipper_module
 from splitserve.prefill_node.shipper import KVShipper, ShipError
 from splitserve.runtime import counter_names as names
+from splitserve.runtime.failure import Failure
 from splitserve.v1 import nodes_pb2
 
 BS, NBYTES = 16, 64
@@ -134,14 +135,14 @@ def test_a_decode_node_holding_every_full_block_gets_only_the_end(monkeypatch):
 @pytest.mark.parametrize(
     ("options", "code"),
     [
-        (dict(answer=False), grpc.StatusCode.UNAVAILABLE),  # closed before answering
-        (dict(confirm=False), grpc.StatusCode.INTERNAL),  # never confirmed
+        (dict(answer=False), Failure.UNAVAILABLE),  # closed before answering
+        (dict(confirm=False), Failure.INTERNAL),  # never confirmed
     ],
 )
 def test_a_decode_node_that_breaks_off_is_a_ship_error(monkeypatch, options, code):
     error, shipper, call = ship(list(range(BS + 1)), [3, 4], monkeypatch, missing=[0], **options)
-    assert isinstance(error, ShipError) and error.code() == code
-    assert "decode node d:1" in error.details()
+    assert isinstance(error, ShipError) and error.code == code
+    assert "decode node d:1" in error.message
     assert call.cancelled and shipper.counters[names.TRANSFERS_FAILED] == 1
 
 

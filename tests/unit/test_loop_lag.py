@@ -11,8 +11,9 @@ import pytest
 from router_fakes import FakeNodes, all_given_back
 from test_router_stages import collect, front_for
 
-from splitserve.router.errors import Failure, GenerateError
+from splitserve.router.errors import GenerateError
 from splitserve.router.loop_lag import WINDOW, LoopLag
+from splitserve.runtime.failure import Failure
 
 
 def test_the_probe_measures_a_loop_that_was_held():

@@ -29,8 +29,9 @@ from splitserve.engine.loop import AsyncEngine
 from splitserve.kvstore import BlockPool
 from splitserve.kvstore.kv_cache_manager import PrefixCacheStats
 from splitserve.prefill_node.service import PrefillService
+from splitserve.router.metrics import RouterMetrics
 from splitserve.runtime import counter_names
-from splitserve.runtime.metrics import LoadFigures, NodeCollector, RouterMetrics
+from splitserve.runtime.metrics import LoadFigures, NodeCollector
 from splitserve.transfer import PATHS
 
 

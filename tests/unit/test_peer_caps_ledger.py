@@ -10,12 +10,12 @@ import contextlib
 import random
 from collections import Counter
 
-import grpc
 import pytest
 
 from splitserve.decode_node.header import TransferRefused
 from splitserve.decode_node.peer_caps import MAX_PEER_ID_CHARS, PeerCaps, PeerLimits
 from splitserve.runtime import counter_names as names
+from splitserve.runtime.failure import Failure
 
 
 def caps(max_transfers: int = 2, max_blocks: int = 10) -> PeerCaps:
@@ -27,7 +27,7 @@ def test_a_peer_at_its_transfer_cap_is_refused_and_another_peer_is_not():
     held = [c.admit("p0", 1), c.admit("p0", 1)]
     with pytest.raises(TransferRefused) as refused:
         c.admit("p0", 1)
-    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert refused.value.code == Failure.REFUSED
     assert "--max-transfers-per-peer" in str(refused.value) and "'p0'" in str(refused.value)
     assert c.counters[names.TRANSFERS_REFUSED_PEER_TRANSFERS] == 1
     other = c.admit("p1", 1)
@@ -44,7 +44,7 @@ def test_a_peer_over_its_block_cap_is_refused_but_its_first_transfer_always_pass
     big = c.admit("p0", 25)  # larger than the cap, but alone: let through
     with pytest.raises(TransferRefused) as refused:
         c.admit("p0", 1)
-    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert refused.value.code == Failure.REFUSED
     assert "--max-kv-share-per-peer" in str(refused.value)
     assert c.counters[names.TRANSFERS_REFUSED_PEER_BLOCKS] == 1
     c.admit("p1", 10).release()  # another peer has its own share
@@ -90,4 +90,4 @@ def test_bad_limits_and_peer_ids_are_clear_errors():
     assert PeerLimits.of_node(3, 0.001, 10).max_blocks == 1  # never a cap of no block
     with pytest.raises(TransferRefused) as refused:
         caps().admit("x" * (MAX_PEER_ID_CHARS + 1), 1)
-    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.code == Failure.INVALID

@@ -18,7 +18,7 @@ from splitserve.planner.cli import policy_from
 from splitserve.planner.loop import Planner
 from splitserve.planner.policy import AIM, Bounds, Counts, Figures, PoolFigures, aim
 from splitserve.planner.scrape import Scraper, quantile
-from splitserve.runtime.metrics import PoolPressure, PressureFigures, RouterMetrics
+from splitserve.router.metrics import PoolPressure, PressureFigures, RouterMetrics
 from splitserve.runtime.slo import Slo
 
 

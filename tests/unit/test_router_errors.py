@@ -1,4 +1,4 @@
-"""The router's failures (router/errors.Failure) and their one mapping to gRPC (router/status.py):
+"""Failures (runtime/failure.Failure) and their one mapping to gRPC (runtime/status.py):
 every failure names a gRPC status, every status a node may send reads as a failure, and /metrics
 counts an ending under the status name (not the failure's own name)."""
 
@@ -8,11 +8,11 @@ import time
 
 import grpc
 
-from splitserve.router.errors import UNREACHABLE, Failure
-from splitserve.router.observe import RequestObserver
+from splitserve.router.metrics import RouterMetrics
 from splitserve.router.openai_api import HTTP_STATUS, ApiError
-from splitserve.router.status import from_grpc, to_grpc
-from splitserve.runtime.metrics import RouterMetrics
+from splitserve.router.output import RequestObserver
+from splitserve.runtime.failure import UNREACHABLE, Failure
+from splitserve.runtime.status import from_grpc, to_grpc
 
 
 def test_every_failure_is_a_grpc_status_and_back():

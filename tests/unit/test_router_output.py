@@ -1,15 +1,24 @@
-"""The router's output path without nodes: incremental detokenizer and stop strings."""
+"""The router's output step without nodes: incremental detokenizer, stop strings, the usage on the
+last step and the request metrics it feeds."""
 
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Sequence
 
 import pytest
 from support.router_helpers import EOS, TOKENIZER, byte_ids
 
-from splitserve.router.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from splitserve.router.output import OutputAssembler
+from splitserve.router.metrics import RouterMetrics
+from splitserve.router.output import (
+    IncrementalDetokenizer,
+    RequestObserver,
+    RequestOutput,
+    StopStringMatcher,
+    tokenizers_decode,
+)
+from splitserve.runtime.protocol import Usage
 
 SAMPLE_TEXT = "héllo wörld — 日本語 🚀 ok"
 
@@ -56,12 +65,17 @@ def test_flush_surfaces_an_incomplete_character_at_the_end():
 # --- stop strings -----------------------------------------------------------------------------
 
 
+def output_step(stop: Sequence[str], metrics: RouterMetrics | None = None) -> RequestOutput:
+    observer = RequestObserver(metrics or RouterMetrics(), time.monotonic())
+    return RequestOutput(TOKENIZER, stop, Usage(7, 3, 0, 0.01), observer)
+
+
 def run_assembler(ids: Sequence[int], stop: Sequence[str], batch: int = 1, finish="length"):
-    out = OutputAssembler(TOKENIZER, stop)
+    out = output_step(stop)
     deltas = []
     for i in range(0, len(ids), batch):
         last = i + batch >= len(ids)
-        deltas.append(out.add(ids[i : i + batch], finish_reason=finish if last else ""))
+        deltas.append(out.add(ids[i : i + batch], finish_reason=finish if last else "").delta)
         if out.finished:
             break
     return out, deltas
@@ -77,11 +91,30 @@ def test_stop_string_across_token_boundaries_is_cut_and_stops_the_request():
 
 
 def test_text_that_might_start_a_stop_string_is_held_back_until_ruled_out():
-    out = OutputAssembler(TOKENIZER, ["wxyz", "bcd"])
-    assert "".join(out.add([t]).text for t in byte_ids("abc wx")) == "abc "  # "wx" may go on
-    assert out.add(byte_ids("q")).text == "wxq"
-    assert out.add(byte_ids("wx"), finish_reason="length").text == "wx"  # released at finish
+    out = output_step(["wxyz", "bcd"])
+    assert "".join(out.add([t]).delta.text for t in byte_ids("abc wx")) == "abc "  # may go on
+    assert out.add(byte_ids("q")).delta.text == "wxq"
+    assert out.add(byte_ids("wx"), finish_reason="length").delta.text == "wx"  # at finish
     assert out.finish_reason == "length"
+
+
+def test_the_last_step_carries_the_usage_and_the_metrics_see_every_step():
+    metrics = RouterMetrics()
+    out = output_step(["!"], metrics)
+    steps = [out.add(byte_ids("ab")), out.add(byte_ids("c")), out.add(byte_ids("d!e"))]
+    assert [s.usage for s in steps[:2]] == [None, None]
+    assert steps[2].usage == Usage(7, 3, 5, 0.01)  # "!" completed the stop string; "e" not
+    assert "".join(s.delta.text for s in steps) == "abcd"
+
+    def value(name: str) -> float:
+        got = metrics.registry.get_sample_value(name)
+        assert got is not None, name
+        return got
+
+    assert value("splitserve_time_to_first_token_seconds_count") == 1
+    assert value("splitserve_inter_token_latency_seconds_count") == 3  # "c", "d" and "!"
+    assert value("splitserve_generation_tokens_total") == 5
+    assert value("splitserve_prompt_tokens_total") == 7
 
 
 def test_stop_string_with_a_multibyte_character_split_across_tokens():
@@ -137,8 +170,6 @@ def test_stop_matcher_without_stop_strings_holds_nothing_back():
 def test_the_fast_decode_gives_transformers_text_for_any_ids():
     """The detokenizer decodes with the tokenizers library directly when transformers' decode is
     exactly that; random ids (bytes that do not form UTF-8, special tokens) give the same text."""
-    from splitserve.router.detokenizer import tokenizers_decode
-
     fast = tokenizers_decode(TOKENIZER)
     assert fast is not None  # the embedded byte-level tokenizer is a fast one
     rng = random.Random(7)
@@ -149,8 +180,6 @@ def test_the_fast_decode_gives_transformers_text_for_any_ids():
 
 
 def test_a_tokenizer_with_its_own_decode_is_not_bypassed():
-    from splitserve.router.detokenizer import tokenizers_decode
-
     class Custom(type(TOKENIZER)):
         def _decode(self, token_ids, **kwargs):
             return "custom"

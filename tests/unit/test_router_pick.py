@@ -1,14 +1,14 @@
 """The router's node choice: least loaded, cache-aware within the imbalance guard, down nodes;
-and the route choice (disaggregated or direct, router.route)."""
+and the route choice (disaggregated or direct, router.dispatch.choose_route)."""
 
 from __future__ import annotations
 
 import pytest
 
 from splitserve.kvstore.redis_index import Held
+from splitserve.router.dispatch import DIRECT, DISAGGREGATED, RoutePolicy, choose_route
 from splitserve.router.pool import MAX_IMBALANCE, NodePool, prompt_tokens_to_compute
 from splitserve.router.prefix import CachedPrefix, block_worth
-from splitserve.router.route import DIRECT, DISAGGREGATED, RoutePolicy, choose_route
 
 
 class FakeClock:

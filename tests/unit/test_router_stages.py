@@ -1,7 +1,7 @@
 """The router's request path, stage by stage, against scripted nodes (``router_fakes``: no
 processes, no sockets): ``PrefillStage``, ``DirectStage``, ``DecodeStage`` / ``DecodeSession``,
-``Orchestrator`` over a ``Dispatcher``, and ``RequestFront`` as ``router.assembly.build_front``
-wires them; then requests cancelled at random moments (seeded: a failure says how to repeat its
+``RequestFront`` over a ``Dispatcher``, alone and as ``router.assembly.build_front`` wires
+them; then requests cancelled at random moments (seeded: a failure says how to repeat its
 draws), after which every slot, queued token and KV ledger entry the router took is given back.
 
 The same path over real gRPC servers on loopback: tests/cluster/test_router_unit.py."""
@@ -19,18 +19,18 @@ from support.router_helpers import MODEL, request
 
 from splitserve.kvstore.redis_index import Held
 from splitserve.router.assembly import build_front
-from splitserve.router.decode_stage import DecodeStage
-from splitserve.router.direct import DirectStage
+from splitserve.router.config import RouterConfig
+from splitserve.router.decode_stage import DecodeStage, DirectStage
 from splitserve.router.dispatch import Dispatcher
-from splitserve.router.errors import Failure, GenerateError
+from splitserve.router.errors import GenerateError
 from splitserve.router.first_token import FirstToken, Tried
+from splitserve.router.front import RequestFront
 from splitserve.router.kv_budget import KVDemand
-from splitserve.router.orchestrator import Orchestrator
+from splitserve.router.metrics import RouterMetrics
 from splitserve.router.prefill_stage import PrefillStage
 from splitserve.router.prefix import CachedPrefix
 from splitserve.router.request import GenerateParams, parse_request
-from splitserve.runtime.config import RouterConfig
-from splitserve.runtime.metrics import RouterMetrics
+from splitserve.runtime.failure import Failure
 
 BS = 16
 
@@ -293,35 +293,51 @@ def test_a_session_charges_its_output_to_the_kv_ledger_and_gives_it_all_back():
     asyncio.run(main())
 
 
-# ------------------------------------------------------------------ Orchestrator / RequestFront
+# ------------------------------------------------------------------ RequestFront
 
 
-def test_the_orchestrator_joins_the_stages_and_closes_the_session_whatever_ends_it():
+class Served:
+    """What the front tells admission at a request's end (``Admission.note_served``)."""
+
+    def __init__(self) -> None:
+        self.served: list[float] = []
+        self.decoded: list[float] = []
+
+    def check_arrival(self, *args) -> None:
+        pass
+
+    def note_served(self, seconds: float) -> None:
+        self.served.append(seconds)
+
+    def note_decoded(self, seconds: float) -> None:
+        self.decoded.append(seconds)
+
+
+def test_the_front_joins_the_stages_and_closes_the_session_whatever_ends_it():
     async def main():
         nodes = FakeNodes(max_delay_s=0.01)
         registry = FakeRegistry(nodes)
         prefill, decode = PrefillStage(registry, BS), DecodeStage(registry)
-        dispatch = Dispatcher(
-            registry, RouterMetrics(), prefill, DirectStage(), decode, block_size=BS
-        )
-        served: list[float] = []
-        orchestrator = Orchestrator(MODEL, dispatch, on_served=served.append)
-        start = time.monotonic()
-        steps = [s async for s in orchestrator.run(params("abc"), start, start + 5)]
+        metrics = RouterMetrics()
+        dispatch = Dispatcher(registry, metrics, prefill, DirectStage(), decode, block_size=BS)
+        config = RouterConfig("unused", ("p",), ("d",))
+        told = Served()
+        front = RequestFront(config, MODEL, dispatch, metrics, told)  # pyright: ignore
+        steps = await collect(front, prompt="abc")
         assert "".join(s.delta.text for s in steps) == "cba"
         assert [s.usage is None for s in steps] == [True] * (len(steps) - 1) + [False]
         assert steps[-1].usage is not None and steps[-1].usage.completion_tokens == 4
-        assert len(served) == 1 and served[0] >= 0
+        assert len(told.served) == 1 and told.served[0] >= 0 and len(told.decoded) == 1
         assert not all_given_back(registry)
 
-        run = orchestrator.run(params("abcdefghij", max_tokens=20), start, start + 5)
+        run = front.run(request(prompt="abcdefghij", sampling={"max_tokens": 20}), "c", 5)
         await anext(run)  # the first token: the decode is started
         await anext(run)
         await run.aclose()  # the client left
         assert not all_given_back(registry)
         await asyncio.sleep(0.1)
         assert len(nodes.decode_cancelled) == 1 and not nodes.held
-        assert len(served) == 1  # not served, and not cut off by its deadline
+        assert len(told.served) == 1  # not served, and not cut off by its deadline
 
     asyncio.run(main())
 
@@ -513,8 +529,8 @@ def test_requests_cancelled_at_random_moments_give_back_everything(rng: random.R
 
 
 def front_admission(front):
-    """The admission queue behind a front (through the orchestrator's dispatcher)."""
-    return front._orchestrator._dispatch._admission
+    """The admission queue behind a front."""
+    return front._admission
 
 
 def test_first_token_finishing_the_request_on_p_opens_no_decode_and_releases_nothing():

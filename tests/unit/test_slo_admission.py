@@ -19,7 +19,8 @@ from splitserve.router.admission import (
     PROBE_S,
     Admission,
 )
-from splitserve.router.errors import Failure, GenerateError
+from splitserve.router.errors import GenerateError
+from splitserve.router.metrics import RouterMetrics
 from splitserve.router.pool import NodePool
 from splitserve.router.predictor import (
     MIN_SAMPLES,
@@ -30,7 +31,7 @@ from splitserve.router.predictor import (
     TTFTPrediction,
     TTFTPredictor,
 )
-from splitserve.runtime.metrics import RouterMetrics
+from splitserve.runtime.failure import Failure
 from splitserve.runtime.slo import Slo
 
 

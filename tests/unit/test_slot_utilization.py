@@ -23,7 +23,8 @@ from splitserve.models.loader import load_model
 from splitserve.models.runner import ModelRunner, RunnerConfig
 from splitserve.models.sampling_params import SamplingParams
 from splitserve.models.tiny import write_random_checkpoint
-from splitserve.runtime.metrics import LoadFigures, NodeCollector, RouterMetrics
+from splitserve.router.metrics import RouterMetrics
+from splitserve.runtime.metrics import LoadFigures, NodeCollector
 
 BS = 16
 ROOT = ModelIdentity("m", block_size=BS).root_hash

@@ -1,12 +1,11 @@
-"""The one mapping between the router's failures (``router/errors.py``) and gRPC status codes:
-the gRPC front answers with ``to_grpc``; the stages that call nodes read a node's status with
-``from_grpc``."""
+"""The one mapping between failures (``runtime/failure.py``) and gRPC status codes: servicers
+answer with ``to_grpc``; clients read a peer's status with ``from_grpc``."""
 
 from __future__ import annotations
 
 import grpc
 
-from splitserve.router.errors import Failure
+from splitserve.runtime.failure import Failure
 
 
 def to_grpc(failure: Failure) -> grpc.StatusCode:
