@@ -34,17 +34,16 @@ from splitserve.router.loop_lag import LoopLag
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.output import RequestObserver, RequestOutput, Step
 from splitserve.router.request import (
+    GenerateInput,
     GenerateParams,
     InvalidRequest,
     ModelInfo,
     parse_request,
-    request_slo,
 )
 from splitserve.runtime import tracing
 from splitserve.runtime.failure import Failure
 from splitserve.runtime.protocol import Usage
 from splitserve.runtime.slo import Slo
-from splitserve.v1 import router_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +84,7 @@ class RequestFront:
 
     async def run(
         self,
-        request: router_pb2.GenerateRequest,
+        request: GenerateInput,
         client: str,
         time_remaining: float | None = None,
         trace: Mapping[str, str] | None = None,
@@ -131,7 +130,7 @@ class RequestFront:
             if self._admission is not None:
                 self._admission.check_arrival(deadline, slo, client, start)
             try:
-                if request.WhichOneof("prompt") == "token_ids":  # nothing to tokenize: at once
+                if request.token_ids is not None:  # nothing to tokenize: at once
                     params = parse_request(request, self.model)
                 else:  # off the event loop: tokenizing a long text takes long
                     params = await asyncio.to_thread(parse_request, request, self.model)
@@ -267,13 +266,10 @@ class RequestFront:
         elif now >= deadline - DEADLINE_SLACK_S:
             self._admission.note_served(now - admitted_at)
 
-    def _slo(self, request: router_pb2.GenerateRequest, time_remaining: float | None) -> Slo | None:
+    def _slo(self, request: GenerateInput, time_remaining: float | None) -> Slo | None:
         """The request's targets: its own bounds, the router's ``--slo`` for those it left
         unset, the TTFT one no later than the client's deadline."""
-        try:
-            own = request_slo(request)
-        except InvalidRequest as exc:
-            raise GenerateError(Failure.INVALID, str(exc)) from None
+        own = request.slo
         slo = own.within(self._default_slo) if own is not None else self._default_slo
         if time_remaining is not None:
             slo = (slo or Slo()).capped(max(time_remaining, 0.0))
@@ -288,7 +284,7 @@ class RequestFront:
 
     async def complete(
         self,
-        request: router_pb2.GenerateRequest,
+        request: GenerateInput,
         client: str,
         time_remaining: float | None = None,
         trace: Mapping[str, str] | None = None,

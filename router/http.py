@@ -41,10 +41,9 @@ from splitserve.router.openai_api import (
     request_timeout,
 )
 from splitserve.router.output import Step
-from splitserve.router.request import ModelInfo
+from splitserve.router.request import GenerateInput, ModelInfo
 from splitserve.runtime import tracing
 from splitserve.runtime.failure import Failure
-from splitserve.v1 import router_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -269,7 +268,7 @@ class HttpFront:
         (the others are cancelled). ``deadline``: the client's (``time.monotonic()``; None:
         the router's --request-timeout-s alone)."""
 
-        def run(request: router_pb2.GenerateRequest):
+        def run(request: GenerateInput):
             left = None if deadline is None else deadline - time.monotonic()
             return self._front.run(request, client, time_remaining=left, trace=trace)
 
@@ -280,7 +279,7 @@ class HttpFront:
             return
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(index: int, request: router_pb2.GenerateRequest) -> None:
+        async def pump(index: int, request: GenerateInput) -> None:
             try:
                 async with contextlib.aclosing(run(request)) as steps:
                     async for _, step in steps:

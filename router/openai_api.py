@@ -1,5 +1,5 @@
 """OpenAI's JSON in: a ``/v1/completions`` or ``/v1/chat/completions`` body becomes one
-``GenerateRequest`` per choice (prompts x ``n``); errors go out in OpenAI's error JSON (the
+``GenerateInput`` per choice (prompts x ``n``); errors go out in OpenAI's error JSON (the
 response objects are ``router.http``'s). Plain functions, no I/O (``router.http`` serves them).
 
 Value checks stay where the gRPC API has them (``router.request``): this module only checks what
@@ -8,16 +8,19 @@ JSON can get wrong (types, shapes, unsupported fields) and names the field in it
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from splitserve.router.request import ModelInfo
+from splitserve.models.sampling_params import SamplingParams
+from splitserve.router.request import GenerateInput, ModelInfo
 from splitserve.runtime.failure import Failure
+from splitserve.runtime.protocol import sampling_from_proto
 from splitserve.runtime.slo import SLO_SYNTAX, Slo
-from splitserve.v1 import common_pb2, router_pb2
+from splitserve.v1 import common_pb2
 
 MAX_CHOICES = 128  # prompts x n in one HTTP request
 # The request's own SLO, in Slo.parse's syntax (the body's "slo" wins where both set a bound),
@@ -112,10 +115,10 @@ class ApiError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class ApiRequest:
-    """A checked HTTP request: one GenerateRequest per choice, and how to answer."""
+    """A checked HTTP request: one GenerateInput per choice, and how to answer."""
 
     chat: bool
-    requests: list[router_pb2.GenerateRequest]  # choice i is requests[i]
+    requests: list[GenerateInput]  # choice i is requests[i]
     n: int  # choices per prompt
     stream: bool
     include_usage: bool
@@ -149,7 +152,7 @@ def _noop(value: Any, allowed: tuple) -> bool:
     )
 
 
-def _prompts(body: dict) -> list[router_pb2.GenerateRequest]:
+def _prompts(body: dict) -> list[GenerateInput]:
     """/v1/completions' ``prompt``: a text, token ids, or a list of either."""
     prompt = body.get("prompt")
     if isinstance(prompt, str) or (_int_list(prompt) and prompt):
@@ -161,9 +164,9 @@ def _prompts(body: dict) -> list[router_pb2.GenerateRequest]:
     out = []
     for p in prompt:
         if isinstance(p, str):
-            out.append(router_pb2.GenerateRequest(text=p))
+            out.append(GenerateInput(text=p))
         elif _int_list(p):
-            out.append(router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=p)))
+            out.append(GenerateInput(token_ids=tuple(p)))
         else:
             raise ApiError.bad(
                 "each prompt must be a string or a list of token ids (ints >= 0)", "prompt"
@@ -193,21 +196,22 @@ def _content(message: dict, i: int) -> str:
     raise ApiError.bad(f"messages[{i}].content must be a string or a list of parts", "messages")
 
 
-def _conversation(body: dict) -> router_pb2.GenerateRequest:
+def _conversation(body: dict) -> GenerateInput:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError.bad("messages must be a non-empty list of {role, content}", "messages")
-    chat = router_pb2.ChatMessages()
+    chat = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError.bad(f"messages[{i}] must be an object with a role", "messages")
-        role = CHAT_ROLE_ALIASES.get(m["role"], m["role"])
-        chat.messages.add(role=role, content=_content(m, i))
-    return router_pb2.GenerateRequest(messages=chat)
+        chat.append((CHAT_ROLE_ALIASES.get(m["role"], m["role"]), _content(m, i)))
+    return GenerateInput(messages=tuple(chat))
 
 
-def _sampling(body: dict, chat: bool, model: ModelInfo) -> common_pb2.SamplingParams:
-    sampling = common_pb2.SamplingParams()
+def _sampling(body: dict, chat: bool, model: ModelInfo, logprobs: bool) -> SamplingParams:
+    """The body's sampling fields, each checked for its JSON type here and for its range by
+    ``SamplingParams`` (the message names the field either way)."""
+    sampling = common_pb2.SamplingParams(logprobs=logprobs)
     names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
     max_tokens = next((body[n] for n in names if body.get(n) is not None), None)
     if max_tokens is None:
@@ -231,7 +235,10 @@ def _sampling(body: dict, chat: bool, model: ModelInfo) -> common_pb2.SamplingPa
         if not _int_list(stop_ids):
             raise ApiError.bad("stop_token_ids must be a list of token ids", "stop_token_ids")
         sampling.stop_token_ids.extend(stop_ids)
-    return sampling
+    try:
+        return sampling_from_proto(sampling)
+    except ValueError as exc:
+        raise ApiError.bad(str(exc)) from None
 
 
 def _logprobs(body: dict, chat: bool) -> bool:
@@ -340,9 +347,8 @@ def parse_body(
         stop = [stop]
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise ApiError.bad("stop must be a string or a list of strings", "stop")
-    sampling = _sampling(body, chat, model)
     logprobs = _logprobs(body, chat)
-    sampling.logprobs = logprobs
+    sampling = _sampling(body, chat, model, logprobs)
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ApiError.bad("stream_options must be an object", "stream_options")
@@ -355,17 +361,19 @@ def parse_body(
     requests = []
     for i, prompt in enumerate(prompts):
         for j in range(n):
-            r = router_pb2.GenerateRequest()
-            r.CopyFrom(prompt)
-            r.sampling.CopyFrom(sampling)
-            if n > 1 and sampling.HasField("seed"):  # choices differ, reproducibly
-                r.sampling.seed = (sampling.seed + j) % 2**64
-            r.stop.extend(stop or ())
-            r.cache_salt = salt
-            if slo is not None:
-                r.slo.ttft_s, r.slo.tpot_s = slo.ttft_s or 0.0, slo.tpot_s or 0.0
-            r.request_id = rid if len(prompts) * n == 1 else f"{rid}-{i * n + j}"
-            requests.append(r)
+            choice = sampling
+            if n > 1 and sampling.seed is not None:  # choices differ, reproducibly
+                choice = dataclasses.replace(sampling, seed=(sampling.seed + j) % 2**64)
+            request = dataclasses.replace(
+                prompt,
+                request_id=rid if len(prompts) * n == 1 else f"{rid}-{i * n + j}",
+                sampling=choice,
+                max_tokens_set=True,  # OpenAI's defaults are set above
+                stop=tuple(stop or ()),
+                cache_salt=salt,
+                slo=slo,
+            )
+            requests.append(request)
     return ApiRequest(
         chat=chat,
         requests=requests,

@@ -1,4 +1,6 @@
-"""Turning a public ``GenerateRequest`` into a checked plain request, before any node is asked."""
+"""A public request as either front received it (``GenerateInput``: plain values, no protobuf),
+checked and tokenized into what the router sends on (``GenerateParams``) before any node is
+asked."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import logging
 import sys
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +18,7 @@ from typing import Any
 import splitserve.settings as settings
 from splitserve.kvstore.hashing import MAX_SALT_CHARS
 from splitserve.models.sampling_params import SamplingParams
-from splitserve.runtime.protocol import sampling_from_proto
 from splitserve.runtime.slo import Slo
-from splitserve.v1 import router_pb2
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024  # per stop string: matching holds back and scans up to this much text
@@ -95,6 +95,24 @@ class ModelInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class GenerateInput:
+    """A public request as a front received it, not yet checked: the gRPC servicer makes it from
+    a ``GenerateRequest`` (``router.service.input_of``), the HTTP front from OpenAI's JSON
+    (``router.openai_api.parse_body``). The prompt is ``token_ids`` when set, else ``messages``
+    when set (a chat: (role, content) pairs), else ``text``."""
+
+    request_id: str = ""  # "": the router makes one
+    text: str = ""
+    token_ids: tuple[int, ...] | None = None
+    messages: tuple[tuple[str, str], ...] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens_set: bool = False  # False: max_tokens is the default, "as many as fit"
+    stop: tuple[str, ...] = ()
+    cache_salt: str = ""
+    slo: Slo | None = None  # the request's own targets (the router's --slo fills the rest)
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateParams:
     """A checked request: what the router sends on to the nodes."""
 
@@ -105,21 +123,20 @@ class GenerateParams:
     cache_salt: str
 
 
-def parse_request(request: router_pb2.GenerateRequest, model: ModelInfo) -> GenerateParams:
+def parse_request(request: GenerateInput, model: ModelInfo) -> GenerateParams:
     """Check and tokenize ``request``; raise ``InvalidRequest`` on any user mistake."""
-    kind = request.WhichOneof("prompt")
-    if kind == "token_ids":
-        token_ids = tuple(request.token_ids.ids)
+    if request.token_ids is not None:
+        token_ids = request.token_ids
         field = "token_ids"
-        bad = [(i, t) for i, t in enumerate(token_ids) if t >= model.vocab_size]
+        bad = [(i, t) for i, t in enumerate(token_ids) if not 0 <= t < model.vocab_size]
         if bad:
             i, t = bad[0]
             raise InvalidRequest(
                 f"token_ids.ids[{i}] = {t} is not a token of this model: ids must be in "
                 f"[0, {model.vocab_size}) ({len(bad)} bad id(s))"
             )
-    elif kind == "messages":
-        token_ids = chat_token_ids(request.messages.messages, model)
+    elif request.messages is not None:
+        token_ids = chat_token_ids(request.messages, model)
         field = "messages"
     else:
         tokenizer = model.need_tokenizer("a text prompt")
@@ -147,14 +164,10 @@ def parse_request(request: router_pb2.GenerateRequest, model: ModelInfo) -> Gene
             raise InvalidRequest(f"stop[{i}] is an empty string: remove it")
         if len(s) > MAX_STOP_CHARS:
             raise InvalidRequest(f"stop[{i}] has {len(s)} characters; at most {MAX_STOP_CHARS}")
-    try:
-        sampling = sampling_from_proto(request.sampling)
-    except ValueError as exc:
-        raise InvalidRequest(str(exc)) from None
+    sampling = request.sampling
     room = model.max_model_len - len(token_ids)
     if sampling.max_tokens > room:
-        explicit = request.sampling.HasField("max_tokens")
-        if explicit and sampling.max_tokens != model.max_model_len:
+        if request.max_tokens_set and sampling.max_tokens != model.max_model_len:
             raise InvalidRequest(
                 f"this model's maximum context length is {model.max_model_len} tokens; you "
                 f"requested {len(token_ids) + sampling.max_tokens} ({len(token_ids)} in the "
@@ -173,19 +186,7 @@ def parse_request(request: router_pb2.GenerateRequest, model: ModelInfo) -> Gene
     )
 
 
-def request_slo(request: router_pb2.GenerateRequest) -> Slo | None:
-    """The request's ``slo`` as sent: None when it has none or leaves both bounds 0 (unset);
-    ``InvalidRequest`` on a negative or non-finite bound. Needs no tokenizer: the front reads it
-    before parsing the prompt (a request refused for its SLO is never tokenized)."""
-    if not request.HasField("slo"):
-        return None
-    try:
-        return Slo.checked(request.slo.ttft_s, request.slo.tpot_s)
-    except ValueError as exc:
-        raise InvalidRequest(f"{exc}, or 0 to leave it unset") from None
-
-
-def chat_token_ids(messages: Sequence[router_pb2.ChatMessage], model: ModelInfo) -> tuple[int, ...]:
+def chat_token_ids(messages: Sequence[tuple[str, str]], model: ModelInfo) -> tuple[int, ...]:
     """A conversation rendered with the tokenizer's chat template (the assistant's turn
     prompted), then tokenized as is: the template writes any special tokens itself."""
     tokenizer = model.need_tokenizer("a chat request")
@@ -198,12 +199,12 @@ def chat_token_ids(messages: Sequence[router_pb2.ChatMessage], model: ModelInfo)
         raise InvalidRequest("messages is empty: give at least one message")
     if len(messages) > MAX_CHAT_MESSAGES:
         raise InvalidRequest(f"messages has {len(messages)} entries; at most {MAX_CHAT_MESSAGES}")
-    for i, m in enumerate(messages):
-        if m.role not in CHAT_ROLES:
+    for i, (role, _) in enumerate(messages):
+        if role not in CHAT_ROLES:
             raise InvalidRequest(
-                f"messages[{i}].role is {m.role[:32]!r}: it must be one of {', '.join(CHAT_ROLES)}"
+                f"messages[{i}].role is {role[:32]!r}: it must be one of {', '.join(CHAT_ROLES)}"
             )
-    conversation = [{"role": m.role, "content": m.content} for m in messages]
+    conversation = [{"role": role, "content": content} for role, content in messages]
     try:
         text = tokenizer.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=True

@@ -17,10 +17,11 @@ from splitserve.router.api_keys import ApiKeys
 from splitserve.router.errors import GenerateError
 from splitserve.router.front import CLIENT_KEY, RequestFront
 from splitserve.router.output import Delta, Step
-from splitserve.router.request import GenerateParams
+from splitserve.router.request import GenerateInput, GenerateParams, InvalidRequest
 from splitserve.runtime import tracing
 from splitserve.runtime.failure import Failure
-from splitserve.runtime.protocol import usage_to_proto
+from splitserve.runtime.protocol import sampling_from_proto, usage_to_proto
+from splitserve.runtime.slo import Slo
 from splitserve.runtime.status import to_grpc
 from splitserve.v1 import router_pb2, router_pb2_grpc
 
@@ -54,12 +55,24 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED)
         return client  # pyright: ignore[reportReturnType] (abort raises)
 
+    async def _input(
+        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> GenerateInput:
+        """The request as plain values; a value out of range ends the call here."""
+        try:
+            return input_of(request)
+        except InvalidRequest as exc:
+            self.front.count_refused(Failure.INVALID)
+            await context.abort(to_grpc(Failure.INVALID), str(exc))
+            raise  # (abort raises)
+
     async def Generate(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
         trace = tracing.carrier_of(context.invocation_metadata())
         client = await self._client(context)
-        steps = self.front.run(request, client, context.time_remaining(), trace)
+        plain = await self._input(request, context)
+        steps = self.front.run(plain, client, context.time_remaining(), trace)
         try:
             async with contextlib.aclosing(steps):
                 async for params, step in steps:
@@ -71,9 +84,10 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.GenerateResponse:
         client = await self._client(context)
+        plain = await self._input(request, context)
         try:
             params, steps = await self.front.complete(
-                request,
+                plain,
                 client,
                 context.time_remaining(),
                 tracing.carrier_of(context.invocation_metadata()),
@@ -97,6 +111,35 @@ async def _abort(context: grpc.aio.ServicerContext, exc: GenerateError) -> NoRet
             (("grpc-retry-pushback-ms", str(int(exc.retry_after_s * 1000))),)
         )
     await context.abort(to_grpc(exc.code), exc.message)
+
+
+def input_of(request: router_pb2.GenerateRequest) -> GenerateInput:
+    """A ``GenerateRequest`` as plain values; ``InvalidRequest`` naming the field when a sampling
+    value or an SLO bound is out of range."""
+    try:
+        sampling = sampling_from_proto(request.sampling)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+    slo = None
+    if request.HasField("slo"):  # a bound of 0 is unset; both 0: none
+        try:
+            slo = Slo.checked(request.slo.ttft_s, request.slo.tpot_s)
+        except ValueError as exc:
+            raise InvalidRequest(f"{exc}, or 0 to leave it unset") from None
+    kind = request.WhichOneof("prompt")
+    return GenerateInput(
+        request_id=request.request_id,
+        text=request.text,
+        token_ids=tuple(request.token_ids.ids) if kind == "token_ids" else None,
+        messages=tuple((m.role, m.content) for m in request.messages.messages)
+        if kind == "messages"
+        else None,
+        sampling=sampling,
+        max_tokens_set=request.sampling.HasField("max_tokens"),
+        stop=tuple(request.stop),
+        cache_salt=request.cache_salt,
+        slo=slo,
+    )
 
 
 def client_of(context: grpc.aio.ServicerContext) -> str:

@@ -10,7 +10,7 @@ import asyncio
 
 import grpc
 from support.held_node import HeldNode
-from support.router_helpers import request
+from support.router_helpers import request_message
 
 from splitserve.router.config import RouterConfig
 from splitserve.router.request import ModelInfo
@@ -73,7 +73,7 @@ def test_two_routers_share_one_nodes_slots_without_over_admitting(tmp_path):
                 stub = router_pb2_grpc.RouterServiceStub(channel)
                 prompt = list(range(5 + i, 20 + i))
                 sampling = {"max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0.0}
-                req = request(prompt_token_ids=prompt, sampling=sampling)
+                req = request_message(prompt_token_ids=prompt, sampling=sampling)
                 messages = [m async for m in stub.Generate(req, timeout=120)]
                 return [t for m in messages for t in m.token_ids]
 
@@ -130,7 +130,7 @@ def test_a_stream_opened_before_the_node_was_known_to_lease_starts_asking(tmp_pa
                     if i == 1:
                         await registry.check_all()  # the node is verified: it grants leases
                         assert registry.decode.nodes[0].lease is not None
-                    req = request(prompt_token_ids=list(range(5, 20)), sampling=sampling)
+                    req = request_message(prompt_token_ids=list(range(5, 20)), sampling=sampling)
                     reply = await stub.Complete(req, timeout=30)
                     assert len(reply.token_ids) == MAX_TOKENS
             finally:

@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 from support.relay import serve_relay
-from support.router_helpers import EOS, MODEL, TOKENIZER, byte_ids, request
+from support.router_helpers import EOS, MODEL, TOKENIZER, byte_ids, request_message
 
 from splitserve.router.config import RouterConfig
 from splitserve.router.server import start_router
@@ -168,7 +168,7 @@ async def with_cluster(
 
 
 async def collect(stub, **kwargs):
-    return [msg async for msg in stub.Generate(request(**kwargs), timeout=10)]
+    return [msg async for msg in stub.Generate(request_message(**kwargs), timeout=10)]
 
 
 def test_router_relays_prefill_then_decode_with_text_and_usage():
@@ -217,7 +217,7 @@ def test_stop_string_ends_the_stream_and_cancels_the_decode_call():
 def test_client_cancel_reaches_the_decode_node():
     async def test(stub, cluster, registry):
         cluster.decode_delay_s = 0.05
-        call = stub.Generate(request(prompt="z" * 30, sampling={"max_tokens": 30}))
+        call = stub.Generate(request_message(prompt="z" * 30, sampling={"max_tokens": 30}))
         await call.read()
         call.cancel()
         for _ in range(50):
@@ -336,7 +336,7 @@ def test_short_prompts_go_direct_and_long_ones_through_prefill():
 def test_a_cancelled_direct_stream_reaches_the_decode_node():
     async def test(stub, cluster, registry):
         cluster.decode_delay_s = 0.05
-        call = stub.Generate(request(prompt="z" * 30, sampling={"max_tokens": 30}))
+        call = stub.Generate(request_message(prompt="z" * 30, sampling={"max_tokens": 30}))
         await call.read()
         call.cancel()
         for _ in range(50):
@@ -352,7 +352,9 @@ def test_a_cancelled_direct_stream_reaches_the_decode_node():
 def test_client_deadline_reaches_the_nodes():
     async def test(stub, cluster, registry):
         cluster.decode_delay_s = 0.1
-        call = stub.Generate(request(prompt="q" * 30, sampling={"max_tokens": 30}), timeout=0.4)
+        call = stub.Generate(
+            request_message(prompt="q" * 30, sampling={"max_tokens": 30}), timeout=0.4
+        )
         with pytest.raises(grpc.aio.AioRpcError) as err:
             _ = [msg async for msg in call]
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from splitserve.models.tiny import build_byte_tokenizer
-from splitserve.router.request import ModelInfo
+from splitserve.router.request import GenerateInput, ModelInfo
+from splitserve.router.service import input_of
 from splitserve.v1 import common_pb2, router_pb2
 
 TOKENIZER = build_byte_tokenizer()
@@ -15,8 +16,15 @@ def byte_ids(text: str) -> list[int]:
     return list(text.encode())
 
 
-def request(**kwargs) -> router_pb2.GenerateRequest:
-    """A public request; ``prompt``/``prompt_token_ids`` as the client SDK names them."""
+def request(**kwargs) -> GenerateInput:
+    """A public request as the gRPC front hands it on (``router.service.input_of``: it raises
+    ``InvalidRequest`` on a sampling value or SLO bound out of range);
+    ``prompt``/``prompt_token_ids`` as the client SDK names them."""
+    return input_of(request_message(**kwargs))
+
+
+def request_message(**kwargs) -> router_pb2.GenerateRequest:
+    """The ``GenerateRequest`` a client sends."""
     sampling = kwargs.pop("sampling", {})
     if "prompt" in kwargs:
         kwargs["text"] = kwargs.pop("prompt")

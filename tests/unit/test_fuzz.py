@@ -23,6 +23,7 @@ from splitserve.models.loader import load_model
 from splitserve.models.runner import ModelRunner, RunnerConfig
 from splitserve.models.tiny import write_random_checkpoint
 from splitserve.router.request import InvalidRequest, parse_request
+from splitserve.router.service import input_of
 from splitserve.v1 import common_pb2, nodes_pb2, router_pb2
 
 FAST = settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
@@ -74,7 +75,7 @@ def test_parse_request_accepts_or_refuses_cleanly(text, ids, use_ids, stop, salt
     else:
         request.text = text
     try:
-        params = parse_request(request, MODEL)
+        params = parse_request(input_of(request), MODEL)
     except InvalidRequest:
         return
     assert 0 < len(params.prompt_token_ids) <= MODEL.max_prompt_tokens
@@ -89,7 +90,7 @@ def test_raw_bytes_never_parse_into_an_unchecked_request(data):
     except DecodeError:
         return  # answered INVALID_ARGUMENT by the interceptor (tests/cluster/test_malformed.py)
     with contextlib.suppress(InvalidRequest):
-        parse_request(request, MODEL)
+        parse_request(input_of(request), MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
-from support.router_helpers import MODEL, TOKENIZER, request
+from support.router_helpers import MODEL, TOKENIZER, request, request_message
 
-from splitserve.router.request import InvalidRequest, parse_request, request_slo
+from splitserve.router.request import InvalidRequest, parse_request
+from splitserve.router.service import input_of
 from splitserve.runtime.slo import Slo
 from splitserve.v1 import router_pb2
 
@@ -60,12 +61,12 @@ def test_good_request_is_tokenized_with_defaults_filled_in():
 def test_the_requests_own_slo_is_read_and_zero_leaves_a_bound_unset(rng):
     ttft, tpot = rng.uniform(0.05, 30), rng.uniform(0.001, 1)
     both = request(prompt="hi", slo=router_pb2.Slo(ttft_s=ttft, tpot_s=tpot))
-    assert request_slo(both) == Slo(ttft, tpot)
+    assert both.slo == Slo(ttft, tpot)
     only_tpot = request(prompt="hi", slo=router_pb2.Slo(tpot_s=tpot))
-    assert request_slo(only_tpot) == Slo(None, tpot)
-    assert request_slo(request(prompt="hi")) is None  # none sent
-    empty = request(prompt="hi", slo=router_pb2.Slo())  # present, both 0: nothing bounded
-    assert empty.HasField("slo") and request_slo(empty) is None
+    assert only_tpot.slo == Slo(None, tpot)
+    assert request(prompt="hi").slo is None  # none sent
+    empty = request_message(prompt="hi", slo=router_pb2.Slo())  # present, both 0: unbounded
+    assert empty.HasField("slo") and input_of(empty).slo is None
 
 
 @pytest.mark.parametrize(
@@ -78,4 +79,4 @@ def test_the_requests_own_slo_is_read_and_zero_leaves_a_bound_unset(rng):
 )
 def test_a_bad_slo_is_rejected_with_a_message_naming_the_bound(slo, named):
     with pytest.raises(InvalidRequest, match=f"{named}: give a positive number.*0 to leave"):
-        request_slo(request(prompt="hi", slo=router_pb2.Slo(**slo)))
+        request(prompt="hi", slo=router_pb2.Slo(**slo))
