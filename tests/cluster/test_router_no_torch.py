@@ -14,7 +14,6 @@ from support.processes import start_router
 
 from splitserve.models.tiny import write_random_checkpoint
 from splitserve.router.request import ModelInfo, chat_token_ids
-from splitserve.v1 import router_pb2
 
 TEXTS = ["Hello world", "  two  spaces\tand a tab", "accents: é ü ß, 中文, emoji 🙂", ""]
 CHAT = [("system", "Be brief."), ("user", "What is 2+2?"), ("assistant", "4"), ("user", "and 3?")]
@@ -25,11 +24,10 @@ import json, sys
 from splitserve.router.no_torch import keep_torch_out
 assert keep_torch_out()
 from splitserve.router.request import ModelInfo, chat_token_ids
-from splitserve.v1 import router_pb2
 texts, chat = json.loads(sys.argv[2]), json.loads(sys.argv[3])
 model = ModelInfo.load(sys.argv[1])
 tok = model.tokenizer
-messages = [router_pb2.ChatMessage(role=r, content=c) for r, c in chat]
+messages = [(r, c) for r, c in chat]
 ids = [tok(t).input_ids for t in texts]
 print(json.dumps({
     "torch": "torch" in sys.modules and sys.modules["torch"] is not None,
@@ -44,7 +42,7 @@ print(json.dumps({
 def _with_torch(path: Path) -> dict:
     model = ModelInfo.load(path)
     tok = model.tokenizer
-    messages = [router_pb2.ChatMessage(role=r, content=c) for r, c in CHAT]
+    messages = [(r, c) for r, c in CHAT]
     ids = [tok(t).input_ids for t in TEXTS]
     return {
         "torch": False,
