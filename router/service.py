@@ -56,22 +56,24 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         return client  # pyright: ignore[reportReturnType] (abort raises)
 
     async def _input(
-        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: router_pb2.GenerateRequest, client: str, context: grpc.aio.ServicerContext
     ) -> GenerateInput:
-        """The request as plain values; a value out of range ends the call here."""
+        """The request as plain values; a value out of range ends the call here, counted and
+        logged as the front counts and logs the refusals it makes."""
         try:
             return input_of(request)
         except InvalidRequest as exc:
             self.front.count_refused(Failure.INVALID)
-            await context.abort(to_grpc(Failure.INVALID), str(exc))
-            raise  # (abort raises)
+            rid = request.request_id or "-"
+            logger.info("request %s from %s: %s %s", rid, client, Failure.INVALID.value, exc)
+            await _abort(context, GenerateError(Failure.INVALID, str(exc)))
 
     async def Generate(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
         trace = tracing.carrier_of(context.invocation_metadata())
         client = await self._client(context)
-        plain = await self._input(request, context)
+        plain = await self._input(request, client, context)
         steps = self.front.run(plain, client, context.time_remaining(), trace)
         try:
             async with contextlib.aclosing(steps):
@@ -84,7 +86,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.GenerateResponse:
         client = await self._client(context)
-        plain = await self._input(request, context)
+        plain = await self._input(request, client, context)
         try:
             params, steps = await self.front.complete(
                 plain,
