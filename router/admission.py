@@ -42,7 +42,7 @@ from splitserve.router.errors import GenerateError
 from splitserve.router.fair_queue import FairQueue
 from splitserve.router.kv_budget import KVDemand
 from splitserve.router.metrics import REFUSAL_REASONS, RouterMetrics
-from splitserve.router.pool import NodePool
+from splitserve.router.pool import DecodePool, NodePool
 from splitserve.router.predictor import (
     MAX_CLIENT_MARGINS,
     PrefillLoad,
@@ -127,7 +127,7 @@ class Admitted(NamedTuple):
 class Admission:
     def __init__(
         self,
-        decode: NodePool,
+        decode: DecodePool,
         metrics: RouterMetrics,
         max_waiting: int = 4096,
         max_wait_s: float = 300.0,

@@ -10,7 +10,7 @@ from splitserve.kvstore.redis_index import PrefixIndex
 from splitserve.router.admission import Admission
 from splitserve.router.config import RouterConfig
 from splitserve.router.decode_stage import DecodeStage, DirectStage
-from splitserve.router.dispatch import Dispatcher, RoutePolicy
+from splitserve.router.dispatch import Dispatcher, DispatchPolicy, Stages
 from splitserve.router.front import RequestFront
 from splitserve.router.loop_lag import LoopLag
 from splitserve.router.metrics import RouterMetrics
@@ -31,7 +31,13 @@ def build_front(
     """The request path over ``registry``'s pools (``index``: the prefix index, if any;
     ``metrics``: where its figures go, a fresh set if None)."""
     metrics = metrics or RouterMetrics()
-    policy = RoutePolicy(config.direct_prefill_tokens, config.direct_prefill_backlog_tokens)
+    policy = DispatchPolicy(
+        config.direct_prefill_tokens,
+        config.direct_prefill_backlog_tokens,
+        config.max_attempts,
+        config.block_size,
+        config.decode_kv_reserve_tokens,
+    )
     lookup = PrefixLookup(index, config.block_size) if index is not None else None
     # NOTE: with --direct-prefill-backlog-tokens, backlogged prefill nodes are a reason to go
     # direct, not to wait: requests then wait for decode room only.
@@ -56,19 +62,9 @@ def build_front(
         registry,
         on_first_decode=metrics.stage_seconds.labels(stage="first_decode", path="").observe,
     )
-    dispatch = Dispatcher(
-        registry,
-        metrics,
-        PrefillStage(registry, config.block_size, on_computed=computed),
-        DirectStage(),
-        decode,
-        max_attempts=config.max_attempts,
-        block_size=config.block_size,
-        lookup=lookup,
-        admission=admission,
-        policy=policy,
-        kv_reserve_tokens=config.decode_kv_reserve_tokens,
-    )
+    prefill = PrefillStage(registry, config.block_size, on_computed=computed)
+    stages = Stages(prefill, DirectStage(), decode)
+    dispatch = Dispatcher(registry, metrics, stages, policy, lookup, admission)
     loop_lag = LoopLag()  # measured once the router runs it (router.server)
     metrics.loop_lag.set_function(lambda: loop_lag.seconds)
     return RequestFront(config, model, dispatch, metrics, admission, loop_lag)

@@ -23,7 +23,7 @@ import grpc
 from splitserve.router.errors import GenerateError
 from splitserve.router.first_token import FirstToken, Tried
 from splitserve.router.kv_budget import KVDemand
-from splitserve.router.pool import Node, NodePool
+from splitserve.router.pool import DecodeNode, DecodePool
 from splitserve.router.registry import NodeRegistry
 from splitserve.router.relay import RelayCall, RelayChannel
 from splitserve.router.request import GenerateParams
@@ -51,7 +51,7 @@ class DecodeStage:
         # Seconds from a decode command's start to its first tokens (the stage histogram's).
         self.on_first_decode = on_first_decode
         self._background: set[asyncio.Task[None]] = set()
-        self._channels: dict[Node, RelayChannel] = {}  # each decode node's Relay stream
+        self._channels: dict[DecodeNode, RelayChannel] = {}  # each decode node's Relay stream
         # Leases (decode_node.leases): a node that grants them gets this router's want and use
         # on its stream, at most every LEASE_TELL_S while the load moves; the streams of such
         # nodes are kept open from the health checker's round (no share without one).
@@ -59,7 +59,7 @@ class DecodeStage:
         registry.decode.on_load = self._load_changed
         registry.on_checked = self.keep_lease_streams
 
-    def _channel(self, node: Node) -> RelayChannel:
+    def _channel(self, node: DecodeNode) -> RelayChannel:
         """``node``'s Relay stream, opened if it has none: the one way its tokens come. A request
         started on a stream still opening waits in it (its command goes once the node answers;
         a stream that fails to open fails its requests as the node's failure)."""
@@ -68,7 +68,7 @@ class DecodeStage:
             channel = self._open_channel(node)
         return channel
 
-    def _open_channel(self, node: Node) -> RelayChannel:
+    def _open_channel(self, node: DecodeNode) -> RelayChannel:
         channel = self._channels[node] = RelayChannel(
             node,
             self._registry.decode_stub(node),
@@ -104,7 +104,7 @@ class DecodeStage:
             else:  # e.g. opened by a request before the node was verified: it asks now
                 channel.tell_lease()
 
-    def lease_of(self, node: Node) -> tuple[int, int] | None:
+    def lease_of(self, node: DecodeNode) -> tuple[int, int] | None:
         """(want, used) of ``node`` for this router, in parts per million (None: the node is
         not known to grant leases): it uses its requests' share; it wants all it may fill while
         requests wait for room, else what it uses and LEASE_SLACK more."""
@@ -124,21 +124,23 @@ class DecodeStage:
         for channel in self._channels.values():
             channel.tell_lease()
 
-    def claim(self, node: Node, demand: KVDemand | None, node_request_id: str) -> DecodeSession:
+    def claim(
+        self, node: DecodeNode, demand: KVDemand | None, node_request_id: str
+    ) -> DecodeSession:
         """Count a request in flight on ``node`` (a slot and ``demand``'s KV ledger charge) until
         the session's ``close``: the one place a decode node's count is taken."""
         pool = self._registry.decode
         pool.acquire(node, demand=demand)
         return DecodeSession(self, pool, node, demand, node_request_id)
 
-    def open(self, node: Node, node_request_id: str, deadline: float) -> RelayCall:
+    def open(self, node: DecodeNode, node_request_id: str, deadline: float) -> RelayCall:
         """Start decoding a transferred request on D at once (so that it overlaps with relaying
         the first token), on D's Relay stream; read it with ``read``, and always ``close`` it."""
         command = nodes_pb2.RelayCommand(decode=nodes_pb2.DecodeRequest(request_id=node_request_id))
         return self._channel(node).start(command, node_request_id, deadline, first_alone=False)
 
     def open_direct(
-        self, node: Node, request: nodes_pb2.GenerateOnNodeRequest, deadline: float
+        self, node: DecodeNode, request: nodes_pb2.GenerateOnNodeRequest, deadline: float
     ) -> RelayCall:
         """The direct route: the whole request on D (prefill and decode there), on D's Relay
         stream; read it with ``read`` (the first read is the first token alone), and always
@@ -146,13 +148,13 @@ class DecodeStage:
         command = nodes_pb2.RelayCommand(generate=request)
         return self._channel(node).start(command, request.request_id, deadline, first_alone=True)
 
-    def release(self, node: Node, node_request_id: str) -> None:
+    def release(self, node: DecodeNode, node_request_id: str) -> None:
         """Free a transferred request's KV on D that no decode command will claim, without
         waiting for D's transfer deadline: D's ``Release``, in the background (the client has its
         answer)."""
         self._in_background(self._release(node, node_request_id))
 
-    async def _release(self, node: Node, node_request_id: str) -> None:
+    async def _release(self, node: DecodeNode, node_request_id: str) -> None:
         stub = self._registry.decode_stub(node)
         try:
             await stub.Release(
@@ -178,7 +180,9 @@ class DecodeStage:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def error(self, node: Node, code: Failure, details: str, deadline: float) -> GenerateError:
+    def error(
+        self, node: DecodeNode, code: Failure, details: str, deadline: float
+    ) -> GenerateError:
         """What the client hears of a request's stream on D failing with ``code`` (D is marked
         down if unreachable)."""
         if code == Failure.DEADLINE and time.monotonic() >= deadline:
@@ -218,8 +222,8 @@ class DecodeSession:
     def __init__(
         self,
         stage: DecodeStage,
-        pool: NodePool,
-        node: Node,
+        pool: DecodePool,
+        node: DecodeNode,
         demand: KVDemand | None,
         request_id: str,
     ) -> None:

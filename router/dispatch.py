@@ -30,7 +30,7 @@ from splitserve.router.errors import GenerateError
 from splitserve.router.first_token import FirstToken, Tried
 from splitserve.router.kv_budget import KVDemand
 from splitserve.router.metrics import RouterMetrics
-from splitserve.router.pool import Node, NodePool, prompt_tokens_to_compute
+from splitserve.router.pool import DecodeNode, N, Node, NodePool, prompt_tokens_to_compute
 from splitserve.router.prefill_stage import PrefillStage
 from splitserve.router.prefix import CachedPrefix, PrefixLookup
 from splitserve.router.registry import NodeRegistry
@@ -60,18 +60,32 @@ DIRECT = "direct"
 DISAGGREGATED = "disaggregated"
 
 
-class RoutePolicy(NamedTuple):
+class DispatchPolicy(NamedTuple):
+    """The dispatcher's settings (``RouterConfig``'s). The defaults go direct only when no
+    prefill node is usable."""
+
     direct_prefill_tokens: int = 0  # uncached prompt tokens at most this: direct (0: never)
     direct_prefill_backlog_tokens: int = 0  # every P at least this backlogged: direct (0: never)
+    max_attempts: int = 3  # attempts per request, each on other nodes where it can
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_reserve_tokens: int = 256  # output tokens a request's KV demand reserves up front
 
 
-NO_DIRECT = RoutePolicy()  # direct only when no prefill node is usable
+DEFAULT_POLICY = DispatchPolicy()
+
+
+class Stages(NamedTuple):
+    """What an attempt runs: P's prefill and transfer, or D's direct prefill; then D's decode."""
+
+    prefill: PrefillStage
+    direct: DirectStage
+    decode: DecodeStage
 
 
 def choose_route(
-    policy: RoutePolicy,
+    policy: DispatchPolicy,
     prefill: NodePool,
-    decode_node: Node,
+    decode_node: DecodeNode,
     cached: Mapping[str, float],
     prompt_tokens: int,
     block_size: int,
@@ -116,29 +130,21 @@ class Dispatcher:
         self,
         registry: NodeRegistry,
         metrics: RouterMetrics,
-        prefill: PrefillStage,
-        direct: DirectStage,
-        decode: DecodeStage,
-        max_attempts: int = 3,
-        block_size: int = DEFAULT_BLOCK_SIZE,
+        stages: Stages,
+        policy: DispatchPolicy = DEFAULT_POLICY,
         lookup: PrefixLookup | None = None,
         admission: Admission | None = None,
-        policy: RoutePolicy = NO_DIRECT,
-        kv_reserve_tokens: int = 256,
     ) -> None:
-        if max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        if policy.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {policy.max_attempts}")
         self._registry = registry
         self._metrics = metrics
-        self._prefill = prefill
-        self._direct = direct
-        self._decode = decode
-        self._max_attempts = max_attempts
-        self._block_size = block_size
+        self._prefill, self._direct, self._decode = stages
+        self._policy = policy
+        self._max_attempts = policy.max_attempts
+        self._block_size = policy.block_size
         self._lookup = lookup
         self._admission = admission  # requests wait there while the pools are full
-        self._policy = policy
-        self._kv_reserve_tokens = kv_reserve_tokens  # router.kv_budget's up-front output
 
     async def run(
         self,
@@ -170,7 +176,7 @@ class Dispatcher:
             params.cache_salt,
             params.sampling.max_tokens,
             self._block_size,
-            self._kv_reserve_tokens,
+            self._policy.kv_reserve_tokens,
             hashes,
         )
         n_prompt = len(params.prompt_token_ids)
@@ -257,7 +263,7 @@ class Dispatcher:
     async def _attempt(
         self,
         params: GenerateParams,
-        pair: tuple[Node | None, Node],
+        pair: tuple[Node | None, DecodeNode],
         demand: KVDemand,
         cached: CachedPrefix,
         tried: Tried,
@@ -302,7 +308,7 @@ class Dispatcher:
 
     def _choose_decode(
         self, tried: Tried, cached: CachedPrefix, demand: KVDemand, tpot_s: float | None
-    ) -> Node:
+    ) -> DecodeNode:
         d = _choose(self._registry.decode, tried, cached, demand=demand, tpot_s=tpot_s)
         if d is None:
             raise _none_reachable(self._registry.decode)
@@ -364,14 +370,14 @@ def _none_reachable(pool: NodePool) -> GenerateError:
 
 
 def _choose(
-    pool: NodePool,
+    pool: NodePool[N],
     tried: Tried,
     cached: CachedPrefix,
     prompt_tokens: int | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
     demand: KVDemand | None = None,
     tpot_s: float | None = None,
-) -> Node | None:
+) -> N | None:
     """A node not yet tried by this request if any, else one that only refused (full)."""
     args = (cached, prompt_tokens, block_size, demand, tpot_s)
     return pool.pick(tried.unreachable | tried.busy, *args) or pool.pick(tried.unreachable, *args)

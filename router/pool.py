@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import grpc
 
@@ -27,12 +28,12 @@ MAX_IMBALANCE = 2  # a node with the prefix is preferred while its in-flight cou
 
 @dataclass(slots=True, eq=False)  # identity semantics: nodes go in sets
 class Node:
-    """One prefill or decode node. ``in_flight`` counts router requests using it right now."""
+    """A node as the router sees it: its health, the router's requests on it and the prompt
+    tokens they make it compute. A prefill node is one; a decode node (``DecodeNode``) computes
+    prompts too, on the direct route. ``in_flight`` counts router requests using it now."""
 
     address: str
-    role: str  # "prefill" or "decode"
     in_flight: int = 0
-    queued_tokens: int = 0  # prefill: prompt tokens its in-flight requests must compute there
     down_until: float = 0.0  # clock time before which the node is skipped
     last_error: str = ""
     channel: grpc.aio.Channel | None = field(default=None, repr=False)
@@ -40,25 +41,15 @@ class Node:
     verified: bool = False  # its model identity was checked against the router's
     rejected: str = ""  # why it is never routed to (a model identity mismatch)
     leaving: bool = False  # left the registry (draining) while requests were still in flight
-    capacity: int | None = None  # decode: router requests it may hold at once (None: no limit)
-    slots: int | None = None  # decode: its max_num_seqs, once its GetStats answered
-    full_slots: float = 0.0  # decode: requests it may hold for all routers (slots x overcommit)
-    share: float = 1.0  # decode: the most of it this router fills (--capacity-share)
-    # decode: the share its lease grants (router.relay; None: the node grants none, ``share``
-    # applies alone); 0 until granted
-    lease: float | None = None
-    # decode: the KV blocks this router's requests there will need (router.kv_budget)
-    kv: KVLedger = field(default_factory=KVLedger, repr=False)
-    # prefill: prompt tokens of this router's requests it may have to compute at once (None: no
-    # limit): beyond it requests wait in the router's queue, not in the node's
-    max_queued_tokens: int | None = None
     # Set when the health checker finds the node silent: calls waiting on it give up then.
     stalled: asyncio.Event | None = field(default=None, repr=False)
     silent_probes: int = 0  # health checks failed in a row
-    # prefill: prompt tokens it computes per busy second (admission's TTFT prediction)
+    queued_tokens: int = 0  # prompt tokens its in-flight requests must compute there
+    # prompt tokens of this router's requests it may have to compute at once (None: no limit):
+    # beyond it requests wait in the router's queue, not in the node's
+    max_queued_tokens: int | None = None
+    # prompt tokens it computes per busy second (admission's TTFT prediction)
     rate: BusyRate = field(default_factory=BusyRate, repr=False)
-    # decode: its requests' time per output token against how many it holds (router.predictor)
-    tpot: TPOTLine = field(default_factory=TPOTLine, repr=False)
     # seconds per block a load from each of its KV tiers takes, as it measured them (GetStats):
     # what a prefix held there is worth (router.prefix.CachedPrefix)
     tier_block_load_s: dict[str, float] = field(default_factory=dict, repr=False)
@@ -66,24 +57,6 @@ class Node:
     def prefill_tokens_per_s(self) -> float | None:
         """Prompt tokens it computes per busy second, as measured here (None: not yet)."""
         return self.rate.rate()
-
-    def apply_share(self) -> None:
-        """Decode: set the capacity and the KV budget from the share this router may fill now
-        (its lease's where the node grants one, never above ``share``)."""
-        share = self.share if self.lease is None else min(self.share, self.lease)
-        self.kv.share = share
-        if self.full_slots:
-            capacity = int(self.full_slots * share)
-            self.capacity = capacity if self.lease is not None else max(1, capacity)
-
-    def used_share(self) -> float:
-        """Decode: the share of the node this router's requests hold (slots or KV blocks,
-        whichever is more), out of the whole node's."""
-        used = self.in_flight / self.full_slots if self.full_slots else 0.0
-        whole = self.kv.whole()
-        if whole:
-            used = max(used, self.kv.used / whole)
-        return min(used, 1.0)
 
     def stall_signal(self) -> asyncio.Event:
         if self.stalled is None:
@@ -93,10 +66,58 @@ class Node:
     def has_room(
         self, demand: KVDemand | None = None, work: int = 0, tpot_s: float | None = None
     ) -> bool:
-        """Room for one more request: a sequence slot and, with ``demand``, its KV blocks
-        (decode); with ``tpot_s``, a batch one larger still predicted within that time per
-        output token (decode; an idle node always has room); with ``work``, that many prompt
-        tokens to compute (prefill; a node with nothing queued always has room)."""
+        """Room for ``work`` more prompt tokens (a node with nothing queued always has room).
+        ``demand`` and ``tpot_s`` are a decode node's (``DecodeNode.has_room``)."""
+        limit = self.max_queued_tokens
+        if work and limit is not None and self.queued_tokens > 0:
+            return self.queued_tokens + work <= limit
+        return True
+
+    def is_up(self, now: float) -> bool:
+        return now >= self.down_until
+
+
+@dataclass(slots=True, eq=False)
+class DecodeNode(Node):
+    """A decode node: its sequence slots and KV blocks this router may fill, and its time per
+    output token against its batch."""
+
+    capacity: int | None = None  # router requests it may hold at once (None: no limit)
+    slots: int | None = None  # its max_num_seqs, once its GetStats answered
+    full_slots: float = 0.0  # requests it may hold for all routers (slots x overcommit)
+    share: float = 1.0  # the most of it this router fills (--capacity-share)
+    # the share its lease grants (router.relay; None: the node grants none, ``share`` applies
+    # alone); 0 until granted
+    lease: float | None = None
+    # the KV blocks this router's requests there will need (router.kv_budget)
+    kv: KVLedger = field(default_factory=KVLedger, repr=False)
+    # its requests' time per output token against how many it holds (router.predictor)
+    tpot: TPOTLine = field(default_factory=TPOTLine, repr=False)
+
+    def apply_share(self) -> None:
+        """Set the capacity and the KV budget from the share this router may fill now (its
+        lease's where the node grants one, never above ``share``)."""
+        share = self.share if self.lease is None else min(self.share, self.lease)
+        self.kv.share = share
+        if self.full_slots:
+            capacity = int(self.full_slots * share)
+            self.capacity = capacity if self.lease is not None else max(1, capacity)
+
+    def used_share(self) -> float:
+        """The share of the node this router's requests hold (slots or KV blocks, whichever is
+        more), out of the whole node's."""
+        used = self.in_flight / self.full_slots if self.full_slots else 0.0
+        whole = self.kv.whole()
+        if whole:
+            used = max(used, self.kv.used / whole)
+        return min(used, 1.0)
+
+    def has_room(
+        self, demand: KVDemand | None = None, work: int = 0, tpot_s: float | None = None
+    ) -> bool:
+        """Room for one more request: a sequence slot and, with ``demand``, its KV blocks; with
+        ``tpot_s``, a batch one larger still predicted within that time per output token (an
+        idle node always has room); with ``work``, that many prompt tokens (``Node``'s)."""
         if self.capacity is not None and self.in_flight >= self.capacity:
             return False
         if demand is not None and not self.kv.fits(demand):
@@ -105,13 +126,10 @@ class Node:
             predicted = self.tpot.predict(self.in_flight + 1)
             if predicted is not None and predicted > tpot_s:
                 return False
-        limit = self.max_queued_tokens
-        if work and limit is not None and self.queued_tokens > 0:
-            return self.queued_tokens + work <= limit
-        return True
+        return Node.has_room(self, work=work)
 
-    def is_up(self, now: float) -> bool:
-        return now >= self.down_until
+
+N = TypeVar("N", bound=Node)
 
 
 def prompt_tokens_to_compute(prompt_tokens: int, cached_blocks: float, block_size: int) -> int:
@@ -122,8 +140,9 @@ def prompt_tokens_to_compute(prompt_tokens: int, cached_blocks: float, block_siz
     return max(prompt_tokens - round(cached_blocks * block_size), 1)
 
 
-class NodePool:
-    """The nodes of one role and the least-loaded choice among them.
+class NodePool(Generic[N]):
+    """The nodes of one role and the least-loaded choice among them (``PrefillPool``,
+    ``DecodePool``).
 
     ``pick`` returns the up node with the fewest in-flight requests, round-robin among ties,
     skipping ``exclude`` (nodes this request already tried). When no up node is left it falls
@@ -131,33 +150,24 @@ class NodePool:
     and "no node reachable" is reported only after really trying.
     """
 
+    role = ""
+
     def __init__(
         self,
-        role: str,
         addresses: Sequence[str],
         clock: Callable[[], float] = time.monotonic,
         down_s: float = DEFAULT_DOWN_S,
-        kv_headroom: float = 0.0,
-        share: float = 1.0,
     ) -> None:
         if len(set(addresses)) != len(addresses):
-            raise ValueError(f"{role} node addresses repeat: {', '.join(addresses)}")
-        self.role = role
-        self.kv_headroom = kv_headroom  # decode: the KV ledger's headroom (router.kv_budget)
-        self.share = share  # decode: the share of each node's KV this router's ledger fills
-        self.nodes = [self._new_node(address) for address in addresses]
+            raise ValueError(f"{self.role} node addresses repeat: {', '.join(addresses)}")
+        self.nodes: list[N] = [self._new_node(address) for address in addresses]
         self._clock = clock
         self._down_s = down_s
         self._rr = 0
         self.on_release: Callable[[], None] | None = None  # news for whoever waits for room
-        # decode: news that this router's load on the nodes changed (router.decode_stage: the
-        # lease it asks for), and the requests waiting in admission for room
-        self.on_load: Callable[[], None] | None = None
-        self.waiting = 0
 
-    def _new_node(self, address: str, discovered: bool = False) -> Node:
-        kv = KVLedger(self.kv_headroom, self.share)
-        return Node(address, self.role, discovered=discovered, kv=kv, share=self.share)
+    def _new_node(self, address: str, discovered: bool = False) -> N:
+        raise NotImplementedError
 
     def pick(
         self,
@@ -167,7 +177,7 @@ class NodePool:
         block_size: int = DEFAULT_BLOCK_SIZE,
         demand: KVDemand | None = None,
         tpot_s: float | None = None,
-    ) -> Node | None:
+    ) -> N | None:
         """The up node with the fewest in-flight requests; with ``cached`` (address → leading
         blocks of the prompt the node holds), the one holding the longest prefix among those
         within ``MAX_IMBALANCE`` of the least loaded. Round robin among ties.
@@ -215,7 +225,7 @@ class NodePool:
         request has nowhere to go until one registers."""
         return any(not n.rejected and not n.leaving for n in self.nodes)
 
-    def usable(self) -> list[Node]:
+    def usable(self) -> list[N]:
         """The nodes that may take work now (up, not rejected, not leaving)."""
         now = self._clock()
         return [n for n in self.nodes if n.is_up(now) and not n.rejected and not n.leaving]
@@ -256,34 +266,22 @@ class NodePool:
                 logger.info("%s node %s is leaving the registry", self.role, node.address)
                 node.leaving = True
 
-    def acquire(self, node: Node, tokens: int = 0, demand: KVDemand | None = None) -> None:
-        """Count one more in-flight request on ``node`` (and ``tokens`` to compute there, and
-        ``demand``'s KV blocks); pair every call with ``release`` of the same arguments."""
+    def acquire(self, node: N, tokens: int = 0) -> None:
+        """Count one more in-flight request on ``node`` (and ``tokens`` to compute there); pair
+        every call with ``release`` of the same arguments."""
         node.in_flight += 1
         node.queued_tokens += tokens
         if tokens:
             node.rate.start()
-        if demand is not None:
-            node.kv.take(demand)
-        self.load_changed()
 
-    def release(
-        self, node: Node, tokens: int = 0, demand: KVDemand | None = None, computed: int = 0
-    ) -> None:
+    def release(self, node: N, tokens: int = 0, computed: int = 0) -> None:
         """``computed``: prompt tokens the node computed for the request (its busy rate)."""
         node.in_flight -= 1
         node.queued_tokens -= tokens
         if tokens:
             node.rate.end(computed)
-        if demand is not None:
-            node.kv.give_back(demand)
         assert node.in_flight >= 0, f"{node.address}: released more than acquired"
         self.notify_waiters()
-        self.load_changed()
-
-    def load_changed(self) -> None:
-        if self.on_load is not None:
-            self.on_load()
 
     def mark_down(self, node: Node, reason: str, stalled: bool = False) -> None:
         """Skip ``node`` for a while; ``stalled`` (it stopped answering health checks): the
@@ -320,3 +318,58 @@ class NodePool:
             else:
                 parts.append(n.address)
         return ", ".join(parts)
+
+
+class PrefillPool(NodePool[Node]):
+    role = "prefill"
+
+    def _new_node(self, address: str, discovered: bool = False) -> Node:
+        return Node(address, discovered=discovered)
+
+
+class DecodePool(NodePool[DecodeNode]):
+    """The decode nodes, with the KV ledger settings of each and news of this router's load
+    on them (``router.decode_stage``: the lease it asks for)."""
+
+    role = "decode"
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        clock: Callable[[], float] = time.monotonic,
+        down_s: float = DEFAULT_DOWN_S,
+        kv_headroom: float = 0.0,
+        share: float = 1.0,
+    ) -> None:
+        self.kv_headroom = kv_headroom  # the KV ledger's headroom (router.kv_budget)
+        self.share = share  # the share of each node's KV this router's ledger fills
+        super().__init__(addresses, clock, down_s)
+        self.on_load: Callable[[], None] | None = None
+        self.waiting = 0  # requests waiting in admission for room
+
+    def _new_node(self, address: str, discovered: bool = False) -> DecodeNode:
+        kv = KVLedger(self.kv_headroom, self.share)
+        return DecodeNode(address, discovered=discovered, kv=kv, share=self.share)
+
+    def acquire(self, node: DecodeNode, tokens: int = 0, demand: KVDemand | None = None) -> None:
+        """As ``NodePool.acquire``, and ``demand``'s KV blocks charged to the node's ledger."""
+        super().acquire(node, tokens)
+        if demand is not None:
+            node.kv.take(demand)
+        self.load_changed()
+
+    def release(
+        self,
+        node: DecodeNode,
+        tokens: int = 0,
+        computed: int = 0,
+        demand: KVDemand | None = None,
+    ) -> None:
+        if demand is not None:
+            node.kv.give_back(demand)
+        super().release(node, tokens, computed)
+        self.load_changed()
+
+    def load_changed(self) -> None:
+        if self.on_load is not None:
+            self.on_load()

@@ -154,7 +154,8 @@ async def _unless_stalled(
         grpc.StatusCode.UNAVAILABLE,
         grpc.aio.Metadata(),
         grpc.aio.Metadata(),
-        f"{silent.role} node {silent.address} stopped answering health checks",
+        f"{'prefill' if silent is p else 'decode'} node {silent.address} stopped answering "
+        "health checks",
     )
 
 

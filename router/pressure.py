@@ -8,7 +8,7 @@ from collections import deque
 
 from splitserve.router.admission import Admission
 from splitserve.router.metrics import PoolPressure, PressureFigures
-from splitserve.router.pool import NodePool
+from splitserve.router.pool import DecodeNode, DecodePool, PrefillPool
 from splitserve.router.registry import NodeRegistry
 
 RATE_WINDOW_S = 10.0
@@ -53,13 +53,14 @@ class Pressure:
         )
 
 
-def _pool(pool: NodePool) -> PoolPressure:
+def _pool(pool: PrefillPool | DecodePool) -> PoolPressure:
     nodes = pool.usable()
+    decode = [n for n in nodes if isinstance(n, DecodeNode)]
     return PoolPressure(
         nodes=len(nodes),
         in_flight=sum(n.in_flight for n in nodes),
-        slots=sum(n.slots or 0 for n in nodes),
+        slots=sum(n.slots or 0 for n in decode),
         prompt_tokens=sum(n.queued_tokens for n in nodes),
-        kv_blocks_total=sum(n.kv.limit or 0 for n in nodes),
-        kv_blocks_charged=sum(n.kv.used for n in nodes),
+        kv_blocks_total=sum(n.kv.limit or 0 for n in decode),
+        kv_blocks_charged=sum(n.kv.used for n in decode),
     )

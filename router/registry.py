@@ -22,7 +22,13 @@ from redis.exceptions import RedisError
 from splitserve.kvstore import ModelIdentity
 from splitserve.kvstore.host_cache import DISK, HOST, STORE
 from splitserve.kvstore.redis_index import NodeInfo, PrefixIndex
-from splitserve.router.pool import DEFAULT_DOWN_S, Node, NodePool
+from splitserve.router.pool import (
+    DEFAULT_DOWN_S,
+    DecodeNode,
+    DecodePool,
+    Node,
+    PrefillPool,
+)
 from splitserve.runtime import tls
 from splitserve.runtime.auth import call_metadata
 from splitserve.runtime.metrics import LoadFigures
@@ -62,9 +68,9 @@ class NodeRegistry:
         # The most of each node this router fills (--capacity-share: a cap on its decode leases,
         # and prefill nodes' queue bound).
         self.share = share
-        self.prefill = NodePool("prefill", prefill_addresses, down_s=down_s)
-        self.decode = NodePool(
-            "decode", decode_addresses, down_s=down_s, kv_headroom=decode_kv_headroom, share=share
+        self.prefill = PrefillPool(prefill_addresses, down_s=down_s)
+        self.decode = DecodePool(
+            decode_addresses, down_s=down_s, kv_headroom=decode_kv_headroom, share=share
         )
         self.expected_identity = expected_identity
         self._empty_since: dict[str, float] = {}  # role → when the registry first had none
@@ -73,7 +79,7 @@ class NodeRegistry:
         self.closed = False
         self._foreign_reported: set[str] = set()
 
-    def _all(self) -> list[tuple[NodePool, Node]]:
+    def _all(self) -> list[tuple[PrefillPool | DecodePool, Node]]:
         return [(pool, n) for pool in (self.prefill, self.decode) for n in pool.nodes]
 
     def channel(self, node: Node) -> grpc.aio.Channel:
@@ -130,7 +136,7 @@ class NodeRegistry:
         if self.on_checked is not None:
             self.on_checked()
 
-    async def verify(self, pool: NodePool, node: Node) -> None:
+    async def verify(self, pool: PrefillPool | DecodePool, node: Node) -> None:
         """Compare the node's model root hash with the router's: a node started with another
         checkpoint, dtype or block size would hash every prompt differently (prefix hits would
         silently never match) and its KV could not be used by the other nodes."""
@@ -142,7 +148,7 @@ class NodeRegistry:
             return  # checked again on the next round
         node.verified = True
         node.tier_block_load_s = tier_times(stats)
-        if pool.role == "decode" and stats.max_num_seqs:
+        if isinstance(node, DecodeNode) and stats.max_num_seqs:
             node.slots = stats.max_num_seqs
             node.full_slots = stats.max_num_seqs * self.decode_overcommit
             node.kv.num_blocks = stats.num_blocks or None
@@ -233,7 +239,7 @@ class NodeRegistry:
         node's measured tier load times are taken on the way (``Node.tier_block_load_s``)."""
         pairs = [(pool, n) for pool, n in self._all() if not n.rejected]
 
-        async def one(pool: NodePool, node: Node) -> LoadFigures | None:
+        async def one(pool: PrefillPool | DecodePool, node: Node) -> LoadFigures | None:
             try:
                 s = await self.stats(node)
             except grpc.aio.AioRpcError:

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import grpc
 
 from splitserve.router.errors import GenerateError
-from splitserve.router.pool import Node
+from splitserve.router.pool import DecodeNode
 from splitserve.runtime import tracing
 from splitserve.runtime.auth import credentials
 from splitserve.runtime.failure import Failure
@@ -60,12 +60,12 @@ class RelayChannel:
 
     def __init__(
         self,
-        node: Node,
+        node: DecodeNode,
         stub: nodes_pb2_grpc.DecodeNodeServiceStub,
         error_of: ErrorOf,
         on_first_decode: Callable[[float], None] | None,
         on_end: Callable[[RelayChannel], None],
-        lease_of: Callable[[Node], tuple[int, int] | None] | None = None,
+        lease_of: Callable[[DecodeNode], tuple[int, int] | None] | None = None,
         on_grant: Callable[[], None] | None = None,
     ) -> None:
         self.node = node

@@ -283,7 +283,10 @@ def all_given_back(registry: NodeRegistry) -> list[str]:
     """What the router still counts on any node (empty: every slot, queued token and KV ledger
     entry taken was given back)."""
     left = []
-    for node in registry.prefill.nodes + registry.decode.nodes:
+    for node in registry.prefill.nodes:
+        if node.in_flight or node.queued_tokens:
+            left.append(f"{node.address}: {node.in_flight} {node.queued_tokens}")
+    for node in registry.decode.nodes:
         if node.in_flight or node.queued_tokens or node.kv.used:
             left.append(f"{node.address}: {node.in_flight} {node.queued_tokens} {node.kv.used}")
     return left

@@ -13,12 +13,12 @@ from splitserve.router.admission import Admission
 from splitserve.router.errors import GenerateError
 from splitserve.router.kv_budget import KVDemand
 from splitserve.router.metrics import RouterMetrics
-from splitserve.router.pool import NodePool
+from splitserve.router.pool import DecodePool, PrefillPool
 from splitserve.runtime.failure import Failure
 
 
 def _setup(capacity=2, **kw):
-    pool = NodePool("decode", ["d:1"])
+    pool = DecodePool(["d:1"])
     pool.nodes[0].capacity = capacity
     metrics = RouterMetrics()
     return pool, Admission(pool, metrics, **kw), metrics
@@ -137,8 +137,8 @@ def test_a_request_waits_for_kv_blocks_not_only_for_a_slot():
 
 def test_a_request_waits_for_a_prefill_node_with_room():
     async def run():
-        decode = NodePool("decode", ["d:1"])
-        prefill = NodePool("prefill", ["p:1"])
+        decode = DecodePool(["d:1"])
+        prefill = PrefillPool(["p:1"])
         prefill.nodes[0].max_queued_tokens = 1000
         admission = Admission(decode, RouterMetrics(), prefill=prefill)
         far = time.monotonic() + 30
@@ -295,7 +295,7 @@ def test_a_router_with_no_decode_node_yet_holds_a_request_until_one_registers():
     UNAVAILABLE at once), bounded by its deadline; a node that registers lets it go."""
 
     async def run():
-        pool = NodePool("decode", [])
+        pool = DecodePool([])
         admission = Admission(pool, RouterMetrics())
         t0 = time.monotonic()
         entering = asyncio.create_task(admission.enter(t0 + 30))
@@ -305,7 +305,7 @@ def test_a_router_with_no_decode_node_yet_holds_a_request_until_one_registers():
         admitted = await asyncio.wait_for(entering, 5)
         assert admitted.prediction is not None and time.monotonic() - t0 >= 0.2
         # No node ever comes: back to the caller (who answers UNAVAILABLE) at its deadline.
-        empty = NodePool("decode", [])
+        empty = DecodePool([])
         t0 = time.monotonic()
         admitted = await Admission(empty, RouterMetrics()).enter(t0 + 0.3)
         assert admitted.prediction is None and 0.25 <= time.monotonic() - t0 < 2

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from splitserve.kvstore.redis_index import Held
-from splitserve.router.dispatch import DIRECT, DISAGGREGATED, RoutePolicy, choose_route
-from splitserve.router.pool import MAX_IMBALANCE, NodePool, prompt_tokens_to_compute
+from splitserve.router.dispatch import DIRECT, DISAGGREGATED, DispatchPolicy, choose_route
+from splitserve.router.pool import MAX_IMBALANCE, DecodePool, PrefillPool, prompt_tokens_to_compute
 from splitserve.router.prefix import CachedPrefix, block_worth
 
 
@@ -20,7 +20,7 @@ class FakeClock:
 
 
 def test_pick_least_loaded_with_round_robin_among_ties():
-    pool = NodePool("decode", ["a:1", "b:2", "c:3"], clock=FakeClock())
+    pool = DecodePool(["a:1", "b:2", "c:3"], clock=FakeClock())
     a, b, c = pool.nodes
     picked = [pool.pick() for _ in range(6)]
     assert [n.address for n in picked] == ["a:1", "b:2", "c:3"] * 2
@@ -36,7 +36,7 @@ def test_pick_least_loaded_with_round_robin_among_ties():
 
 
 def test_cache_aware_pick_on_decode_keeps_within_the_imbalance_guard():
-    pool = NodePool("decode", ["a:1", "b:2"], clock=FakeClock())
+    pool = DecodePool(["a:1", "b:2"], clock=FakeClock())
     a, b = pool.nodes
     cached = {"a:1": 5}
     for _ in range(MAX_IMBALANCE):
@@ -48,7 +48,7 @@ def test_cache_aware_pick_on_decode_keeps_within_the_imbalance_guard():
 
 
 def test_prefill_pick_weighs_cached_prefix_against_queued_work():
-    pool = NodePool("prefill", ["a:1", "b:2"], clock=FakeClock())
+    pool = PrefillPool(["a:1", "b:2"], clock=FakeClock())
     a, b = pool.nodes
     cached = {"a:1": 18}  # a holds 288 of the prompt's 320 tokens: 32 to compute there
     order = []
@@ -69,7 +69,7 @@ def test_prefill_pick_weighs_cached_prefix_against_queued_work():
 
 def test_down_nodes_are_skipped_then_tried_again():
     clock = FakeClock()
-    pool = NodePool("prefill", ["a:1", "b:2"], clock=clock, down_s=3.0)
+    pool = PrefillPool(["a:1", "b:2"], clock=clock, down_s=3.0)
     a, b = pool.nodes
     pool.acquire(b)  # b is busier, but a is down
     pool.mark_down(a, "UNAVAILABLE: connection refused")
@@ -88,9 +88,9 @@ def test_down_nodes_are_skipped_then_tried_again():
 
 def test_route_direct_without_a_usable_prefill_node_or_for_a_short_uncached_prompt():
     clock = FakeClock()
-    prefill = NodePool("prefill", ["p:1", "p:2"], clock=clock)
-    (d,) = NodePool("decode", ["d:1"], clock=clock).nodes
-    off, short = RoutePolicy(), RoutePolicy(direct_prefill_tokens=32)
+    prefill = PrefillPool(["p:1", "p:2"], clock=clock)
+    (d,) = DecodePool(["d:1"], clock=clock).nodes
+    off, short = DispatchPolicy(), DispatchPolicy(direct_prefill_tokens=32)
 
     def route(policy, n, cached=None, exclude=()):
         return choose_route(policy, prefill, d, cached or {}, n, 16, exclude)
@@ -106,13 +106,13 @@ def test_route_direct_without_a_usable_prefill_node_or_for_a_short_uncached_prom
     assert route(off, 500, exclude=prefill.nodes) == DIRECT
     prefill.mark_down(prefill.nodes[0], "gone")
     assert route(off, 500, exclude=prefill.nodes[1:]) == DIRECT
-    assert choose_route(off, NodePool("prefill", []), d, {}, 500, 16) == DIRECT
+    assert choose_route(off, PrefillPool([]), d, {}, 500, 16) == DIRECT
 
 
 def test_route_direct_when_every_prefill_node_is_backlogged_and_the_decode_node_has_a_slot():
-    prefill = NodePool("prefill", ["p:1", "p:2"])
-    (d,) = NodePool("decode", ["d:1"]).nodes
-    policy = RoutePolicy(direct_prefill_backlog_tokens=1000)
+    prefill = PrefillPool(["p:1", "p:2"])
+    (d,) = DecodePool(["d:1"]).nodes
+    policy = DispatchPolicy(direct_prefill_backlog_tokens=1000)
     p1, p2 = prefill.nodes
     prefill.acquire(p1, 1500)
     assert choose_route(policy, prefill, d, {}, 500, 16) == DISAGGREGATED  # p2 is free
@@ -122,7 +122,7 @@ def test_route_direct_when_every_prefill_node_is_backlogged_and_the_decode_node_
     assert choose_route(policy, prefill, d, {}, 500, 16) == DIRECT
     d.in_flight = 2  # no free batch slot
     assert choose_route(policy, prefill, d, {}, 500, 16) == DISAGGREGATED
-    assert choose_route(RoutePolicy(), prefill, d, {}, 500, 16) == DISAGGREGATED
+    assert choose_route(DispatchPolicy(), prefill, d, {}, 500, 16) == DISAGGREGATED
 
 
 class _Rates:
@@ -158,7 +158,7 @@ def test_prefill_pick_prices_each_tier_against_computing():
     """Two idle prefill nodes hold the same 18 blocks of a 320-token prompt: one in its pool,
     one on a disk slower than computing. The pool's holder takes the prompt; with the disk as
     fast as the pool would be, the choice is a tie (round robin)."""
-    pool = NodePool("prefill", ["a:1", "b:2"], clock=FakeClock())
+    pool = PrefillPool(["a:1", "b:2"], clock=FakeClock())
     a, b = pool.nodes
     held = {"a:1": Held(disk=18), "b:2": Held(device=18)}
     for node in (a, b):

@@ -21,7 +21,7 @@ from splitserve.kvstore.redis_index import Held
 from splitserve.router.assembly import build_front
 from splitserve.router.config import RouterConfig
 from splitserve.router.decode_stage import DecodeStage, DirectStage
-from splitserve.router.dispatch import Dispatcher
+from splitserve.router.dispatch import Dispatcher, DispatchPolicy, Stages
 from splitserve.router.errors import GenerateError
 from splitserve.router.first_token import FirstToken, Tried
 from splitserve.router.front import RequestFront
@@ -319,7 +319,8 @@ def test_the_front_joins_the_stages_and_closes_the_session_whatever_ends_it():
         registry = FakeRegistry(nodes)
         prefill, decode = PrefillStage(registry, BS), DecodeStage(registry)
         metrics = RouterMetrics()
-        dispatch = Dispatcher(registry, metrics, prefill, DirectStage(), decode, block_size=BS)
+        stages = Stages(prefill, DirectStage(), decode)
+        dispatch = Dispatcher(registry, metrics, stages, DispatchPolicy(block_size=BS))
         config = RouterConfig("unused", ("p",), ("d",))
         told = Served()
         front = RequestFront(config, MODEL, dispatch, metrics, told)  # pyright: ignore

@@ -21,7 +21,7 @@ from splitserve.router.admission import (
 )
 from splitserve.router.errors import GenerateError
 from splitserve.router.metrics import RouterMetrics
-from splitserve.router.pool import NodePool
+from splitserve.router.pool import DecodePool, PrefillPool
 from splitserve.router.predictor import (
     MIN_SAMPLES,
     WINDOW,
@@ -148,9 +148,9 @@ def test_tpot_line_predicts_from_recent_batches():
 
 
 def _pools(capacity: int = 1):
-    decode = NodePool("decode", ["d:1"])
+    decode = DecodePool(["d:1"])
     decode.nodes[0].capacity = capacity
-    prefill = NodePool("prefill", ["p:1"])
+    prefill = PrefillPool(["p:1"])
     return decode, prefill
 
 
@@ -160,7 +160,7 @@ def _teach_pace(admission: Admission, per_s: float) -> None:
         admission._departures.append(now - (31 - i) / per_s)
 
 
-def _full_admission(pace_per_s: float) -> tuple[NodePool, RouterMetrics, Admission]:
+def _full_admission(pace_per_s: float) -> tuple[DecodePool, RouterMetrics, Admission]:
     """An admission whose one decode slot is taken (everything queues), taught a pace."""
     decode, prefill = _pools()
     metrics = RouterMetrics()
