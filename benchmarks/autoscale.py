@@ -27,17 +27,15 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
-from splitserve.planner.scrape import parse
+from splitserve.planner.scrape import fetch, parse
 
 ROLES = ("prefill", "decode")
 
 
 def _gauges(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url, timeout=5) as reply:
-        return parse(reply.read().decode())[0]
+    return parse(fetch(url, 5))[0]
 
 
 class Sampler(threading.Thread):

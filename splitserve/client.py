@@ -17,13 +17,14 @@ Breaking out of a stream (or closing it) cancels the request on the server, whic
 KV blocks at once.
 
 Over 300 lines on purpose: ``Client`` and ``AsyncClient`` mirror each other method for method,
-and one file keeps them in step.
+each public signature spelled out, over the module's shared helpers; one file keeps them in step.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -105,6 +106,7 @@ def _build_request(
 
 
 def _chunk(msg: router_pb2.GenerateResponse) -> StreamChunk:
+    """One reply message of the stream, as the SDK hands it out."""
     usage = usage_from_proto(msg.usage) if msg.HasField("usage") else None
     return StreamChunk(
         text=msg.text,
@@ -116,10 +118,37 @@ def _chunk(msg: router_pb2.GenerateResponse) -> StreamChunk:
     )
 
 
+def _result(chunks: Iterable[StreamChunk]) -> GenerateResult:
+    """A whole stream's chunks joined into its result."""
+    collector = Collector()
+    for chunk in chunks:
+        collector.add(chunk)
+    return collector.result()
+
+
 def _error(exc: grpc.RpcError) -> SplitserveError:
     code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
     details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
     return SplitserveError(code, details or code.name)
+
+
+@contextlib.contextmanager
+def _generate_call(
+    stub: router_pb2_grpc.RouterServiceStub,
+    request: router_pb2.GenerateRequest,
+    timeout: float | None,
+    metadata: tuple[tuple[str, str], ...],
+) -> Iterator[Any]:
+    """The Generate call (sync or asyncio, as ``stub``'s channel): a gRPC failure inside raises
+    ``SplitserveError``; leaving cancels the call (a no-op once finished; frees the server's
+    blocks when abandoned)."""
+    call = stub.Generate(request, timeout=timeout, metadata=metadata or None)
+    try:
+        yield call
+    except grpc.RpcError as exc:
+        raise _error(exc) from None
+    finally:
+        call.cancel()
 
 
 API_KEY_ENV = settings.API_KEY.name  # the key a client sends when none is given
@@ -182,14 +211,11 @@ class Client:
         metadata: Sequence[tuple[str, str]] = (),
     ) -> GenerateResult:
         """Run one request to completion. Parameters as ``stream``."""
-        collector = Collector()
-        for chunk in self.stream(
+        return _result(self.stream(
             prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop,
             ignore_eos, cache_salt, timeout, logprobs=logprobs, request_id=request_id,
             messages=messages, slo=slo, metadata=metadata,
-        ):  # fmt: skip
-            collector.add(chunk)
-        return collector.result()
+        ))  # fmt: skip
 
     def stream(
         self,
@@ -228,16 +254,9 @@ class Client:
             prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop,
             ignore_eos, cache_salt, logprobs, request_id, messages, slo,
         )  # fmt: skip
-        call = self._stub.Generate(
-            request, timeout=timeout, metadata=(*self._auth, *metadata) or None
-        )
-        try:
+        with _generate_call(self._stub, request, timeout, (*self._auth, *metadata)) as call:
             for msg in call:
                 yield _chunk(msg)
-        except grpc.RpcError as exc:
-            raise _error(exc) from None
-        finally:
-            call.cancel()  # no-op once finished; frees the server's blocks when abandoned
 
     def chat(self, messages: Sequence[Mapping[str, str]], **kwargs: Any) -> GenerateResult:
         """The assistant's reply to ``messages`` (system/user/assistant turns); the other
@@ -314,14 +333,11 @@ class AsyncClient:
         metadata: Sequence[tuple[str, str]] = (),
     ) -> GenerateResult:
         """Run one request to completion. Parameters as ``Client.stream``."""
-        collector = Collector()
-        async for chunk in self.stream(
+        return _result([chunk async for chunk in self.stream(
             prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop,
             ignore_eos, cache_salt, timeout, logprobs=logprobs, request_id=request_id,
             messages=messages, slo=slo, metadata=metadata,
-        ):  # fmt: skip
-            collector.add(chunk)
-        return collector.result()
+        )])  # fmt: skip
 
     async def stream(
         self,
@@ -348,16 +364,9 @@ class AsyncClient:
             prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop,
             ignore_eos, cache_salt, logprobs, request_id, messages, slo,
         )  # fmt: skip
-        call = self._get_stub().Generate(
-            request, timeout=timeout, metadata=(*self._auth, *metadata) or None
-        )
-        try:
+        with _generate_call(self._get_stub(), request, timeout, (*self._auth, *metadata)) as call:
             async for msg in call:
                 yield _chunk(msg)
-        except grpc.RpcError as exc:
-            raise _error(exc) from None
-        finally:
-            call.cancel()
 
     async def chat(self, messages: Sequence[Mapping[str, str]], **kwargs: Any) -> GenerateResult:
         """As ``Client.chat``."""

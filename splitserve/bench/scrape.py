@@ -1,11 +1,11 @@
 """The servers' own view during a run: gauges scraped from Prometheus ``/metrics`` endpoints.
 
-Every ``interval`` seconds each URL is read (aiohttp) and parsed (prometheus_client's text
-parser); the gauges kept are the KV cache usage (``splitserve_<role>_kv_usage`` from a node,
-``splitserve_node_kv_usage{role,node}`` from a router), the router's admission queue
-(``splitserve_router_queue_length``) and, where a node exports it,
-``splitserve_<role>_kv_slot_utilization`` (its NaN, no block in use, is skipped). A failed
-scrape is counted, not fatal.
+Every ``interval`` seconds each URL is read (on a worker thread) and parsed, by
+``planner.scrape``'s ``fetch`` and ``samples_of``; the gauges kept are the KV cache usage
+(``splitserve_<role>_kv_usage`` from a node, ``splitserve_node_kv_usage{role,node}`` from a
+router), the router's admission queue (``splitserve_router_queue_length``) and, where a node
+exports it, ``splitserve_<role>_kv_slot_utilization`` (its NaN, no block in use, is skipped). A
+failed scrape is counted, not fatal.
 """
 
 from __future__ import annotations
@@ -15,11 +15,9 @@ import contextlib
 import math
 import re
 import time
-from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-if TYPE_CHECKING:
-    import aiohttp
+from splitserve.planner.scrape import ERRORS, fetch, samples_of
 
 __all__ = ["KEPT", "Scraper", "series_of", "summary"]
 
@@ -35,23 +33,20 @@ KEPT = {
 def series_of(text: str, source: str) -> dict[tuple[str, str], float]:
     """The kept gauges of one scrape: ``{(family, series name): value}``. A series is named by
     the role (and node, as the router labels it) and ``source``, the endpoint's host:port."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     out: dict[tuple[str, str], float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            kind = next((k for pattern, k in KEPT.items() if pattern.fullmatch(sample.name)), None)
-            if kind is None or not math.isfinite(sample.value):  # NaN: undefined (no block in use)
-                continue
-            labels = sample.labels
-            if sample.name == "splitserve_router_queue_length":
-                name = f"router {source}"
-            elif "node" in labels:  # the router's view of a node
-                name = f"{labels.get('role', '?')} {labels['node']} (via router {source})"
-            else:
-                role = labels.get("role") or sample.name.split("_")[1]
-                name = f"{role} {source}"
-            out[kind, name] = sample.value
+    for sample in samples_of(text):
+        kind = next((k for pattern, k in KEPT.items() if pattern.fullmatch(sample.name)), None)
+        if kind is None or not math.isfinite(sample.value):  # NaN: undefined (no block in use)
+            continue
+        labels = sample.labels
+        if sample.name == "splitserve_router_queue_length":
+            name = f"router {source}"
+        elif "node" in labels:  # the router's view of a node
+            name = f"{labels.get('role', '?')} {labels['node']} (via router {source})"
+        else:
+            role = labels.get("role") or sample.name.split("_")[1]
+            name = f"{role} {source}"
+        out[kind, name] = sample.value
     return out
 
 
@@ -68,21 +63,14 @@ class Scraper:
         self.errors: dict[str, int] = {}
         self.scrapes = 0
         self._task: asyncio.Task | None = None
-        self._session: aiohttp.ClientSession | None = None  # while entered, with urls
 
     async def _one(self, url: str) -> None:
-        import aiohttp
-
-        assert self._session is not None, "scraped outside `async with`"
         try:
-            async with self._session.get(url) as resp:
-                if resp.status != 200:
-                    raise ValueError(f"HTTP {resp.status}")
-                text = await resp.text()
+            text = await asyncio.to_thread(fetch, url, max(self.interval * 4, 2.0))
             t = time.perf_counter()
             for key, value in series_of(text, urlsplit(url).netloc).items():
                 self._samples.setdefault(key, []).append((t, value))
-        except (aiohttp.ClientError, TimeoutError, ValueError, LookupError, TypeError):
+        except ERRORS:
             self.errors[url] = self.errors.get(url, 0) + 1  # counted, never fatal
 
     async def scrape_once(self) -> None:
@@ -98,11 +86,6 @@ class Scraper:
 
     async def __aenter__(self) -> Scraper:
         if self.urls:
-            import aiohttp
-
-            self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=max(self.interval * 4, 2.0))
-            )
             self._task = asyncio.create_task(self._loop())
         return self
 
@@ -112,8 +95,6 @@ class Scraper:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             await self.scrape_once()  # one last look: the state the run left behind
-            if self._session is not None:  # set with the task
-                await self._session.close()
 
     def series(self, t0: float) -> dict[str, dict[str, list[tuple[float, float]]]]:
         out: dict[str, dict[str, list[tuple[float, float]]]] = {}

@@ -1,15 +1,17 @@
-"""Reading the router's /metrics into ``policy.Figures``: its pressure gauges as they are, and
-TTFT/TPOT as the 90th percentile of the requests between two scrapes (from the histograms'
-bucket counts, as Prometheus' ``histogram_quantile`` over a rate does)."""
+"""Reading Prometheus /metrics pages (``fetch``, ``samples_of``; the bench's scraper reads with
+them too), and the router's into ``policy.Figures``: its pressure gauges as they are, and TTFT/TPOT
+as the 90th percentile of the requests between two scrapes (from the histograms' bucket counts, as
+Prometheus' ``histogram_quantile`` over a rate does)."""
 
 from __future__ import annotations
 
 import math
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from splitserve.planner.policy import Figures, PoolFigures
 
@@ -22,19 +24,36 @@ Buckets = dict[float, float]  # le -> cumulative count
 Page = tuple[Samples, dict[str, Buckets]]  # one /metrics page, parsed
 
 
-def parse(text: str) -> tuple[Samples, dict[str, Buckets]]:
+# What reading a page can raise: OSError for an endpoint that does not answer (or answers an HTTP
+# error), the others for a page the parser rejects.
+ERRORS = (OSError, ValueError, LookupError, TypeError)
+
+
+def fetch(url: str, timeout_s: float) -> str:
+    """The text of the page at ``url``; OSError (URLError, HTTPError, TimeoutError) when it does
+    not come."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as reply:
+        return reply.read().decode()
+
+
+def samples_of(text: str) -> Iterator[Sample]:
+    """Every sample of a /metrics page in order, histograms' buckets, sums and counts included."""
+    for family in text_string_to_metric_families(text):
+        yield from family.samples
+
+
+def parse(text: str) -> Page:
     """The plain samples of a /metrics page, and each histogram's cumulative buckets."""
     samples: Samples = {}
     buckets: dict[str, Buckets] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name.endswith("_bucket") and "le" in s.labels:
-                le = math.inf if s.labels["le"] == "+Inf" else float(s.labels["le"])
-                into = buckets.setdefault(s.name.removesuffix("_bucket"), {})
-                into[le] = into.get(le, 0.0) + s.value  # summed over other labels
-                continue
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    for s in samples_of(text):
+        if s.name.endswith("_bucket") and "le" in s.labels:
+            le = math.inf if s.labels["le"] == "+Inf" else float(s.labels["le"])
+            into = buckets.setdefault(s.name.removesuffix("_bucket"), {})
+            into[le] = into.get(le, 0.0) + s.value  # summed over other labels
+            continue
+        labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+        samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return samples, buckets
 
 
@@ -139,10 +158,7 @@ class Scraper:
 
     def read(self) -> Figures:
         """Raises OSError (URLError included) when a router does not answer."""
-        texts = []
-        for url in self.urls:
-            with urllib.request.urlopen(url, timeout=self.timeout_s) as reply:
-                texts.append(reply.read().decode())
+        texts = [fetch(url, self.timeout_s) for url in self.urls]
         return self.read_text(texts, time.monotonic())
 
     def read_text(self, text: str | Sequence[str], at: float) -> Figures:

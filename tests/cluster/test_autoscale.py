@@ -10,19 +10,17 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 from support.processes import Traffic
 
-from splitserve.planner.scrape import parse
+from splitserve.planner.scrape import fetch, parse
 
 COOLDOWN_S = 6
 
 
 def _scrape(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url, timeout=5) as reply:
-        return parse(reply.read().decode())[0]
+    return parse(fetch(url, 5))[0]
 
 
 def _wait_for(what, timeout: float, every: float = 0.5):
