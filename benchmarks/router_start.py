@@ -1,6 +1,6 @@
 """How long a router process takes to start (launch to its port file: the tokenizer loaded and
 the gRPC server listening) and the memory it holds then, with torch kept out (the default,
-``router.no_torch``) and let in (``SPLITSERVE_ROUTER_TORCH=1``).
+``router.request.keep_torch_out``) and let in (``SPLITSERVE_ROUTER_TORCH=1``).
 
     python3 router_start.py --runs 3                 # the embedded model's tokenizer
     python3 router_start.py --runs 3 --model tiny

@@ -38,7 +38,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from splitserve.router.errors import GenerateError
 from splitserve.router.fair_queue import FairQueue
 from splitserve.router.kv_budget import KVDemand
 from splitserve.router.metrics import REFUSAL_REASONS, RouterMetrics
@@ -50,6 +49,7 @@ from splitserve.router.predictor import (
     TTFTPrediction,
     TTFTPredictor,
 )
+from splitserve.router.request import GenerateError
 from splitserve.runtime.failure import Failure
 from splitserve.runtime.slo import Slo
 
@@ -453,7 +453,7 @@ class Admission:
         (before its own prompt is known) is past ``slo``'s target. Needs no prompt: the front
         calls it before parsing one, so under overload a refused request costs the router next
         to nothing; ``enter`` checks again. ``arrival``: when the call reached the host (before
-        the handler ran, ``router.loop_lag``; default now): its TTFT target counts from there."""
+        the handler ran, ``front.LoopLag``; default now): its TTFT target counts from there."""
         if not self._queue:  # nothing waits: whether there is room is enter's to say
             return
         now = time.monotonic()

@@ -6,6 +6,9 @@ D failing mid-request: the client gets ``UNAVAILABLE`` (``RequestFront`` resumes
 another node where it can) and D is marked down. A client cancel or disconnect sends a cancel
 command; the node frees the request's blocks. A request that ends at its first token starts no
 decode: D's ``Release`` frees the KV shipped there.
+
+Whichever route a request took, its first stage hands on a ``FirstToken``; ``Tried`` is the nodes
+its attempts tried so far.
 """
 
 from __future__ import annotations
@@ -16,17 +19,15 @@ import math
 import time
 from collections.abc import Callable, Coroutine
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 
-from splitserve.router.errors import GenerateError
-from splitserve.router.first_token import FirstToken, Tried
 from splitserve.router.kv_budget import KVDemand
-from splitserve.router.pool import DecodeNode, DecodePool
+from splitserve.router.pool import DecodeNode, DecodePool, Node
 from splitserve.router.registry import NodeRegistry
 from splitserve.router.relay import RelayCall, RelayChannel
-from splitserve.router.request import GenerateParams
+from splitserve.router.request import GenerateError, GenerateParams
 from splitserve.runtime.auth import call_metadata
 from splitserve.runtime.failure import UNREACHABLE, Failure
 from splitserve.runtime.protocol import LEASE_WHOLE, sampling_to_proto
@@ -38,6 +39,31 @@ RELEASE_TIMEOUT_S = 5.0  # D's Release call; past it D frees the blocks at its t
 LEASE_TELL_S = 0.005  # a node hears of this router's load changing at most this often
 LEASE_SLACK = 1 / 16  # of a node's whole, wanted beyond what this router uses while none waits
 LEASE_REOPEN_S = 0.2  # a leasing node's stream is opened again this soon after it ended
+
+
+class FirstToken(NamedTuple):
+    """A request's first output token: from P's Prefill answer (disaggregated) or from the first
+    message of D's Generate stream (direct)."""
+
+    token_id: int
+    logprob: float
+    finish_reason: str  # set: the node that sampled it ended the request there
+    cached_tokens: int  # prompt tokens found in the computing node's cache
+    computed_tokens: int = 0  # prompt tokens a prefill node computed for it (0: direct route)
+    # As the prefill node reported them (0, "": direct): its engine's time to the first token,
+    # the time the KV transfer added after it, and the path the blocks took.
+    compute_s: float = 0.0
+    transfer_s: float = 0.0
+    transfer_path: str = ""
+    blocks_shipped: int = 0  # as P reported them: blocks sent with data, and their bytes
+    bytes_shipped: int = 0
+
+
+class Tried(NamedTuple):
+    """The nodes a request already tried: those that failed and those that only refused."""
+
+    unreachable: set[Node]
+    busy: set[Node]
 
 
 class DecodeStage:

@@ -25,16 +25,20 @@ from typing import Any, NamedTuple
 from splitserve.kvstore import BlockHash
 from splitserve.kvstore.hashing import DEFAULT_BLOCK_SIZE
 from splitserve.router.admission import Admission
-from splitserve.router.decode_stage import DecodeSession, DecodeStage, DirectStage
-from splitserve.router.errors import GenerateError
-from splitserve.router.first_token import FirstToken, Tried
+from splitserve.router.decode_stage import (
+    DecodeSession,
+    DecodeStage,
+    DirectStage,
+    FirstToken,
+    Tried,
+)
 from splitserve.router.kv_budget import KVDemand
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.pool import DecodeNode, N, Node, NodePool, prompt_tokens_to_compute
 from splitserve.router.prefill_stage import PrefillStage
 from splitserve.router.prefix import CachedPrefix, PrefixLookup
 from splitserve.router.registry import NodeRegistry
-from splitserve.router.request import GenerateParams
+from splitserve.router.request import GenerateError, GenerateParams
 from splitserve.runtime import tracing
 from splitserve.runtime.failure import Failure
 from splitserve.runtime.slo import Slo

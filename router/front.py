@@ -22,18 +22,17 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncGenerator, Mapping
 
 from splitserve.router.admission import Admission
 from splitserve.router.config import RouterConfig
 from splitserve.router.decode_stage import DecodeSession
 from splitserve.router.dispatch import Dispatcher
-from splitserve.router.errors import GenerateError
-from splitserve.router.loop_lag import LoopLag
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.output import RequestObserver, RequestOutput, Step
 from splitserve.router.request import (
+    GenerateError,
     GenerateInput,
     GenerateParams,
     InvalidRequest,
@@ -77,7 +76,7 @@ class RequestFront:
         # how long serving takes from the requests that end.
         self._admission = admission
         self._default_slo = config.slo  # the router's --slo: a request's own bounds win
-        # The wait before a handler runs (router.loop_lag): a request's clock starts that much
+        # The wait before a handler runs (``LoopLag``): a request's clock starts that much
         # earlier; past --max-loop-lag-s (0: never) new requests are refused at once.
         self.loop_lag = loop_lag
         self._max_loop_lag_s = config.max_loop_lag_s
@@ -343,3 +342,38 @@ def resumed_params(params: GenerateParams, tokens: list[int]) -> GenerateParams:
     return dataclasses.replace(
         params, prompt_token_ids=(*params.prompt_token_ids, *tokens), sampling=sampling
     )
+
+
+INTERVAL_S = 0.01  # a probe every 10 ms
+WINDOW = 25  # the lag is the worst of the last 25 probes (~0.25 s when the loop keeps up)
+
+
+class LoopLag:
+    """The event loop's recent lateness, in seconds (``seconds``); 0 until ``run`` runs: the wait
+    a request had before its handler.
+
+    A call that reached the host waits for the event loop before its handler runs (grpc.aio
+    hands the handler to the loop, which may be busy relaying tokens); the router's clock for a
+    request starts only there. A probe asks to wake every ``interval_s`` and records how much
+    later it woke. The recent worst lateness is what a request arriving now waited (an estimate:
+    it is the same queue of callbacks), so the front takes a request's arrival as ``now - lag``
+    and refuses at once, as ``router_busy``, while the lag alone is past ``--max-loop-lag-s``: a
+    router that falls behind sheds load instead of serving it late."""
+
+    def __init__(self, interval_s: float = INTERVAL_S, window: int = WINDOW) -> None:
+        self._interval_s = interval_s
+        self._samples: deque[float] = deque(maxlen=window)
+        self.seconds = 0.0
+
+    def note(self, late_s: float) -> None:
+        """One probe's lateness."""
+        self._samples.append(max(late_s, 0.0))
+        self.seconds = max(self._samples)
+
+    async def run(self) -> None:
+        """Probe until cancelled (a task of the router's, beside its server)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + self._interval_s
+            await asyncio.sleep(self._interval_s)
+            self.note(loop.time() - due)

@@ -30,7 +30,6 @@ from typing import Any
 from aiohttp import web
 
 from splitserve.router.api_keys import ApiKeys
-from splitserve.router.errors import GenerateError
 from splitserve.router.front import CLIENT_KEY, RequestFront
 from splitserve.router.openai_api import (
     SLO_HEADER,
@@ -41,7 +40,7 @@ from splitserve.router.openai_api import (
     request_timeout,
 )
 from splitserve.router.output import Step
-from splitserve.router.request import GenerateInput, ModelInfo
+from splitserve.router.request import GenerateError, GenerateInput, ModelInfo
 from splitserve.runtime import tracing
 from splitserve.runtime.failure import Failure
 

@@ -20,13 +20,11 @@ from typing import Any
 
 import grpc
 
-from splitserve.router.decode_stage import DecodeSession
-from splitserve.router.errors import GenerateError
-from splitserve.router.first_token import FirstToken, Tried
+from splitserve.router.decode_stage import DecodeSession, FirstToken, Tried
 from splitserve.router.pool import Node, NodePool, prompt_tokens_to_compute
 from splitserve.router.prefix import CachedPrefix
 from splitserve.router.registry import NodeRegistry
-from splitserve.router.request import GenerateParams
+from splitserve.router.request import GenerateError, GenerateParams
 from splitserve.runtime.auth import call_metadata
 from splitserve.runtime.failure import UNREACHABLE, Failure
 from splitserve.runtime.protocol import sampling_to_proto

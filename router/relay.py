@@ -24,8 +24,8 @@ from typing import NamedTuple
 
 import grpc
 
-from splitserve.router.errors import GenerateError
 from splitserve.router.pool import DecodeNode
+from splitserve.router.request import GenerateError
 from splitserve.runtime import tracing
 from splitserve.runtime.auth import credentials
 from splitserve.runtime.failure import Failure

@@ -1,6 +1,6 @@
 """A public request as either front received it (``GenerateInput``: plain values, no protobuf),
 checked and tokenized into what the router sends on (``GenerateParams``) before any node is
-asked."""
+asked; and how a request ends when it cannot be served (``GenerateError``)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from typing import Any
 import splitserve.settings as settings
 from splitserve.kvstore.hashing import MAX_SALT_CHARS
 from splitserve.models.sampling_params import SamplingParams
+from splitserve.runtime.failure import Failure
 from splitserve.runtime.slo import Slo
 
 MAX_STOP_STRINGS = 16
@@ -40,6 +41,26 @@ logger = logging.getLogger(__name__)
 
 class InvalidRequest(ValueError):
     """A user mistake; the message names the field and says what to change."""
+
+
+class GenerateError(Exception):
+    """Ends a request that cannot be served: its failure (``runtime.failure.Failure``) and a
+    message for the client, with a retry hint when refused."""
+
+    def __init__(
+        self,
+        code: Failure,
+        message: str,
+        retry_after_s: int | None = None,
+        reason: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        # A refusal for want of room: when to try again (HTTP Retry-After; gRPC's
+        # grpc-retry-pushback-ms trailer). None: not a refusal of that kind.
+        self.retry_after_s = retry_after_s
+        self.reason = reason  # a refusal's reason as /metrics counts it ("": not a refusal)
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +235,25 @@ def chat_token_ids(messages: Sequence[tuple[str, str]], model: ModelInfo) -> tup
     return tuple(tokenizer(text, add_special_tokens=False).input_ids)
 
 
+def keep_torch_out() -> bool:
+    """Block torch in this process unless it is already imported or ``$SPLITSERVE_ROUTER_TORCH``
+    is 1; True when blocked. Call before anything imports transformers.
+
+    The router runs no model: it tokenizes (transformers' tokenizers over the ``tokenizers``
+    library), renders chat templates and hashes prompt blocks, none of which needs torch. But
+    transformers imports torch whenever it finds it installed, most of a router's start and
+    memory. With ``sys.modules["torch"] = None`` (Python's documented way to block an import)
+    transformers takes its torch-less path; the tokens are the same
+    (tests/cluster/test_router_no_torch.py compares them with a tokenizer loaded beside torch).
+    """
+    if "torch" in sys.modules or settings.ROUTER_TORCH.get():
+        return False
+    sys.modules["torch"] = None  # type: ignore[assignment]  # import torch: ModuleNotFoundError
+    # transformers' one advisory at import ("PyTorch was not found ...") is expected here.
+    settings.TRANSFORMERS_NO_ADVISORY_WARNINGS.set_default("1")
+    return True
+
+
 def _load_tokenizer(path: Path) -> Any:
     from transformers import AutoTokenizer
 
@@ -221,7 +261,7 @@ def _load_tokenizer(path: Path) -> Any:
         return AutoTokenizer.from_pretrained(path)
     except Exception as exc:
         hint = ""
-        if sys.modules.get("torch", False) is None:  # router.no_torch blocked it
+        if sys.modules.get("torch", False) is None:  # keep_torch_out blocked it
             escape = settings.ROUTER_TORCH.name
             hint = f" (the router loads no torch; {escape}=1 lets it, for a tokenizer needing it)"
         raise ValueError(f"cannot load a tokenizer from {path}: {exc}{hint}") from None

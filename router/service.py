@@ -14,10 +14,9 @@ from typing import NoReturn
 import grpc
 
 from splitserve.router.api_keys import ApiKeys
-from splitserve.router.errors import GenerateError
 from splitserve.router.front import CLIENT_KEY, RequestFront
 from splitserve.router.output import Delta, Step
-from splitserve.router.request import GenerateInput, GenerateParams, InvalidRequest
+from splitserve.router.request import GenerateError, GenerateInput, GenerateParams, InvalidRequest
 from splitserve.runtime import tracing
 from splitserve.runtime.failure import Failure
 from splitserve.runtime.protocol import sampling_from_proto, usage_to_proto

@@ -128,11 +128,11 @@ def _start_tracing(service: str, config: NodeConfig | RouterConfig) -> None:
 
 def cmd_router(args: argparse.Namespace) -> int:
     """Run the router (the public Generate service) until SIGTERM/Ctrl-C."""
-    from splitserve.router.no_torch import keep_torch_out
+    from splitserve.router.request import keep_torch_out
 
     if bad := settings.problems(*settings.ROUTER_SETTINGS):
         return _error("; ".join(bad), 2)
-    keep_torch_out()  # it runs no model: transformers' tokenizers need no torch (router.no_torch)
+    keep_torch_out()  # it runs no model: transformers' tokenizers need no torch
     if not args.redis_url and not args.decode_addresses:
         return _error(
             "give --decode node addresses (and --prefill ones; without, the decode nodes "

@@ -1,4 +1,4 @@
-"""The router process loads no torch (router.no_torch): a `splitserve router` process maps no
+"""The router process loads no torch (``keep_torch_out``): a `splitserve router` process maps no
 torch library, and the tokenizer it loads without torch gives the same tokens, chat renderings
 and text as one loaded beside torch (the tiny model's and the embedded model's)."""
 
@@ -21,7 +21,7 @@ CHAT = [("system", "Be brief."), ("user", "What is 2+2?"), ("assistant", "4"), (
 # What a router process computes with torch blocked (argv[1]: the checkpoint folder), as JSON.
 PROBE = """
 import json, sys
-from splitserve.router.no_torch import keep_torch_out
+from splitserve.router.request import keep_torch_out
 assert keep_torch_out()
 from splitserve.router.request import ModelInfo, chat_token_ids
 texts, chat = json.loads(sys.argv[2]), json.loads(sys.argv[3])

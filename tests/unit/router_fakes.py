@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator, Awaitable, Coroutine
 import grpc
 from support.router_helpers import EOS
 
-from splitserve.router.errors import GenerateError
 from splitserve.router.registry import NodeRegistry
+from splitserve.router.request import GenerateError
 from splitserve.v1 import nodes_pb2
 
 _CANCELLED = object()

@@ -10,10 +10,10 @@ import pytest
 from router_fakes import refused_at_once
 
 from splitserve.router.admission import Admission
-from splitserve.router.errors import GenerateError
 from splitserve.router.kv_budget import KVDemand
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.pool import DecodePool, PrefillPool
+from splitserve.router.request import GenerateError
 from splitserve.runtime.failure import Failure
 
 
@@ -228,7 +228,7 @@ def test_the_queue_figures_can_be_read_from_another_thread_while_it_churns():
     raise nor disturb the queue the event loop changes meanwhile."""
     import threading
 
-    from splitserve.router.pressure import Pressure
+    from splitserve.router.assembly import Pressure
     from splitserve.router.registry import NodeRegistry
 
     async def run():

@@ -1,4 +1,4 @@
-"""The wait before the router's handler runs (``router.loop_lag``): measured as the event loop's
+"""The wait before the router's handler runs (``front.LoopLag``): measured as the event loop's
 lateness, counted in a request's time to first token, and past ``--max-loop-lag-s`` a reason to
 refuse new requests at once. The front against scripted nodes (``router_fakes``)."""
 
@@ -11,8 +11,8 @@ import pytest
 from router_fakes import FakeNodes, all_given_back
 from test_router_stages import collect, front_for
 
-from splitserve.router.errors import GenerateError
-from splitserve.router.loop_lag import WINDOW, LoopLag
+from splitserve.router.front import WINDOW, LoopLag
+from splitserve.router.request import GenerateError
 from splitserve.runtime.failure import Failure
 
 

@@ -19,8 +19,8 @@ from support.router_helpers import EOS, request
 from test_router_stages import collect, front_for, settle
 
 from splitserve.router.decode_stage import DecodeStage
-from splitserve.router.errors import GenerateError
 from splitserve.router.relay import RelayCall
+from splitserve.router.request import GenerateError
 from splitserve.runtime.failure import Failure
 from splitserve.v1 import nodes_pb2
 

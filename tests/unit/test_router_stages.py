@@ -20,16 +20,14 @@ from support.router_helpers import MODEL, request
 from splitserve.kvstore.redis_index import Held
 from splitserve.router.assembly import build_front
 from splitserve.router.config import RouterConfig
-from splitserve.router.decode_stage import DecodeStage, DirectStage
+from splitserve.router.decode_stage import DecodeStage, DirectStage, FirstToken, Tried
 from splitserve.router.dispatch import Dispatcher, DispatchPolicy, Stages
-from splitserve.router.errors import GenerateError
-from splitserve.router.first_token import FirstToken, Tried
 from splitserve.router.front import RequestFront
 from splitserve.router.kv_budget import KVDemand
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.prefill_stage import PrefillStage
 from splitserve.router.prefix import CachedPrefix
-from splitserve.router.request import GenerateParams, parse_request
+from splitserve.router.request import GenerateError, GenerateParams, parse_request
 from splitserve.runtime.failure import Failure
 
 BS = 16

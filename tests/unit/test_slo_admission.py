@@ -19,7 +19,6 @@ from splitserve.router.admission import (
     PROBE_S,
     Admission,
 )
-from splitserve.router.errors import GenerateError
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.pool import DecodePool, PrefillPool
 from splitserve.router.predictor import (
@@ -31,6 +30,7 @@ from splitserve.router.predictor import (
     TTFTPrediction,
     TTFTPredictor,
 )
+from splitserve.router.request import GenerateError
 from splitserve.runtime.failure import Failure
 from splitserve.runtime.slo import Slo
 
