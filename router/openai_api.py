@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import struct
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -18,9 +19,7 @@ from typing import Any
 from splitserve.models.sampling_params import SamplingParams
 from splitserve.router.request import GenerateInput, ModelInfo
 from splitserve.runtime.failure import Failure
-from splitserve.runtime.protocol import sampling_from_proto
 from splitserve.runtime.slo import SLO_SYNTAX, Slo
-from splitserve.v1 import common_pb2
 
 MAX_CHOICES = 128  # prompts x n in one HTTP request
 # The request's own SLO, in Slo.parse's syntax (the body's "slo" wins where both set a bound),
@@ -74,6 +73,7 @@ SAMPLING_FIELDS = (
     ("ignore_eos", "ignore_eos"),
     ("seed", "seed"),
 )
+INT32_FIELDS = frozenset({"max_tokens", "top_k", "min_tokens"})  # int32 in common.proto
 
 
 class ApiError(Exception):
@@ -209,36 +209,51 @@ def _conversation(body: dict) -> GenerateInput:
 
 
 def _sampling(body: dict, chat: bool, model: ModelInfo, logprobs: bool) -> SamplingParams:
-    """The body's sampling fields, each checked for its JSON type here and for its range by
-    ``SamplingParams`` (the message names the field either way)."""
-    sampling = common_pb2.SamplingParams(logprobs=logprobs)
+    """The body's sampling fields, each checked here for its JSON type and for what its field in
+    the nodes' protocol holds (``common.proto``), and for its range by ``SamplingParams`` (the
+    message names the field either way)."""
     names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
     max_tokens = next((body[n] for n in names if body.get(n) is not None), None)
     if max_tokens is None:
         # OpenAI's defaults: 16 for a completion, a chat reply may fill the context.
         max_tokens = model.max_model_len if chat else 16
     fields = [("max_tokens", max_tokens), *((f, body.get(k)) for k, f in SAMPLING_FIELDS)]
+    values: dict[str, Any] = {}
     for field, value in fields:
         if value is None:
             continue
         if isinstance(value, bool) != (field == "ignore_eos"):
             what = "true or false" if field == "ignore_eos" else "a number"
             raise ApiError.bad(f"{field} must be {what}, got {json.dumps(value)}", field)
-        if field == "seed" and isinstance(value, int):
-            value %= 2**64  # a negative seed as its two's complement (the field is unsigned)
-        try:
-            setattr(sampling, field, value)
-        except (TypeError, ValueError) as exc:
-            raise ApiError.bad(f"{field}: {exc}", field) from None
+        if field in INT32_FIELDS or field == "seed":
+            if not isinstance(value, int):
+                raise ApiError.bad(f"{field} must be an integer, got {json.dumps(value)}", field)
+            if field == "seed":
+                value %= 2**64  # a negative seed as its two's complement (the field is unsigned)
+            elif not -(2**31) <= value < 2**31:
+                raise ApiError.bad(f"{field} is out of range (a 32-bit integer): {value}", field)
+        elif field != "ignore_eos":
+            if not isinstance(value, int | float):
+                raise ApiError.bad(f"{field} must be a number, got {json.dumps(value)}", field)
+            value = _float32(value)
+        values[field] = value
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
-        if not _int_list(stop_ids):
+        if not _int_list(stop_ids) or any(t >= 2**32 for t in stop_ids):
             raise ApiError.bad("stop_token_ids must be a list of token ids", "stop_token_ids")
-        sampling.stop_token_ids.extend(stop_ids)
+        values["stop_token_ids"] = tuple(stop_ids)
     try:
-        return sampling_from_proto(sampling)
+        return SamplingParams(**values, logprobs=logprobs)
     except ValueError as exc:
         raise ApiError.bad(str(exc)) from None
+
+
+def _float32(value: float) -> float:
+    """``value`` as the nodes receive it (a 32-bit float; beyond its range, infinite)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
 
 
 def _logprobs(body: dict, chat: bool) -> bool:

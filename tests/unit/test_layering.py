@@ -168,3 +168,17 @@ def test_the_grpc_check_sees_an_import(tmp_path):
         "grpc.StatusCode",
         "grpc.aio",
     ]
+
+
+def test_the_routers_request_path_sees_no_protobuf():
+    """Past its servicers and its clients of the nodes, the router handles plain values
+    (router/request.GenerateInput, SamplingParams, Failure): no module there imports the
+    generated messages, the HTTP front's parser included."""
+    seen = sorted(
+        str(path.relative_to(ROOT))
+        for part, path in _modules()
+        if part == "router" and any(m.startswith("splitserve.v1") for _, m in _imports(path))
+    )
+    outside = [f for f in seen if f not in GRPC_EDGE and f != "router/server.py"]
+    assert not outside, f"these router modules import protobuf messages: {outside}"
+    assert "router/service.py" in seen  # (the check sees the servicer's import)
