@@ -18,8 +18,9 @@ what it computed before (no collective, the bias inside the matmul).
 
 ``TPGroup`` is the rank's view of its group: a torch.distributed backend (gloo on CPU, NCCL on
 GPUs) made on a store (``engine.ranks``), used through its own methods so the process's default
-group stays free for other users (the dist transfer path). ``StepChannel`` is how rank 0 tells
-the other ranks what to run: each forward's inputs, block reads and writes, the stop.
+group stays free for other users (the dist transfer path). ``RankChannel``
+(``models.rank_channel``) is how rank 0 tells the other ranks what to run: each forward's inputs,
+block reads and writes, the stop.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The ipc path (same host, CUDA): the receiver's KV pool, mapped into the sender's process.
 
-The receiver exports its pool once (``ipc_handle.export_pool``; the handle travels in its
-endpoint). The sender maps it once per peer (``ipc_handle.open_pool``) and then writes shipped
+The receiver exports its pool once (``handle.export_pool``; the handle travels in its
+endpoint). The sender maps it once per peer (``handle.open_pool``) and then writes shipped
 blocks straight into the receiver's reserved blocks: one ``index_select`` of the source blocks
 and one ``index_copy_`` into the mapped pool, on a side stream that first waits for the current
 stream, then a CUDA event synchronized before ``send`` returns. Only then may the sender tell the

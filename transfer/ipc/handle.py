@@ -1,5 +1,5 @@
 """The ipc path's handle: a CUDA KV pool exported by the receiver and mapped into a sender's
-process on the same host (``ipc.py`` is the path itself).
+process on the same host (``transfer.ipc`` is the path itself).
 
 The receiver exports its pool once (``export_pool``): torch's CUDA IPC reduction of the tensor
 (``torch.multiprocessing.reductions.reduce_tensor``, i.e. ``cudaIpcGetMemHandle`` of the
