@@ -54,10 +54,7 @@ from splitserve.runtime.failure import Failure
 from splitserve.runtime.slo import Slo
 
 RECHECK_S = 0.5  # waiters look again this often even without news (a node joined, came back)
-# Every JUDGE_S the queue's waiters are judged again from where they stand now and the queue's
-# recent pace: one that can no longer go before its limit (its TTFT target, deadline or
-# --queue-timeout-s) is refused then, not when the limit passes.
-JUDGE_S = 0.1
+JUDGE_S = 0.1  # the waiters are judged again this often (see the module's docstring)
 # A router with no decode node to try (started before its nodes registered, or all of them gone)
 # holds a request this long at most (never past its deadline) for one to appear, looking again
 # every NODE_POLL_S, before answering UNAVAILABLE: nodes register within seconds of starting.
@@ -112,6 +109,10 @@ class Waiter:
     @property
     def cost(self) -> int:
         return self.work
+
+    def wake_up(self) -> None:
+        if not self.wake.done():
+            self.wake.set_result(None)
 
 
 class Admitted(NamedTuple):
@@ -181,7 +182,7 @@ class Admission:
         since = time.monotonic() - WAITS_WINDOW_S
         waits = sorted(w for left, w in tuple(self._waits) if left >= since)
         if not waits:
-            return [0.0 for _ in qs]
+            return [0.0] * len(qs)
         return [waits[min(int(q * len(waits)), len(waits) - 1)] for q in qs]
 
     def note_served(self, service_s: float) -> None:
@@ -224,16 +225,10 @@ class Admission:
         """Wake the head of the queue (it looks whether the pools have room now)."""
         head = self._queue.head()
         if head is not None:
-            wake = head.wake
-            if not wake.done():
-                wake.set_result(None)
+            head.wake_up()
 
     def _room(
-        self,
-        demand: KVDemand | None,
-        work: int,
-        tpot_s: float | None = None,
-        ttft_s: float | None = None,
+        self, demand: KVDemand | None, work: int, tpot_s: float | None, ttft_s: float | None
     ) -> bool:
         if not self._decode.has_room(demand, tpot_s=tpot_s):
             return False
@@ -257,16 +252,13 @@ class Admission:
         """The TTFT of a request of ``client`` that queues now (``queued`` False: one that goes
         now): its fair position's share of the queue's pace and of the prompt tokens queued;
         with its target ``ttft_s``, the margin (the client's) at most MAX_MARGIN_SHARE of it."""
-        load = self.load()
-        if not queued:
-            prediction = self.predictor.predict(0, self._pace(), 0, own_tokens, load, client)
-        else:
+        position = ahead = 0
+        if queued:
             position = self._queue.position(client)
             share = min(1.0, (position - 1) / max(len(self._queue), 1))
             ahead = int(self.queued_prompt_tokens * share)
-            prediction = self.predictor.predict(
-                position, self._pace(), ahead, own_tokens, load, client
-            )
+        load = self.load()
+        prediction = self.predictor.predict(position, self._pace(), ahead, own_tokens, load, client)
         if ttft_s is not None and prediction.margin_s > MAX_MARGIN_SHARE * ttft_s:
             prediction = prediction._replace(margin_s=MAX_MARGIN_SHARE * ttft_s)
         return prediction
@@ -288,12 +280,10 @@ class Admission:
         router (default: now); ``client``: who sent it (the queue is fair between clients)."""
         start = time.monotonic()
         arrival = start if arrival is None else arrival
-        tpot_s = slo.tpot_s if slo is not None else None
-        ttft_s = slo.ttft_s if slo is not None else None
+        ttft_s, tpot_s = slo or Slo()  # Slo(): no targets (None, None)
         if ttft_s is not None and self.decode_s:
             # Its first token must leave it the time decoding takes before its deadline.
             ttft_s = min(ttft_s, deadline - arrival - self.decode_s)
-            slo = Slo(ttft_s, tpot_s)
         if not self._decode.has_candidates():
             await self._wait_for_a_node(deadline, start)
             start = time.monotonic()  # (what follows judges from now: the wait counts)
@@ -302,9 +292,9 @@ class Admission:
         self._check_fits(demand)
         if not self._queue and self._room(demand, work, tpot_s, ttft_s):
             prediction = self.predict(work, client, ttft_s, queued=False)
-            if slo is not None and slo.ttft_s is not None and start - self._admitted < PROBE_S:
+            if ttft_s is not None and start - self._admitted < PROBE_S:
                 # Room by count, but the nodes' backlog may already be past the target.
-                self._check_slo(prediction, arrival + slo.ttft_s, start)
+                self._check_slo(prediction, start, arrival, ttft_s)
             # NOTE: counted in the pace too: when a queue first forms, its pace is then known at
             # once (at most the arrival rate so far, which the pools kept up with: a wait
             # predicted from it is too long, never too short, until queued departures replace it).
@@ -314,13 +304,11 @@ class Admission:
         prediction = self.predict(work, client, ttft_s)
         latest, give_up = self._check_wait(deadline, start, client)
         ttft_by = None  # the latest it may be let go and still meet its TTFT target
-        if slo is not None and slo.ttft_s is not None:
-            target = arrival + slo.ttft_s
-            share = self.headroom(client)
-            self._check_slo(prediction, arrival + share * slo.ttft_s, start, slo.ttft_s, share)
+        if ttft_s is not None:
+            self._check_slo(prediction, start, arrival, ttft_s, self.headroom(client))
             # NOTE: the margin buys the wait room to run late at arrival; once queued, a request
             # goes as long as its own part can still end within the target.
-            ttft_by = target - prediction.own_s
+            ttft_by = arrival + ttft_s - prediction.own_s
             give_up = min(give_up, ttft_by)
         loop = asyncio.get_running_loop()
         me = Waiter(loop.create_future(), demand, work, start, tpot_s, client, ttft_s)
@@ -343,7 +331,12 @@ class Admission:
                     self._refused_late(client)
                     if ttft_by is not None and time.monotonic() >= ttft_by:
                         self.predictor.expired(prediction, time.monotonic() - start, client)
-                        raise self._expired(arrival, start, slo, prediction)
+                        raise self._slo_expired(
+                            f"waited {time.monotonic() - start:.2f} s for room in the pools",
+                            prediction.own_s,
+                            ttft_s,
+                            self._pace_wait(len(self._queue)),
+                        )
                     raise self._timed_out(deadline, latest, start)
                 if me.wake.done():
                     me.wake = loop.create_future()
@@ -365,7 +358,8 @@ class Admission:
             self._metrics.queue_length.set(len(self._queue))
             self._metrics.queue_wait.observe(now - start)
             self._waits.append((now, now - start))
-            self._trim_waits(now)
+            while self._waits[0][0] < now - WAITS_WINDOW_S:
+                self._waits.popleft()
             if let_go:
                 self._departures.append(now)
             self.notify()  # the next in line looks again
@@ -404,8 +398,7 @@ class Admission:
                 self._refused_late(w.client)
                 if w.prediction is not None and w.ttft_by is not None:
                     self.predictor.expired(w.prediction, now - w.since + wait, w.client)
-                if not w.wake.done():
-                    w.wake.set_result(None)
+                w.wake_up()
 
     def _cannot_go_in_time(
         self, w: Waiter, now: float, wait: float, position: int, pace: float
@@ -417,12 +410,7 @@ class Admission:
         )
         if w.ttft_by is not None and w.give_up >= w.ttft_by:
             own = w.prediction.own_s if w.prediction is not None else 0.0
-            return self._refuse(
-                "slo_expired",
-                f"{where}; with ~{own:.2f} s more to its first token it can no longer meet its "
-                f"TTFT target of {w.ttft_s} s: retry later, with a larger target, or add nodes",
-                wait,
-            )
+            return self._slo_expired(where, own, w.ttft_s, wait)
         return self._refuse(
             "queue_wait",
             f"{where}: it could no longer be let go in time to be served before its deadline "
@@ -460,25 +448,26 @@ class Admission:
         self._check_wait(deadline, now, client)
         if slo is not None and slo.ttft_s is not None:
             share = self.headroom(client)
-            target = (now if arrival is None else arrival) + share * slo.ttft_s
-            self._check_slo(self.predict(0, client, slo.ttft_s), target, now, slo.ttft_s, share)
+            arrival = now if arrival is None else arrival
+            self._check_slo(self.predict(0, client, slo.ttft_s), now, arrival, slo.ttft_s, share)
 
     def _check_slo(
         self,
         prediction: TTFTPrediction,
-        target: float,
         now: float,
-        ttft_s: float | None = None,
+        arrival: float,
+        ttft_s: float,
         share: float = 1.0,
     ) -> None:
-        """Refuse a request whose predicted time to first token ends past ``target`` (when it
-        would queue: ``share`` of its TTFT target ``ttft_s``, its client's headroom)."""
+        """Refuse a request whose predicted time to first token ends past ``share`` of its TTFT
+        target ``ttft_s`` after its ``arrival`` (when it would queue: its client's headroom)."""
+        target = arrival + share * ttft_s
         if now + prediction.ttft_s <= target:
             return
         # Retry once the queue has drained enough for a newcomer to meet the same target.
         budget = target - now - prediction.own_s - prediction.margin_s
         within = "its TTFT target"
-        if ttft_s is not None and share < 1.0:
+        if share < 1.0:
             within = (
                 f"{share:.2f} of its TTFT target of {ttft_s:g} s (this client's queued requests "
                 "ran out of time lately, so the router admits them to less of it)"
@@ -521,19 +510,16 @@ class Admission:
         if client in self._headroom:
             self._set_headroom(client, min(1.0, self.headroom(client) + HEADROOM_UP))
 
-    def _expired(
-        self, arrival: float, start: float, slo: Slo | None, prediction: TTFTPrediction
+    def _slo_expired(
+        self, where: str, own_s: float, ttft_s: float | None, retry_after_s: float | None
     ) -> GenerateError:
-        """A queued request whose TTFT target could no longer be met: refused before any node
-        worked on it."""
-        ttft = slo.ttft_s if slo is not None else None
+        """A queued request whose TTFT target could no longer be met (``where``: how long it
+        waited, and where it stands): refused before any node worked on it."""
         return self._refuse(
             "slo_expired",
-            f"waited {time.monotonic() - start:.2f} s for room in the pools; with "
-            f"~{prediction.own_s:.2f} s more to its first token it can no "
-            f"longer meet its TTFT target of {ttft} s: retry later, with a larger target, or "
-            "add nodes",
-            self._pace_wait(len(self._queue)),
+            f"{where}; with ~{own_s:.2f} s more to its first token it can no longer meet its "
+            f"TTFT target of {ttft_s} s: retry later, with a larger target, or add nodes",
+            retry_after_s,
         )
 
     def _check_wait(self, deadline: float, start: float, client: str) -> tuple[float, float]:
@@ -595,10 +581,6 @@ class Admission:
         """How long the ``position``-th in line will wait at the recent pace (None: unknown)."""
         pace = self._pace()
         return position / pace if pace > 0 else None
-
-    def _trim_waits(self, now: float) -> None:
-        while self._waits and self._waits[0][0] < now - WAITS_WINDOW_S:
-            self._waits.popleft()
 
     def _refuse(self, reason: str, message: str, retry_after_s: float | None) -> GenerateError:
         assert reason in REFUSAL_REASONS, reason

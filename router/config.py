@@ -213,8 +213,8 @@ class RouterConfig:
         guarded = bool(self.http_tls_cert and self.api_key_file)
         if self.http_port is not None and self.tls_cert and not guarded and not is_loopback(host):
             raise ValueError(
-                f"--http-port with --tls-*: an HTTP API without HTTPS and API keys would be an "
-                f"open door beside the mTLS-only gRPC port; give it --http-tls-cert/--http-tls-key "
+                "--http-port with --tls-*: an HTTP API without HTTPS and API keys would be an "
+                "open door beside the mTLS-only gRPC port; give it --http-tls-cert/--http-tls-key "
                 f"and --api-key-file, or listen on loopback (--http-host 127.0.0.1, now {host}) "
-                f"behind a TLS-terminating, authenticating proxy"
+                "behind a TLS-terminating, authenticating proxy"
             )

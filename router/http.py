@@ -324,11 +324,7 @@ class HttpFront:
                 item["message"] = {"role": "assistant", "content": text}
             else:
                 item["text"] = text
-            item["logprobs"] = (
-                logprobs_json(self._model, api.chat, c.token_ids, c.logprobs)
-                if api.logprobs
-                else None
-            )
+            item["logprobs"] = logprobs_json(self._model, api, c.token_ids, c.logprobs)
             if api.return_token_ids:
                 item["token_ids"] = c.token_ids
             out.append(item)
@@ -342,7 +338,7 @@ class HttpFront:
         self, request: web.Request, api: ApiRequest, outputs: Outputs
     ) -> web.StreamResponse:
         # The first step before the headers: a refusal still gets its own status.
-        first = await anext(outputs, None)
+        item = await anext(outputs, None)
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
@@ -357,20 +353,14 @@ class HttpFront:
             await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
 
         try:
-            pending = [first] if first is not None else []
-            while True:
-                if pending:
-                    index, step = pending.pop()
-                else:
-                    item = await anext(outputs, None)
-                    if item is None:
-                        break
-                    index, step = item
+            while item is not None:
+                index, step = item
                 choice = self._chunk_choice(api, index, step, index not in started)
                 started.add(index)
                 await send({**head, "choices": [choice], **extra})
                 if step.usage is not None:
                     usages.append((index, step.usage))
+                item = await anext(outputs, None)
             if api.include_usage:
                 await send({**head, "choices": [], "usage": usage_json(usages, api.n)})
         except GenerateError as exc:  # after the headers: an error event ends the stream
@@ -389,11 +379,7 @@ class HttpFront:
             choice["delta"] = message
         else:
             choice["text"] = delta.text
-        choice["logprobs"] = (
-            logprobs_json(self._model, api.chat, delta.token_ids, delta.logprobs)
-            if api.logprobs
-            else None
-        )
+        choice["logprobs"] = logprobs_json(self._model, api, delta.token_ids, delta.logprobs)
         choice["finish_reason"] = delta.finish_reason or None
         if api.return_token_ids:
             choice["token_ids"] = delta.token_ids
@@ -410,10 +396,14 @@ def token_text(model: ModelInfo, token_id: int) -> str:
 
 
 def logprobs_json(
-    model: ModelInfo, chat: bool, token_ids: list[int], logprobs: list[float]
-) -> dict[str, Any]:
+    model: ModelInfo, api: ApiRequest, token_ids: list[int], logprobs: list[float]
+) -> dict[str, Any] | None:
+    """OpenAI's logprobs of a choice's tokens, in the shape of ``api``'s route (None: not asked
+    for)."""
+    if not api.logprobs:
+        return None
     tokens = [token_text(model, t) for t in token_ids]
-    if chat:
+    if api.chat:
         return {
             "content": [
                 {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}

@@ -27,6 +27,46 @@ REFUSAL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300, 600)
 # Signed: a prediction error is late (> 0) or early (< 0).
 ERROR_BUCKETS = (-10, -5, -2.5, -1, -0.5, -0.25, -0.1, 0, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+STAGE_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    120,
+)
+# The stages of splitserve_router_stage_seconds, in a request's order.
+STAGES = {
+    "lookup": "the prefix index look-up of the prompt's blocks",
+    "queue": "admission: waiting for a decode node with room",
+    "prefill": "a prefill node's Prefill call: its queue, the prefill and the KV transfer",
+    "compute": "the prefill node's engine, from the request joining it to its first token",
+    "transfer": "what shipping the KV into the decode node added after the first token",
+    "direct": "a decode node prefilling the prompt itself, to its first token",
+    "first_decode": "from a decode command on a decode node's Relay stream to its first token",
+}
+
+REFUSAL_REASONS = {
+    "queue_full": "the router's --max-queue requests were already waiting",
+    "queue_wait": "the queue's recent pace put its wait past its deadline or --queue-timeout-s",
+    "queue_timeout": "it waited --queue-timeout-s",
+    "deadline": "its deadline passed while it waited",
+    "prompt_too_large": "its prompt's KV is larger than any decode node's",
+    "client_cap": "its client had --max-requests-per-client in flight",
+    "router_busy": "the router's event loop ran later than --max-loop-lag-s",
+    "slo_ttft": "at its arrival, its predicted time to first token was past its TTFT target",
+    "slo_expired": "it waited until its TTFT target could no longer be met",
+}
 
 
 class RouterMetrics:
@@ -35,11 +75,10 @@ class RouterMetrics:
     ``__init__`` is over 60 lines: one declaration per metric, each with its help text."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
+        self.registry = r = registry or CollectorRegistry()
         # The router's own CPU and memory (process_cpu_seconds_total, ...): its CPU per relayed
         # token is rate(process_cpu_seconds_total) / rate(splitserve_generation_tokens_total).
-        ProcessCollector(registry=self.registry)
-        r = self.registry
+        ProcessCollector(registry=r)
         self.ttft = Histogram(
             "splitserve_time_to_first_token_seconds",
             "From request arrival to the first token sent",
@@ -192,48 +231,6 @@ class RouterMetrics:
     def watch_pressure(self, figures: Callable[[], PressureFigures]) -> None:
         """Export the pools' pressure (``PressureFigures``), read at scrape time."""
         self.registry.register(_PressureCollector(figures))
-
-
-STAGE_BUCKETS = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1,
-    2.5,
-    5,
-    10,
-    30,
-    120,
-)
-# The stages of splitserve_router_stage_seconds, in a request's order.
-STAGES = {
-    "lookup": "the prefix index look-up of the prompt's blocks",
-    "queue": "admission: waiting for a decode node with room",
-    "prefill": "a prefill node's Prefill call: its queue, the prefill and the KV transfer",
-    "compute": "the prefill node's engine, from the request joining it to its first token",
-    "transfer": "what shipping the KV into the decode node added after the first token",
-    "direct": "a decode node prefilling the prompt itself, to its first token",
-    "first_decode": "from a decode command on a decode node's Relay stream to its first token",
-}
-
-REFUSAL_REASONS = {
-    "queue_full": "the router's --max-queue requests were already waiting",
-    "queue_wait": "the queue's recent pace put its wait past its deadline or --queue-timeout-s",
-    "queue_timeout": "it waited --queue-timeout-s",
-    "deadline": "its deadline passed while it waited",
-    "prompt_too_large": "its prompt's KV is larger than any decode node's",
-    "client_cap": "its client had --max-requests-per-client in flight",
-    "router_busy": "the router's event loop ran later than --max-loop-lag-s",
-    "slo_ttft": "at its arrival, its predicted time to first token was past its TTFT target",
-    "slo_expired": "it waited until its TTFT target could no longer be met",
-}
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,16 +62,16 @@ UNSUPPORTED = {
 }
 # Sampling fields taken as they are (OpenAI's and the usual serving extensions).
 SAMPLING_FIELDS = (
-    ("temperature", "temperature"),
-    ("top_p", "top_p"),
-    ("top_k", "top_k"),
-    ("min_p", "min_p"),
-    ("presence_penalty", "presence_penalty"),
-    ("frequency_penalty", "frequency_penalty"),
-    ("repetition_penalty", "repetition_penalty"),
-    ("min_tokens", "min_tokens"),
-    ("ignore_eos", "ignore_eos"),
-    ("seed", "seed"),
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "seed",
 )
 INT32_FIELDS = frozenset({"max_tokens", "top_k", "min_tokens"})  # int32 in common.proto
 
@@ -127,13 +127,15 @@ class ApiRequest:
     request_id: str
 
 
-def _typed(body: dict, name: str, types: tuple[type, ...], what: str) -> Any:
+def _typed(body: dict, name: str, kind: type) -> Any:
+    """The body's ``name`` (None: absent or null), checked to be a ``kind``."""
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) and bool not in types:
+    what = {bool: "true or false", int: "an integer", str: "a string"}[kind]
+    if isinstance(value, bool) and kind is not bool:  # True is an int in Python, not in JSON
         raise ApiError.bad(f"{name} must be {what}, got {value!r}", name)
-    if not isinstance(value, types):
+    if not isinstance(value, kind):
         raise ApiError.bad(f"{name} must be {what}, got {type(value).__name__}", name)
     return value
 
@@ -217,7 +219,7 @@ def _sampling(body: dict, chat: bool, model: ModelInfo, logprobs: bool) -> Sampl
     if max_tokens is None:
         # OpenAI's defaults: 16 for a completion, a chat reply may fill the context.
         max_tokens = model.max_model_len if chat else 16
-    fields = [("max_tokens", max_tokens), *((f, body.get(k)) for k, f in SAMPLING_FIELDS)]
+    fields = [("max_tokens", max_tokens), *((f, body.get(f)) for f in SAMPLING_FIELDS)]
     values: dict[str, Any] = {}
     for field, value in fields:
         if value is None:
@@ -239,7 +241,7 @@ def _sampling(body: dict, chat: bool, model: ModelInfo, logprobs: bool) -> Sampl
         values[field] = value
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
-        if not _int_list(stop_ids) or any(t >= 2**32 for t in stop_ids):
+        if not _int_list(stop_ids):
             raise ApiError.bad("stop_token_ids must be a list of token ids", "stop_token_ids")
         values["stop_token_ids"] = tuple(stop_ids)
     try:
@@ -258,13 +260,12 @@ def _float32(value: float) -> float:
 
 def _logprobs(body: dict, chat: bool) -> bool:
     if chat:
-        wanted = bool(_typed(body, "logprobs", (bool,), "true or false"))
-        top = _typed(body, "top_logprobs", (int,), "an integer") or 0
+        wanted = bool(_typed(body, "logprobs", bool))
+        top = _typed(body, "top_logprobs", int)
     else:  # /v1/completions: logprobs is how many alternatives per position
-        top = _typed(body, "logprobs", (int,), "an integer")
+        top = _typed(body, "logprobs", int)
         wanted = top is not None
-        top = top or 0
-    if top:
+    if top:  # None or 0: none asked for
         raise ApiError.bad(
             "top log-probabilities are not supported: the engine reports the chosen token's "
             "(completions: logprobs 0; chat: logprobs true, top_logprobs 0)",
@@ -352,7 +353,7 @@ def parse_body(
     for field, allowed in UNSUPPORTED.items():
         if field in body and not _noop(body[field], allowed):
             raise ApiError.bad(f"{field} is not supported by this server: leave it out", field)
-    n = _typed(body, "n", (int,), "an integer")
+    n = _typed(body, "n", int)
     n = 1 if n is None else n
     prompts = [_conversation(body)] if chat else _prompts(body)
     if n < 1 or n * len(prompts) > MAX_CHOICES:
@@ -367,10 +368,10 @@ def parse_body(
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ApiError.bad("stream_options must be an object", "stream_options")
-    stream = bool(_typed(body, "stream", (bool,), "true or false"))
+    stream = bool(_typed(body, "stream", bool))
     # The header (set by a trusted proxy, per tenant) wins over what the client's body says.
-    salt = salt or _typed(body, "cache_salt", (str,), "a string")
-    salt = salt or _typed(body, "user", (str,), "a string") or ""
+    salt = salt or _typed(body, "cache_salt", str)
+    salt = salt or _typed(body, "user", str) or ""
     slo = request_slo(body, slo_header)
     rid = request_id or uuid.uuid4().hex
     requests = []
@@ -396,6 +397,6 @@ def parse_body(
         stream=stream,
         include_usage=stream and bool(options.get("include_usage")),
         logprobs=logprobs,
-        return_token_ids=bool(_typed(body, "return_token_ids", (bool,), "true or false")),
+        return_token_ids=bool(_typed(body, "return_token_ids", bool)),
         request_id=rid,
     )
