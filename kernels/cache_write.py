@@ -69,7 +69,7 @@ def reshape_and_cache(
     validate: bool = True,
     kv_scales: torch.Tensor | None = None,
 ) -> None:
-    """Triton version of `kernels.ops.reshape_and_cache` (see there for shapes)."""
+    """Triton version of `kernels.ops.reshape_and_cache` (shapes: `kernels.reference`'s)."""
     checks.check_reshape_and_cache(
         key, value, key_cache, value_cache, slot_mapping, validate, kv_scales
     )

@@ -357,7 +357,7 @@ def paged_decode_attention(
     config: DecodeConfig | None = None,
     kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton version of `kernels.ops.paged_decode_attention` (see there for shapes).
+    """Triton version of `kernels.ops.paged_decode_attention` (shapes: `kernels.reference`'s).
 
     `num_splits` overrides `choose_num_splits` (tests and benchmarks); `config` the tiling
     (default: `default_config` of the cache's dtype)."""

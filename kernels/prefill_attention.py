@@ -266,7 +266,7 @@ def paged_prefill_attention(
     config: PrefillConfig | None = None,
     kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton version of `kernels.ops.paged_prefill_attention` (see there for shapes).
+    """Triton version of `kernels.ops.paged_prefill_attention` (shapes: `kernels.reference`'s).
 
     `config` overrides the tiling `choose_config` picks (tests and benchmarks). Over 60 lines: see
     the module's docstring."""

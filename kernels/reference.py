@@ -1,7 +1,8 @@
-"""Plain-torch references of the paged KV kernels: same signatures as the Triton launchers.
+"""Plain-torch references of the kernels, with the signatures and docstrings of the ops.
 
-They are what CPU runs use (through `kernels.ops`) and what the Triton kernels are tested
-against. Written for clarity, not speed: a Python loop over sequences, math in float32.
+`kernels.ops` makes each op from its reference here (run on CPU tensors) and the Triton launcher
+of the same name (run on CUDA tensors); the Triton kernels are tested against them. Written for
+clarity, not speed: a Python loop over sequences, math in float32. Shapes: see `kernels.ops`.
 """
 
 from __future__ import annotations
@@ -21,8 +22,13 @@ def reshape_and_cache(
     validate: bool = True,
     kv_scales: torch.Tensor | None = None,
 ) -> None:
-    """Write `key`/`value` [T, Hkv, D] into the caches at `slot_mapping` [T] (slot = block_id *
-    block_size + offset; slots < 0 are padding and skipped). See `kernels.ops`."""
+    """Write this step's K/V into the cache.
+
+    key, value: `[T, Hkv, D]`. slot_mapping: `[T]` int32/int64, slot of token t =
+    `block_id * block_size + offset`; slots < 0 are padding and skipped. Slots must be distinct
+    and outside the null block 0. An FP8 cache (float8_e4m3fn) stores `key / kv_scales[0]` and
+    `value / kv_scales[1]`, saturated at +-448.
+    """
     checks.check_reshape_and_cache(
         key, value, key_cache, value_cache, slot_mapping, validate, kv_scales
     )
@@ -79,7 +85,12 @@ def paged_decode_attention(
     validate: bool = True,
     kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference of `kernels.ops.paged_decode_attention` (see there for shapes)."""
+    """Attention of one new query token per sequence over its whole cached context.
+
+    query: `[B, Hq, D]`, the token at position `seq_lens[b] - 1` (its K/V already cached).
+    block_table: `[B, max_blocks]`; seq_lens: `[B]`, each >= 1. Query head h reads KV head
+    `h // (Hq // Hkv)`. Returns (or fills `out`) `[B, Hq, D]`, dtype of query.
+    """
     checks.check_decode(
         query, key_cache, value_cache, block_table, seq_lens, scale, out, validate, kv_scales
     )
@@ -107,7 +118,16 @@ def paged_prefill_attention(
     validate: bool = True,
     kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference of `kernels.ops.paged_prefill_attention` (see there for shapes)."""
+    """Causal attention of the new tokens of a batch of sequences over cached prefix + themselves.
+
+    query: `[T, Hq, D]`, sequence b's new tokens at rows `cu_seqlens_q[b]:cu_seqlens_q[b+1]`
+    (`cu_seqlens_q`: `[B+1]` int32, from 0 to T). seq_lens: `[B]`, whole context including the
+    new tokens, whose K/V `reshape_and_cache` has already written. New token i of sequence b sits
+    at position `seq_lens[b] - q_len_b + i` and sees positions `0..` itself.
+    max_query_len: the largest q_len_b if the caller knows it (saves the Triton launcher a host
+    sync; required during CUDA graph capture). Returns (or fills `out`) `[T, Hq, D]`, dtype of
+    query.
+    """
     del max_query_len  # only the Triton launcher needs it (grid size)
     checks.check_prefill(
         query,
@@ -138,8 +158,11 @@ def paged_prefill_attention(
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """See `kernels.elementwise.rms_norm`. The same operations in the same order as
-    transformers' LlamaRMSNorm (and its residual add), so float32 results are bitwise equal."""
+    """RMSNorm of ``x [T, N]`` times ``weight [N]``. With ``residual``, ``x + residual`` is written
+    into ``residual`` first and normalised (the pre-norm decoder's residual stream).
+
+    The same operations in the same order as transformers' LlamaRMSNorm (and its residual add),
+    so float32 results are bitwise equal."""
     if residual is not None:
         residual.add_(x)
         x = residual
@@ -156,7 +179,8 @@ def rotary_embedding(
     cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> None:
-    """See `kernels.elementwise.rotary_embedding` (in place); transformers' arithmetic."""
+    """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` in place by ``cos/sin[positions]``
+    (rotate-half layout; transformers' arithmetic)."""
     c = cos[positions].unsqueeze(1)
     s = sin[positions].unsqueeze(1)
     for x in (q, k):
@@ -166,6 +190,6 @@ def rotary_embedding(
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """See `kernels.elementwise.silu_and_mul`."""
+    """``silu(gate) * up`` of ``gate_up [T, 2N]`` → ``[T, N]``."""
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up

@@ -3,6 +3,9 @@ and block transfer, and bad-input errors. No Triton kernel runs here."""
 
 from __future__ import annotations
 
+import importlib
+import inspect
+
 import pytest
 import torch
 from support.paged_kv import make_paged_kv
@@ -122,6 +125,40 @@ def test_ops_dispatch_to_reference_on_cpu(gen, monkeypatch):
     kernels.reshape_and_cache(
         qp[:, :2], qp[:, 2:], kv.key_cache, kv.value_cache, torch.full((5,), -1)
     )
+
+
+class _OnCuda:
+    """Stands in for a CUDA tensor: an op reads only `is_cuda` before handing it on."""
+
+    is_cuda = True
+
+
+def test_ops_dispatch_to_triton_on_cuda(monkeypatch):
+    for name, module in ops.TRITON_MODULES.items():
+        calls = []
+        monkeypatch.setattr(
+            importlib.import_module(f"splitserve.kernels.{module}"),
+            name,
+            lambda *args, calls=calls, **kwargs: calls.append((args, kwargs)) or "launched",
+        )
+        params = inspect.signature(getattr(reference, name)).parameters
+        args = tuple(_OnCuda() for p in params.values() if p.default is p.empty)
+        kwargs = dict(zip(params, args, strict=False))
+        assert getattr(ops, name)(*args) == "launched"
+        assert getattr(ops, name)(**kwargs) == "launched"
+        assert calls == [(args, {}), ((), kwargs)], name
+
+
+def test_triton_launchers_take_their_references_parameters():
+    for name, module in ops.TRITON_MODULES.items():
+        launcher = getattr(importlib.import_module(f"splitserve.kernels.{module}"), name)
+        launcher_params = inspect.signature(launcher).parameters
+        for param in inspect.signature(getattr(reference, name)).parameters.values():
+            got = launcher_params.get(param.name)
+            assert got is not None and (got.kind, got.default) == (param.kind, param.default), (
+                f"{module}.{name}: {got} for the reference's {param}"
+            )
+        assert getattr(ops, name).__doc__ == getattr(reference, name).__doc__
 
 
 # ---------------------------------------------------------------- layout and block transfer
