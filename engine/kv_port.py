@@ -49,7 +49,9 @@ class Reserved(NamedTuple):
     dest: list[int]
 
 
-class PoolFigures(NamedTuple):
+class BlockCounts(NamedTuple):
+    """The KV pool's blocks: usable, free, and holding a cached prefix."""
+
     num_blocks: int  # usable blocks (the null block excluded)
     num_free_blocks: int
     num_cached_blocks: int
@@ -162,10 +164,10 @@ class KVPort:
 
     # ------------------------------------------------------------------ figures and events
 
-    def stats(self) -> PoolFigures:
+    def stats(self) -> BlockCounts:
         """The pool's block counts (a figure: any thread, see the module's docstring)."""
         pool = self._pool
-        return PoolFigures(pool.num_blocks - 1, pool.num_free_blocks, pool.num_cached_blocks)
+        return BlockCounts(pool.num_blocks - 1, pool.num_free_blocks, pool.num_cached_blocks)
 
     def slot_usage(self) -> SlotUsage:
         """Tokens held and token slots of the blocks in use (KV slot utilisation; O(1), and,
