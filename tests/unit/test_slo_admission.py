@@ -316,10 +316,11 @@ def test_a_client_whose_queued_requests_ran_late_is_admitted_to_less_of_its_targ
         # (Admission only lets them go; nothing here takes the slot, so both go.)
         decode.release(decode.nodes[0])
         await asyncio.wait_for(asyncio.gather(first, light), 5)
-        # (and time: all of it over HEADROOM_RECOVER_S)
+        # (and time: all of it over HEADROOM_RECOVER_S; the share is read before the clock, so
+        # the time that passes between the two only widens the bound)
+        grown = admission.headroom("heavy")
         elapsed = time.monotonic() - refused_at
-        assert share + HEADROOM_UP <= admission.headroom("heavy")
-        assert admission.headroom("heavy") <= share + HEADROOM_UP + elapsed / HEADROOM_RECOVER_S
+        assert share + HEADROOM_UP <= grown <= share + HEADROOM_UP + elapsed / HEADROOM_RECOVER_S
         assert admission.headroom("light") == 1.0
         # However many run late, the share stops at HEADROOM_MIN.
         for _ in range(50):
