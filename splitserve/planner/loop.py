@@ -20,7 +20,7 @@ from splitserve.planner.policy import (
     PolicyState,
     decide,
 )
-from splitserve.planner.scrape import Scraper
+from splitserve.planner.scrape import ERRORS, Scraper
 from splitserve.runtime.slo import Slo
 
 logger = logging.getLogger(__name__)
@@ -63,10 +63,11 @@ class Planner:
         self._reasons: dict[str, str] = {}
 
     def step(self) -> Decision | None:
-        """One round; None when the router could not be read (nothing changes then)."""
+        """One round; None when the router could not be read, or answered a page that is not its
+        metrics (nothing changes then)."""
         try:
             figures = self.scraper.read()
-        except OSError as exc:
+        except ERRORS as exc:
             logger.warning("planner: cannot read %s (%s): holding", self.scraper.url, exc)
             return None
         current = self.actuator.current()

@@ -231,6 +231,24 @@ def test_a_planner_round_acts_logs_and_exports(caplog, tmp_path):
     assert len((tmp_path / "trace.jsonl").read_text().splitlines()) == 2
 
 
+def test_a_planner_round_holds_when_the_router_answers_a_page_that_is_not_metrics(caplog):
+    """A proxy's error page (or any body that is not Prometheus text) on the metrics port: the
+    round holds and says why, like a router that does not answer; the planner goes on. (The
+    page is handed to the real parser; tests/unit opens no socket.)"""
+
+    class ErrorPage(Scraper):
+        def read(self) -> Figures:
+            return self.read_text("<html>502 bad gateway</html>", 0.0)
+
+    act = FakeActuator(Counts(1, 1))
+    planner = Planner(ErrorPage("http://router/metrics"), act, Bounds(1, 2, 1, 3), AIM)
+    with caplog.at_level(logging.WARNING, logger="splitserve.planner.loop"):
+        assert planner.step() is None
+    assert "cannot read http://router/metrics" in caplog.text
+    assert "invalid metric name" in caplog.text
+    assert act.counts == Counts(1, 1)
+
+
 def test_planner_and_up_autoscale_command_lines():
     args = build_parser().parse_args(
         ["planner", "--actuator", "kubernetes", "--namespace", "llm", "--max-decode", "4",
