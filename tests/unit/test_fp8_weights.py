@@ -44,13 +44,21 @@ def source(tmp_path_factory):
 def test_quantize_rows_error_is_within_one_e4m3_rounding():
     x = torch.randn(64, 96) * torch.logspace(-3, 3, 64).unsqueeze(1)
     x[3] = 0.0  # a row of zeros quantizes to zeros, not NaN
+    x[1] *= 1e-3 / x[1].abs().amax()  # below 448 * MIN_SCALE (1/512): its scale is the floor
     q, s = quant.quantize_rows(x)
     assert q.dtype == quant.FP8 and s.shape == (64, 1)
     back = q.float() * s
     assert torch.equal(back[3], torch.zeros(96))
     assert ((back - x).abs() <= E4M3_REL * x.abs() + E4M3_SUB * s + 1e-12).all()
-    # Each row's largest magnitude lands on 448 exactly.
-    assert torch.equal(q.float().abs().amax(dim=1)[x.abs().amax(1) > 0], torch.full((63,), 448.0))
+    # Each row's largest magnitude lands on 448 exactly, but for rows so small that their scale
+    # stops at MIN_SCALE (row 1 always, the zero row, a row of randn * 1e-3 sometimes): there it
+    # lands where amax / MIN_SCALE rounds to in e4m3.
+    amax = x.abs().amax(1)
+    floored = amax * (1.0 / quant.FP8_MAX) < quant.MIN_SCALE
+    assert floored[1] and (s[floored] == quant.MIN_SCALE).all()
+    landed = q.float().abs().amax(1)
+    assert (landed[~floored] == 448.0).all()
+    assert torch.equal(landed[floored], (amax[floored] / quant.MIN_SCALE).to(quant.FP8).float())
 
 
 def test_emulated_fp8_linear_is_the_product_of_the_dequantized_operands():
