@@ -39,7 +39,7 @@ from splitserve.router.openai_api import (
     parse_body,
     request_timeout,
 )
-from splitserve.router.output import Step
+from splitserve.router.output import Delta, Step
 from splitserve.router.request import GenerateError, GenerateInput, ModelInfo
 from splitserve.runtime import tracing
 from splitserve.runtime.failure import Failure
@@ -305,34 +305,22 @@ class HttpFront:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     def _head(self, api: ApiRequest) -> dict[str, Any]:
-        prefix = "chatcmpl-" if api.chat else "cmpl-"
+        """The fields every response object (a stream's: every chunk) to ``api`` starts with."""
+        chat_kind = "chat.completion.chunk" if api.stream else "chat.completion"
         return {
-            "id": prefix + api.request_id,
+            "id": ("chatcmpl-" if api.chat else "cmpl-") + api.request_id,
             "created": int(time.time()),
             "model": self.model_name,
+            "object": chat_kind if api.chat else "text_completion",
         }
 
     async def _whole(self, api: ApiRequest, outputs: Outputs) -> web.Response:
         choices = [Choice() for _ in api.requests]
         async for index, step in outputs:
             choices[index].add(step)
-        out = []
-        for index, c in enumerate(choices):
-            item: dict[str, Any] = {"index": index, "finish_reason": c.finish_reason}
-            text = "".join(c.text)
-            if api.chat:
-                item["message"] = {"role": "assistant", "content": text}
-            else:
-                item["text"] = text
-            item["logprobs"] = logprobs_json(self._model, api, c.token_ids, c.logprobs)
-            if api.return_token_ids:
-                item["token_ids"] = c.token_ids
-            out.append(item)
+        out = [self._choice(api, index, c.delta()) for index, c in enumerate(choices)]
         usage = usage_json([(i, c.usage) for i, c in enumerate(choices)], api.n)
-        kind = "chat.completion" if api.chat else "text_completion"
-        return web.json_response(
-            {**self._head(api), "object": kind, "choices": out, "usage": usage}
-        )
+        return web.json_response({**self._head(api), "choices": out, "usage": usage})
 
     async def _stream(
         self, request: web.Request, api: ApiRequest, outputs: Outputs
@@ -343,8 +331,7 @@ class HttpFront:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(request)
-        kind = "chat.completion.chunk" if api.chat else "text_completion"
-        head = {**self._head(api), "object": kind}
+        head = self._head(api)
         extra = {"usage": None} if api.include_usage else {}
         usages: list[tuple[int, Any]] = []
         started: set[int] = set()
@@ -355,7 +342,7 @@ class HttpFront:
         try:
             while item is not None:
                 index, step = item
-                choice = self._chunk_choice(api, index, step, index not in started)
+                choice = self._choice(api, index, step.delta, first=index not in started)
                 started.add(index)
                 await send({**head, "choices": [choice], **extra})
                 if step.usage is not None:
@@ -369,16 +356,18 @@ class HttpFront:
         await response.write_eof()
         return response
 
-    def _chunk_choice(self, api: ApiRequest, index: int, step: Step, first: bool) -> dict:
-        delta = step.delta
+    def _choice(self, api: ApiRequest, index: int, delta: Delta, first: bool = False) -> dict:
+        """A choice of a whole answer, or of a stream's chunk (``first``: the choice's first,
+        whose chat delta names the role)."""
         choice: dict[str, Any] = {"index": index}
-        if api.chat:
-            message: dict[str, Any] = {"content": delta.text}
-            if first:
-                message["role"] = "assistant"
-            choice["delta"] = message
-        else:
+        if not api.chat:
             choice["text"] = delta.text
+        elif not api.stream:
+            choice["message"] = {"role": "assistant", "content": delta.text}
+        else:
+            choice["delta"] = {"content": delta.text}
+            if first:
+                choice["delta"]["role"] = "assistant"
         choice["logprobs"] = logprobs_json(self._model, api, delta.token_ids, delta.logprobs)
         choice["finish_reason"] = delta.finish_reason or None
         if api.return_token_ids:
@@ -389,12 +378,6 @@ class HttpFront:
 # ------------------------------------------------------------------ OpenAI's response objects
 
 
-def token_text(model: ModelInfo, token_id: int) -> str:
-    if model.tokenizer is None:
-        return f"token_id:{token_id}"
-    return model.tokenizer.decode([token_id])
-
-
 def logprobs_json(
     model: ModelInfo, api: ApiRequest, token_ids: list[int], logprobs: list[float]
 ) -> dict[str, Any] | None:
@@ -402,7 +385,8 @@ def logprobs_json(
     for)."""
     if not api.logprobs:
         return None
-    tokens = [token_text(model, t) for t in token_ids]
+    tokenizer = model.tokenizer
+    tokens = [f"token_id:{t}" if tokenizer is None else tokenizer.decode([t]) for t in token_ids]
     if api.chat:
         return {
             "content": [
@@ -433,14 +417,16 @@ class Choice:
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
-        self.finish_reason: str | None = None
+        self.finish_reason = ""
         self.usage = None
 
     def add(self, step: Step) -> None:
         self.text.append(step.delta.text)
         self.token_ids.extend(step.delta.token_ids)
         self.logprobs.extend(step.delta.logprobs)
-        if step.delta.finish_reason:
-            self.finish_reason = step.delta.finish_reason
+        self.finish_reason = step.delta.finish_reason or self.finish_reason
         if step.usage is not None:
             self.usage = step.usage
+
+    def delta(self) -> Delta:
+        return Delta("".join(self.text), self.token_ids, self.logprobs, self.finish_reason)

@@ -149,9 +149,7 @@ def _int_list(value: Any) -> bool:
 
 def _noop(value: Any, allowed: tuple) -> bool:
     """``value`` is one of ``allowed``, type included (``True`` is not ``1`` here)."""
-    return any(
-        value is a if a is None else (type(value) is type(a) and value == a) for a in allowed
-    )
+    return any(type(value) is type(a) and value == a for a in allowed)
 
 
 def _prompts(body: dict) -> list[GenerateInput]:
@@ -163,17 +161,14 @@ def _prompts(body: dict) -> list[GenerateInput]:
         raise ApiError.bad(
             "prompt must be a string, a list of token ids, or a non-empty list of either", "prompt"
         )
-    out = []
-    for p in prompt:
-        if isinstance(p, str):
-            out.append(GenerateInput(text=p))
-        elif _int_list(p):
-            out.append(GenerateInput(token_ids=tuple(p)))
-        else:
-            raise ApiError.bad(
-                "each prompt must be a string or a list of token ids (ints >= 0)", "prompt"
-            )
-    return out
+    if not all(isinstance(p, str) or _int_list(p) for p in prompt):
+        raise ApiError.bad(
+            "each prompt must be a string or a list of token ids (ints >= 0)", "prompt"
+        )
+    return [
+        GenerateInput(text=p) if isinstance(p, str) else GenerateInput(token_ids=tuple(p))
+        for p in prompt
+    ]
 
 
 def _content(message: dict, i: int) -> str:
@@ -187,14 +182,11 @@ def _content(message: dict, i: int) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # content parts: only text ones
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise ApiError.bad(
-                    f"messages[{i}].content: only parts of type text are supported", "messages"
-                )
-            texts.append(str(part.get("text", "")))
-        return "".join(texts)
+        if not all(isinstance(part, dict) and part.get("type") == "text" for part in content):
+            raise ApiError.bad(
+                f"messages[{i}].content: only parts of type text are supported", "messages"
+            )
+        return "".join(str(part.get("text", "")) for part in content)
     raise ApiError.bad(f"messages[{i}].content must be a string or a list of parts", "messages")
 
 
@@ -215,10 +207,9 @@ def _sampling(body: dict, chat: bool, model: ModelInfo, logprobs: bool) -> Sampl
     the nodes' protocol holds (``common.proto``), and for its range by ``SamplingParams`` (the
     message names the field either way)."""
     names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
-    max_tokens = next((body[n] for n in names if body.get(n) is not None), None)
-    if max_tokens is None:
-        # OpenAI's defaults: 16 for a completion, a chat reply may fill the context.
-        max_tokens = model.max_model_len if chat else 16
+    # OpenAI's defaults: 16 for a completion, a chat reply may fill the context.
+    default = model.max_model_len if chat else 16
+    max_tokens = next((body[n] for n in names if body.get(n) is not None), default)
     fields = [("max_tokens", max_tokens), *((f, body.get(f)) for f in SAMPLING_FIELDS)]
     values: dict[str, Any] = {}
     for field, value in fields:
@@ -370,8 +361,7 @@ def parse_body(
         raise ApiError.bad("stream_options must be an object", "stream_options")
     stream = bool(_typed(body, "stream", bool))
     # The header (set by a trusted proxy, per tenant) wins over what the client's body says.
-    salt = salt or _typed(body, "cache_salt", str)
-    salt = salt or _typed(body, "user", str) or ""
+    salt = salt or _typed(body, "cache_salt", str) or _typed(body, "user", str) or ""
     slo = request_slo(body, slo_header)
     rid = request_id or uuid.uuid4().hex
     requests = []
