@@ -48,6 +48,7 @@ from splitserve.router.predictor import (
     RunningQuantile,
     TTFTPrediction,
     TTFTPredictor,
+    quantile,
 )
 from splitserve.router.request import GenerateError
 from splitserve.runtime.failure import Failure
@@ -96,7 +97,7 @@ HEADROOM_RECOVER_S = 60.0
 class Waiter:
     wake: asyncio.Future
     demand: KVDemand | None
-    work: int  # prompt tokens to compute
+    cost: int  # prompt tokens to compute (its share of the pools: router.fair_queue)
     since: float = field(default_factory=time.monotonic)
     tpot_s: float | None = None  # its TPOT target: decode room is a batch that still meets it
     client: str = ""  # who sent it (router.fair_queue)
@@ -105,10 +106,6 @@ class Waiter:
     ttft_by: float | None = None  # that limit when it is its TTFT target's
     prediction: TTFTPrediction | None = None  # what was predicted for it at arrival
     refusal: GenerateError | None = None  # set when it was judged unable to go in time
-
-    @property
-    def cost(self) -> int:
-        return self.work
 
     def wake_up(self) -> None:
         if not self.wake.done():
@@ -181,9 +178,7 @@ class Admission:
         (0 when none did)."""
         since = time.monotonic() - WAITS_WINDOW_S
         waits = sorted(w for left, w in tuple(self._waits) if left >= since)
-        if not waits:
-            return [0.0] * len(qs)
-        return [waits[min(int(q * len(waits)), len(waits) - 1)] for q in qs]
+        return [quantile(waits, q) for q in qs] if waits else [0.0] * len(qs)
 
     def note_served(self, service_s: float) -> None:
         """A request ended served ``service_s`` after ``enter`` let it go."""
@@ -192,13 +187,6 @@ class Admission:
     def note_decoded(self, decode_s: float) -> None:
         """A request ended served ``decode_s`` after its first token."""
         self._decoding.add(decode_s)
-
-    @property
-    def decode_s(self) -> float:
-        """How long a request takes from its first token to its end: the SERVICE_QUANTILE of
-        the recent ones (0 until 16 were served). A request with a deadline needs its first
-        token that long before it."""
-        return self._decoding.value
 
     @property
     def service_s(self) -> float:
@@ -210,11 +198,10 @@ class Admission:
         """A request ``enter`` let go reached its first token now: the predictor learns."""
         if admitted.prediction is None:
             return
-        now = time.monotonic()
         error = self.predictor.observe(
             admitted.prediction,
             admitted.at - arrival,
-            now - arrival,
+            time.monotonic() - arrival,
             admitted.own_tokens,
             admitted.load,
             admitted.client,
@@ -281,9 +268,10 @@ class Admission:
         start = time.monotonic()
         arrival = start if arrival is None else arrival
         ttft_s, tpot_s = slo or Slo()  # Slo(): no targets (None, None)
-        if ttft_s is not None and self.decode_s:
+        decode_s = self._decoding.value  # first token to end, recently (0: not 16 served yet)
+        if ttft_s is not None and decode_s:
             # Its first token must leave it the time decoding takes before its deadline.
-            ttft_s = min(ttft_s, deadline - arrival - self.decode_s)
+            ttft_s = min(ttft_s, deadline - arrival - decode_s)
         if not self._decode.has_candidates():
             await self._wait_for_a_node(deadline, start)
             start = time.monotonic()  # (what follows judges from now: the wait counts)
@@ -365,7 +353,6 @@ class Admission:
             self.notify()  # the next in line looks again
 
     async def _judge_while_waiting(self) -> None:
-        """Judge the waiters again every JUDGE_S while any wait (see ``_judge_waiters``)."""
         while self._queue:
             await asyncio.sleep(JUDGE_S)
             self._judge_waiters(time.monotonic())
@@ -422,10 +409,7 @@ class Admission:
         """No decode node to try: hold the request until one registers, at most NODE_WAIT_S and
         never past its deadline (then the caller answers UNAVAILABLE, naming the pool)."""
         until = min(deadline, start + NODE_WAIT_S)
-        while not self._decode.has_candidates():
-            left = until - time.monotonic()
-            if left <= 0:
-                return
+        while not self._decode.has_candidates() and (left := until - time.monotonic()) > 0:
             await asyncio.sleep(min(NODE_POLL_S, left))
 
     def check_arrival(
@@ -552,7 +536,7 @@ class Admission:
     def _can_go(self, me: Waiter) -> bool:
         if not self._decode.usable():
             return True  # the caller reports that no node is usable
-        return self._room(me.demand, me.work, me.tpot_s, me.ttft_s)
+        return self._room(me.demand, me.cost, me.tpot_s, me.ttft_s)
 
     def _check_fits(self, demand: KVDemand | None) -> None:
         """Refuse a prompt no usable decode node could ever hold (its KV would have nowhere to

@@ -17,15 +17,9 @@ from typing import Generic, Protocol, TypeVar
 
 
 class Queued(Protocol):
-    @property
-    def client(self) -> str: ...
-
-    @property
-    def cost(self) -> int:  # prompt tokens it will have computed: its share of the pools
-        ...
-
-    @property
-    def since(self) -> float: ...
+    client: str
+    cost: int  # prompt tokens it will have computed: its share of the pools
+    since: float
 
 
 W = TypeVar("W", bound=Queued)

@@ -110,7 +110,7 @@ class KVLedger:
     def limit(self) -> int | None:
         if self.num_blocks is None:
             return None
-        return max(int(self.num_blocks * (1.0 - self.headroom) * self.share), 1)
+        return max(int(self.whole() * self.share), 1)
 
     # NOTE: a request's hashes are distinct (each chains its parent), so no set is needed.
 

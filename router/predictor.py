@@ -115,9 +115,6 @@ class BusyRate:
         self._tokens = 0  # tokens computed, in all
         self._history: deque[tuple[float, float, int]] = deque()  # (when, busy s, tokens)
 
-    def _busy_now(self, now: float) -> float:
-        return self._busy_s + (now - self._since if self.busy else 0.0)
-
     def start(self) -> None:
         if not self.busy:
             self._since = self._clock()
@@ -131,7 +128,8 @@ class BusyRate:
         if not self.busy:
             self._busy_s += now - self._since
         if tokens:
-            self._history.append((now, self._busy_now(now), self._tokens))
+            busy_s = self._busy_s + (now - self._since if self.busy else 0.0)
+            self._history.append((now, busy_s, self._tokens))
             while self._history and self._history[0][0] < now - RATE_WINDOW_S:
                 self._history.popleft()
 
@@ -213,9 +211,7 @@ class TTFTPredictor:
         self._errors.add(error)
         if client is None:
             return
-        samples = self._client_errors.pop(client, None)
-        if samples is None:
-            samples = Samples(self._clock, TTFT_AGE_S)
+        samples = self._client_errors.pop(client, None) or Samples(self._clock, TTFT_AGE_S)
         samples.add(error)
         self._client_errors[client] = samples  # the most recently seen last
         if len(self._client_errors) > MAX_CLIENT_MARGINS:
@@ -266,10 +262,9 @@ class TPOTLine:
         xs = [x for x, _ in pairs]
         if max(xs) - min(xs) < TPOT_MIN_SPREAD:
             return None
-        ys = [y for _, y in pairs]
-        n = len(xs)
-        mx, my = sum(xs) / n, sum(ys) / n
+        n = len(pairs)
+        mx, my = sum(xs) / n, sum(y for _, y in pairs) / n
         sxx = sum((x - mx) ** 2 for x in xs)
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+        slope = sum((x - mx) * (y - my) for x, y in pairs) / sxx
         slope = max(slope, 0.0)  # a bigger batch is never faster per token
         return my + slope * (batch - mx)
