@@ -17,9 +17,9 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from functools import partial
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import grpc
 
@@ -86,24 +86,18 @@ class DecodeStage:
         registry.on_checked = self.keep_lease_streams
 
     def _channel(self, node: DecodeNode) -> RelayChannel:
-        """``node``'s Relay stream, opened if it has none: the one way its tokens come. A request
-        started on a stream still opening waits in it (its command goes once the node answers;
-        a stream that fails to open fails its requests as the node's failure)."""
+        """``node``'s Relay stream (``router.relay``), opened if it has none or it broke."""
         channel = self._channels.get(node)
         if channel is None or channel.broken:
-            channel = self._open_channel(node)
-        return channel
-
-    def _open_channel(self, node: DecodeNode) -> RelayChannel:
-        channel = self._channels[node] = RelayChannel(
-            node,
-            self._registry.decode_stub(node),
-            partial(self.error, node),
-            self.on_first_decode,
-            self._channel_ended,
-            lease_of=self.lease_of,
-            on_grant=self._registry.decode.notify_waiters,
-        )
+            channel = self._channels[node] = RelayChannel(
+                node,
+                self._registry.decode_stub(node),
+                partial(self.error, node),
+                self.on_first_decode,
+                self._channel_ended,
+                lease_of=self.lease_of,
+                on_grant=self._registry.decode.notify_waiters,
+            )
         return channel
 
     def _channel_ended(self, channel: RelayChannel) -> None:
@@ -122,13 +116,10 @@ class DecodeStage:
         if self._registry.closed:
             return
         for node in self._registry.decode.usable():
-            if node.lease is None:
-                continue
-            channel = self._channels.get(node)
-            if channel is None or channel.broken:
-                self._open_channel(node)
-            else:  # e.g. opened by a request before the node was verified: it asks now
-                channel.tell_lease()
+            if node.lease is not None:
+                # A new stream asks as it opens (telling the same lease again sends nothing);
+                # one opened by a request before the node was verified asks now.
+                self._channel(node).tell_lease()
 
     def lease_of(self, node: DecodeNode) -> tuple[int, int] | None:
         """(want, used) of ``node`` for this router, in parts per million (None: the node is
@@ -178,7 +169,9 @@ class DecodeStage:
         """Free a transferred request's KV on D that no decode command will claim, without
         waiting for D's transfer deadline: D's ``Release``, in the background (the client has its
         answer)."""
-        self._in_background(self._release(node, node_request_id))
+        task = asyncio.create_task(self._release(node, node_request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _release(self, node: DecodeNode, node_request_id: str) -> None:
         stub = self._registry.decode_stub(node)
@@ -188,23 +181,13 @@ class DecodeStage:
                 timeout=RELEASE_TIMEOUT_S,
                 metadata=call_metadata(),
             )
-        except grpc.aio.AioRpcError as exc:  # D frees them at its transfer deadline
+        except Exception as exc:  # D frees them at its transfer deadline
+            # (not an RPC error: e.g. the channel of a node that left was closed)
+            rpc = isinstance(exc, grpc.aio.AioRpcError)
+            why = f"{exc.code().name} {exc.details()}" if rpc else repr(exc)
             logger.info(
-                "decode node %s: release of %s failed: %s %s",
-                node.address,
-                node_request_id,
-                exc.code().name,
-                exc.details(),
+                "decode node %s: release of %s failed: %s", node.address, node_request_id, why
             )
-        except Exception as exc:  # e.g. the channel of a node that left was closed
-            logger.info(
-                "decode node %s: release of %s failed: %r", node.address, node_request_id, exc
-            )
-
-    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(work)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
     def error(
         self, node: DecodeNode, code: Failure, details: str, deadline: float

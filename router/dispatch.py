@@ -19,10 +19,9 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping
 from typing import Any, NamedTuple
 
-from splitserve.kvstore import BlockHash
 from splitserve.kvstore.hashing import DEFAULT_BLOCK_SIZE
 from splitserve.router.admission import Admission
 from splitserve.router.decode_stage import (
@@ -98,9 +97,6 @@ def choose_route(
     """``DIRECT`` or ``DISAGGREGATED`` for a prompt of ``prompt_tokens`` whose decode node is
     ``decode_node``; ``exclude``: prefill nodes this request found unreachable.
 
-    Which way a request goes: disaggregated (P prefills and ships its KV to D, which decodes) or
-    direct (D prefills the prompt in its own engine and decodes it: no KV transfer).
-
     Pure rules over the router's own bookkeeping (no I/O). Direct when
 
     - no prefill node may take work (none configured: ``splitserve up --num-prefill 0`` or a router
@@ -145,7 +141,6 @@ class Dispatcher:
         self._metrics = metrics
         self._prefill, self._direct, self._decode = stages
         self._policy = policy
-        self._max_attempts = policy.max_attempts
         self._block_size = policy.block_size
         self._lookup = lookup
         self._admission = admission  # requests wait there while the pools are full
@@ -166,11 +161,14 @@ class Dispatcher:
         error = GenerateError(Failure.UNAVAILABLE, "no attempt made")
         # The prompt is hashed once, for the index look-up and the decode KV ledger alike.
         hashes = None
+        cached = CachedPrefix()  # leading blocks of the prompt each node holds (none: no index)
         if self._lookup is not None:
             hashes = self._lookup.block_hashes(params.prompt_token_ids, params.cache_salt)
-        t0 = time.monotonic()
-        cached = await self._cached_blocks(hashes)
-        if self._lookup is not None:
+            t0 = time.monotonic()
+            reg = self._registry
+            nodes = {n.address: n for pool in (reg.prefill, reg.decode) for n in pool.nodes}
+            held = await self._lookup.cached_blocks(hashes, list(nodes))
+            cached = CachedPrefix(held, nodes, self._block_size)  # priced by the tier holding them
             t1 = time.monotonic()
             self._stage("lookup", t1 - t0)
             most = max((h.blocks for h in cached.held.values()), default=0)
@@ -187,7 +185,7 @@ class Dispatcher:
         work = self._uncached_tokens(n_prompt, cached)
         tpot_s = slo.tpot_s if slo is not None else None
         admission = self._admission
-        for attempt in range(self._max_attempts):
+        for attempt in range(self._policy.max_attempts):
             if attempt:
                 self._metrics.retries.inc()
                 if tried.busy:  # a node refused: give it a moment (before queueing again)
@@ -206,7 +204,7 @@ class Dispatcher:
                 tracing.record("admission", t0, t1, {"splitserve.attempt": attempt})
             # NOTE: from here to the claim on D and the stage's acquire of P nothing awaits: the
             # room just found is this request's.
-            d = self._choose_decode(tried, cached, demand, tpot_s)
+            d = _choose(self._registry.decode, tried, cached, demand=demand, tpot_s=tpot_s)
             route = choose_route(
                 self._policy,
                 self._registry.prefill,
@@ -216,7 +214,9 @@ class Dispatcher:
                 self._block_size,
                 tried.unreachable,
             )
-            p = self._choose_prefill(n_prompt, tried, cached) if route == DISAGGREGATED else None
+            p = None
+            if route == DISAGGREGATED:
+                p = _choose(self._registry.prefill, tried, cached, n_prompt, self._block_size)
             if deadline - time.monotonic() <= 0:
                 raise GenerateError(Failure.DEADLINE, "the request's deadline passed in prefill")
             t0 = time.monotonic()
@@ -239,7 +239,7 @@ class Dispatcher:
                 "request %s: prefill attempt %d/%d failed: %s",
                 params.request_id,
                 attempt + 1,
-                self._max_attempts,
+                self._policy.max_attempts,
                 error.message,
             )
         raise error
@@ -292,16 +292,6 @@ class Dispatcher:
             return first
         return Started(first, session, 0.0, time.monotonic())
 
-    async def _cached_blocks(self, hashes: Sequence[BlockHash] | None) -> CachedPrefix:
-        """Leading blocks of the prompt (its ``hashes``) each node holds, priced by the tier
-        holding them there; empty without an index."""
-        if self._lookup is None or hashes is None:
-            return CachedPrefix()
-        reg = self._registry
-        nodes = {n.address: n for pool in (reg.prefill, reg.decode) for n in pool.nodes}
-        held = await self._lookup.cached_blocks(hashes, list(nodes))
-        return CachedPrefix(held, nodes, self._block_size)
-
     def _uncached_tokens(self, n_prompt: int, cached: CachedPrefix) -> int:
         """The prompt tokens a node will compute, by the prefix index's estimate: the prompt less
         the longest prefix any node of the pool that computes it holds."""
@@ -309,20 +299,6 @@ class Dispatcher:
         pool = reg.prefill if reg.prefill.usable() else reg.decode
         held = max((cached.get(n.address, 0) for n in pool.nodes), default=0)
         return prompt_tokens_to_compute(n_prompt, held, self._block_size)
-
-    def _choose_decode(
-        self, tried: Tried, cached: CachedPrefix, demand: KVDemand, tpot_s: float | None
-    ) -> DecodeNode:
-        d = _choose(self._registry.decode, tried, cached, demand=demand, tpot_s=tpot_s)
-        if d is None:
-            raise _none_reachable(self._registry.decode)
-        return d
-
-    def _choose_prefill(self, n_prompt: int, tried: Tried, cached: CachedPrefix) -> Node:
-        p = _choose(self._registry.prefill, tried, cached, n_prompt, self._block_size)
-        if p is None:  # not reached: choose_route goes direct when no prefill node is usable
-            raise _none_reachable(self._registry.prefill)
-        return p
 
 
 def _route_attributes(
@@ -365,14 +341,6 @@ def _note_attempt(span: Any, result: Started | GenerateError) -> None:
     )
 
 
-def _none_reachable(pool: NodePool) -> GenerateError:
-    return GenerateError(
-        Failure.UNAVAILABLE,
-        f"no {pool.role} node is reachable ({pool.describe()}); "
-        "start one or check the router's --prefill/--decode addresses",
-    )
-
-
 def _choose(
     pool: NodePool[N],
     tried: Tried,
@@ -381,7 +349,16 @@ def _choose(
     block_size: int = DEFAULT_BLOCK_SIZE,
     demand: KVDemand | None = None,
     tpot_s: float | None = None,
-) -> N | None:
-    """A node not yet tried by this request if any, else one that only refused (full)."""
+) -> N:
+    """A node not yet tried by this request if any, else one that only refused (full).
+    ``UNAVAILABLE`` when none is left (for prefill not reached: ``choose_route`` goes direct when
+    no prefill node is usable)."""
     args = (cached, prompt_tokens, block_size, demand, tpot_s)
-    return pool.pick(tried.unreachable | tried.busy, *args) or pool.pick(tried.unreachable, *args)
+    node = pool.pick(tried.unreachable | tried.busy, *args) or pool.pick(tried.unreachable, *args)
+    if node is None:
+        raise GenerateError(
+            Failure.UNAVAILABLE,
+            f"no {pool.role} node is reachable ({pool.describe()}); "
+            "start one or check the router's --prefill/--decode addresses",
+        )
+    return node

@@ -142,13 +142,9 @@ def prompt_tokens_to_compute(prompt_tokens: int, cached_blocks: float, block_siz
 
 class NodePool(Generic[N]):
     """The nodes of one role and the least-loaded choice among them (``PrefillPool``,
-    ``DecodePool``).
-
-    ``pick`` returns the up node with the fewest in-flight requests, round-robin among ties,
-    skipping ``exclude`` (nodes this request already tried). When no up node is left it falls
-    back to the down ones (oldest failure first): a node that came back is then found at once
-    and "no node reachable" is reported only after really trying.
-    """
+    ``DecodePool``). With no up node left ``pick`` falls back to the down ones (oldest failure
+    first): a node that came back is then found at once and "no node reachable" is reported only
+    after really trying."""
 
     role = ""
 
@@ -178,9 +174,10 @@ class NodePool(Generic[N]):
         demand: KVDemand | None = None,
         tpot_s: float | None = None,
     ) -> N | None:
-        """The up node with the fewest in-flight requests; with ``cached`` (address → leading
-        blocks of the prompt the node holds), the one holding the longest prefix among those
-        within ``MAX_IMBALANCE`` of the least loaded. Round robin among ties.
+        """The up node not in ``exclude`` (nodes this request already tried) with the fewest
+        in-flight requests; with ``cached`` (address → leading blocks of the prompt the node
+        holds), the one holding the longest prefix among those within ``MAX_IMBALANCE`` of the
+        least loaded. Round robin among ties.
 
         With ``prompt_tokens`` (prefill), the node where the prompt would be computed soonest:
         least ``queued_tokens`` plus the tokens it would compute for this prompt
@@ -194,9 +191,7 @@ class NodePool(Generic[N]):
         ]
         up = [n for n in candidates if n.is_up(now)]
         if not up:
-            if not candidates:
-                return None
-            return min(candidates, key=lambda n: n.down_until)
+            return min(candidates, key=lambda n: n.down_until, default=None)
         roomy = [n for n in up if n.has_room(demand, tpot_s=tpot_s)]
         up = roomy or up  # full nodes only when every node is full (the admission queue's job)
         if prompt_tokens is not None:

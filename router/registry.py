@@ -22,13 +22,7 @@ from redis.exceptions import RedisError
 from splitserve.kvstore import ModelIdentity
 from splitserve.kvstore.host_cache import DISK, HOST, STORE
 from splitserve.kvstore.redis_index import NodeInfo, PrefixIndex
-from splitserve.router.pool import (
-    DEFAULT_DOWN_S,
-    DecodeNode,
-    DecodePool,
-    Node,
-    PrefillPool,
-)
+from splitserve.router.pool import DEFAULT_DOWN_S, DecodeNode, DecodePool, Node, PrefillPool
 from splitserve.runtime import tls
 from splitserve.runtime.auth import call_metadata
 from splitserve.runtime.metrics import LoadFigures
@@ -282,15 +276,12 @@ class NodeRegistry:
                 node.channel = None
 
 
-TIER_NAMES = (HOST, DISK, STORE)
-
-
 def tier_times(stats: nodes_pb2.GetStatsResponse) -> dict[str, float]:
     """A node's reported load time per block of each tier, as far as it makes sense: known tier
     names, finite and not negative, at most an hour (anything else is dropped: the tier then
     counts as unmeasured, i.e. as good as the pool)."""
     out = {}
-    for tier in TIER_NAMES:
+    for tier in (HOST, DISK, STORE):
         value = stats.tier_block_load_s.get(tier)
         if value is not None and math.isfinite(value) and 0.0 <= value <= 3600.0:
             out[tier] = value

@@ -53,10 +53,9 @@ class Tokens(NamedTuple):
 
 
 class RelayChannel:
-    """The ``Relay`` stream to one decode node, the one way its tokens come: ``start`` a request
-    on it (while it still opens too: commands wait in order until the node answers), read its
-    ``RelayCall``. Open until it fails (``broken``; the router's channel to the node closing ends
-    it too), which fails every request on it."""
+    """The ``Relay`` stream to one decode node: ``start`` a request on it (while it still opens
+    too), read its ``RelayCall``. Open until it fails (``broken``; the router's channel to the
+    node closing ends it too), which fails every request on it."""
 
     def __init__(
         self,
@@ -65,11 +64,11 @@ class RelayChannel:
         error_of: ErrorOf,
         on_first_decode: Callable[[float], None] | None,
         on_end: Callable[[RelayChannel], None],
-        lease_of: Callable[[DecodeNode], tuple[int, int] | None] | None = None,
-        on_grant: Callable[[], None] | None = None,
+        lease_of: Callable[[DecodeNode], tuple[int, int] | None],
+        on_grant: Callable[[], None],
     ) -> None:
         self.node = node
-        self._error_of = error_of
+        self.error = error_of
         self._on_first_decode = on_first_decode  # seconds from a decode's start to its tokens
         self._on_end = on_end
         self._calls: dict[str, RelayCall] = {}
@@ -122,7 +121,7 @@ class RelayChannel:
         """Send the node what share this router wants and uses (once it is known to grant
         leases), when that changed by more than LEASE_STEP since the last time (``force``:
         always; it acknowledges a grant)."""
-        lease = self._lease_of(self.node) if self._lease_of is not None else None
+        lease = self._lease_of(self.node)
         if lease is None or self.broken:
             return
         want, used = lease
@@ -141,11 +140,7 @@ class RelayChannel:
         node.lease = min(grant.share_ppm, LEASE_WHOLE) / LEASE_WHOLE
         node.apply_share()
         self.tell_lease(force=True)
-        if self._on_grant is not None:
-            self._on_grant()
-
-    def error(self, code: Failure, details: str, deadline: float) -> GenerateError:
-        return self._error_of(code, details, deadline)
+        self._on_grant()
 
     def first_decoded(self, seconds: float) -> None:
         if self._on_first_decode is not None:
@@ -254,9 +249,8 @@ class RelayCall:
         self._ended = False  # the node ended it (finished or failed): nothing to cancel there
         self._waiter: asyncio.Future[None] | None = None
         self._opened = time.monotonic()
-        loop = asyncio.get_running_loop()
-        self._timer: asyncio.TimerHandle | None = loop.call_at(
-            _loop_time(loop, deadline), self._expire
+        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
+            deadline - time.monotonic(), self._expire
         )
 
     # ------------------------------------------------------------------ from the channel
@@ -336,8 +330,3 @@ class RelayCall:
 
 # A node's RelayOutput.error_code (a gRPC status number) as a failure.
 _STATUS = {code.value[0]: from_grpc(code) for code in grpc.StatusCode}
-
-
-def _loop_time(loop: asyncio.AbstractEventLoop, deadline: float) -> float:
-    """``deadline`` (``time.monotonic()``) on the loop's clock."""
-    return loop.time() + (deadline - time.monotonic())
