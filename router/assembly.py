@@ -88,9 +88,6 @@ class Pressure:
         """A prefill node computed ``tokens`` prompt tokens for one of this router's requests."""
         now = time.monotonic()
         self._computed.append((now, tokens))
-        self._trim(now)
-
-    def _trim(self, now: float) -> None:
         while self._computed and self._computed[0][0] < now - RATE_WINDOW_S:
             self._computed.popleft()
 

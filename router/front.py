@@ -107,22 +107,16 @@ class RequestFront:
             slo = self._slo(request, time_remaining)
             observer.slo = slo
             if self._in_flight[client] >= self._max_per_client:
-                self._metrics.refused.labels(reason="client_cap").inc()
-                raise GenerateError(
-                    Failure.REFUSED,
+                raise self._refused(
+                    "client_cap",
                     f"client {client} has {self._in_flight[client]} requests in flight (the "
                     "router's --max-requests-per-client); wait for one to end",
-                    retry_after_s=1,
-                    reason="client_cap",
                 )
             if self._max_loop_lag_s and lag > self._max_loop_lag_s:
-                self._metrics.refused.labels(reason="router_busy").inc()
-                raise GenerateError(
-                    Failure.REFUSED,
+                raise self._refused(
+                    "router_busy",
                     f"the router is {lag * 1000:.0f} ms behind (its --max-loop-lag-s is "
                     f"{self._max_loop_lag_s * 1000:.0f} ms): retry shortly, or on another router",
-                    retry_after_s=1,
-                    reason="router_busy",
                 )
             self._in_flight[client] += 1
             counted = True
@@ -167,6 +161,11 @@ class RequestFront:
                 failure = observer.code
             traced.end(failure)
 
+    def _refused(self, reason: str, message: str) -> GenerateError:
+        """A refusal before any work, counted under ``reason``: the client may retry in 1 s."""
+        self._metrics.refused.labels(reason=reason).inc()
+        return GenerateError(Failure.REFUSED, message, retry_after_s=1, reason=reason)
+
     async def _serve(
         self,
         params: GenerateParams,
@@ -178,8 +177,7 @@ class RequestFront:
     ) -> AsyncGenerator[Step, None]:
         """The checked request's output; raises ``GenerateError`` when it cannot be served."""
         started = await self._dispatch.run(params, deadline, slo, start, client)
-        first, session = started.first, started.session
-        admitted_at = started.admitted_at
+        first, session, admitted_at = started.first, started.session, started.admitted_at
         tracing.event("first_token", {"splitserve.decode_node": session.node.address})
         decoding = tracing.start("decode", {"splitserve.decode_node": session.node.address})
         failure: str | None = None
@@ -289,13 +287,8 @@ class RequestFront:
         trace: Mapping[str, str] | None = None,
     ) -> tuple[GenerateParams, list[Step]]:
         """The whole output at once (for unary calls)."""
-        steps: list[tuple[GenerateParams, Step]] = []
-        gen = self.run(request, client, time_remaining, trace)
-        try:
-            async for item in gen:
-                steps.append(item)
-        finally:
-            await gen.aclose()
+        async with contextlib.aclosing(self.run(request, client, time_remaining, trace)) as gen:
+            steps = [item async for item in gen]
         return steps[0][0], [step for _, step in steps]
 
 

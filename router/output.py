@@ -6,6 +6,7 @@ once per batch (``RequestOutput.add``). Plain values out: the fronts make protob
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -159,8 +160,9 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
-        self._fast = tokenizers_decode(tokenizer)
+        self._decode = tokenizers_decode(tokenizer) or functools.partial(
+            tokenizer.decode, skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
         self._token_ids: list[int] = []
         # NOTE: ids[prefix_offset:read_offset] were emitted in full; they are decoded again as
         # context so that tokenizers which drop a word's leading space at the start of a decode
@@ -169,13 +171,6 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = 0
         self._pending_sent = 0
-
-    def _decode(self, ids: Sequence[int]) -> str:
-        if self._fast is not None:
-            return self._fast(ids)
-        return self._tokenizer.decode(
-            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
-        )
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Append tokens; return the newly complete text (possibly "")."""

@@ -86,12 +86,10 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
     ) -> router_pb2.GenerateResponse:
         client = await self._client(context)
         plain = await self._input(request, client, context)
+        trace = tracing.carrier_of(context.invocation_metadata())
         try:
             params, steps = await self.front.complete(
-                plain,
-                client,
-                context.time_remaining(),
-                tracing.carrier_of(context.invocation_metadata()),
+                plain, client, context.time_remaining(), trace
             )
         except GenerateError as exc:
             await _abort(context, exc)
