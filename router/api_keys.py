@@ -97,11 +97,9 @@ class ApiKeys:
         if scheme.lower() != "bearer" or not key.strip():
             return None
         presented = _digest(key.strip())
-        match = None
-        for digest in self._digests:  # every key, whichever matches: no early exit
-            if hmac.compare_digest(digest, presented):
-                match = digest
-        return None if match is None else "key-" + match.hex()[:12]
+        # Every key, whichever matches: no early exit (a matching digest equals ``presented``).
+        matched = [hmac.compare_digest(digest, presented) for digest in self._digests]
+        return "key-" + presented.hex()[:12] if any(matched) else None
 
     def _reload_if_changed(self) -> None:
         now = time.monotonic()

@@ -22,8 +22,7 @@ from splitserve.runtime.metrics import LoadFigures, add_load_figures, load_metri
 # Buckets in seconds: a 4k-token prompt of an 8B model prefills in ~0.3 s on one GPU, and KV
 # shipping or queueing can add seconds; decode steps are milliseconds.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
-REFUSAL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+ITL_BUCKETS = REFUSAL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300, 600)
 # Signed: a prediction error is late (> 0) or early (< 0).
 ERROR_BUCKETS = (-10, -5, -2.5, -1, -0.5, -0.25, -0.1, 0, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -70,9 +69,7 @@ REFUSAL_REASONS = {
 
 
 class RouterMetrics:
-    """The router's request histograms and counters, and the nodes' last load figures.
-
-    ``__init__`` is over 60 lines: one declaration per metric, each with its help text."""
+    """The router's request histograms and counters, and the nodes' last load figures."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry or CollectorRegistry()
@@ -313,24 +310,17 @@ class _PressureCollector(Collector):
             "last minute's prediction errors (never below 0)",
             f.ttft_margin_s,
         )
-        per_role = {
-            "in_flight": "This router's requests on the pool's nodes",
-            "slots": "Decode: sequence slots (max_num_seqs) of the usable nodes",
-            "prompt_tokens": "Prefill: prompt tokens the pool has to compute for this router",
+        per_role = {  # splitserve_router_<name>{role}: PoolPressure.<name less "pool_">
+            "pool_in_flight": "This router's requests on the pool's nodes",
+            "pool_slots": "Decode: sequence slots (max_num_seqs) of the usable nodes",
+            "pool_prompt_tokens": "Prefill: prompt tokens the pool has to compute for this router",
+            "nodes": "Usable nodes the router routes to (up, identity checked, not leaving)",
         }
         for name, text in per_role.items():
-            family = GaugeMetricFamily(f"splitserve_router_pool_{name}", text, labels=("role",))
+            family = GaugeMetricFamily(f"splitserve_router_{name}", text, labels=("role",))
             for role, pool in (("prefill", f.prefill), ("decode", f.decode)):
-                family.add_metric([role], float(getattr(pool, name)))
+                family.add_metric([role], float(getattr(pool, name.removeprefix("pool_"))))
             yield family
-        nodes = GaugeMetricFamily(
-            "splitserve_router_nodes",
-            "Usable nodes the router routes to (up, identity checked, not leaving)",
-            labels=("role",),
-        )
-        for role, pool in (("prefill", f.prefill), ("decode", f.decode)):
-            nodes.add_metric([role], float(pool.nodes))
-        yield nodes
         kv = GaugeMetricFamily(
             "splitserve_router_decode_kv_blocks",
             "Decode pool KV blocks as the router's admission counts them: total (usable, less "

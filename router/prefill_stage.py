@@ -115,13 +115,12 @@ class PrefillStage:
             raise GenerateError(code, details or f"prefill node {p.address} failed: {code.value}")
         if time.monotonic() >= deadline:
             raise GenerateError(Failure.DEADLINE, "the request's deadline passed in prefill")
-        reason = f"{code.value}: {details}"
         probe_timeout = min(1.0, max(deadline - time.monotonic(), 0.01))
         if await self._registry.probe(p, timeout=probe_timeout):
             culprit, pool = d, self._registry.decode  # P answers: its target D was the problem
         else:
             culprit, pool = p, self._registry.prefill
-        pool.mark_down(culprit, reason)
+        pool.mark_down(culprit, f"{code.value}: {details}")
         tried.unreachable.add(culprit)
         return GenerateError(
             Failure.UNAVAILABLE,
