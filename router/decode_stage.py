@@ -181,12 +181,14 @@ class DecodeStage:
                 timeout=RELEASE_TIMEOUT_S,
                 metadata=call_metadata(),
             )
-        except Exception as exc:  # D frees them at its transfer deadline
-            # (not an RPC error: e.g. the channel of a node that left was closed)
-            rpc = isinstance(exc, grpc.aio.AioRpcError)
-            why = f"{exc.code().name} {exc.details()}" if rpc else repr(exc)
+        except grpc.aio.AioRpcError as exc:  # D frees them at its transfer deadline
+            why = f"{exc.code().name} {exc.details()}"
             logger.info(
                 "decode node %s: release of %s failed: %s", node.address, node_request_id, why
+            )
+        except Exception as exc:  # e.g. the channel of a node that left was closed
+            logger.info(
+                "decode node %s: release of %s failed: %r", node.address, node_request_id, exc
             )
 
     def error(
